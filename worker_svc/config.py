@@ -1,0 +1,45 @@
+"""Worker configuration: flags, env vars (PAGEDSERVE_WORKER_*), validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from svc_common.log_setup import LOG_FORMATS
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "fp16", "bf16", "fp32")
+
+
+@dataclass
+class WorkerConfig:
+    model: str = field(default="models/SmolLM2-135M-Instruct", metadata={"help": "HF checkpoint directory"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=50061, metadata={"help": "port to bind; 0 lets the OS pick (printed in the 'worker ready' log line)"})
+    num_blocks: int = field(default=0, metadata={"help": "KV blocks to allocate; 0 = size from --kv-cache-memory-mb"})
+    kv_cache_memory_mb: int = field(default=512, metadata={"help": "KV pool size when --num-blocks is 0"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    dtype: str = field(default="bfloat16", metadata={"help": "weights/activations dtype", "choices": DTYPES})
+    kv_dtype: str = field(default="auto", metadata={"help": "KV cache dtype (auto = --dtype)", "choices": KV_DTYPES})
+    device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto = triton on CUDA, torch on CPU", "choices": ("auto", "torch", "triton")})
+    max_model_len: int = field(default=0, metadata={"help": "longest sequence served; 0 = the model's max_position_embeddings"})
+    max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit (send and receive)"})
+    seed: int = field(default=-1, metadata={"help": "seed of the generator for unseeded sampling; -1 = random"})
+    num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch default"})
+    log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
+    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+
+    def validate(self) -> None:
+        checks = [
+            (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
+            (self.num_blocks >= 0, "--num-blocks", ">= 0"),
+            (self.kv_cache_memory_mb > 0, "--kv-cache-memory-mb", "> 0"),
+            (0 <= self.port <= 65535, "--port", "0..65535"),
+            (self.max_model_len >= 0, "--max-model-len", ">= 0"),
+            (1 <= self.max_message_mb <= 2047, "--max-message-mb", "1..2047"),
+            (self.num_threads >= 0, "--num-threads", ">= 0"),
+            (self.device == "cpu" or self.device.startswith("cuda"), "--device", "cpu, cuda or cuda:N"),
+        ]
+        for ok, flag, valid in checks:
+            if not ok:
+                raise ValueError(f"{flag}: must be {valid}")

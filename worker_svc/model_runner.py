@@ -1,0 +1,70 @@
+"""Executes one validated step: block copies, one batched forward, sampling."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_svc.attention import PagedAttention
+from worker_svc.forward_batch import build_forward_batch
+from worker_svc.kv_cache import PagedKVCache
+from worker_svc.models import DecoderModel
+from worker_svc.sampler import Sampler
+from worker_svc.step_input import StepInput
+
+
+@dataclass(slots=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+    logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    step_id: int
+    sampled: list[SampledToken]
+    num_tokens: int
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, cache: PagedKVCache, attention_ops, sampler: Sampler):
+        self.model = model
+        self.cache = cache
+        self.ops = attention_ops
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        if step.copies:
+            src, dst = zip(*step.copies)
+            self.cache.copy_blocks(list(src), list(dst))
+        if not step.seqs:
+            return StepOutput(step.step_id, [], 0, {"total_ms": _ms(t0)})
+        batch = build_forward_batch(step.seqs, self.model.device)
+        t1 = time.perf_counter()
+        attention = PagedAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
+        hidden = self.model.forward(batch.input_ids, batch.positions, attention)
+        sampled: list[SampledToken] = []
+        t2 = time.perf_counter()
+        if batch.sample_seqs:
+            logits = self.model.logits(hidden[batch.sample_rows])
+            t2 = time.perf_counter()
+            params = [s.sampling for s in batch.sample_seqs]
+            positions = [s.context_len for s in batch.sample_seqs]
+            tokens, logprobs = self.sampler(logits, params, positions)
+            for i, seq in enumerate(batch.sample_seqs):
+                row = logits[i].cpu() if seq.return_logits else None
+                sampled.append(SampledToken(seq.seq_id, int(tokens[i]), float(logprobs[i]), row))
+        t3 = time.perf_counter()
+        timings = {"prepare_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3,
+                   "sample_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3}
+        return StepOutput(step.step_id, sampled, int(batch.input_ids.numel()), timings)
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3

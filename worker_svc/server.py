@@ -1,0 +1,99 @@
+"""worker.v1 gRPC server. The only place that converts worker protos to and from
+plain data."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from concurrent import futures
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import worker_pb2, worker_pb2_grpc
+from worker_svc.model_runner import StepOutput
+from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StepInput
+from worker_svc.worker import Worker
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
+    seqs = []
+    for s in req.seqs:
+        sp = s.sampling
+        sampling = Sampling(sp.temperature, sp.top_p, sp.top_k, sp.seed if sp.HasField("seed") else None)
+        seqs.append(SeqInput(s.seq_id, list(s.token_ids), s.start_pos, list(s.block_table), list(s.slot_mapping),
+                             s.sample, sampling, s.return_logits))
+    return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs)
+
+
+def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
+    sampled = [
+        worker_pb2.SampledToken(
+            seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
+            logits=t.logits.float().numpy().astype("<f4").tobytes() if t.logits is not None else b"",
+        )
+        for t in out.sampled
+    ]
+    t = out.timings_ms
+    timings = worker_pb2.StepTimings(prepare_ms=t.get("prepare_ms", 0.0), forward_ms=t.get("forward_ms", 0.0),
+                                     sample_ms=t.get("sample_ms", 0.0), total_ms=t.get("total_ms", 0.0))
+    return worker_pb2.StepResponse(step_id=out.step_id, sampled=sampled, timings=timings, instance_id=instance_id,
+                                   num_tokens=out.num_tokens)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def Info(self, request, context):
+        return worker_pb2.InfoResponse(**dataclasses.asdict(self.worker.info))
+
+    def Step(self, request, context):
+        step_log = log.bind(step_id=request.step_id)
+        try:
+            out = self.worker.step(step_from_proto(request))
+        except InvalidStep as exc:
+            step_log.warning("step rejected", error=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a bug must not take the worker down
+            step_log.exception("step failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
+        step_log.debug("step done", seqs=len(request.seqs), tokens=out.num_tokens, **out.timings_ms)
+        return step_to_proto(out, self.worker.info.instance_id)
+
+
+def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
+    # Steps carry whole block tables and prefill chunks: 256 sequences x 4k tokens
+    # is ~15 MB of packed ids, slots and tables, above gRPC's 4 MB default.
+    limit = max_message_mb * 2**20
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def serve(worker: Worker, host: str, port: int, max_message_mb: int, ready_file: str | None = None) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options(max_message_mb))
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    log.info("worker ready", host=host, port=bound, **dataclasses.asdict(worker.info))
+    if ready_file:
+        _write_ready_file(ready_file, host, bound)
+    return server
+
+
+def _write_ready_file(path: str, host: str, port: int) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
