@@ -1,0 +1,80 @@
+"""Start the real services as subprocesses on 127.0.0.1 with OS-picked ports.
+
+Each service writes its bound port to a ready file once it serves; a service
+that dies or stays silent past the timeout fails the test with its log."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ServiceProcess:
+    module: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 120.0
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    _dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._dir.name) / "service.log"
+
+    def start(self) -> "ServiceProcess":
+        self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
+        ready = Path(self._dir.name) / "ready.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", "0",
+               "--ready-file", str(ready)]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{self.module} not ready after {self.timeout_s}s:\n{self.log()}")
+            time.sleep(0.05)
+        self.port = json.loads(ready.read_text())["port"]
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:] if self._dir else ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._dir:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "ServiceProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

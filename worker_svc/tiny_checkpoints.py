@@ -1,0 +1,366 @@
+"""Tiny random-weight Hugging Face checkpoints of real architectures, built offline.
+
+Test fixtures and benchmarks need checkpoints that exercise the same code paths as
+real models (GQA/MQA, llama3 rope scaling, Qwen3 q/k norms, Gemma3 sliding-window
+layers with per-layer-type rope) but load in milliseconds and need no download.
+
+Every checkpoint shares one byte-level BPE tokenizer trained on the small corpus
+embedded below (ChatML special tokens and chat template). Weights are seeded per
+family and drawn wider than HF's default init, so logits spread over several units
+and greedy decoding does not collapse to a single token. Everything is
+deterministic: two builds produce byte-identical files.
+
+    ensure_checkpoint("gemma3")          # -> .cache/tiny_checkpoints/gemma3, built once
+    verify_checkpoint(path)              # loads in transformers, greedy-generates 20 tokens
+    python -m worker_svc.tiny_checkpoints --out DIR [--family llama --family qwen3 ...]
+
+`PAGEDSERVE_TINY_CKPT_DIR` overrides the cache root. Bump VERSION whenever the output
+changes, so stale cached checkpoints are rebuilt.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import functools
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Callable
+
+VERSION = "1"
+MARKER = ".tiny_checkpoint_version"
+DEFAULT_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny_checkpoints"
+
+UNK, BOS, EOS, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"
+SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # trained first, so their ids are 0..3
+VOCAB_SIZE = 768
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = """\
+The weather this morning was cold and grey, with a light rain falling over the hills.
+By noon the clouds had broken apart and the sun came out, warming the wet streets.
+Forecasters expect a high of 18 degrees tomorrow, a low of 7, and winds from the west
+at 20 km/h. There is a 40% chance of showers on Thursday, and the weekend should be
+dry and bright. In winter the lake freezes; in summer storms roll in after 4 p.m.
+Snow, sleet, hail, fog, drizzle, thunder and lightning: every season has its weather.
+
+To make a simple tomato soup, heat two tablespoons of olive oil in a large pot.
+Add one chopped onion and three cloves of garlic, and cook them for 5 minutes until soft.
+Stir in 800 g of tomatoes, 500 ml of vegetable stock, a pinch of salt and some pepper.
+Simmer for 20 minutes, then blend until smooth. Serve it hot with fresh bread and butter.
+For a quick dinner, boil the pasta in salted water, fry the mushrooms in a hot pan,
+and mix everything with grated cheese, lemon juice and a handful of chopped parsley.
+Bake the cake at 180 degrees for 35 minutes; let it cool before you cut it.
+
+In mathematics, a prime number is a natural number greater than 1 that has no
+divisors other than 1 and itself. The first primes are 2, 3, 5, 7, 11, 13, 17, 19, 23.
+The sum of the angles of a triangle is 180 degrees, and the area of a circle is pi
+times the square of its radius, where pi = 3.14159... If x + 2 = 5, then x = 3.
+A function f maps each input x to exactly one output f(x); for example f(x) = 2x + 1.
+The derivative of x^2 is 2x, and the integral of 1/x is the natural logarithm of x.
+Matrices can be added, multiplied and inverted; vectors have a length and a direction.
+0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.5 -7 1/2 50% (a + b) * c = a*c + b*c
+
+def add(a, b):
+    \"\"\"Return the sum of a and b.\"\"\"
+    return a + b
+
+for i in range(10):
+    if i % 2 == 0:
+        print(f"{i} is even")
+    else:
+        print(f"{i} is odd")
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+User: What is the capital of France?
+Assistant: The capital of France is Paris.
+User: Can you tell me a short story?
+Assistant: Once upon a time, a small robot lived in a quiet village by the sea.
+Every day it walked along the beach, collecting shells and talking to the birds.
+One evening a storm came, and the robot helped the fishermen bring their boats home.
+After that night, everyone in the village called the robot their friend.
+User: Thank you! How many days are in a year?
+Assistant: A year has 365 days, or 366 days in a leap year.
+
+Questions, answers, lists and quotes: "yes", 'no', [1, 2, 3], {key: value}, <tag>.
+Punctuation matters! Does it? Yes; it does: commas, periods, dashes - and more...
+Email me at name@example.com or visit https://example.org/path?query=1&page=2#top.
+Unicode text also appears: café, naïve, über, señor, 東京, 你好, Привет, 🙂 and ✓.
+"""
+
+
+# --- tokenizer -----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    return train_tokenizer_json()
+
+
+def train_tokenizer_json() -> str:
+    """Train the shared BPE tokenizer (uncached; prefer `build_tokenizer`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        # The full byte alphabet makes every UTF-8 string encodable without <unk>.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    return tok.to_str()
+
+
+def build_tokenizer():
+    """A fresh PreTrainedTokenizerFast around the (once-per-process) trained tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=512,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# --- model configs -------------------------------------------------------------
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=512,
+    rms_norm_eps=1e-6, attention_bias=False,
+)
+
+
+def _llama(ids: dict, num_kv_heads: int, llama3_rope: bool):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if llama3_rope:
+        # original_max_position_embeddings=64 puts the head_dim-16 wavelengths in all
+        # three llama3 regimes (kept, smoothed, divided by factor).
+        rope = {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    return LlamaConfig(
+        **_COMMON, **ids, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=num_kv_heads, rope_parameters=rope, tie_word_embeddings=llama3_rope,
+    )
+
+
+def _qwen3(ids: dict, num_kv_heads: int):
+    from transformers import Qwen3Config
+
+    # 8 heads x head_dim 16 = 128 != hidden 64, as in real Qwen3 (head_dim is not hidden/heads).
+    return Qwen3Config(
+        **_COMMON, **ids, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=num_kv_heads, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+    )
+
+
+def _gemma3(ids: dict, num_kv_heads: int):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_COMMON, **ids, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+        # A window of 8 is far below the ~40-token prompts used in tests, so the
+        # sliding layers really drop context; HF semantics: key k is visible to query q
+        # iff q - 8 < k <= q.
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window_pattern=4,  # legacy spelling of the same layer_types, kept consistent
+        query_pre_attn_scalar=24,  # != head_dim, so scaling by head_dim**-0.5 is a detectable bug
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True,
+    )
+
+
+FAMILIES: dict[str, Callable[[dict], object]] = {
+    "llama": lambda ids: _llama(ids, num_kv_heads=2, llama3_rope=True),
+    "llama_mqa": lambda ids: _llama(ids, num_kv_heads=1, llama3_rope=False),
+    "qwen3": lambda ids: _qwen3(ids, num_kv_heads=2),
+    "qwen3_mqa": lambda ids: _qwen3(ids, num_kv_heads=1),
+    "gemma3": lambda ids: _gemma3(ids, num_kv_heads=2),
+    "gemma3_mqa": lambda ids: _gemma3(ids, num_kv_heads=1),
+}
+
+
+def make_config(family: str, tokenizer=None):
+    """The transformers config of `family`, with vocab and special ids from the tokenizer."""
+    tok = tokenizer or build_tokenizer()
+    ids = dict(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    return FAMILIES[family](ids)
+
+
+# --- weights and saving --------------------------------------------------------
+
+WEIGHT_STD = 0.3
+NORM_STD = 0.1
+
+
+def _randomize(model, family: str) -> None:
+    """Redraw every weight: HF's std-0.02 init gives near-uniform logits at this size."""
+    import torch
+
+    # crc32, not hash(): Python salts str hashes per process.
+    gen = torch.Generator().manual_seed(zlib.crc32(family.encode()))
+    # Gemma's RMSNorm multiplies by (1 + w), the others by w.
+    gain_offset = -1.0 if model.config.model_type.startswith("gemma") else 0.0
+    # Gemma multiplies embeddings by sqrt(hidden); undo it so the token's own embedding
+    # does not dominate the residual stream.
+    embed_scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", 1.0)
+
+    def randn(shape, mean=0.0, std=1.0):
+        return mean + std * torch.randn(shape, generator=gen)
+
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name == "model.norm.weight":
+                # Random-sign final gains stop tied embeddings from making every token
+                # predict itself (E_t . E_t > 0); the scale restores logits of a few units.
+                p.copy_(randn(p.shape, gain_offset, embed_scale))
+            elif "norm" in name:
+                p.copy_(randn(p.shape, gain_offset + 1.0, NORM_STD))
+            elif "embed_tokens" in name:
+                p.copy_(randn(p.shape, 0.0, WEIGHT_STD / embed_scale))
+            else:
+                p.copy_(randn(p.shape, 0.0, WEIGHT_STD))
+
+
+def build_checkpoint(family: str, out_dir: Path) -> Path:
+    """Write the checkpoint of `family` into `out_dir` (not atomic; see ensure_checkpoint)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tok = build_tokenizer()
+    config = make_config(family, tok)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, family)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    (out_dir / MARKER).write_text(VERSION + "\n")
+    return out_dir
+
+
+def _is_current(path: Path) -> bool:
+    try:
+        return (path / MARKER).read_text().strip() == VERSION
+    except OSError:
+        return False
+
+
+def ensure_checkpoint(family: str, root: Path | None = None) -> Path:
+    """Return `root/family`, building it first if missing or from an older VERSION.
+
+    Safe under concurrent callers (e.g. pytest-xdist workers): builds are serialized
+    by a lock file and land by renaming a finished temp dir, so a directory carrying
+    the version marker is always complete.
+    """
+    if family not in FAMILIES:
+        raise KeyError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
+    root = Path(root or os.environ.get("PAGEDSERVE_TINY_CKPT_DIR") or DEFAULT_ROOT)
+    target = root / family
+    if _is_current(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{family}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_current(target):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{family}.", dir=root))
+            try:
+                tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+                build_checkpoint(family, tmp)
+                if target.exists():
+                    stale = Path(tempfile.mkdtemp(prefix=f".{family}.stale.", dir=root))
+                    target.rename(stale / family)
+                    shutil.rmtree(stale)
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --- verification and CLI ------------------------------------------------------
+
+UNICODE_SAMPLE = "héllo wörld 你好 🙂"
+
+
+def verify_checkpoint(path: Path, prompt: str = "The weather today is") -> list[int]:
+    """Load `path` with transformers, check keys, tokenizer round-trip and a
+    non-degenerate greedy generation; return the 20 generated token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise AssertionError(f"{path}: loading problems {bad}")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(UNICODE_SAMPLE, add_special_tokens=False)["input_ids"]
+    if tok.decode(ids) != UNICODE_SAMPLE or tok.unk_token_id in ids:
+        raise AssertionError(f"{path}: tokenizer does not round-trip {UNICODE_SAMPLE!r}")
+    inputs = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    if len(set(new)) < 3:
+        raise AssertionError(f"{path}: degenerate greedy generation {new}")
+    return new
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write tiny random-weight HF checkpoints.")
+    parser.add_argument("--out", type=Path, required=True, help="root directory; each family goes to OUT/NAME")
+    parser.add_argument("--family", action="append", choices=sorted(FAMILIES),
+                        help="family to build (repeatable; default: all)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the transformers load/generate check")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for family in args.family or FAMILIES:
+        path = ensure_checkpoint(family, args.out)
+        if args.no_verify:
+            print(f"{family}: {path}")
+            continue
+        tok = build_tokenizer()
+        print(f"{family}: {path}  greedy: {tok.decode(verify_checkpoint(path))!r}")
+
+
+if __name__ == "__main__":
+    main()
