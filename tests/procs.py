@@ -78,3 +78,43 @@ class ServiceProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Cluster:
+    """A worker (or several) and a scheduler in front of them, as real processes."""
+
+    def __init__(self, model_dir: Path, worker_args: list[str] = (), scheduler_args: list[str] = (),
+                 num_workers: int = 1):
+        self.model_dir = model_dir
+        self.workers = [ServiceProcess("worker_svc", ["--model", str(model_dir), *worker_args])
+                        for _ in range(num_workers)]
+        self.scheduler_args = list(scheduler_args)
+        self.scheduler: ServiceProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def start(self) -> "Cluster":
+        try:
+            for w in self.workers:
+                w.start()
+            workers = ",".join(w.address for w in self.workers)
+            self.scheduler = ServiceProcess("scheduler_svc", ["--model", str(self.model_dir), "--workers", workers,
+                                                              *self.scheduler_args]).start()
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.scheduler:
+            self.scheduler.stop()
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

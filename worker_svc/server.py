@@ -3,8 +3,6 @@ plain data."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from concurrent import futures
 
 import grpc
@@ -13,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import worker_pb2, worker_pb2_grpc
+from svc_common.ready_file import write_ready_file
 from worker_svc.model_runner import StepOutput
 from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StepInput
 from worker_svc.worker import Worker
@@ -87,13 +86,6 @@ def serve(worker: Worker, host: str, port: int, max_message_mb: int, ready_file:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     log.info("worker ready", host=host, port=bound, **dataclasses.asdict(worker.info))
-    if ready_file:
-        _write_ready_file(ready_file, host, bound)
+    write_ready_file(ready_file or "", host, bound)
     return server
 
-
-def _write_ready_file(path: str, host: str, port: int) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
-    os.replace(tmp, path)

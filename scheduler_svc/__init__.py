@@ -1,0 +1,1 @@
+"""pagedserve scheduler service: CPU-only planning over a paged KV cache."""

@@ -1,0 +1,263 @@
+"""Physical KV block ids: ref counts, an LRU free queue and the prefix hash index.
+
+The pool knows nothing about requests; KVCacheManager maps requests to blocks.
+A block is in exactly one of two states:
+  * used   -- ref_cnt > 0, referenced by that many request block tables;
+  * free   -- ref_cnt == 0, in the free queue. A free block may still hold a
+              hash ("cached-free"): its KV is valid and a later request with the
+              same prefix can take it back until allocation evicts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+BlockHash = bytes
+
+# Parent of a sequence's first block. sha256 never yields 32 zero bytes in practice.
+ROOT_PARENT_HASH: BlockHash = bytes(32)
+
+_EXTRA_KEY_TYPES = (str, int, float, bool, type(None), bytes)
+
+
+def hash_extra_keys(extra_keys: tuple) -> bytes:
+    """Digest of everything besides tokens that changes a block's KV.
+
+    repr() of a tuple of str/int/float/bool/None/bytes is canonical (quoted,
+    escaped, typed: ("1",) != (1,), ("a,b",) != ("a", "b")) and does not depend
+    on PYTHONHASHSEED, so it is a safe encoding to hash.
+    """
+    for key in extra_keys:
+        if not isinstance(key, _EXTRA_KEY_TYPES):
+            raise TypeError(f"extra key {key!r} must be one of str/int/float/bool/None/bytes")
+    return hashlib.sha256(repr(tuple(extra_keys)).encode()).digest()
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_digest: bytes) -> BlockHash:
+    """Chained content hash of one full block.
+
+    sha256 rather than Python's hash(): a 64-bit hash collision (trivial to
+    craft for ints) would silently make one request attend to another's KV --
+    wrong output and a cross-request leak. The encoding is unambiguous: two
+    fixed 32-byte fields, then the tokens as fixed-width int64.
+    """
+    digest = hashlib.sha256(parent or ROOT_PARENT_HASH)
+    digest.update(extra_digest)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+class DoubleFreeError(ValueError):
+    """A block was freed more times than it was referenced."""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """allocate() asked for more blocks than the free queue holds."""
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    # Free-queue links; both None while the block is used.
+    prev: KVBlock | None = None
+    next: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, head = least recently freed.
+
+    A deque cannot remove from the middle in O(1), and a prefix-cache hit must
+    pull a cached-free block out from wherever it sits.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: no None checks on the hot path
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next
+        while node is not self._tail:
+            yield node
+            node = node.next
+
+    def popleft(self) -> KVBlock:
+        if self._len == 0:
+            raise NoFreeBlocksError("free block queue is empty")
+        block = self._head.next
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        block.prev, block.next = last, self._tail
+        last.next = self._tail.prev = block
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}  # the prefix index
+        self.num_cached_free_blocks = 0
+        self.evictions = 0
+
+    # ---- counters -------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocate() can hand out now, cached-free ones included."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix index, used or free."""
+        return len(self.cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._block(block_id).ref_cnt
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        return self._block(block_id).block_hash
+
+    def free_block_ids(self) -> list[int]:
+        """Free queue in eviction order (next to be allocated first)."""
+        return [block.block_id for block in self.free_queue]
+
+    # ---- allocation -----------------------------------------------------
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self.free_queue)
+
+    def allocate(self, count: int) -> list[int]:
+        """Pop `count` blocks off the LRU head, each with ref 1.
+
+        All-or-nothing: raises NoFreeBlocksError before touching anything.
+        """
+        if count > len(self.free_queue):
+            raise NoFreeBlocksError(f"cannot allocate {count} blocks: only {len(self.free_queue)} free")
+        evicted = 0
+        ids = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                self.num_cached_free_blocks -= 1
+                evicted += 1
+            block.ref_cnt = 1
+            ids.append(block.block_id)
+        if evicted:
+            self.evictions += evicted
+            log.debug("kv_blocks_evicted", count=evicted, total_evictions=self.evictions)
+        return ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Share blocks: ref +1; a cached-free block leaves the free queue.
+
+        Only a block with live KV can be shared: one already in use, or a
+        cached-free one (a prefix hit). An uncached free block holds garbage.
+        """
+        blocks = [self._block(i) for i in block_ids]
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is None:
+                raise ValueError(f"block {block.block_id} is free and uncached: nothing to share")
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.num_cached_free_blocks -= 1
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per id; blocks reaching 0 join the LRU tail in the given order.
+
+        Checked before any change, so a DoubleFreeError leaves the pool intact.
+        Callers pass a request's table tail-first so its deepest blocks are
+        evicted before the prefix other requests are likeliest to share.
+        """
+        ids = list(block_ids)
+        for block_id, times in Counter(ids).items():
+            block = self._block(block_id)
+            if block.ref_cnt < times:
+                raise DoubleFreeError(
+                    f"block {block_id} freed {times}x but has ref count {block.ref_cnt}"
+                    " (double free or never allocated)"
+                )
+        for block_id in ids:
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
+
+    # ---- prefix index ---------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        block = self.cached.get(block_hash)
+        return None if block is None else block.block_id
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Index a used, full block under its hash. Returns whether it was indexed.
+
+        If another block already holds that content (two equal prompts prefilled
+        in the same step), the first one stays the indexed copy and this block
+        stays private: the index maps a hash to one block.
+        """
+        block = self._block(block_id)
+        if not self.enable_prefix_caching:
+            return False
+        if block.ref_cnt == 0:
+            raise ValueError(f"block {block_id} is free: only blocks in use can be cached")
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash (a worker restarted with an empty cache). Returns how many."""
+        dropped = len(self.cached)
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        self.num_cached_free_blocks = 0
+        return dropped
+
+    def _drop_hash(self, block: KVBlock) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+
+    def _block(self, block_id: int) -> KVBlock:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return self.blocks[block_id]

@@ -1,0 +1,105 @@
+"""A small client for the scheduler's serving.v1 API, and a CLI that streams a
+completion to stdout:
+
+    python -m scheduler_svc.client --target 127.0.0.1:50051 --max-tokens 32 "The capital of France is"
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import serving_pb2, serving_pb2_grpc
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    progress: list[tuple[int, int]] = field(default_factory=list)
+
+
+class SchedulerClient:
+    def __init__(self, target: str, max_message_mb: int = 256):
+        limit = max_message_mb * 2**20
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", limit),
+                                                              ("grpc.max_receive_message_length", limit)])
+        self.stub = serving_pb2_grpc.SchedulerStub(self.channel)
+
+    def stream(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+               timeout: float | None = None, **params) -> Iterator[serving_pb2.GenerateResponse]:
+        """Stream raw responses. params: max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, request_id."""
+        request = serving_pb2.GenerateRequest(prompt=prompt or "", prompt_token_ids=prompt_token_ids or [], **params)
+        return self.stub.Generate(request, timeout=timeout)
+
+    def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                 timeout: float | None = None, **params) -> Completion:
+        """Run one request to the end and collect it."""
+        out = Completion()
+        for reply in self.stream(prompt, prompt_token_ids, timeout, **params):
+            out.text += reply.text
+            out.token_ids.extend(reply.token_ids)
+            out.logprobs.extend(reply.logprobs)
+            if reply.HasField("prefill_progress"):
+                out.progress.append((reply.prefill_progress.processed_tokens, reply.prefill_progress.total_tokens))
+            if reply.finished:
+                out.finish_reason = reply.finish_reason
+                u = reply.usage
+                out.prompt_tokens, out.completion_tokens, out.cached_prompt_tokens = (
+                    u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+        return out
+
+    def stats(self) -> serving_pb2.StatsResponse:
+        return self.stub.Stats(serving_pb2.StatsRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "SchedulerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Stream a completion from a pagedserve scheduler.")
+    parser.add_argument("prompt")
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  stop=args.stop)
+    if args.seed is not None:
+        params["seed"] = args.seed
+    with SchedulerClient(args.target) as client:
+        try:
+            for reply in client.stream(args.prompt, timeout=args.timeout, **params):
+                sys.stdout.write(reply.text)
+                sys.stdout.flush()
+                if reply.finished:
+                    u = reply.usage
+                    print(f"\n[{reply.finish_reason}: {u.prompt_tokens} prompt tokens "
+                          f"({u.cached_prompt_tokens} cached), {u.completion_tokens} generated]", file=sys.stderr)
+        except grpc.RpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

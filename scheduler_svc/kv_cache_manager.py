@@ -1,0 +1,211 @@
+"""Maps requests to blocks: block tables, lazy allocation, prefix lookup, audit."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from scheduler_svc.block_pool import BlockHash, BlockPool, hash_block_tokens, hash_extra_keys
+from scheduler_svc.request import Request
+
+
+class LeakError(AssertionError):
+    """audit() found a block whose bookkeeping does not add up."""
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheUsage:
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int  # includes cached_free_blocks
+    cached_free_blocks: int  # free but still a prefix hit until evicted
+    cached_blocks: int  # in the prefix index, used or free
+    evictions: int
+    num_requests: int  # requests holding a block table
+    tokens_held: int  # tokens live requests' tables cover (shared blocks counted per request)
+
+    @property
+    def used_fraction(self) -> float:
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int | None = None, extra_keys: tuple = ()) -> None:
+        """extra_keys: everything besides tokens that changes KV (model identity, kv dtype)."""
+        if block_size is not None and block_size != pool.block_size:
+            raise ValueError(f"block_size {block_size} != pool block_size {pool.block_size}")
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.extra_keys = tuple(extra_keys)
+        self.tables: dict[str, list[int]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}  # leading table blocks already indexed
+        self._num_table_tokens: dict[str, int] = {}  # tokens the table has slots for
+
+    # ---- prefix cache ---------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request's known tokens: (block ids, tokens).
+
+        No side effects. At most (num_tokens - 1) // block_size blocks: the last
+        known token is always recomputed because its logits are needed.
+        """
+        if not self.pool.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes, hits = self._block_hashes(request, max_blocks), []
+        for i in range(max_blocks):
+            block_id = self.pool.get_cached_block(hashes[i])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the blocks that became full once `num_computed_tokens` were computed.
+
+        Done after every step, so a prefill interrupted between chunks resumes
+        from its last computed full block via the index.
+        """
+        if not self.pool.enable_prefix_caching:
+            return
+        table = self.tables[request.request_id]
+        start = self._num_hashed_blocks[request.request_id]
+        end = min(num_computed_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        hashes = self._block_hashes(request, end)
+        for i in range(start, end):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_hashed_blocks[request.request_id] = end
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    # ---- allocation -----------------------------------------------------
+    def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        total_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        have = len(self.tables.get(request.request_id, ())) + num_hit_blocks
+        return max(0, -(-total_tokens // self.block_size) - have)
+
+    def num_tokens_fitting(self, request: Request) -> int:
+        """How many new tokens the request could get slots for right now."""
+        table = self.tables.get(request.request_id, ())
+        slack = len(table) * self.block_size - request.num_computed_tokens
+        return slack + self.pool.num_free_blocks * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Give the request slots for `num_new_tokens` after its computed tokens.
+
+        `new_computed_blocks` are prefix hits (from get_computed_blocks) to share
+        first; they sit right after request.num_computed_tokens. Only the blocks
+        needed for the tokens scheduled now are allocated (never max_tokens up
+        front). Returns the newly allocated ids ([] if the last block has room),
+        or None -- with nothing changed -- if the free queue is too short.
+        """
+        needed = self.num_new_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
+        # A hit sitting in the free queue stops being free once shared.
+        hits_leaving_free_queue = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
+        if needed > self.pool.num_free_blocks - hits_leaving_free_queue:
+            return None
+        req_id = request.request_id
+        table = self.tables.setdefault(req_id, [])
+        if not table:
+            self._num_hashed_blocks[req_id] = len(new_computed_blocks)
+        elif new_computed_blocks:
+            raise ValueError(f"{req_id}: prefix hits can only start a block table")
+        self.pool.touch(new_computed_blocks)
+        table.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(needed)
+        table.extend(new_blocks)
+        self._num_table_tokens[req_id] = (
+            request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        )
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (see BlockPool.free). No-op if it has none."""
+        table = self.tables.pop(request.request_id, None)
+        self._num_hashed_blocks.pop(request.request_id, None)
+        self._num_table_tokens.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    # ---- views ----------------------------------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy: the live table keeps growing after a plan is built."""
+        return list(self.tables.get(request_id, ()))
+
+    def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
+        """Physical slot (block * block_size + offset) of each position in [start, end)."""
+        table, bs = self.tables[request.request_id], self.block_size
+        if end > len(table) * bs:
+            raise ValueError(f"{request.request_id}: positions up to {end} but table covers {len(table) * bs}")
+        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def usage(self) -> KVCacheUsage:
+        pool = self.pool
+        return KVCacheUsage(
+            num_blocks=pool.num_blocks,
+            block_size=self.block_size,
+            used_blocks=pool.num_used_blocks,
+            free_blocks=pool.num_free_blocks,
+            cached_free_blocks=pool.num_cached_free_blocks,
+            cached_blocks=pool.num_cached_blocks,
+            evictions=pool.evictions,
+            num_requests=len(self.tables),
+            tokens_held=sum(self._num_table_tokens.values()),
+        )
+
+    # ---- audit ----------------------------------------------------------
+    def audit(self, live_request_ids: Iterable[str] | None = None) -> None:
+        """Prove the bookkeeping adds up; raise LeakError with details otherwise.
+
+        * every block's ref count equals the number of table entries naming it;
+        * the free queue holds exactly the ref-0 blocks, once each, so free and
+          used blocks partition [0, num_blocks);
+        * the index points only at blocks carrying that hash, and every hashed
+          block is indexed; the cached-free counter matches;
+        * with live_request_ids: no table belongs to a request no longer live.
+        """
+        pool, problems = self.pool, []
+        refs = Counter(b for table in self.tables.values() for b in table)
+        for block in pool.blocks:
+            if block.ref_cnt != (table_refs := refs.get(block.block_id, 0)):
+                problems.append(f"block {block.block_id}: ref {block.ref_cnt} but {table_refs} table refs")
+        if bad := [b for b in refs if not 0 <= b < pool.num_blocks]:
+            problems.append(f"tables name blocks out of range: {bad}")
+        free_ids = pool.free_block_ids()
+        if len(free_ids) != len(set(free_ids)) or len(free_ids) != len(pool.free_queue):
+            problems.append("free queue has duplicates or a wrong length")
+        if set(free_ids) != {b.block_id for b in pool.blocks if b.ref_cnt == 0}:
+            problems.append("free queue != set of ref-0 blocks")
+        for block_hash, block in pool.cached.items():
+            if block.block_hash != block_hash:
+                problems.append(f"index entry for block {block.block_id} does not match its hash")
+        hashed = [b for b in pool.blocks if b.block_hash is not None]
+        if len(hashed) != len(pool.cached):
+            problems.append(f"{len(hashed)} hashed blocks but {len(pool.cached)} index entries")
+        if pool.num_cached_free_blocks != sum(1 for b in hashed if b.ref_cnt == 0):
+            problems.append("num_cached_free_blocks counter is off")
+        if live_request_ids is not None:
+            if leaked := sorted(set(self.tables) - set(live_request_ids)):
+                problems.append(f"tables held by requests that are not live: {leaked}")
+        if problems:
+            raise LeakError("KV cache audit failed:\n  " + "\n  ".join(problems))
+
+    # ---- internals ------------------------------------------------------
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The request's hash cache, extended to cover at least `num_blocks` full blocks."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        if len(hashes) < num_blocks:
+            # The salt goes into every block's key; chaining alone would suffice,
+            # but this keeps each key self-describing at no real cost.
+            extra = hash_extra_keys(self.extra_keys + (request.cache_salt,))
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_blocks):
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra)
+                hashes.append(parent)
+        return hashes

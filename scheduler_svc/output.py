@@ -1,0 +1,74 @@
+"""Per-request stream state: turns planner updates into client events
+(text deltas, progress, finish, usage) and detects stop strings."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.planner import RequestUpdate
+from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.tokenizer import ModelTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    progress: tuple[int, int] | None = None
+    finished: bool = False
+    finish_reason: str = ""
+    usage: Usage | None = None
+    # Set when the stream must end with a gRPC error instead (e.g. UNAVAILABLE).
+    error_code: str = ""
+    error_message: str = ""
+
+
+class RequestStream:
+    def __init__(self, request: Request, tokenizer: ModelTokenizer):
+        self.request = request
+        self.detokenizer = IncrementalDetokenizer.for_prompt(tokenizer, request.prompt_token_ids,
+                                                             request.sampling.stop)
+        self.events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.closed = False
+
+    def on_update(self, update: RequestUpdate) -> bool:
+        """Queue the event for one planner update. Returns True when a stop string
+        ended the request (the caller must then finish it in the planner)."""
+        if update.prefill_progress is not None and not update.new_token_ids:
+            self._put(StreamEvent(progress=update.prefill_progress))
+            return False
+        text = "".join(self.detokenizer.add(t) for t in update.new_token_ids)
+        hit_stop = self.detokenizer.stopped and not update.finished
+        if update.finished or hit_stop:
+            reason = FinishReason.STOP if hit_stop else update.finish_reason
+            self._finish(text + self.detokenizer.flush(), update, reason)
+        elif text or update.new_token_ids:
+            self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs))
+        return hit_stop
+
+    def abort(self) -> None:
+        self._finish("", RequestUpdate(self.request.request_id), FinishReason.ABORT)
+
+    def fail(self, code: str, message: str) -> None:
+        self._put(StreamEvent(error_code=code, error_message=message))
+        self.closed = True
+
+    def _finish(self, text: str, update: RequestUpdate, reason: FinishReason | None) -> None:
+        r = self.request
+        usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
+        self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs, finished=True,
+                              finish_reason=str(reason or FinishReason.STOP), usage=usage))
+        self.closed = True
+
+    def _put(self, event: StreamEvent) -> None:
+        if not self.closed:
+            self.events.put_nowait(event)

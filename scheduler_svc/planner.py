@@ -1,0 +1,419 @@
+"""Step planner: which requests run this step, how many tokens each, in which slots.
+
+vLLM-v1 style: a request has num_computed_tokens and a step schedules tokens,
+not phases. A prefill chunk, a resumed (recomputed) request and a decode are the
+same thing: the tokens in [num_computed_tokens, num_tokens) that fit the budget.
+
+Protocol (one plan in flight at a time):
+    plan = planner.schedule()      # retire -> free -> admit already happened
+    sampled = worker.step(plan)    # {seq_id: (token_id, logprob)}
+    updates = planner.update(plan, sampled)
+If a step is lost (worker error/restart), call requeue_all() instead of update().
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+import structlog
+
+from scheduler_svc.kv_cache_manager import KVCacheManager, LeakError
+from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
+
+log = structlog.get_logger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as given (the server maps it to INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class QueueFull(RuntimeError):
+    """max_waiting requests are already queued (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(slots=True)
+class PlannerConfig:
+    max_num_batched_tokens: int = 8192  # tokens per step, all sequences together
+    max_num_seqs: int = 256  # sequences per step, and running at once
+    chunk_size: int = 8192  # largest prefill chunk of one request per step
+    max_model_len: int = 8192  # prompt + output tokens of one request
+    max_waiting: int = 1024
+    block_size: int = 16
+
+    _MINIMUMS = {"max_model_len": 2}  # a prompt token plus a generated one
+
+    def validate(self) -> PlannerConfig:
+        for f in fields(self):
+            value, low = getattr(self, f.name), self._MINIMUMS.get(f.name, 1)
+            flag = "--" + f.name.replace("_", "-")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"{f.name} ({flag}) must be an integer >= {low} (valid range [{low}, inf)), got {value!r}"
+                )
+        return self
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step; maps 1:1 onto worker.v1.SequenceStep."""
+
+    request_id: str
+    seq_id: int
+    token_ids: list[int]  # a prefill chunk, or one decode token
+    start_pos: int  # tokens of this sequence already in cache
+    block_table: list[int]  # physical blocks for [0, start_pos + len(token_ids))
+    slot_mapping: list[int]  # block * block_size + offset, one per token
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    sampling: SamplingOptions
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillProgress:
+    request_id: str
+    processed: int  # prompt tokens computed once this step is done (cache hits included)
+    total: int  # prompt tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies, done first
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
+    prefill_progress: list[PrefillProgress] = field(default_factory=list)  # first prefill only
+    preempted: list[str] = field(default_factory=list)  # request ids preempted while planning
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(seq.token_ids) for seq in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.copies
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    prefill_progress: tuple[int, int] | None = None  # (processed, total) for a chunk that sampled nothing
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class _StepBudget:
+    """Tokens and sequence slots left in the step being planned, and what got them."""
+
+    def __init__(self, max_tokens: int, max_seqs: int) -> None:
+        self.tokens_left = max_tokens
+        self.seqs_left = max_seqs
+        self.scheduled: dict[str, tuple[Request, int]] = {}  # insertion order = plan order
+
+    def has_room(self) -> bool:
+        return self.tokens_left > 0 and self.seqs_left > 0
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled[request.request_id] = (request, num_tokens)
+        self.tokens_left -= num_tokens
+        self.seqs_left -= 1
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config.validate()
+        if config.block_size != kv_cache_manager.block_size:
+            raise ValueError(f"block_size {config.block_size} != KV cache block size {kv_cache_manager.block_size}")
+        self.kv = kv_cache_manager
+        pool = kv_cache_manager.pool
+        # A request longer than the whole pool could never be resumed alone.
+        self.max_len = min(config.max_model_len, pool.num_blocks * pool.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.requests: dict[str, Request] = {}  # live = waiting or running
+        self.num_preemptions = 0
+        self._next_step_id = 0
+        self._next_arrival = 0
+        self._in_flight: StepPlan | None = None
+        self._in_flight_requests: dict[str, Request] = {}
+        self._free_after_step: list[Request] = []  # ended while in flight: blocks freed on update()
+
+    # ---- queue ----------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises RequestRejected (never fits / bad args) or QueueFull."""
+        self._validate(request)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests waiting (max_waiting={self.config.max_waiting})")
+        request.arrival_index = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """End a live request (abort, stop string). Its blocks are freed now, or by
+        the update() of the step it is in flight in (whose result is then ignored)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        if self._in_flight_requests.get(request_id) is request:
+            self._free_after_step.append(request)
+        else:
+            self.kv.free(request)
+        return True
+
+    # ---- planning -------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step_id} is in flight: update() or requeue_all() first")
+        budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        preempted: list[str] = []
+        self._schedule_running(budget, preempted, decodes=True)
+        self._schedule_running(budget, preempted, decodes=False)
+        # Right after a preemption memory is tight and the queue's head is the
+        # request just preempted: admitting now would only thrash.
+        if not preempted:
+            self._admit_waiting(budget)
+        return self._build_plan(budget, preempted)
+
+    def _schedule_running(self, budget: _StepBudget, preempted: list[str], decodes: bool) -> None:
+        """Decodes (one token left) of running requests, or else their next prefill chunks; oldest first."""
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request.request_id in budget.scheduled:
+                continue  # preempted earlier in this loop, or already has its tokens
+            remaining = request.num_tokens - request.num_computed_tokens
+            if (remaining == 1) != decodes:
+                continue
+            if not budget.has_room():
+                return
+            want = min(remaining, self.config.chunk_size, budget.tokens_left)
+            granted = self._reserve_slots(request, want, budget, preempted)
+            if granted:
+                budget.add(request, granted)
+
+    def _reserve_slots(self, request: Request, want: int, budget: _StepBudget, preempted: list[str]) -> int:
+        """Slots for up to `want` tokens: a smaller chunk if that is all that fits,
+        else preempt the newest running request not yet scheduled this step until
+        something fits. Returns tokens granted; 0 if the request itself got preempted."""
+        while True:
+            num_tokens = min(want, self.kv.num_tokens_fitting(request))
+            if num_tokens > 0 and self.kv.allocate_slots(request, num_tokens) is not None:
+                return num_tokens
+            victim = next(r for r in reversed(self.running) if r.request_id not in budget.scheduled)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return 0
+
+    def _admit_waiting(self, budget: _StepBudget) -> None:
+        """FIFO admission; stops at the first request whose chunk does not fit,
+        so a big request at the head is not starved by smaller ones behind it."""
+        while self.waiting and budget.has_room() and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            want = min(request.num_tokens - num_hit_tokens, self.config.chunk_size, budget.tokens_left)
+            if self.kv.allocate_slots(request, want, hits) is None:
+                return
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget.add(request, want)
+
+    def _preempt(self, request: Request) -> None:
+        """Release all blocks and requeue at the front. Outputs are kept: on resume
+        prompt + outputs are recomputed, mostly as prefix-cache hits."""
+        self.kv.free(request)
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        log.info(
+            "request_preempted",
+            request_id=request.request_id,
+            num_tokens=request.num_tokens,
+            free_blocks=self.kv.pool.num_free_blocks,
+            total_preemptions=self.num_preemptions,
+        )
+
+    def _build_plan(self, budget: _StepBudget, preempted: list[str]) -> StepPlan:
+        plan = StepPlan(step_id=self._next_step_id, preempted=preempted)
+        self._next_step_id += 1
+        for request, num_tokens in budget.scheduled.values():
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+            plan.seqs.append(
+                ScheduledSeq(
+                    request_id=request.request_id,
+                    seq_id=request.seq_id,
+                    token_ids=request.all_token_ids[start:end],
+                    start_pos=start,
+                    block_table=self.kv.block_table(request.request_id),
+                    slot_mapping=self.kv.slot_mapping(request, start, end),
+                    sample=end == request.num_tokens,
+                    sampling=request.sampling,
+                )
+            )
+            if not request.output_token_ids:
+                plan.prefill_progress.append(PrefillProgress(request.request_id, end, request.num_prompt_tokens))
+        if plan.seqs:
+            self._in_flight = plan
+            self._in_flight_requests = {r.request_id: r for r, _ in budget.scheduled.values()}
+        return plan
+
+    # ---- results --------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[int, tuple[int, float]]) -> list[RequestUpdate]:
+        """Apply a step's results; one RequestUpdate per scheduled request still live.
+
+        Finished requests are retired and their blocks freed here, so the next
+        schedule() can hand those blocks to new requests.
+        """
+        if not plan.seqs and plan is not self._in_flight:
+            return []  # an empty plan was never in flight
+        if plan is not self._in_flight:
+            raise RuntimeError(f"update() got step {plan.step_id}, which is not the step in flight")
+        live = [(self._in_flight_requests[s.request_id], s) for s in plan.seqs]
+        live = [(r, s) for r, s in live if r.status is RequestStatus.RUNNING]
+        if missing := [s.seq_id for _, s in live if s.sample and s.seq_id not in sampled]:
+            raise ValueError(f"step {plan.step_id}: no sampled token for seq_ids {missing}")
+        self._in_flight, self._in_flight_requests = None, {}
+        updates = [self._apply(request, seq, sampled) for request, seq in live]
+        self._free_ended_in_flight()
+        return updates
+
+    def _apply(self, request: Request, seq: ScheduledSeq, sampled: dict[int, tuple[int, float]]) -> RequestUpdate:
+        request.num_computed_tokens += len(seq.token_ids)
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        if not seq.sample:
+            progress = None
+            if not request.output_token_ids:
+                progress = (request.num_computed_tokens, request.num_prompt_tokens)
+            return RequestUpdate(request.request_id, prefill_progress=progress)
+        token_id, logprob = sampled[seq.seq_id]
+        request.append_output(token_id, logprob)
+        reason = self._stop_reason(request, token_id)
+        if reason is not None:
+            self.finish(request.request_id, reason)
+        return RequestUpdate(request.request_id, [token_id], [logprob], None, reason is not None, reason)
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        if token_id in request.eos_token_ids and not request.sampling.ignore_eos:
+            return FinishReason.STOP
+        if request.num_output_tokens >= request.sampling.max_tokens or request.num_tokens >= self.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _free_ended_in_flight(self) -> None:
+        for request in self._free_after_step:
+            self.kv.free(request)
+        self._free_after_step.clear()
+
+    # ---- recovery and checks --------------------------------------------
+    def requeue_all(self, reset_prefix_cache: bool = True) -> None:
+        """The worker's cache cannot be trusted (a step was lost, it restarted):
+        drop the step in flight, send every running request back to the front of
+        the queue (oldest first) and, by default, forget all cached blocks."""
+        self._in_flight, self._in_flight_requests = None, {}
+        self._free_ended_in_flight()
+        for request in reversed(self.running):
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        self.running.clear()
+        if reset_prefix_cache:
+            self.kv.reset_prefix_cache()
+
+    def drain(self) -> list[Request]:
+        """requeue_all(), then hand every live request over (oldest running first,
+        then the waiting queue), e.g. to re-add them to another worker's planner."""
+        self.requeue_all(reset_prefix_cache=True)
+        drained = list(self.waiting)
+        self.waiting.clear()
+        self.requests.clear()
+        return drained
+
+    def audit(self) -> None:
+        """KV bookkeeping (KVCacheManager.audit) plus: waiting requests hold no
+        blocks; running ones hold exactly the blocks their computed tokens need."""
+        ended = [r.request_id for r in self._free_after_step]
+        self.kv.audit(live_request_ids=[r.request_id for r in self.running] + ended)
+        problems = [f"waiting {r.request_id} holds blocks" for r in self.waiting if r.request_id in self.kv.tables]
+        for request in self.running:
+            have = len(self.kv.tables.get(request.request_id, ()))
+            in_flight = self._in_flight_requests.get(request.request_id) is request
+            if not in_flight and have != math.ceil(request.num_computed_tokens / self.kv.block_size):
+                problems.append(f"running {request.request_id}: {have} blocks for {request.num_computed_tokens} tokens")
+        if problems:
+            raise LeakError("planner audit failed:\n  " + "\n  ".join(problems))
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in (r.request_id for r in self._free_after_step):
+            raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
+        n, pool = request.num_prompt_tokens, self.kv.pool
+        if n == 0:
+            raise RequestRejected("prompt", "prompt is empty")
+        if min(request.prompt_token_ids) < 0:
+            raise RequestRejected("prompt", "token ids must be >= 0")
+        if n >= self.config.max_model_len:
+            raise RequestRejected(
+                "prompt",
+                f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}, so at most "
+                f"{self.config.max_model_len - 1} prompt tokens fit (one more for the first generated token)",
+            )
+        capacity = pool.num_blocks * pool.block_size
+        if n >= capacity:
+            raise RequestRejected(
+                "prompt",
+                f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({pool.num_blocks} blocks x "
+                f"{pool.block_size}), so at most {capacity - 1} prompt tokens fit",
+            )
+        self._validate_sampling(request.sampling)
+
+    @staticmethod
+    def _validate_sampling(s: SamplingOptions) -> None:
+        if not s.max_tokens >= 1:
+            raise RequestRejected("max_tokens", f"must be >= 1, got {s.max_tokens}")
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
+            raise RequestRejected("temperature", f"must be a finite number >= 0, got {s.temperature}")
+        if not 0 <= s.top_p <= 1:
+            raise RequestRejected("top_p", f"must be in [0, 1] (0 means 1), got {s.top_p}")
+        if s.top_k < 0:
+            raise RequestRejected("top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+        if s.seed is not None and not 0 <= s.seed < 2**64:
+            raise RequestRejected("seed", f"must be in [0, 2**64), got {s.seed}")

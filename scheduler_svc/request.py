@@ -1,0 +1,90 @@
+"""Per-request state the planner owns: prompt, outputs, progress through the KV cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingOptions:
+    """What the worker needs to pick a token, plus the planner's stop limits."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # reproducible: the worker seeds from (seed, position)
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()  # text-level; the engine detects them and calls finish()
+    ignore_eos: bool = False
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)  # identity equality: lists of requests use `in`/remove
+class Request:
+    request_id: str
+    seq_id: int  # the id the worker sees; unique among live requests
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    eos_token_ids: frozenset[int] = frozenset()
+    # Separates prefix-cache namespaces (e.g. per tenant): equal prompts with
+    # different salts never share blocks.
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = -1  # set by Planner.add: FIFO order among all requests
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # Tokens whose KV is in the cache (including prefix-cache hits). After a
+    # preemption it drops to 0 and the request recomputes prompt + outputs.
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Content hashes of this request's full blocks, filled lazily by the
+    # KVCacheManager so a long prompt is hashed once, not on every admission try.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # prompt + outputs, kept incrementally so a decode step does not copy the prompt.
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+        self._all_token_ids.extend(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by generated tokens. Read-only by convention."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self._all_token_ids.append(token_id)

@@ -1,0 +1,77 @@
+"""The model's tokenizer, loaded with the `tokenizers` library only (no
+transformers, no torch), plus the bits of tokenizer/generation config the
+scheduler needs: special tokens, EOS ids and the chat template source."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+@dataclass
+class ModelTokenizer:
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    chat_template: str | None
+    special_tokens: dict[str, str]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+
+def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: --tokenizer must be a directory with tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(path))
+    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    special = {k: _token_text(v) for k, v in tok_config.items() if k.endswith("_token") and v}
+    return ModelTokenizer(
+        tokenizer=tokenizer,
+        eos_token_ids=frozenset(_eos_ids(model_dir, tokenizer, special)),
+        vocab_size=_vocab_size(model_dir, tokenizer),
+        chat_template=_chat_template(model_dir, tok_config),
+        special_tokens=special,
+    )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(value) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _eos_ids(model_dir: Path, tokenizer: Tokenizer, special: dict[str, str]) -> set[int]:
+    # generation_config.json is what `generate` stops on; config.json and the
+    # tokenizer's eos_token are fallbacks for checkpoints without one.
+    for name in ("generation_config.json", "config.json"):
+        eos = _read_json(model_dir / name).get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {int(eos)}
+    token = special.get("eos_token")
+    eos_id = tokenizer.token_to_id(token) if token else None
+    return {eos_id} if eos_id is not None else set()
+
+
+def _vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
+    return int(_read_json(model_dir / "config.json").get("vocab_size") or tokenizer.get_vocab_size())
+
+
+def _chat_template(model_dir: Path, tok_config: dict) -> str | None:
+    path = model_dir / "chat_template.jinja"
+    if path.exists():
+        return path.read_text()
+    template = tok_config.get("chat_template")
+    return template if isinstance(template, str) else None

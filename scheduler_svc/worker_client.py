@@ -1,0 +1,81 @@
+"""The scheduler's view of one worker: async gRPC calls, and the only place that
+converts worker.v1 protos to and from the planner's data classes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from proto import worker_pb2, worker_pb2_grpc
+from scheduler_svc.planner import StepPlan
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    address: str
+    model_name: str
+    model_type: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    kv_dtype: str
+    dtype: str
+    device: str
+    instance_id: str
+    kv_bytes_per_block: int
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, tuple[int, float]]   # seq_id -> (token id, logprob)
+    instance_id: str
+    forward_ms: float
+    total_ms: float
+
+
+def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
+    seqs = []
+    for s in plan.seqs:
+        o = s.sampling
+        sampling = worker_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
+        seqs.append(worker_pb2.SequenceStep(
+            seq_id=s.seq_id, token_ids=s.token_ids, start_pos=s.start_pos, block_table=s.block_table,
+            slot_mapping=s.slot_mapping, sample=s.sample, sampling=sampling))
+    copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
+    return worker_pb2.StepRequest(step_id=plan.step_id, copies=copies, seqs=seqs)
+
+
+def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
+    return StepResult(
+        sampled={t.seq_id: (t.token_id, t.logprob) for t in reply.sampled},
+        instance_id=reply.instance_id,
+        forward_ms=reply.timings.forward_ms,
+        total_ms=reply.timings.total_ms,
+    )
+
+
+def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
+    return WorkerInfo(address=address, model_name=reply.model_name, model_type=reply.model_type,
+                      vocab_size=reply.vocab_size, max_model_len=reply.max_model_len, block_size=reply.block_size,
+                      num_blocks=reply.num_blocks, kv_dtype=reply.kv_dtype, dtype=reply.dtype, device=reply.device,
+                      instance_id=reply.instance_id, kv_bytes_per_block=reply.kv_bytes_per_block)
+
+
+class WorkerClient:
+    def __init__(self, address: str, max_message_mb: int = 256):
+        limit = max_message_mb * 2**20
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    async def info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> WorkerInfo:
+        reply = await self.stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+        return info_from_proto(self.address, reply)
+
+    async def step(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
+        return result_from_proto(await self.stub.Step(plan_to_proto(plan), timeout=timeout_s))
+
+    async def close(self) -> None:
+        await self.channel.close()

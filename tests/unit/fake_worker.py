@@ -1,0 +1,78 @@
+"""A pure-Python stand-in for worker_svc: executes StepPlans over a simulated paged cache.
+
+It keeps, per physical slot, the (position, token id) written there and builds
+each sequence's context by reading its block table, exactly as paged attention
+would. The next token is a deterministic function of that context, so a wrong
+block table, slot mapping or shared block shows up as different output tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scheduler_svc.planner import StepPlan
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int = 16, vocab_size: int = 1000) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
+        self.steps: list[StepPlan] = []
+
+    def restart(self) -> None:
+        """Lose the whole cache, as a restarted worker would."""
+        self.slots.clear()
+
+    def next_token(self, context: list[int]) -> int:
+        """Order-sensitive, so a block with the right tokens in the wrong place is caught."""
+        return (sum((pos + 1) * tok for pos, tok in enumerate(context)) + len(context)) % self.vocab_size
+
+    def execute(self, plan: StepPlan) -> dict[int, tuple[int, float]]:
+        self.steps.append(plan)
+        for src, dst in plan.copies:
+            for offset in range(self.block_size):
+                entry = self.slots.get(src * self.block_size + offset)
+                if entry is not None:
+                    self.slots[dst * self.block_size + offset] = entry
+        seq_ids = [seq.seq_id for seq in plan.seqs]
+        assert len(seq_ids) == len(set(seq_ids)), f"step {plan.step_id}: a seq scheduled twice"
+        for seq in plan.seqs:
+            self._check_shape(seq)
+        written = [slot for seq in plan.seqs for slot in seq.slot_mapping]
+        written_now = set(written)
+        assert len(written) == len(written_now), f"step {plan.step_id}: a slot written twice"
+        # No sequence may read (as cached context) a slot that this step writes.
+        contexts = [self._read(seq.block_table, seq.start_pos, written_now) + list(seq.token_ids) for seq in plan.seqs]
+        for seq in plan.seqs:
+            for i, slot in enumerate(seq.slot_mapping):
+                self.slots[slot] = (seq.start_pos + i, seq.token_ids[i])
+        sampled = {}
+        for seq, context in zip(plan.seqs, contexts):
+            if seq.sample:
+                token = self.next_token(context)
+                sampled[seq.seq_id] = (token, -float(token) / self.vocab_size)
+        return sampled
+
+    def _check_shape(self, seq) -> None:
+        bs, end = self.block_size, seq.start_pos + len(seq.token_ids)
+        assert seq.token_ids, f"seq {seq.seq_id}: no tokens"
+        assert len(seq.block_table) == math.ceil(end / bs), (
+            f"seq {seq.seq_id}: table of {len(seq.block_table)} blocks for {end} tokens"
+        )
+        assert all(0 <= b < self.num_blocks for b in seq.block_table), f"seq {seq.seq_id}: block id out of range"
+        assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: block repeated in table"
+        expected = [seq.block_table[p // bs] * bs + p % bs for p in range(seq.start_pos, end)]
+        assert list(seq.slot_mapping) == expected, f"seq {seq.seq_id}: slot_mapping does not match block_table"
+
+    def _read(self, block_table: list[int], num_tokens: int, written_now: set[int]) -> list[int]:
+        """Tokens at positions [0, num_tokens) as stored in the cache."""
+        bs, context = self.block_size, []
+        for pos in range(num_tokens):
+            slot = block_table[pos // bs] * bs + pos % bs
+            assert slot not in written_now, f"position {pos}: slot {slot} is overwritten in this same step"
+            entry = self.slots.get(slot)
+            assert entry is not None and entry[0] == pos, f"position {pos}: cache holds {entry}"
+            context.append(entry[1])
+        return context
