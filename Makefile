@@ -43,10 +43,16 @@ test: setup model
 test-slow: setup model
 	$(PY) -m pytest -q -m slow
 
+WORKERS ?= 1
+
+# The whole system in the foreground: WORKERS worker processes and the scheduler
+# on $(HOST):$(SCHEDULER_PORT); Ctrl-C stops all of them.
+serve: setup model
+	$(PY) -m svc_common.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)"
+
 serve-worker: setup model
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
-
-serve: serve-worker
 
 clean:
 	rm -rf $(VENV) $(STUBS) proto/*_pb2.pyi .pytest_cache

@@ -1,0 +1,130 @@
+"""Run the real services as subprocesses on 127.0.0.1 with OS-picked ports.
+
+Each service writes its bound port to a ready file once it serves; a service
+that dies or stays silent past the timeout raises with its log. Used by the
+tests, the benchmarks and `make serve`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ServiceProcess:
+    module: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 120.0
+    inherit_output: bool = False  # True: log to our stdout/stderr instead of a file
+    bind_port: int = 0  # 0: the OS picks; the bound port is read back into `port`
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    _dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._dir.name) / "service.log"
+
+    def start(self) -> "ServiceProcess":
+        self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
+        ready = Path(self._dir.name) / "ready.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", str(self.bind_port),
+               "--ready-file", str(ready)]
+        out = None if self.inherit_output else open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=None if out is None else subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{self.module} not ready after {self.timeout_s}s:\n{self.log()}")
+            time.sleep(0.05)
+        self.port = json.loads(ready.read_text())["port"]
+        return self
+
+    def log(self) -> str:
+        if not self._dir or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._dir:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "ServiceProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Cluster:
+    """A worker (or several) and a scheduler in front of them, as real processes."""
+
+    def __init__(self, model_dir: Path, worker_args: list[str] = (), scheduler_args: list[str] = (),
+                 num_workers: int = 1, inherit_output: bool = False, scheduler_port: int = 0):
+        self.model_dir = model_dir
+        self.workers = [ServiceProcess("worker_svc", ["--model", str(model_dir), *worker_args],
+                                       inherit_output=inherit_output) for _ in range(num_workers)]
+        self.scheduler_args = list(scheduler_args)
+        self.inherit_output = inherit_output
+        self.scheduler_port = scheduler_port
+        self.scheduler: ServiceProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def start(self) -> "Cluster":
+        try:
+            for w in self.workers:
+                w.start()
+            workers = ",".join(w.address for w in self.workers)
+            self.scheduler = ServiceProcess("scheduler_svc", ["--model", str(self.model_dir), "--workers", workers,
+                                                              *self.scheduler_args],
+                                            inherit_output=self.inherit_output,
+                                            bind_port=self.scheduler_port).start()
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.scheduler:
+            self.scheduler.stop()
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,43 @@
+"""Incremental detokenization: UTF-8 never split, stop strings held back and cut."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.tokenizer import load_tokenizer
+from tests.conftest import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tiny_checkpoint("llama"))
+
+
+def stream(tokenizer, text: str, stop=()) -> tuple[list[str], IncrementalDetokenizer]:
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer.for_prompt(tokenizer, tokenizer.encode("Prompt:"), tuple(stop))
+    pieces = [detok.add(t) for t in ids]
+    pieces.append(detok.flush())
+    return pieces, detok
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = "héllo wörld 你好 🙂 ok"
+    ids = tokenizer.encode(text)
+    # The tiny tokenizer has no merges for CJK or emoji: they arrive byte by byte.
+    assert len(ids) > len(text.split())
+    pieces, _ = stream(tokenizer, text)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_is_cut_and_nothing_after_it_is_emitted(tokenizer):
+    pieces, detok = stream(tokenizer, "The weather today is sunny and warm. Tomorrow rain.", stop=["and warm"])
+    assert detok.stopped
+    assert "".join(pieces) == "The weather today is sunny "
+
+
+def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer):
+    pieces, detok = stream(tokenizer, "sun and sand", stop=["sandwich"])
+    assert not detok.stopped
+    assert "".join(pieces) == tokenizer.decode(tokenizer.encode("sun and sand"))
