@@ -44,8 +44,11 @@ class ServiceProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", str(self.bind_port),
                "--ready-file", str(ready)]
-        out = None if self.inherit_output else open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=None if out is None else subprocess.STDOUT)
+        if self.inherit_output:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+        else:
+            with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
+                self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout_s
         while not ready.exists():
             if self.proc.poll() is not None:

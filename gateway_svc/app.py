@@ -1,0 +1,249 @@
+"""The FastAPI app: OpenAI routes over a SchedulerClient.
+
+Routes parse and validate (openai_types), convert (convert), run the Generate
+calls (generation) and answer as JSON or server-sent events. Every error leaves
+as OpenAI error JSON with the matching HTTP status.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import structlog
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway_svc import convert
+from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
+from gateway_svc.config import GatewayConfig
+from gateway_svc.convert import OpenAIError, ResponseShape, Sample
+from gateway_svc.generation import ClientGone, Generation
+from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway_svc.scheduler_client import SchedulerClient
+
+log = structlog.get_logger("gateway")
+
+# Tell proxies not to buffer the event stream (each chunk must reach the client now).
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+
+
+def create_app(client: SchedulerClient, config: GatewayConfig) -> FastAPI:
+    app = FastAPI(title="pagedserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    template = ChatTemplate.load(config.model_dir) if config.model_dir else None
+    if config.model_dir and template is None:
+        log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
+    started = int(time.time())
+    require_key = _key_checker(config.api_key)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        shape = ResponseShape("completion", config.model_id)
+        samples = convert.completion_samples(body, shape.id, config.max_n)
+        return await _generate(client, request, body, shape, samples)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if template is None:
+            raise convert.bad_request(f"model {config.model_id} has no chat template; use /v1/completions")
+        try:
+            prompt = template.render([m.for_template() for m in body.messages])
+        except ChatTemplateError as exc:
+            raise convert.bad_request(str(exc), "messages") from exc
+        shape = ResponseShape("chat", config.model_id)
+        samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
+        return await _generate(client, request, body, shape, samples)
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def models() -> dict[str, Any]:
+        model = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, why = await client.check_health(config.api_key or None)
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
+
+    _add_error_handlers(app)
+    return app
+
+
+# ---------------------------------------------------------------- auth
+
+
+def _bearer_key(request: Request) -> str | None:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+def _key_checker(api_key: str) -> Callable[[Request], None]:
+    def require_key(request: Request) -> None:
+        if not api_key:
+            return
+        given = _bearer_key(request) or ""
+        # Constant-time compare: the key must not leak through response timing.
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise OpenAIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                              "authentication_error", None, "invalid_api_key")
+
+    return require_key
+
+
+def _forwarded_key(request: Request) -> str | None:
+    """The caller's key, passed on so that a scheduler which wants one can check it."""
+    key = _bearer_key(request)
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise OpenAIError(401, "API key must be printable ASCII", "authentication_error", None, "invalid_api_key")
+    return key
+
+
+# ---------------------------------------------------------------- generation
+
+
+async def _generate(client: SchedulerClient, request: Request, body: SamplingFields, shape: ResponseShape,
+                    samples: list[Sample]) -> Response:
+    generation = Generation(client, samples, _forwarded_key(request))
+    try:
+        if body.stream:
+            async with _cancel_on_disconnect(request, generation.cancel):
+                await generation.start()
+            return _GenerationStream(generation, _sse(generation, shape, samples, body.include_usage))
+        results = convert.Results(samples)
+        async with _cancel_on_disconnect(request, generation.cancel):
+            async for index, message in generation.events():
+                results.add(index, message)
+        return JSONResponse(shape.body(results))
+    except BaseException:
+        generation.cancel()
+        raise
+
+
+@contextlib.asynccontextmanager
+async def _cancel_on_disconnect(request: Request, cancel: Callable[[], None]) -> AsyncIterator[None]:
+    """Call `cancel` if the client disconnects while the body is being prepared.
+
+    Nothing else notices a disconnect before the response starts: the server
+    does not cancel the handler, and the scheduler would keep generating (and
+    holding blocks) for nobody. The request body is already read, so the next
+    ASGI message is the disconnect.
+    """
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+class _GenerationStream(StreamingResponse):
+    """An event stream that cancels its Generate calls however it ends.
+
+    A client that disconnects makes Starlette cancel the response; that can
+    happen before the body generator ever started (so its own `finally` would
+    not run), hence the cancel here, around the whole response.
+    """
+
+    def __init__(self, generation: Generation, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.cancel()  # a no-op on calls that finished
+
+
+def _sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _sse(generation: Generation, shape: ResponseShape, samples: list[Sample],
+               include_usage: bool) -> AsyncIterator[str]:
+    """The event stream: OpenAI chunks, an error event if the scheduler fails
+    mid-stream (the 200 is already sent), then [DONE]."""
+    results = convert.Results(samples)
+    try:
+        for chunk in shape.start_chunks([s.index for s in samples], include_usage):
+            yield _sse_event(chunk)
+        async for index, message in generation.events():
+            results.add(index, message)
+            chunk = shape.chunk(index, message, include_usage)
+            if chunk is not None:
+                yield _sse_event(chunk)
+        if include_usage:
+            yield _sse_event(shape.usage_chunk(results))
+    except grpc.aio.AioRpcError as err:
+        # Headers are gone: the error travels as an event (the openai client raises it).
+        yield _sse_event(convert.grpc_error(err.code(), err.details()).body())
+    except ClientGone:
+        return
+    except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
+        log.exception("stream failed", error=repr(exc))
+        yield _sse_event(convert.error_body("internal error", "internal_error"))
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_to_openai(err))
+
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def rpc_error(_: Request, err: grpc.aio.AioRpcError) -> JSONResponse:
+        mapped = convert.grpc_error(err.code(), err.details())
+        log.info("scheduler error", code=err.code().name, status=mapped.status, details=err.details())
+        return _error_response(mapped)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(convert.error_body(str(err.detail), type_), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error", error=repr(err))
+        return JSONResponse(convert.error_body("internal error", "internal_error"), status_code=500)
+
+
+def _validation_to_openai(err: RequestValidationError) -> OpenAIError:
+    """Pydantic's first error as one readable message; `param` is the field's dotted path."""
+    first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
+    loc = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "list", "dict", "bool", "float")]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return convert.bad_request(message, param)

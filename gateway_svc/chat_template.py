@@ -1,0 +1,85 @@
+"""The model's chat template, rendered with jinja2 the way transformers does.
+
+Sources, first found wins: `chat_template.jinja` (current HF layout),
+`chat_template.json`, then `tokenizer_config.json`'s `chat_template` (a string,
+or a list of named templates of which we take "default"). Templates run in
+jinja2's immutable sandbox (they come with downloaded checkpoints) with HF's
+options (trim_blocks, lstrip_blocks) and helpers (raise_exception, tojson,
+strftime_now), and see every `*_token` of the tokenizer config (bos_token,
+eos_token, ...).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the conversation (e.g. via raise_exception)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self._template = _environment().from_string(source)  # syntax errors surface at start-up
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"chat template: {exc}") from exc
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "ChatTemplate | None":
+        """The template of a model directory, or None when it has none."""
+        model_dir = Path(model_dir)
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        source = _template_source(model_dir, tok_config)
+        return cls(source, _special_tokens(tok_config)) if source else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _template_source(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    source = _read_json(model_dir / "chat_template.json").get("chat_template") or tok_config.get("chat_template")
+    if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    return source if isinstance(source, str) and source else None
+
+
+def _special_tokens(tok_config: dict[str, Any]) -> dict[str, str]:
+    # Tokens are strings or AddedToken dicts ({"content": ...}).
+    tokens = {}
+    for key, value in tok_config.items():
+        if key.endswith("_token") and value:
+            tokens[key] = value["content"] if isinstance(value, dict) else str(value)
+    return tokens

@@ -1,0 +1,83 @@
+"""The Generate calls of one HTTP request, merged into one stream of (choice index, message).
+
+An OpenAI request with n choices (or a batch of prompts) is several serving.v1
+Generate streams running concurrently; one reader task per call feeds a queue
+so the HTTP side sees them as a single ordered stream. `cancel()` cancels every
+call that is still running (a disconnect, an error in a sibling, or the end of
+the response) and wakes whoever is waiting on the stream.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway_svc.convert import Sample
+from gateway_svc.scheduler_client import SchedulerClient
+from proto import serving_pb2
+
+_DONE = None  # queue item: a call ended normally
+
+
+class ClientGone(Exception):
+    """The generation was cancelled (the HTTP client went away) while being read."""
+
+
+class Generation:
+    def __init__(self, client: SchedulerClient, samples: list[Sample], api_key: str | None):
+        self._calls = {s.index: client.generate(s.request, api_key) for s in samples}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._readers = [asyncio.create_task(self._read(i, call)) for i, call in self._calls.items()]
+        self._running = len(self._calls)
+        self._head: list[tuple[int, serving_pb2.GenerateResponse | None]] = []
+        self._cancelled = False
+
+    async def _read(self, index: int, call: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            async for message in call:
+                self._queue.put_nowait((index, message))
+            self._queue.put_nowait((index, _DONE))
+        except Exception as exc:  # AioRpcError mostly; anything else must not leave the reader hanging
+            self._queue.put_nowait((index, exc))
+
+    async def _next(self) -> tuple[int, serving_pb2.GenerateResponse | None]:
+        index, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            # One failed choice fails the request: stop its siblings so they free their blocks.
+            self.cancel()
+            raise item
+        return index, item
+
+    async def start(self) -> None:
+        """Wait for every call's first message (or its end).
+
+        Admission errors (bad argument, queue full, no worker) arrive before any
+        output; waiting for them lets a streaming request still answer with an
+        HTTP error status instead of a 200 whose stream breaks.
+        """
+        waiting = set(self._calls)
+        while waiting:
+            item = await self._next()
+            self._head.append(item)
+            waiting.discard(item[0])
+
+    async def events(self) -> AsyncIterator[tuple[int, serving_pb2.GenerateResponse]]:
+        while self._head or self._running:
+            index, message = self._head.pop(0) if self._head else await self._next()
+            if message is _DONE:
+                self._running -= 1
+                continue
+            yield index, message
+
+    def cancel(self) -> None:
+        """Cancel every call still running; idempotent, and a no-op on finished calls."""
+        if self._cancelled:
+            return
+        self._cancelled = True
+        for call in self._calls.values():
+            call.cancel()
+        for reader in self._readers:
+            reader.cancel()
+        # Wake a consumer blocked in _next(): the readers will never put anything now.
+        self._queue.put_nowait((-1, ClientGone("generation cancelled")))

@@ -1,0 +1,76 @@
+"""Run the gateway app under uvicorn on a socket we bind ourselves.
+
+Binding first is what makes `--port 0` usable: we learn the OS-picked port
+before uvicorn starts and publish it in the ready file (tests and scripts read
+it there). `GatewayServer` also runs in a background thread for tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import structlog
+import uvicorn
+
+from gateway_svc.app import create_app
+from gateway_svc.config import GatewayConfig
+from gateway_svc.scheduler_client import SchedulerClient
+from svc_common.ready_file import write_ready_file
+
+log = structlog.get_logger("gateway")
+
+# In-flight streams get this long to finish on shutdown before uvicorn cancels them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue from here on, before uvicorn accepts them
+    return sock
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.port = 0
+        self.ready = threading.Event()  # set once uvicorn serves
+        self._server: uvicorn.Server | None = None
+        self._stop_requested = False
+
+    async def serve(self) -> None:
+        sock = bind_socket(self.config.host, self.config.port)
+        self.port = sock.getsockname()[1]
+        # The grpc.aio channel belongs to this event loop: create it here, not before.
+        client = SchedulerClient(self.config.scheduler, self.config.request_timeout_s, self.config.health_timeout_s)
+        try:
+            app = create_app(client, self.config)
+            uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                       timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            self._server = uvicorn.Server(uv_config)
+            self._server.should_exit = self._stop_requested
+            serving = asyncio.create_task(self._server.serve(sockets=[sock]))
+            await self._announce_when_started(serving)
+            await serving
+        finally:
+            await client.close()
+            sock.close()
+
+    async def _announce_when_started(self, serving: asyncio.Task) -> None:
+        while not self._server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if not self._server.started:
+            return
+        write_ready_file(self.config.ready_file, self.config.host, self.port)  # no-op without --ready-file
+        log.info("gateway ready", host=self.config.host, port=self.port, scheduler=self.config.scheduler,
+                 model=self.config.model_id, api_key=bool(self.config.api_key))
+        self.ready.set()
+
+    def stop(self) -> None:
+        """Ask uvicorn to shut down (safe from another thread: it polls the flag)."""
+        self._stop_requested = True
+        if self._server is not None:
+            self._server.should_exit = True

@@ -1,0 +1,526 @@
+"""gateway_svc against an in-process fake serving.v1 scheduler (no model, no torch).
+
+The fake streams canned deltas and records every GenerateRequest, its gRPC
+metadata and whether its call was cancelled. Gateways run as real uvicorn
+servers on 127.0.0.1 port 0 (in a thread, or as a `python -m gateway_svc`
+process for the CLI); clients are httpx and the official `openai` package.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway_svc.chat_template import ChatTemplate
+from gateway_svc.config import GatewayConfig
+from gateway_svc.server import GatewayServer
+from proto import serving_pb2, serving_pb2_grpc
+from tests.procs import REPO, ServiceProcess
+
+MODEL_NAME = "tiny-chat-model"
+# A small template in tokenizer_config.json that uses bos/eos and raise_exception.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if loop.first and m['role'] == 'assistant' %}{{ raise_exception('conversation must not start with assistant') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DELTAS = ["Hello", ",", " world"]
+USAGE = serving_pb2.Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=4)
+WAIT_S = 10.0  # upper bound on any single wait in these tests
+
+
+# ---------------------------------------------------------------- fake scheduler
+
+
+class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[serving_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.cancelled = threading.Event()
+        self.reset()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.metadata.clear()
+        self.cancelled.clear()
+        self.deltas = list(DELTAS)
+        self.delay_s = 0.0  # before each delta
+        self.first_delay_s = 0.0  # before the first message (a long queue wait or prefill)
+        self.finish_reason = "length"
+        self.abort: tuple[grpc.StatusCode, str] | None = None
+        self.abort_after: int | None = None  # with `abort`: fail after this many deltas (mid-stream)
+        self.required_key: str | None = None
+
+    def Generate(self, request, context):
+        metadata = dict(context.invocation_metadata())
+        with self.lock:
+            self.requests.append(request)
+            self.metadata.append(metadata)
+        if self.required_key and metadata.get("authorization") != f"Bearer {self.required_key}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this scheduler wants an API key")
+        if self.abort and self.abort_after is None:
+            context.abort(*self.abort)
+        completed = False
+        try:
+            if not self._wait(context, self.first_delay_s):
+                return
+            # A progress-only message first: the gateway must not turn it into output.
+            yield serving_pb2.GenerateResponse(request_id=request.request_id,
+                                               prefill_progress=serving_pb2.PrefillProgress(processed_tokens=5,
+                                                                                            total_tokens=5))
+            for i, text in enumerate(self.deltas):
+                if not self._wait(context, self.delay_s):
+                    return
+                if self.abort and i == self.abort_after:
+                    completed = True  # an error, not a cancellation
+                    context.abort(*self.abort)
+                yield serving_pb2.GenerateResponse(request_id=request.request_id, text=text, token_ids=[i])
+            yield serving_pb2.GenerateResponse(request_id=request.request_id, finished=True,
+                                               finish_reason=self.finish_reason, usage=USAGE)
+            completed = True
+        finally:
+            if not completed:
+                self.cancelled.set()
+
+    @staticmethod
+    def _wait(context, seconds: float) -> bool:
+        """Sleep up to `seconds`; False as soon as the call is cancelled."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not context.is_active():
+                return False
+            time.sleep(0.005)
+        return context.is_active()
+
+
+@pytest.fixture(scope="module")
+def fake_scheduler():
+    servicer, health_servicer = FakeScheduler(), health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    serving_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.address = f"127.0.0.1:{port}"
+    servicer.health = health_servicer
+    yield servicer
+    server.stop(grace=None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake(request):
+    if "fake_scheduler" in request.fixturenames:
+        request.getfixturevalue("fake_scheduler").reset()
+
+
+# ---------------------------------------------------------------- gateways
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("models") / MODEL_NAME
+    directory.mkdir()
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    return directory
+
+
+@contextlib.contextmanager
+def running_gateway(**overrides):
+    """A real uvicorn gateway on 127.0.0.1 port 0, in a background thread."""
+    config = GatewayConfig(**{"host": "127.0.0.1", "port": 0, "log_level": "warning", **overrides})
+    config.validate()
+    server = GatewayServer(config)
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        assert server.ready.wait(WAIT_S), "gateway did not start"
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "gateway did not stop"
+
+
+@pytest.fixture(scope="module")
+def gateway(fake_scheduler, model_dir):
+    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), max_n=4) as url:
+        yield url
+
+
+@pytest.fixture
+def http(gateway):
+    with httpx.Client(base_url=gateway, timeout=WAIT_S) as client:
+        yield client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def sse_payloads(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of a fully read event stream, checking the framing."""
+    text = response.text
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+# ---------------------------------------------------------------- completions
+
+
+def test_completion_maps_parameters_exactly(http, fake_scheduler):
+    body = {"model": MODEL_NAME, "prompt": "Say hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.25,
+            "seed": 42, "stop": ["\n", "END"]}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["model"] == MODEL_NAME and out["id"].startswith("cmpl-")
+    assert out["choices"] == [{"index": 0, "text": "Hello, world", "logprobs": None, "finish_reason": "length"}]
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                            "prompt_tokens_details": {"cached_tokens": 4}}
+    [req] = fake_scheduler.requests
+    assert req.prompt == "Say hi" and not req.prompt_token_ids
+    assert (req.max_tokens, req.temperature, req.top_p, req.seed) == (7, 0.5, 0.25, 42)
+    assert list(req.stop) == ["\n", "END"]
+    assert not req.HasField("top_k") and not req.ignore_eos
+
+
+def test_unset_parameters_stay_unset_and_stop_string_becomes_list(http, fake_scheduler):
+    r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "stop": "END", "seed": -1})
+    assert r.status_code == 200, r.text
+    [req] = fake_scheduler.requests
+    assert list(req.prompt_token_ids) == [1, 2, 3] and req.prompt == ""
+    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        assert not req.HasField(name), name  # the scheduler's defaults apply
+    assert list(req.stop) == ["END"]
+    assert req.seed == 2**64 - 1  # OpenAI's signed seed wrapped into serving.v1's uint64
+
+
+def test_completion_streaming_chunks_and_usage(http, fake_scheduler):
+    body = {"prompt": "Say hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        r.read()
+    payloads = sse_payloads(r)
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert payloads[-1] == "[DONE]"
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert [c["choices"][0]["text"] for c in text_chunks] == DELTAS + [""]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks] == [None] * len(DELTAS) + ["length"]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in text_chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert usage_chunk["usage"]["total_tokens"] == 8
+
+
+def test_n_samples_run_concurrently_with_derived_seeds(http, fake_scheduler):
+    r = http.post("/v1/completions", json={"prompt": "Say hi", "n": 2, "seed": 7})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["text"] == "Hello, world" for c in out["choices"])
+    # The prompt counts once, both samples' output counts.
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                            "prompt_tokens_details": {"cached_tokens": 4}}
+    assert sorted(req.seed for req in fake_scheduler.requests) == [7, 8]
+    assert len({req.request_id for req in fake_scheduler.requests}) == 2
+
+
+def test_prompt_batch_times_n(http, fake_scheduler):
+    r = http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "seed": 3})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 10 and out["usage"]["completion_tokens"] == 12
+    by_id = {req.request_id.rsplit("-", 1)[1]: (req.prompt, req.seed) for req in fake_scheduler.requests}
+    assert by_id == {"0": ("a", 3), "1": ("a", 4), "2": ("b", 3), "3": ("b", 4)}
+
+
+def test_n_samples_streaming_chat_indexes_choices(http, fake_scheduler):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        r.read()
+    chunks = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == "Hello, world"
+        assert mine[-1]["finish_reason"] == "length"
+    assert len(fake_scheduler.requests) == 2
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_chat_applies_template_and_max_completion_tokens(http, fake_scheduler):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 9,
+                                                "max_completion_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    assert out["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello, world"},
+                               "logprobs": None, "finish_reason": "length"}]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+    [req] = fake_scheduler.requests
+    assert req.prompt == "<s><|system|>Be brief.</s>\n<|user|>Hi there</s>\n<|assistant|>"
+    assert req.max_tokens == 4 and req.HasField("temperature") and req.temperature == 0.0
+
+
+def test_chat_streaming_role_then_content(http, fake_scheduler):
+    fake_scheduler.finish_reason = "stop"
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        r.read()
+    chunks = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}] + [{"content": d} for d in DELTAS] + [{}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_template_rejection_is_400(http, fake_scheduler):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]})
+    error = assert_openai_error(r, 400)
+    assert "must not start with assistant" in error["message"] and error["param"] == "messages"
+    assert not fake_scheduler.requests
+
+
+def test_chat_template_sources(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "from config", "eos_token": "E"}))
+    assert ChatTemplate.load(tmp_path).render([]) == "from config"
+    # chat_template.jinja (current HF layout) wins over tokenizer_config.json.
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ eos_token }}")
+    assert ChatTemplate.load(tmp_path).render([{"role": "user", "content": "x"}]) == "xE"
+    assert ChatTemplate.load(tmp_path / "missing") is None
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("code,status", [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.UNAUTHENTICATED, 401),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    (grpc.StatusCode.INTERNAL, 500),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_grpc_errors_map_to_http(http, fake_scheduler, code, status, stream):
+    fake_scheduler.abort = (code, f"scheduler says {code.name}: prompt of 9000 tokens exceeds the limit 2048")
+    r = http.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    error = assert_openai_error(r, status)
+    assert error["message"] == fake_scheduler.abort[1]  # the gRPC message, verbatim
+    assert error["code"] == code.name.lower()
+
+
+def test_error_mid_stream_is_an_error_event(http, fake_scheduler):
+    fake_scheduler.abort, fake_scheduler.abort_after = (grpc.StatusCode.UNAVAILABLE, "worker lost"), 2
+    with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        assert r.status_code == 200  # the headers had gone out before the error
+        r.read()
+    payloads = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    assert [c["choices"][0]["text"] for c in payloads[:-1]] == DELTAS[:2]
+    assert payloads[-1]["error"]["message"] == "worker lost" and payloads[-1]["error"]["code"] == "unavailable"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "temperature": 5}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 5}, "n"),  # over --max-n 4
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+])
+def test_bad_parameters_are_openai_400(http, fake_scheduler, path, body, param):
+    error = assert_openai_error(http.post(path, json=body), 400)
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert not fake_scheduler.requests
+
+
+def test_malformed_json_is_400(http):
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_unknown_route_is_openai_404(http):
+    assert_openai_error(http.get("/v1/nope"), 404)
+
+
+def test_api_key_required_and_forwarded(fake_scheduler, model_dir):
+    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), api_key="sekret") as url, \
+            httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
+            assert_openai_error(http.get("/v1/models", headers=headers), 401)
+        assert not fake_scheduler.requests
+        ok = http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200, ok.text
+        assert fake_scheduler.metadata[0]["authorization"] == "Bearer sekret"
+        assert http.get("/health").status_code == 200  # probes need no key
+
+
+def test_scheduler_wanting_a_key_gives_401(http, fake_scheduler):
+    fake_scheduler.required_key = "k1"
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 401)
+    assert "API key" in error["message"]
+    ok = http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k1"})
+    assert ok.status_code == 200, ok.text
+
+
+# ---------------------------------------------------------------- models, health
+
+
+def test_models_lists_the_model_dir_name(http):
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    [model] = r.json()["data"]
+    assert model["id"] == MODEL_NAME and model["object"] == "model"
+
+
+def test_health_follows_scheduler_health(http, fake_scheduler):
+    assert http.get("/health").json() == {"status": "ok"}
+    fake_scheduler.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    finally:
+        fake_scheduler.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_scheduler_down_is_503():
+    with running_gateway(scheduler=f"127.0.0.1:{free_port()}", model_dir="", health_timeout_s=1.0) as url, \
+            httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        assert http.get("/health").status_code == 503
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 503)
+        # No chat template without a model dir: a clear 400, not a crash.
+        assert_openai_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+                            400)
+        assert http.get("/v1/models").json()["data"][0]["id"] == "pagedserve"
+
+
+# ---------------------------------------------------------------- disconnect
+
+
+def test_client_disconnect_cancels_the_grpc_call(http, fake_scheduler):
+    fake_scheduler.deltas = [" tok"] * 200
+    fake_scheduler.delay_s = 0.02  # 4 s for the whole stream: we leave long before
+    got = 0
+    with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+    # Leaving the block closed the connection mid-stream.
+    assert got == 3
+    assert fake_scheduler.cancelled.wait(5.0), "the scheduler's Generate call was not cancelled"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_first_token_cancels(gateway, fake_scheduler, stream):
+    fake_scheduler.first_delay_s = 5.0  # nothing comes back for 5 s
+    with httpx.Client(base_url=gateway, timeout=0.3) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    assert fake_scheduler.cancelled.wait(3.0), "the scheduler's Generate call was not cancelled"
+
+
+# ---------------------------------------------------------------- the openai package
+
+
+def test_openai_client_streamed_and_not(gateway, fake_scheduler):
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-test", max_retries=0, timeout=WAIT_S)
+    try:
+        done = client.completions.create(model=MODEL_NAME, prompt="Say hi", max_tokens=3, seed=1)
+        assert done.choices[0].text == "Hello, world" and done.choices[0].finish_reason == "length"
+        assert done.usage.prompt_tokens_details.cached_tokens == 4
+        stream = client.completions.create(model=MODEL_NAME, prompt="Say hi", max_tokens=3, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == "Hello, world"
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                              stream=True, stream_options={"include_usage": True})
+        chunks = list(chat)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello, world"
+        assert chunks[-1].usage.completion_tokens == 3
+        fake_scheduler.abort = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        with pytest.raises(openai.RateLimitError, match="queue full"):
+            client.completions.create(model=MODEL_NAME, prompt="x")
+    finally:
+        client.close()
+    assert fake_scheduler.metadata[0]["authorization"] == "Bearer sk-test"  # the caller's key, passed on
+
+
+def test_cli_process_with_ready_file_and_env(fake_scheduler, model_dir):
+    gateway = ServiceProcess("gateway_svc", ["--scheduler", fake_scheduler.address, "--model-dir", str(model_dir)],
+                             env={"PAGEDSERVE_GATEWAY_MODEL_NAME": "from-env"}, timeout_s=30)
+    with gateway:
+        client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
+        try:
+            assert [m.id for m in client.models.list()] == ["from-env"]
+            done = client.completions.create(model="from-env", prompt="Say hi")
+            assert done.choices[0].text == "Hello, world" and done.model == "from-env"
+        finally:
+            client.close()
+        proc = gateway.proc
+    assert proc.returncode == 0, gateway.log()
+
+
+def test_cli_rejects_bad_flags(capsys):
+    from gateway_svc.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--port", "70000"])
+    assert exc.value.code == 2 and "--port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--scheduler", "nohostport", "--model-dir", ""])
+    assert "--scheduler" in capsys.readouterr().err
+
+
+def test_gateway_never_imports_torch_or_transformers():
+    # A fresh interpreter: this one has torch loaded by conftest.
+    code = ("import sys, gateway_svc.__main__, gateway_svc.server, gateway_svc.app; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
