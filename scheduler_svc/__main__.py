@@ -9,7 +9,7 @@ import structlog
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StartupError
-from scheduler_svc.server import start_server
+from scheduler_svc.grpc_server import start_server
 from scheduler_svc.tokenizer import load_tokenizer
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging

@@ -6,7 +6,6 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

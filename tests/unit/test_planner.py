@@ -527,7 +527,7 @@ def test_random_workload_with_aborts(seed):
     for i in range(30):
         prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
         pending.append(req(f"r{i}", prompt, max_tokens=rng.randrange(1, 40)))
-    live, aborted, done = [], set(), []
+    live, aborted = [], set()
     while pending or planner.has_work():
         for _ in range(rng.randrange(0, 3)):
             if pending:

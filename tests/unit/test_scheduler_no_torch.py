@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     from proto import serving_pb2, serving_pb2_grpc
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.engine import Engine
-    from scheduler_svc.server import start_server
+    from scheduler_svc.grpc_server import start_server
     from scheduler_svc.tokenizer import load_tokenizer
     from tests.fake_worker_server import start_fake_worker
 
