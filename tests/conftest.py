@@ -28,3 +28,11 @@ def default_model() -> Path:
 def pytest_configure(config):
     # Services started by tests must not fight pytest for the 2 cores.
     os.environ.setdefault("PAGEDSERVE_WORKER_NUM_THREADS", "2")
+    # Without a GPU the Triton kernels run under the interpreter. Triton reads this
+    # when kernels/triton_ops.py defines its @triton.jit functions, so it must be
+    # set before any test imports that module; setting it here covers the whole run.
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"

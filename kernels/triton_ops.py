@@ -1,0 +1,317 @@
+"""Triton kernels over the paged KV cache, one per op of kernels/reference.py and
+with the same signatures and semantics (that module's docstring has the cache
+layout and the varlen conventions).
+
+* ``write_kv``: scatter this step's K/V rows into their slots.
+* ``paged_decode_attention`` / ``paged_prefill_attention``: one kernel body
+  (``_paged_attention_kernel``) that reads K/V straight from the blocks through
+  the block table with an online softmax in fp32. A program owns one KV head and
+  a tile of query *rows*, where a row is a (token, query head of that KV head's
+  group) pair, so GQA/MQA load each K/V tile once for the whole group and both
+  matmuls are ``tl.dot`` on [BLOCK_M, ...] tiles (BLOCK_M >= 16, the group is
+  padded up to it). Decode is the one-token case: grid (sequence, kv head).
+* Sliding window: the KV loop starts at the block holding the first position
+  any row of the tile can see, so blocks wholly outside the window are never
+  visited; the loads are also masked to that range, so no slot outside it is read.
+
+Kernels run compiled on CUDA (matmuls in the query dtype, fp32 accumulation), or
+under the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1`` set before
+this module is imported, as tests/conftest.py does). Under the interpreter
+everything is cast to fp32 right after loading: its bf16 arithmetic works on the
+raw uint16 bits and is garbage otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference
+
+LOG2E = 1.4426950408889634
+
+
+def interpreter_enabled() -> bool:
+    """True when @triton.jit functions in this process run in the interpreter."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+_INTERPRET = interpreter_enabled()  # fixed at import, as the @triton.jit decorators below are
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+@triton.jit
+def _to_cache(x, cache_ptr):
+    # The quantizing-write hook: an FP8/INT8 cache turns this into "divide by the
+    # block's scale, round, clamp" (and write_kv passes the scale tensor and the
+    # block ids it already has). Today it is a plain cast to the cache dtype.
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    # A program writes BLOCK_T tokens; the columns are (kv head, dim) flattened.
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.arange(0, BLOCK_HD)
+    head, dim = col // HEAD_DIM, col % HEAD_DIM
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    keep = (slot >= 0)[:, None] & (col < NUM_KV_HEADS * HEAD_DIM)[None, :]
+    # int64 offsets: a large pool passes 2^31 elements.
+    tok64 = tok.to(tl.int64)[:, None]
+    dst = (slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs)[:, None] \
+        + (head * stride_ch + dim * stride_cd)[None, :]
+    k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep)
+    v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr), mask=keep)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr), mask=keep)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value [T, kv_heads, head_dim] into the cache at slot_mapping [T];
+    slots < 0 are skipped."""
+    num_tokens = key.shape[0]
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, k_cache.shape)
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    if num_tokens == 0:
+        return
+    block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
+    block_t = max(1, min(16, 4096 // block_hd, triton.next_power_of_2(num_tokens)))
+    _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        key, value, k_cache, v_cache, slot_mapping, num_tokens,
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
+        BLOCK_T=block_t, BLOCK_HD=block_hd,
+    )
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _from_cache(x, COMPUTE: tl.constexpr):
+    # The dequantizing-read hook (the mirror of _to_cache): an FP8/INT8 cache
+    # multiplies by the per-block scale here; the caller has the block ids.
+    return x.to(COMPUTE)
+
+
+@triton.jit
+def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning flat query tile ``tile_idx``: sequence s's tiles are
+    numbered from ``cu_query_lens[s] // BLOCK_Q + s`` (a layout that never
+    overlaps and needs no prefix sum of tile counts); binary search for the last
+    s whose first tile is <= tile_idx."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_query_lens_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_query_lens_ptr,
+    qk_scale,  # scale * log2(e): the softmax runs in base 2
+    sliding_window, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
+    stride_bt,
+    GROUP: tl.constexpr,        # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
+    BLOCK_M: tl.constexpr,      # query rows per program: BLOCK_Q tokens x GROUP heads, padded
+    BLOCK_Q: tl.constexpr,      # query tokens per program (BLOCK_M // GROUP)
+    BLOCK_N: tl.constexpr,      # KV positions per loop iteration
+    BLOCK_D: tl.constexpr,      # HEAD_DIM padded to a power of two
+    DECODE: tl.constexpr,       # one query token per sequence: program 0 axis is the sequence
+    SLIDING: tl.constexpr,      # sliding_window > 0
+    COMPUTE: tl.constexpr,      # dtype of the tl.dot inputs (accumulation is fp32)
+    DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    if DECODE:
+        seq = tl.program_id(0)
+        q_start = seq
+        q_len = 1
+        tile = 0
+    else:
+        seq = _find_seq(cu_query_lens_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+        q_start = tl.load(cu_query_lens_ptr + seq)
+        q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
+        tile = tl.program_id(0) - (q_start // BLOCK_Q + seq)
+        if tile * BLOCK_Q >= q_len:  # slack tile of the flat numbering
+            return
+    ctx_len = tl.load(context_lens_ptr + seq)
+
+    # Rows: (token of this tile, query head of this KV head's group).
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = ctx_len - q_len + tok  # the new tokens are the last q_len of the context
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    row64 = (q_start + tok).to(tl.int64)
+    q_off = row64[:, None] * stride_qt + (head * stride_qh)[:, None] + (dims * stride_qd)[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(COMPUTE)
+
+    # KV positions any row of the tile can see: [kv_start, kv_end). The loop starts
+    # at the block holding kv_start, so blocks wholly before the window are never
+    # visited, and the loads are masked to the range, so no position outside it is read.
+    first_pos = ctx_len - q_len + tile * BLOCK_Q
+    kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(first_pos - sliding_window + 1, 0)
+    head_off = kv_head.to(tl.int64) * stride_ch
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(kv_start // BLOCK_SIZE * BLOCK_SIZE, kv_end, BLOCK_N):
+        kv_pos = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = (kv_pos >= kv_start) & (kv_pos < kv_end)
+        # Per-position block lookup: a tile spans BLOCK_N // BLOCK_SIZE blocks (or part of one).
+        block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        kv_off = block * stride_cb + head_off + (kv_pos % BLOCK_SIZE) * stride_cs
+        load_ok = kv_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + (dims * stride_cd)[None, :], mask=load_ok, other=0.0)
+        k = _from_cache(k, COMPUTE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax. A row that has seen nothing yet has max -inf: subtract 0
+        # instead so that exp2 gives 0, not NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + (dims * stride_cd)[None, :], mask=load_ok, other=0.0)
+        v = _from_cache(v, COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
+    o_off = row64[:, None] * stride_ot + (head * stride_oh)[:, None] + (dims * stride_od)[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                          query_dtype: torch.dtype, cache_dtype: torch.dtype, decode: bool, sliding: bool,
+                          interpret: bool = _INTERPRET) -> dict:
+    """The compile-time parameters of _paged_attention_kernel for one launch shape."""
+    group = num_heads // num_kv_heads
+    # Rows are (token, query head) pairs. The group is padded up to >= 16 rows, the
+    # smallest MMA tile (older Tritons refuse smaller tl.dot operands outright); a
+    # prefill program takes BLOCK_M // group tokens.
+    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
+    # The matmuls run in the query dtype with fp32 accumulation (K/V are cast to it,
+    # as the reference does); all fp32 under the interpreter, whose bf16 is broken.
+    compute = tl.float32 if interpret else _TL_DTYPES[query_dtype]
+    # fp32 K/V tiles of 64 x 128 would take ~115 KB of pipelined shared memory, over
+    # what sm_86/89 parts have; halve the KV tile there.
+    block_n = 32 if not interpret and cache_dtype.itemsize == 4 and head_dim > 64 else 64
+    return dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_m // group,
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DECODE=decode, SLIDING=sliding,
+        COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
+    )
+
+
+def _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, scale, sliding_window,
+                      decode: bool) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert k_cache.shape[-1] == head_dim, (query.shape, k_cache.shape)
+    num_seqs = block_tables.shape[0]
+    assert not decode or num_tokens == num_seqs, "decode takes one query token per sequence"
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    meta = _attention_constexprs(num_heads, num_kv_heads, head_dim, block_size, query.dtype, k_cache.dtype,
+                                 decode, sliding_window > 0)
+    # Decode: a program per (sequence, kv head). Prefill: flat query tiles (see
+    # _find_seq), an upper bound on their number that needs no device sync.
+    grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, context_lens, cu_query_lens,
+        scale * LOG2E, sliding_window, num_seqs,
+        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        **meta,
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context.
+
+    query [T, q_heads, d]; block_tables [S, max_blocks]; cu_query_lens [S + 1];
+    context_lens [S] (cached + new tokens). A token at position p sees positions
+    j <= p, and with a sliding window W > 0 only j > p - W. Returns [T, q_heads, d]
+    in query's dtype."""
+    return _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, scale,
+                             sliding_window, decode=False)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """One query token per sequence (the last of its context_lens[s] tokens).
+
+    query [S, q_heads, d] -> [S, q_heads, d]."""
+    # cu_query_lens is unused in decode mode; any tensor fills the pointer slot.
+    return _launch_attention(query, k_cache, v_cache, block_tables, context_lens, context_lens, scale,
+                             sliding_window, decode=True)
+
+
+# Whole-block copies are plain tensor indexing: no kernel needed.
+copy_blocks = reference.copy_blocks
+
+
+__all__ = ["interpreter_enabled", "write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks"]
