@@ -13,10 +13,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import structlog
+
+from scheduler_svc.eviction import NoFreeBlocksError, make_free_queue
 
 log = structlog.get_logger(__name__)
 
@@ -59,72 +61,30 @@ class DoubleFreeError(ValueError):
     """A block was freed more times than it was referenced."""
 
 
-class NoFreeBlocksError(RuntimeError):
-    """allocate() asked for more blocks than the free queue holds."""
-
-
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # Reused by a second holder (prefix hit, fork) since it was last allocated:
+    # the priority eviction policy keeps such blocks longest.
+    shared: bool = False
+    in_shared_segment: bool = False
     # Free-queue links; both None while the block is used.
     prev: KVBlock | None = None
     next: KVBlock | None = None
 
 
-class FreeBlockQueue:
-    """Doubly linked list of free blocks, head = least recently freed.
-
-    A deque cannot remove from the middle in O(1), and a prefix-cache hit must
-    pull a cached-free block out from wherever it sits.
-    """
-
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinels: no None checks on the hot path
-        self._tail = KVBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        node = self._head.next
-        while node is not self._tail:
-            yield node
-            node = node.next
-
-    def popleft(self) -> KVBlock:
-        if self._len == 0:
-            raise NoFreeBlocksError("free block queue is empty")
-        block = self._head.next
-        self.remove(block)
-        return block
-
-    def append(self, block: KVBlock) -> None:
-        last = self._tail.prev
-        block.prev, block.next = last, self._tail
-        last.next = self._tail.prev = block
-        self._len += 1
-
-    def remove(self, block: KVBlock) -> None:
-        block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = None
-        self._len -= 1
-
-
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 eviction_policy: str = "lru") -> None:
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = make_free_queue(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}  # the prefix index
         self.num_cached_free_blocks = 0
         self.evictions = 0
@@ -173,11 +133,12 @@ class BlockPool:
                 self._drop_hash(block)
                 self.num_cached_free_blocks -= 1
                 evicted += 1
-            block.ref_cnt = 1
+            block.ref_cnt, block.shared = 1, False
             ids.append(block.block_id)
         if evicted:
             self.evictions += evicted
-            log.debug("kv_blocks_evicted", count=evicted, total_evictions=self.evictions)
+            log.info("kv_blocks_evicted", blocks_reclaimed=evicted, total_evictions=self.evictions,
+                     free_blocks=len(self.free_queue))
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -195,6 +156,7 @@ class BlockPool:
                 self.free_queue.remove(block)
                 self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
+            block.shared = True
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per id; blocks reaching 0 join the LRU tail in the given order.

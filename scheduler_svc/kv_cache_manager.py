@@ -14,6 +14,10 @@ class LeakError(AssertionError):
     """audit() found a block whose bookkeeping does not add up."""
 
 
+class PinLimitExceeded(RuntimeError):
+    """Pinning would hold more than max_pinned_blocks blocks (RESOURCE_EXHAUSTED)."""
+
+
 @dataclass(slots=True, frozen=True)
 class KVCacheUsage:
     num_blocks: int
@@ -25,6 +29,14 @@ class KVCacheUsage:
     evictions: int
     num_requests: int  # requests holding a block table
     tokens_held: int  # tokens live requests' tables cover (shared blocks counted per request)
+    pinned_blocks: int = 0
+    prefix_queries: int = 0  # admissions that looked up the prefix index
+    prefix_query_tokens: int = 0  # prompt tokens those lookups covered
+    prefix_hit_tokens: int = 0  # of which found cached
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     @property
     def used_fraction(self) -> float:
@@ -32,14 +44,20 @@ class KVCacheUsage:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int | None = None, extra_keys: tuple = ()) -> None:
+    def __init__(self, pool: BlockPool, block_size: int | None = None, extra_keys: tuple = (),
+                 max_pinned_blocks: int | None = None) -> None:
         """extra_keys: everything besides tokens that changes KV (model identity, kv dtype)."""
         if block_size is not None and block_size != pool.block_size:
             raise ValueError(f"block_size {block_size} != pool block_size {pool.block_size}")
         self.pool = pool
         self.block_size = pool.block_size
         self.extra_keys = tuple(extra_keys)
+        self.max_pinned_blocks = pool.num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.tables: dict[str, list[int]] = {}
+        self.pins: dict[bytes, list[int]] = {}  # pin id (hash of its last block) -> blocks it holds
+        # Block copies (src, dst) that copy-on-write decided; the next plan carries them.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = self.prefix_query_tokens = self.prefix_hit_tokens = 0
         self._num_hashed_blocks: dict[str, int] = {}  # leading table blocks already indexed
         self._num_table_tokens: dict[str, int] = {}  # tokens the table has slots for
 
@@ -61,6 +79,13 @@ class KVCacheManager:
             hits.append(block_id)
         return hits, len(hits) * self.block_size
 
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's lookup for the hit-rate metrics (first admission only)."""
+        if self.pool.enable_prefix_caching:
+            self.prefix_queries += 1
+            self.prefix_query_tokens += request.num_prompt_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Index the blocks that became full once `num_computed_tokens` were computed.
 
@@ -80,7 +105,56 @@ class KVCacheManager:
         self._num_hashed_blocks[request.request_id] = end
 
     def reset_prefix_cache(self) -> int:
+        """The worker's cache is gone: forget every hash, and the pins with them
+        (their blocks hold nothing valid any more)."""
+        for pin_id in list(self.pins):
+            self.unpin(pin_id)
         return self.pool.reset_prefix_cache()
+
+    # ---- pinning --------------------------------------------------------
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len({b for blocks in self.pins.values() for b in blocks})
+
+    def pin(self, request: Request) -> tuple[bytes, int] | None:
+        """Pin the cached full blocks of the request's tokens so they are never
+        evicted. Returns (pin id, pinned tokens), or None if its prefix is not
+        (fully) cached yet -- compute it first. Pinning the same prefix twice is
+        one pin."""
+        num_full = request.num_tokens // self.block_size
+        if not self.pool.enable_prefix_caching or num_full == 0:
+            return None
+        hashes = self._block_hashes(request, num_full)
+        blocks = [self.pool.get_cached_block(h) for h in hashes[:num_full]]
+        if None in blocks:
+            return None
+        pin_id = hashes[num_full - 1]
+        if pin_id not in self.pins:
+            new = {b for b in blocks} - {b for held in self.pins.values() for b in held}
+            if self.num_pinned_blocks + len(new) > self.max_pinned_blocks:
+                raise PinLimitExceeded(f"pinning {len(new)} more blocks would exceed max_pinned_blocks="
+                                       f"{self.max_pinned_blocks} ({self.num_pinned_blocks} pinned)")
+            self.pool.touch(blocks)
+            self.pins[pin_id] = blocks
+        return pin_id, num_full * self.block_size
+
+    def unpin(self, pin_id: bytes) -> bool:
+        blocks = self.pins.pop(pin_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
+    # ---- parallel samples -----------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's whole block table, sharing every block
+        (ref +1). A later write into a shared partial block copies it first."""
+        table = self.tables[parent.request_id]
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        self._num_hashed_blocks[child.request_id] = self._num_hashed_blocks[parent.request_id]
+        self._num_table_tokens[child.request_id] = self._num_table_tokens[parent.request_id]
+        child.block_hashes = list(parent.block_hashes)
 
     # ---- allocation -----------------------------------------------------
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
@@ -106,11 +180,14 @@ class KVCacheManager:
         or None -- with nothing changed -- if the free queue is too short.
         """
         needed = self.num_new_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
+        shared_partial = self._shared_partial_block(request) if not new_computed_blocks else None
         # A hit sitting in the free queue stops being free once shared.
         hits_leaving_free_queue = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
-        if needed > self.pool.num_free_blocks - hits_leaving_free_queue:
+        if needed + (shared_partial is not None) > self.pool.num_free_blocks - hits_leaving_free_queue:
             return None
         req_id = request.request_id
+        if shared_partial is not None:
+            self._copy_on_write(request, shared_partial)
         table = self.tables.setdefault(req_id, [])
         if not table:
             self._num_hashed_blocks[req_id] = len(new_computed_blocks)
@@ -124,6 +201,27 @@ class KVCacheManager:
             request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         )
         return new_blocks
+
+    def _shared_partial_block(self, request: Request) -> int | None:
+        """Index in the table of the partly filled block the next token goes
+        into, if another table shares it (so writing would corrupt theirs)."""
+        table = self.tables.get(request.request_id)
+        index = request.num_computed_tokens // self.block_size
+        if not table or request.num_computed_tokens % self.block_size == 0 or index >= len(table):
+            return None
+        return index if self.pool.ref_count(table[index]) > 1 else None
+
+    def _copy_on_write(self, request: Request, index: int) -> None:
+        table = self.tables[request.request_id]
+        src = table[index]
+        (dst,) = self.pool.allocate(1)
+        table[index] = dst
+        self.pool.free([src])
+        self.pending_copies.append((src, dst))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see BlockPool.free). No-op if it has none."""
@@ -157,13 +255,17 @@ class KVCacheManager:
             evictions=pool.evictions,
             num_requests=len(self.tables),
             tokens_held=sum(self._num_table_tokens.values()),
+            pinned_blocks=self.num_pinned_blocks,
+            prefix_queries=self.prefix_queries,
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
         )
 
     # ---- audit ----------------------------------------------------------
     def audit(self, live_request_ids: Iterable[str] | None = None) -> None:
         """Prove the bookkeeping adds up; raise LeakError with details otherwise.
 
-        * every block's ref count equals the number of table entries naming it;
+        * every block's ref count equals the number of table and pin entries naming it;
         * the free queue holds exactly the ref-0 blocks, once each, so free and
           used blocks partition [0, num_blocks);
         * the index points only at blocks carrying that hash, and every hashed
@@ -171,10 +273,10 @@ class KVCacheManager:
         * with live_request_ids: no table belongs to a request no longer live.
         """
         pool, problems = self.pool, []
-        refs = Counter(b for table in self.tables.values() for b in table)
+        refs = Counter(b for table in [*self.tables.values(), *self.pins.values()] for b in table)
         for block in pool.blocks:
             if block.ref_cnt != (table_refs := refs.get(block.block_id, 0)):
-                problems.append(f"block {block.block_id}: ref {block.ref_cnt} but {table_refs} table refs")
+                problems.append(f"block {block.block_id}: ref {block.ref_cnt} but {table_refs} table/pin refs")
         if bad := [b for b in refs if not 0 <= b < pool.num_blocks]:
             problems.append(f"tables name blocks out of range: {bad}")
         free_ids = pool.free_block_ids()

@@ -110,6 +110,12 @@ class RequestUpdate:
     prefill_progress: tuple[int, int] | None = None  # (processed, total) for a chunk that sampled nothing
     finished: bool = False
     finish_reason: FinishReason | None = None
+    forked: bool = False  # a prefill-only parent finished: its children now run
+
+
+def _prompt_total(request: Request) -> int:
+    """Prompt tokens as the client sees them: a fork parent holds all but the last."""
+    return request.num_prompt_tokens + (1 if request.prefill_only else 0)
 
 
 class _StepBudget:
@@ -147,6 +153,7 @@ class Planner:
         self._in_flight: StepPlan | None = None
         self._in_flight_requests: dict[str, Request] = {}
         self._free_after_step: list[Request] = []  # ended while in flight: blocks freed on update()
+        self._pending_forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prefill
 
     # ---- queue ----------------------------------------------------------
     @property
@@ -168,11 +175,18 @@ class Planner:
         self._validate(request)
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests waiting (max_waiting={self.config.max_waiting})")
+        for child in request.children:
+            self._validate(child)
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.children:
+            self._pending_forks[request.request_id] = list(request.children)
+            for child in request.children:
+                child.status, child.arrival_index = RequestStatus.WAITING, request.arrival_index
+                self.requests[child.request_id] = child
 
     def abort(self, request_id: str) -> bool:
         return self.finish(request_id, FinishReason.ABORT)
@@ -183,16 +197,33 @@ class Planner:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        if self._unlink_pending_child(request):
+            request.status, request.finish_reason = RequestStatus.FINISHED, reason
+            return True
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
+        for child in self._pending_forks.pop(request_id, []):
+            self.finish(child.request_id, reason)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         if self._in_flight_requests.get(request_id) is request:
             self._free_after_step.append(request)
         else:
             self.kv.free(request)
         return True
+
+    def _unlink_pending_child(self, request: Request) -> bool:
+        """Drop a child still waiting for its parent's prefill; a parent left
+        with no children has nothing to compute for and ends too."""
+        for parent_id, children in self._pending_forks.items():
+            if request in children:
+                children.remove(request)
+                if not children:
+                    del self._pending_forks[parent_id]
+                    self.finish(parent_id, FinishReason.ABORT)
+                return True
+        return False
 
     # ---- planning -------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -250,6 +281,7 @@ class Planner:
             request.num_computed_tokens = num_hit_tokens
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit_tokens
+                self.kv.record_prefix_lookup(request, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.add(request, want)
@@ -273,7 +305,7 @@ class Planner:
         )
 
     def _build_plan(self, budget: _StepBudget, preempted: list[str]) -> StepPlan:
-        plan = StepPlan(step_id=self._next_step_id, preempted=preempted)
+        plan = StepPlan(step_id=self._next_step_id, preempted=preempted, copies=self.kv.take_copies())
         self._next_step_id += 1
         for request, num_tokens in budget.scheduled.values():
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
@@ -285,12 +317,12 @@ class Planner:
                     start_pos=start,
                     block_table=self.kv.block_table(request.request_id),
                     slot_mapping=self.kv.slot_mapping(request, start, end),
-                    sample=end == request.num_tokens,
+                    sample=end == request.num_tokens and not request.prefill_only,
                     sampling=request.sampling,
                 )
             )
             if not request.output_token_ids:
-                plan.prefill_progress.append(PrefillProgress(request.request_id, end, request.num_prompt_tokens))
+                plan.prefill_progress.append(PrefillProgress(request.request_id, end, _prompt_total(request)))
         if plan.seqs:
             self._in_flight = plan
             self._in_flight_requests = {r.request_id: r for r, _ in budget.scheduled.values()}
@@ -319,10 +351,13 @@ class Planner:
     def _apply(self, request: Request, seq: ScheduledSeq, sampled: dict[int, tuple[int, float]]) -> RequestUpdate:
         request.num_computed_tokens += len(seq.token_ids)
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+            self._fork(request)
+            return RequestUpdate(request.request_id, forked=True)
         if not seq.sample:
             progress = None
             if not request.output_token_ids:
-                progress = (request.num_computed_tokens, request.num_prompt_tokens)
+                progress = (request.num_computed_tokens, _prompt_total(request))
             return RequestUpdate(request.request_id, prefill_progress=progress)
         token_id, logprob = sampled[seq.seq_id]
         request.append_output(token_id, logprob)
@@ -330,6 +365,17 @@ class Planner:
         if reason is not None:
             self.finish(request.request_id, reason)
         return RequestUpdate(request.request_id, [token_id], [logprob], None, reason is not None, reason)
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt is computed: its children take over its blocks
+        (shared, ref +1 each) and run; the parent then lets go of its refs."""
+        for child in self._pending_forks.pop(parent.request_id, []):
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        self.finish(parent.request_id, FinishReason.STOP)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         if token_id in request.eos_token_ids and not request.sampling.ignore_eos:

@@ -53,6 +53,13 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Parallel samples (n > 1): an internal prefill-only parent computes the
+    # prompt minus its last token once, then its children fork off it sharing
+    # every block; each child computes the last prompt token itself (copying the
+    # shared partial block first) and samples on its own.
+    prefill_only: bool = False
+    children: list["Request"] = field(default_factory=list, repr=False)
+    sample_index: int = 0
     # Content hashes of this request's full blocks, filled lazily by the
     # KVCacheManager so a long prompt is hashed once, not on every admission try.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)

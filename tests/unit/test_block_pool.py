@@ -2,15 +2,8 @@
 
 import pytest
 
-from scheduler_svc.block_pool import (
-    BlockPool,
-    DoubleFreeError,
-    FreeBlockQueue,
-    KVBlock,
-    NoFreeBlocksError,
-    hash_block_tokens,
-    hash_extra_keys,
-)
+from scheduler_svc.block_pool import BlockPool, DoubleFreeError, KVBlock, hash_block_tokens, hash_extra_keys
+from scheduler_svc.eviction import FreeBlockQueue, NoFreeBlocksError
 
 EXTRA = hash_extra_keys(("model", "bf16", None))
 

@@ -218,7 +218,7 @@ def test_audit_detects_leaks_and_corruption():
     with pytest.raises(LeakError, match=r"not live: \['b'\]"):
         kv.audit(["a"])  # b's blocks are owned by a request the engine forgot
     kv.pool.blocks[0].ref_cnt += 1
-    with pytest.raises(LeakError, match="block 0: ref 2 but 1 table refs"):
+    with pytest.raises(LeakError, match="block 0: ref 2 but 1 table/pin refs"):
         kv.audit()
     kv.pool.blocks[0].ref_cnt -= 1
     kv.tables["a"].append(5)  # a table entry the pool never handed out
