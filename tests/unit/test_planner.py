@@ -43,20 +43,21 @@ def reference(prompt, max_tokens, max_len=10**9):
     return out
 
 
-def check_plan(planner, plan):
+def check_plan(planner, plan, decoding: set[str]):
+    """`decoding`: running requests with exactly one token left before this step."""
     cfg = planner.config
     assert plan.num_tokens <= cfg.max_num_batched_tokens
     assert len(plan.seqs) <= cfg.max_num_seqs and planner.num_running <= cfg.max_num_seqs
     assert all(len(s.token_ids) <= cfg.chunk_size for s in plan.seqs)
-    # decodes (one generated token fed back) come before every prefill chunk
-    kinds = [len(s.token_ids) == 1 and s.start_pos >= len(planner.requests[s.request_id].prompt_token_ids)
-             for s in plan.seqs if s.request_id in planner.requests]
+    # running decodes come before every prefill chunk
+    kinds = [s.request_id in decoding for s in plan.seqs]
     assert kinds == sorted(kinds, reverse=True), "a decode was scheduled after a prefill chunk"
 
 
 def step(planner, worker):
+    decoding = {r.request_id for r in planner.running if r.num_tokens - r.num_computed_tokens == 1}
     plan = planner.schedule()
-    check_plan(planner, plan)
+    check_plan(planner, plan, decoding)
     planner.audit()
     sampled = worker.execute(plan) if plan.seqs else {}
     updates = planner.update(plan, sampled)
@@ -537,8 +538,9 @@ def test_random_workload_with_aborts(seed):
             victim = rng.choice(live)
             if planner.abort(victim.request_id):
                 aborted.add(victim.request_id)
+        decoding = {r.request_id for r in planner.running if r.num_tokens - r.num_computed_tokens == 1}
         plan = planner.schedule()
-        check_plan(planner, plan)
+        check_plan(planner, plan, decoding)
         if plan.seqs and rng.random() < 0.1:  # abort while in flight
             rid = rng.choice(plan.seqs).request_id
             planner.abort(rid)
