@@ -46,6 +46,12 @@ class PlannerConfig:
     max_model_len: int = 8192  # prompt + output tokens of one request
     max_waiting: int = 1024
     block_size: int = 16
+    # Dynamic chunking: the prefill chunk shrinks from max to min as free KV
+    # blocks run out (less memory taken per step while the pool is tight) and
+    # grows back when plenty are free. Off: every chunk is up to chunk_size.
+    dynamic_chunking: bool = False
+    dynamic_chunk_min: int = 512
+    dynamic_chunk_max: int = 2048
 
     _MINIMUMS = {"max_model_len": 2}  # a prompt token plus a generated one
 
@@ -53,11 +59,27 @@ class PlannerConfig:
         for f in fields(self):
             value, low = getattr(self, f.name), self._MINIMUMS.get(f.name, 1)
             flag = "--" + f.name.replace("_", "-")
+            if f.name == "dynamic_chunking":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(
                     f"{f.name} ({flag}) must be an integer >= {low} (valid range [{low}, inf)), got {value!r}"
                 )
+        if self.dynamic_chunk_min > self.dynamic_chunk_max:
+            raise ValueError(f"dynamic_chunk_min (--dynamic-chunk-min) {self.dynamic_chunk_min} must be <= "
+                             f"dynamic_chunk_max (--dynamic-chunk-max) {self.dynamic_chunk_max} "
+                             f"(valid range [1, {self.dynamic_chunk_max}])")
         return self
+
+    def chunk_limit(self, free_fraction: float) -> int:
+        """Largest prefill chunk of one request this step, given the free share of the pool."""
+        if not self.dynamic_chunking:
+            return self.chunk_size
+        span = self.dynamic_chunk_max - self.dynamic_chunk_min
+        size = self.dynamic_chunk_min + int(span * max(0.0, min(1.0, free_fraction)))
+        # Whole blocks: a chunk that ends mid-block wastes nothing, but aligned
+        # chunks keep every committed chunk fully in the prefix index.
+        return max(self.dynamic_chunk_min, size - size % self.block_size)
 
 
 @dataclass(slots=True)
@@ -148,6 +170,8 @@ class Planner:
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}  # live = waiting or running
         self.num_preemptions = 0
+        self.resumed_tokens = 0  # tokens of preempted requests found in the prefix index on readmission
+        self.recomputed_tokens = 0  # tokens of preempted requests computed again
         self._next_step_id = 0
         self._next_arrival = 0
         self._in_flight: StepPlan | None = None
@@ -249,7 +273,7 @@ class Planner:
                 continue
             if not budget.has_room():
                 return
-            want = min(remaining, self.config.chunk_size, budget.tokens_left)
+            want = min(remaining, self._chunk_limit(), budget.tokens_left)
             granted = self._reserve_slots(request, want, budget, preempted)
             if granted:
                 budget.add(request, granted)
@@ -274,7 +298,7 @@ class Planner:
         while self.waiting and budget.has_room() and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            want = min(request.num_tokens - num_hit_tokens, self.config.chunk_size, budget.tokens_left)
+            want = min(request.num_tokens - num_hit_tokens, self._chunk_limit(), budget.tokens_left)
             if self.kv.allocate_slots(request, want, hits) is None:
                 return
             self.waiting.popleft()
@@ -282,9 +306,18 @@ class Planner:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit_tokens
                 self.kv.record_prefix_lookup(request, num_hit_tokens)
+            else:
+                # A resumed request: its committed blocks come back from the index;
+                # only the rest is computed again.
+                self.resumed_tokens += num_hit_tokens
+                self.recomputed_tokens += request.num_tokens - num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.add(request, want)
+
+    def _chunk_limit(self) -> int:
+        pool = self.kv.pool
+        return self.config.chunk_limit(pool.num_free_blocks / pool.num_blocks if pool.num_blocks else 0.0)
 
     def _preempt(self, request: Request) -> None:
         """Release all blocks and requeue at the front. Outputs are kept: on resume

@@ -9,7 +9,7 @@ import pytest
 from tests.procs import REPO
 
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
-TINY_FAMILIES = ("llama", "llama_mqa", "qwen3", "qwen3_mqa", "gemma3", "gemma3_mqa")
+TINY_FAMILIES = ("llama", "llama_mqa", "llama_long", "qwen3", "qwen3_mqa", "gemma3", "gemma3_mqa")
 
 
 def tiny_checkpoint(family: str) -> Path:

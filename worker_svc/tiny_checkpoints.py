@@ -152,6 +152,16 @@ _COMMON = dict(
 )
 
 
+def _llama_long(ids: dict):
+    """A long-context model for 20k-200k-token prompts: one layer, one KV head,
+    so a 200,000-token cache is 2 x 1 x 1 x 16 x 4 B = 128 B per token (25 MB)."""
+    from transformers import LlamaConfig
+
+    common = {**_COMMON, "max_position_embeddings": 262144}
+    return LlamaConfig(**common, **ids, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True)
+
+
 def _llama(ids: dict, num_kv_heads: int, llama3_rope: bool):
     from transformers import LlamaConfig
 
@@ -205,6 +215,7 @@ def _gemma3(ids: dict, num_kv_heads: int):
 FAMILIES: dict[str, Callable[[dict], object]] = {
     "llama": lambda ids: _llama(ids, num_kv_heads=2, llama3_rope=True),
     "llama_mqa": lambda ids: _llama(ids, num_kv_heads=1, llama3_rope=False),
+    "llama_long": _llama_long,
     "qwen3": lambda ids: _qwen3(ids, num_kv_heads=2),
     "qwen3_mqa": lambda ids: _qwen3(ids, num_kv_heads=1),
     "gemma3": lambda ids: _gemma3(ids, num_kv_heads=2),

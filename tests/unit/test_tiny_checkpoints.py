@@ -17,6 +17,7 @@ EXPECTED = {  # family -> (model_type, kv heads, tied embeddings)
     "qwen3_mqa": ("qwen3", 1, False),
     "gemma3": ("gemma3_text", 2, True),
     "gemma3_mqa": ("gemma3_text", 1, True),
+    "llama_long": ("llama", 1, True),
 }
 
 
