@@ -11,7 +11,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -59,7 +59,7 @@ def create_app(client: SchedulerClient, config: GatewayConfig) -> FastAPI:
         except ChatTemplateError as exc:
             raise convert.bad_request(str(exc), "messages") from exc
         shape = ResponseShape("chat", config.model_id)
-        samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
+        samples = convert.chat_samples(body, prompt, shape.id, config.max_n, config.chat_max_tokens)
         return await _generate(client, request, body, shape, samples)
 
     @app.get("/v1/models", dependencies=[Depends(require_key)])
@@ -88,8 +88,10 @@ def _bearer_key(request: Request) -> str | None:
     return key.strip()
 
 
-def _key_checker(api_key: str) -> Callable[[Request], None]:
-    def require_key(request: Request) -> None:
+def _key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread
+    # hand-off (and GIL round trip) on every request for a string compare.
+    async def require_key(request: Request) -> None:
         if not api_key:
             return
         given = _bearer_key(request) or ""

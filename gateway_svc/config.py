@@ -6,6 +6,8 @@ from pathlib import Path
 
 from svc_common.log_setup import LOG_FORMATS
 
+INT32_MAX = 2**31 - 1  # serving.v1's int32 fields (max_tokens, top_k, token ids)
+
 
 @dataclass
 class GatewayConfig:
@@ -20,6 +22,11 @@ class GatewayConfig:
                                                       "(prefer the env var: flags show in ps)"})
     request_timeout_s: float = field(default=0.0, metadata={"help": "gRPC deadline of one Generate call; 0 = none"})
     health_timeout_s: float = field(default=2.0, metadata={"help": "deadline of the scheduler health check behind /health"})
+    chat_max_tokens: int = field(default=0, metadata={
+        "help": "max_tokens of a chat request that sets neither max_tokens nor max_completion_tokens; "
+                "0 = no limit of ours: the answer runs to its end (EOS or a stop string) or until prompt + answer "
+                "fill the scheduler's max_model_len (finish_reason 'length'), as OpenAI's chat API does. "
+                "/v1/completions keeps the scheduler's --default-max-tokens (16, OpenAI's default there too)"})
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
@@ -39,6 +46,7 @@ class GatewayConfig:
              "an existing directory (run `make model`, or pass --model-dir '' to serve completions only)"),
             (self.request_timeout_s >= 0, "--request-timeout-s", ">= 0"),
             (self.health_timeout_s > 0, "--health-timeout-s", "> 0"),
+            (0 <= self.chat_max_tokens <= INT32_MAX, "--chat-max-tokens", f"in 0..{INT32_MAX} (0 = up to the context)"),
             (1 <= self.max_n <= 128, "--max-n", "in 1..128"),
             (self.log_level.lower() in ("debug", "info", "warning", "error"), "--log-level", "debug, info, warning or error"),
         ]

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from gateway_svc.config import INT32_MAX
 from gateway_svc.openai_types import UINT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields
 from proto import serving_pb2
 
@@ -57,16 +58,30 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
     return _samples(prompts, body, body.max_tokens, response_id, max_n)
 
 
-def chat_samples(body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int) -> list[Sample]:
-    return _samples([{"prompt": prompt}], body, body.output_limit, response_id, max_n)
+def chat_samples(body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int,
+                 default_max_tokens: int = 0) -> list[Sample]:
+    """`default_max_tokens` applies when the body sets no limit; 0 = up to the model's context.
+
+    OpenAI's chat API has no default output limit (an answer ends at its end or
+    at the context length), and a chat answer cut at the scheduler's default of
+    16 tokens is rarely what a caller wants. The scheduler stops a request when
+    prompt + output reach its max_model_len (finish_reason "length") and accepts
+    a larger max_tokens, so "no limit" is the largest max_tokens serving.v1 takes.
+    """
+    max_tokens = body.output_limit
+    if max_tokens is None:
+        max_tokens = default_max_tokens or INT32_MAX
+    return _samples([{"prompt": prompt}], body, max_tokens, response_id, max_n)
 
 
 def _samples(prompts: list[dict], body: SamplingFields, max_tokens: int | None, response_id: str,
              max_n: int) -> list[Sample]:
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}", "n")
-    params = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-              "stop": body.stop_list, "ignore_eos": body.ignore_eos}
+    # serving.v1's max_tokens and top_k are int32: a larger value means the same as
+    # INT32_MAX there (the context length and the vocabulary are both far smaller).
+    params = {"max_tokens": _int32(max_tokens), "temperature": body.temperature, "top_p": body.top_p,
+              "top_k": _int32(body.top_k), "stop": body.stop_list, "ignore_eos": body.ignore_eos}
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []
     for group, prompt in enumerate(prompts):
@@ -79,6 +94,10 @@ def _samples(prompts: list[dict], body: SamplingFields, max_tokens: int | None, 
                 request.seed = (body.seed + i) & UINT64_MAX
             samples.append(Sample(index, group, request))
     return samples
+
+
+def _int32(value: int | None) -> int | None:
+    return None if value is None else min(value, INT32_MAX)
 
 
 # ---------------------------------------------------------------- responses

@@ -13,6 +13,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 UINT64_MAX = 2**64 - 1
 INT64_MIN = -(2**63)
+# serving.v1 token ids are int32; the scheduler checks them against the vocabulary.
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 def _only(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
@@ -71,7 +73,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: Annotated[bool, _only(lambda v: not v, "false")] = False
     logprobs: Annotated[int | None, _only(lambda v: v is None, "null")] = None
     suffix: Annotated[str | None, _only(lambda v: not v, "null")] = None

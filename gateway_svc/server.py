@@ -26,7 +26,11 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on
+    # accepted sockets whose proto says TCP. With Nagle on, every write after the first
+    # on a keep-alive connection (the response body after its headers, each SSE event
+    # after the previous one) waits for the client's delayed ACK: ~40 ms per write.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)  # connections queue from here on, before uvicorn accepts them

@@ -71,6 +71,13 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def restart(self) -> "ServiceProcess":
+        """Stop if still running (e.g. after kill()), then start again on the same
+        port, as a supervisor would: clients keep using the address they know."""
+        self.stop()
+        self.bind_port = self.port
+        return self.start()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -90,10 +97,13 @@ class ServiceProcess:
 
 
 class Cluster:
-    """A worker (or several) and a scheduler in front of them, as real processes."""
+    """A worker (or several) and a scheduler in front of them, as real processes;
+    with `gateway=True` also the OpenAI-compatible HTTP gateway in front of the
+    scheduler (`gateway_url` is its base URL)."""
 
     def __init__(self, model_dir: Path, worker_args: list[str] = (), scheduler_args: list[str] = (),
-                 num_workers: int = 1, inherit_output: bool = False, scheduler_port: int = 0):
+                 num_workers: int = 1, inherit_output: bool = False, scheduler_port: int = 0,
+                 gateway: bool = False, gateway_port: int = 0, gateway_args: list[str] = ()):
         self.model_dir = model_dir
         self.workers = [ServiceProcess("worker_svc", ["--model", str(model_dir), *worker_args],
                                        inherit_output=inherit_output) for _ in range(num_workers)]
@@ -101,10 +111,26 @@ class Cluster:
         self.inherit_output = inherit_output
         self.scheduler_port = scheduler_port
         self.scheduler: ServiceProcess | None = None
+        self.with_gateway = gateway
+        self.gateway_port = gateway_port
+        self.gateway_args = list(gateway_args)
+        self.gateway: ServiceProcess | None = None
 
     @property
     def address(self) -> str:
         return self.scheduler.address
+
+    @property
+    def gateway_url(self) -> str:
+        """http://127.0.0.1:PORT of the gateway (the OpenAI base URL is this + /v1)."""
+        if self.gateway is None:
+            raise RuntimeError("this cluster was started without a gateway (Cluster(..., gateway=True))")
+        return f"http://{self.gateway.address}"
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        """Every started service process: workers, scheduler, gateway."""
+        return [p for p in (*self.workers, self.scheduler, self.gateway) if p is not None and p.proc is not None]
 
     def start(self) -> "Cluster":
         try:
@@ -115,12 +141,20 @@ class Cluster:
                                                               *self.scheduler_args],
                                             inherit_output=self.inherit_output,
                                             bind_port=self.scheduler_port).start()
+            if self.with_gateway:
+                self.gateway = ServiceProcess("gateway_svc", ["--scheduler", self.scheduler.address,
+                                                              "--model-dir", str(self.model_dir), *self.gateway_args],
+                                              inherit_output=self.inherit_output,
+                                              bind_port=self.gateway_port).start()
         except Exception:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
+        # Front to back: the gateway's streams end before the scheduler goes away.
+        if self.gateway:
+            self.gateway.stop()
         if self.scheduler:
             self.scheduler.stop()
         for w in self.workers:
