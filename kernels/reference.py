@@ -10,11 +10,24 @@ at offset ``p % block_size``; its *slot* is ``block * block_size + offset``.
 Batches are varlen: sequence s owns the query rows
 ``cu_query_lens[s]:cu_query_lens[s + 1]``, which are the last tokens of its
 ``context_lens[s]`` tokens (the KV of the new tokens is written before attention).
+
+Quantized caches (FP8 e4m3 / INT8, see kernels/quant.py): the cache tensors hold
+the 8-bit values and every op takes the per-token-per-head scales as keyword
+arguments, per layer
+
+    k_scale, v_scale: [num_blocks, num_kv_heads, block_size]  fp32
+    k_zero,  v_zero:  [num_blocks, num_kv_heads, block_size]  int8 (INT8 only)
+
+write_kv quantizes each written token and stores its scales beside it; the
+attention ops dequantize what they read (to fp32, then the query dtype). With
+the keywords left out (None) the ops are the unquantized ones.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import quant
 
 
 def write_kv(
@@ -23,15 +36,44 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> None:
     """Scatter key/value [T, kv_heads, head_dim] into the cache at slot_mapping [T];
-    slots < 0 are skipped."""
+    slots < 0 are skipped. A quantized cache (FP8/INT8) quantizes each token per
+    KV head and writes its scale (and zero point) at the same slot."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+    if not quant.is_quantized(k_cache.dtype):
+        k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+        return
+    _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    for x, cache, scale, zero in ((key, k_cache, k_scale, k_zero), (value, v_cache, v_scale, v_zero)):
+        q, s, z = quant.quantize(x[keep], cache.dtype)
+        cache[blocks, :, offsets] = q
+        scale[blocks, :, offsets] = s
+        if zero is not None:
+            zero[blocks, :, offsets] = z
+
+
+def _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero) -> None:
+    """A quantized cache comes with scales shaped like it minus head_dim (and zero
+    points for INT8)."""
+    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    assert k_scale is not None and v_scale is not None, f"a {k_cache.dtype} cache needs k_scale and v_scale"
+    assert k_scale.shape == v_scale.shape == k_cache.shape[:-1], (k_scale.shape, k_cache.shape)
+    assert k_scale.dtype == v_scale.dtype == quant.SCALE_DTYPE, k_scale.dtype
+    if quant.has_zero_point(k_cache.dtype):
+        assert k_zero is not None and v_zero is not None, f"a {k_cache.dtype} cache needs k_zero and v_zero"
+        assert k_zero.shape == v_zero.shape == k_scale.shape and k_zero.dtype == v_zero.dtype == quant.ZERO_DTYPE
+    else:
+        assert k_zero is None and v_zero is None, f"a {k_cache.dtype} cache has no zero points"
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -40,6 +82,24 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     _, num_kv_heads, block_size, head_dim = cache.shape
     gathered = cache[block_tables.long()]  # [S, max_blocks, kv_heads, bs, d]
     return gathered.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+
+
+def gather_scales(scales: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, kv_heads, bs] x [S, max_blocks] -> [S, kv_heads, max_blocks*bs]."""
+    num_seqs, max_blocks = block_tables.shape
+    _, num_kv_heads, block_size = scales.shape
+    gathered = scales[block_tables.long()]  # [S, max_blocks, kv_heads, bs]
+    return gathered.permute(0, 2, 1, 3).reshape(num_seqs, num_kv_heads, max_blocks * block_size)
+
+
+def _read_context(cache, block_tables, scale, zero, dtype) -> torch.Tensor:
+    """The sequences' K or V [S, kv_heads, max_blocks*bs, d] in `dtype`, dequantized
+    (through fp32) when the cache is quantized."""
+    values = gather_context(cache, block_tables)
+    if not quant.is_quantized(cache.dtype):
+        return values.to(dtype)
+    zeros = gather_scales(zero, block_tables) if zero is not None else None
+    return quant.dequantize(values, gather_scales(scale, block_tables), zeros).to(dtype)
 
 
 def paged_prefill_attention(
@@ -51,13 +111,19 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context.
 
     query [T, q_heads, d]; block_tables [S, max_blocks] (padding entries may be any
     valid block id); cu_query_lens [S + 1]; context_lens [S] (cached + new tokens).
     A token at position p sees positions j <= p, and with a sliding window W > 0
-    only j > p - W. Returns [T, q_heads, d] in query's dtype.
+    only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
+    read through its scales (k_scale, v_scale, and k_zero, v_zero for INT8).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -72,8 +138,10 @@ def paged_prefill_attention(
     padded[seq_of_token, row_of_token] = query
     padded = padded.transpose(1, 2)
 
-    keys = gather_context(k_cache, block_tables).to(query.dtype)
-    values = gather_context(v_cache, block_tables).to(query.dtype)
+    if quant.is_quantized(k_cache.dtype):
+        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    keys = _read_context(k_cache, block_tables, k_scale, k_zero, query.dtype)
+    values = _read_context(v_cache, block_tables, v_scale, v_zero, query.dtype)
     key_pos = torch.arange(keys.shape[2], device=device)
     rows = torch.arange(max_query_len, device=device)
     query_pos = (context_lens - query_lens)[:, None].long() + rows[None, :]  # [S, Qmax]
@@ -98,6 +166,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
@@ -105,11 +178,25 @@ def paged_decode_attention(
     num_seqs = query.shape[0]
     cu_query_lens = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
     return paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window
+        query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window,
+        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
     )
 
 
-def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole blocks src[i] -> dst[i] in every layer; caches are [layers, blocks, ...]."""
-    k_cache[:, dst] = k_cache[:, src]
-    v_cache[:, dst] = v_cache[:, src]
+def copy_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] in every layer; caches are [layers, blocks, ...].
+    The scales and zero points of a quantized cache ([layers, blocks, ...] too) are
+    copied with their blocks."""
+    for tensor in (k_cache, v_cache, k_scale, v_scale, k_zero, v_zero):
+        if tensor is not None:
+            tensor[:, dst] = tensor[:, src]

@@ -13,6 +13,14 @@ layout and the varlen conventions).
 * Sliding window: the KV loop starts at the block holding the first position
   any row of the tile can see, so blocks wholly outside the window are never
   visited; the loads are also masked to that range, so no slot outside it is read.
+* Quantized caches (FP8 e4m3 / INT8 with per-token-per-head scales, the math in
+  kernels/quant.py): ``_write_kv_quant_kernel`` quantizes each token's head row
+  and stores its scale (and zero point) beside it (``_to_cache``); the attention
+  kernel dequantizes every K/V tile it loads (``_from_cache``). The ``QUANT``
+  constexpr selects the path, so the unquantized kernels compile as before.
+  FP8 rounding is done in fp32 arithmetic (``_round_e4m3``), not by the cast:
+  the interpreter's fp32 -> fp8 cast mis-rounds (e.g. 126.6 -> 64), and the
+  explicit round-to-nearest-even gives the bits torch's cast gives, everywhere.
 
 Kernels run compiled on CUDA (matmuls in the query dtype, fp32 accumulation), or
 under the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1`` set before
@@ -26,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
+from kernels import quant, reference
 
 LOG2E = 1.4426950408889634
 
@@ -44,10 +52,85 @@ _INTERPRET = interpreter_enabled()  # fixed at import, as the @triton.jit decora
 
 @triton.jit
 def _to_cache(x, cache_ptr):
-    # The quantizing-write hook: an FP8/INT8 cache turns this into "divide by the
-    # block's scale, round, clamp" (and write_kv passes the scale tensor and the
-    # block ids it already has). Today it is a plain cast to the cache dtype.
+    # The write of an unquantized cache: a plain cast to the cache dtype. The
+    # quantized caches go through _quantize_rows below.
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """fp32 |y| <= 448 -> the nearest float8 e4m3 value (ties to even), still in fp32.
+
+    The step of e4m3 around y is 2^(e - 3) for y's binary exponent e >= -6 and the
+    subnormal step 2^-9 below; scaling by powers of two is exact, and adding and
+    subtracting 1.5 * 2^23 rounds an fp32 below 2^22 to an integer, ties to even.
+    The sign is put back from y's sign bit, so -0.0 and tiny negatives give -0 as
+    torch's cast does."""
+    bits = y.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - (exp - 3)) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _quantize_rows(x, QUANT: tl.constexpr):
+    """Rows of fp32 x [BLOCK_T, BLOCK_D] (padding columns hold 0) -> (q in fp32,
+    scale [BLOCK_T], zero point [BLOCK_T] in fp32; 0 for FP8): the fp32 operations
+    of kernels/quant.py, in its order, with correctly rounded divisions."""
+    if QUANT == 1:  # FP8 e4m3, symmetric
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
+        safe = tl.where(scale > 0, scale, 1.0)
+        y = tl.math.div_rn(x, safe[:, None])
+        q = _round_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+        zero = tl.zeros_like(scale)
+    else:  # INT8 with a zero point; the range holds 0
+        lo = tl.minimum(tl.min(x, axis=1), 0.0)
+        hi = tl.maximum(tl.max(x, axis=1), 0.0)
+        scale = tl.math.div_rn(hi - lo, 255.0)
+        safe = tl.where(scale > 0, scale, 1.0)
+        zero = tl.minimum(tl.maximum(-128.0 - tl.floor(tl.math.div_rn(lo, safe) + 0.5), -128.0), 127.0)
+        q = tl.floor(tl.math.div_rn(x, safe[:, None]) + 0.5) + zero[:, None]
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    return q, scale, zero
+
+
+@triton.jit
+def _write_kv_quant_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr,
+    slot_ptr, num_tokens,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
+    stride_sb, stride_sh, stride_ss,  # so do the scales and zero points
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,  # 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
+):
+    # A program quantizes BLOCK_T tokens of one KV head: a row is one token's head
+    # vector, whose absmax (or min/max) gives the scale stored at the token's slot.
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    dim = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    row_ok = slot >= 0
+    keep = row_ok[:, None] & (dim < HEAD_DIM)[None, :]
+    tok64 = tok.to(tl.int64)[:, None]
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dst = (block * stride_cb + head * stride_ch + offset * stride_cs)[:, None] + (dim * stride_cd)[None, :]
+    scale_dst = block * stride_sb + head * stride_sh + offset * stride_ss
+    k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep, other=0.0)
+    q, scale, zero = _quantize_rows(k.to(tl.float32), QUANT)
+    tl.store(k_cache_ptr + dst, q.to(k_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(k_scale_ptr + scale_dst, scale, mask=row_ok)
+    if QUANT == 2:
+        tl.store(k_zero_ptr + scale_dst, zero.to(k_zero_ptr.dtype.element_ty), mask=row_ok)
+    v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep, other=0.0)
+    q, scale, zero = _quantize_rows(v.to(tl.float32), QUANT)
+    tl.store(v_cache_ptr + dst, q.to(v_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(v_scale_ptr + scale_dst, scale, mask=row_ok)
+    if QUANT == 2:
+        tl.store(v_zero_ptr + scale_dst, zero.to(v_zero_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -81,14 +164,32 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> None:
     """Scatter key/value [T, kv_heads, head_dim] into the cache at slot_mapping [T];
-    slots < 0 are skipped."""
+    slots < 0 are skipped. A quantized cache (FP8/INT8) quantizes each token per
+    KV head and writes its scale (and zero point) at the same slot."""
     num_tokens = key.shape[0]
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, k_cache.shape)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    code = quant.quant_code(k_cache.dtype)
+    if code:
+        k_scale, v_scale, k_zero, v_zero = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
     if num_tokens == 0:
+        return
+    if code:
+        block_d = triton.next_power_of_2(head_dim)
+        block_t = max(1, min(16, 4096 // block_d, triton.next_power_of_2(num_tokens)))
+        _write_kv_quant_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
+            key, value, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, slot_mapping, num_tokens,
+            *key.stride(), *value.stride(), *k_cache.stride(), *k_scale.stride(),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_T=block_t, BLOCK_D=block_d, QUANT=code,
+        )
         return
     block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
     block_t = max(1, min(16, 4096 // block_hd, triton.next_power_of_2(num_tokens)))
@@ -104,10 +205,18 @@ def write_kv(
 
 
 @triton.jit
-def _from_cache(x, COMPUTE: tl.constexpr):
-    # The dequantizing-read hook (the mirror of _to_cache): an FP8/INT8 cache
-    # multiplies by the per-block scale here; the caller has the block ids.
-    return x.to(COMPUTE)
+def _from_cache(x, scale_ptr, zero_ptr, scale_off, mask, COMPUTE: tl.constexpr, QUANT: tl.constexpr):
+    # The dequantizing read (the mirror of _quantize_rows): x is a [BLOCK_N, BLOCK_D]
+    # K or V tile; an FP8/INT8 cache scales row n by the scale (minus the zero
+    # point) stored for its position at scale_off[n]. fp32, then the compute dtype,
+    # as kernels/quant.py and the reference do.
+    if QUANT == 0:
+        return x.to(COMPUTE)
+    else:
+        values = x.to(tl.float32)
+        if QUANT == 2:
+            values = values - tl.load(zero_ptr + scale_off, mask=mask, other=0).to(tl.float32)[:, None]
+        return (values * tl.load(scale_ptr + scale_off, mask=mask, other=0.0)[:, None]).to(COMPUTE)
 
 
 @triton.jit
@@ -131,12 +240,14 @@ def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_query_lens_ptr,
+    k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr,  # read only when QUANT > 0
     qk_scale,  # scale * log2(e): the softmax runs in base 2
     sliding_window, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
     stride_bt,
+    stride_sb, stride_sh, stride_ss,  # the scales and zero points share one too
     GROUP: tl.constexpr,        # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,   # tokens per cache block
@@ -148,6 +259,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,      # sliding_window > 0
     COMPUTE: tl.constexpr,      # dtype of the tl.dot inputs (accumulation is fp32)
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,        # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
 ):
     kv_head = tl.program_id(1)
     if DECODE:
@@ -185,6 +297,7 @@ def _paged_attention_kernel(
     if SLIDING:
         kv_start = tl.maximum(first_pos - sliding_window + 1, 0)
     head_off = kv_head.to(tl.int64) * stride_ch
+    scale_head_off = kv_head.to(tl.int64) * stride_sh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -196,9 +309,10 @@ def _paged_attention_kernel(
         # Per-position block lookup: a tile spans BLOCK_N // BLOCK_SIZE blocks (or part of one).
         block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + head_off + (kv_pos % BLOCK_SIZE) * stride_cs
+        scale_off = block * stride_sb + scale_head_off + (kv_pos % BLOCK_SIZE) * stride_ss
         load_ok = kv_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + (dims * stride_cd)[None, :], mask=load_ok, other=0.0)
-        k = _from_cache(k, COMPUTE)
+        k = _from_cache(k, k_scale_ptr, k_zero_ptr, scale_off, kv_ok, COMPUTE, QUANT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -213,7 +327,7 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + (dims * stride_cd)[None, :], mask=load_ok, other=0.0)
-        v = _from_cache(v, COMPUTE)
+        v = _from_cache(v, v_scale_ptr, v_zero_ptr, scale_off, kv_ok, COMPUTE, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -244,11 +358,23 @@ def _attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, bloc
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_m // group,
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DECODE=decode, SLIDING=sliding,
         COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
+        QUANT=quant.quant_code(cache_dtype),
     )
 
 
+def _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero):
+    """Checks the scales of a quantized cache; FP8 has no zero points, and their
+    pointer slots get the scales (never read)."""
+    reference._check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    assert k_scale.stride() == v_scale.stride(), (k_scale.stride(), v_scale.stride())
+    if k_zero is None:
+        return k_scale, v_scale, k_scale, v_scale
+    assert k_zero.stride() == k_scale.stride() == v_zero.stride(), (k_zero.stride(), k_scale.stride())
+    return k_scale, v_scale, k_zero, v_zero
+
+
 def _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, scale, sliding_window,
-                      decode: bool) -> torch.Tensor:
+                      decode: bool, k_scale=None, v_scale=None, k_zero=None, v_zero=None) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
@@ -256,6 +382,11 @@ def _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_qu
     assert k_cache.shape[-1] == head_dim, (query.shape, k_cache.shape)
     num_seqs = block_tables.shape[0]
     assert not decode or num_tokens == num_seqs, "decode takes one query token per sequence"
+    if quant.is_quantized(k_cache.dtype):
+        scales = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+        scale_strides = k_scale.stride()
+    else:  # the pointer slots take any tensor; they are never read
+        scales, scale_strides = (k_cache, v_cache, k_cache, v_cache), (0, 0, 0)
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -265,9 +396,9 @@ def _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_qu
     # _find_seq), an upper bound on their number that needs no device sync.
     grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, context_lens, cu_query_lens,
+        out, query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, *scales,
         scale * LOG2E, sliding_window, num_seqs,
-        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0), *scale_strides,
         **meta,
     )
     return out
@@ -282,15 +413,22 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context.
 
     query [T, q_heads, d]; block_tables [S, max_blocks]; cu_query_lens [S + 1];
     context_lens [S] (cached + new tokens). A token at position p sees positions
     j <= p, and with a sliding window W > 0 only j > p - W. Returns [T, q_heads, d]
-    in query's dtype."""
+    in query's dtype. A quantized cache is read through its scales (k_scale,
+    v_scale, and k_zero, v_zero for INT8)."""
     return _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, scale,
-                             sliding_window, decode=False)
+                             sliding_window, decode=False, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
+                             v_zero=v_zero)
 
 
 def paged_decode_attention(
@@ -301,16 +439,23 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
     # cu_query_lens is unused in decode mode; any tensor fills the pointer slot.
     return _launch_attention(query, k_cache, v_cache, block_tables, context_lens, context_lens, scale,
-                             sliding_window, decode=True)
+                             sliding_window, decode=True, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
+                             v_zero=v_zero)
 
 
-# Whole-block copies are plain tensor indexing: no kernel needed.
+# Whole-block copies (values, and the scales of a quantized cache) are plain
+# tensor indexing: no kernel needed.
 copy_blocks = reference.copy_blocks
 
 

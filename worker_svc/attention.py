@@ -39,17 +39,18 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)
+        scales = self.cache.layer_scales(layer)  # FP8/INT8: quantize on write, dequantize on read
         batch = self.batch
-        self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
         parts = []
         split = batch.decode.num_tokens if batch.decode else 0
         if batch.decode:
             group = batch.decode
             parts.append(self.ops.paged_decode_attention(
-                q[:split], k_cache, v_cache, group.block_tables, group.context_lens, self.scale, window))
+                q[:split], k_cache, v_cache, group.block_tables, group.context_lens, self.scale, window, **scales))
         if batch.prefill:
             group = batch.prefill
             parts.append(self.ops.paged_prefill_attention(
                 q[split:], k_cache, v_cache, group.block_tables, group.cu_query_lens, group.context_lens,
-                self.scale, window))
+                self.scale, window, **scales))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -21,7 +21,36 @@ from worker_svc.step_input import Limits, StepInput, validate
 log = structlog.get_logger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                   "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+# FP8 e4m3 needs Ada / Hopper or newer: native e4m3 conversions, and Triton's
+# fp8e4nv type, start at compute capability 8.9.
+FP8_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def resolve_kv_dtype(requested: str, weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache dtype actually used for --kv-dtype `requested`.
+
+    * auto: the weights' dtype.
+    * fp8 on a CUDA device below compute capability 8.9 (e.g. A100, sm_80):
+      INT8 instead, with one warning; the worker serves on.
+    * fp8 on CPU: kept. CPU torch stores float8_e4m3fn and converts to and from it
+      in software (round to nearest even, as the GPU's conversion), and the Triton
+      interpreter reads it, so FP8 is emulated exactly, only slower than a native
+      cast; quality measured on CPU is FP8's.
+    """
+    if requested == "auto":
+        return weights_dtype
+    dtype = KV_TORCH_DTYPES[requested]
+    if dtype == torch.float8_e4m3fn and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CUDA_CAPABILITY:
+            log.warning("kv cache fp8 not supported on this device: falling back to int8",
+                        requested="fp8", kv_dtype="int8", device=_describe(device),
+                        compute_capability=f"{capability[0]}.{capability[1]}",
+                        needs=f"{FP8_MIN_CUDA_CAPABILITY[0]}.{FP8_MIN_CUDA_CAPABILITY[1]}")
+            return torch.int8
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -40,9 +69,12 @@ class WorkerInfo:
     dtype: str
     device: str
     instance_id: str
-    kv_bytes_per_block: int
+    kv_bytes_per_block: int  # all layers, K and V, scales included
     sliding_window: int
     attention_backend: str
+    kv_bytes_per_token: int  # kv_bytes_per_block / block_size
+    kv_scale_bytes_per_block: int  # the scales' and zero points' share of kv_bytes_per_block
+    kv_dtype_requested: str  # --kv-dtype as configured; kv_dtype is what it resolved to
 
 
 class Worker:
@@ -54,7 +86,7 @@ class Worker:
         dtype = TORCH_DTYPES[config.dtype]
         self.model = DecoderModel.load(config.model, dtype, self.device)
         spec = self.model.spec
-        kv_dtype = dtype if config.kv_dtype == "auto" else KV_TORCH_DTYPES[config.kv_dtype]
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
         num_blocks = config.num_blocks or self._blocks_for_memory(kv_dtype)
         self.cache = PagedKVCache(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size, spec.head_dim,
                                   kv_dtype, self.device)
@@ -70,11 +102,14 @@ class Worker:
             kv_dtype=str(kv_dtype).removeprefix("torch."), dtype=config.dtype, device=_describe(self.device),
             instance_id=uuid.uuid4().hex, kv_bytes_per_block=self.cache.block_bytes,
             sliding_window=spec.sliding_window, attention_backend=self.backend,
+            kv_bytes_per_token=self.cache.block_bytes // config.block_size,
+            kv_scale_bytes_per_block=self.cache.scale_block_bytes, kv_dtype_requested=config.kv_dtype,
         )
         # One step at a time: steps mutate the shared cache.
         self._step_lock = threading.Lock()
 
     def _blocks_for_memory(self, kv_dtype: torch.dtype) -> int:
+        """Blocks that fit in --kv-cache-memory-mb, each costing its values and scales."""
         spec = self.model.spec
         per_block = PagedKVCache.bytes_per_block(spec.num_layers, spec.num_kv_heads, self.config.block_size,
                                                  spec.head_dim, kv_dtype)

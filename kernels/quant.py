@@ -1,0 +1,130 @@
+"""Quantized KV cache: the quantize / dequantize math, as pure torch functions.
+
+The reference ops (kernels/reference.py) call these; the Triton kernels
+(kernels/triton_ops.py) do the same fp32 operations in the same order, so that
+both write bit-identical caches.
+
+Granularity: one scale (and, for INT8, one zero point) per *token per KV head*,
+computed from that token's ``head_dim`` values when the token is written. The
+scales live beside the block, shaped like the cache minus ``head_dim``:
+
+    k_cache, v_cache  [layers, blocks, kv_heads, block_size, head_dim]  fp8 / int8
+    k_scale, v_scale  [layers, blocks, kv_heads, block_size]            fp32
+    k_zero,  v_zero   [layers, blocks, kv_heads, block_size]            int8 (INT8 only)
+
+Why per token: a block is filled token by token across many steps (decode) and
+by chunks of any size (chunked prefill, prefix-cache tails). A per-block scale
+would have to grow when a later token raises the block's absmax, re-quantizing
+the tokens already there (a read-modify-write of the whole block on every step,
+and a result that depends on the order of the writes). A per-token scale is
+written with its token and never changes, so writing a block one token at a time
+gives exactly the cache that one write of the whole block gives, and
+copy-on-write copies values and scales as plain bytes. Its cost is the scale
+bytes: 4 per token per head for FP8, 5 for INT8 (fp32 scale + int8 zero point);
+with head_dim 64 that is 6.25% / 7.8% on top of the 8-bit values, so the pool is
+~53% / ~54% of an FP16 pool (the worker's Info reports the exact figures).
+
+FP8 (e4m3, ``torch.float8_e4m3fn``, max 448), symmetric:
+    s = amax / 448;  q = e4m3(clamp(x / s, -448, 448))  (round to nearest even);
+    x' = q * s.
+    Bound: |x' - x| <= 2^-4 |x| + 2^-10 s, i.e. <= amax / 16 (3 mantissa bits
+    give a relative half-ulp of 2^-4; below 2^-6 the subnormal step is 2^-9).
+
+INT8, asymmetric with a zero point:
+    lo = min(min(x), 0), hi = max(max(x), 0);  s = (hi - lo) / 255;
+    z = clamp(-128 - round(lo / s), -128, 127);  q = clamp(round(x / s) + z, -128, 127);
+    x' = (q - z) * s.   round(y) = floor(y + 0.5).
+    Bound: |x' - x| <= s / 2 = (hi - lo) / 510 <= amax / 255 (the range holds 0,
+    so 0 is exact and z is an integer in [-128, 127]).
+
+A token whose values are all zero gets s = 0 and dequantizes to exact zeros.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_LEVELS = 255.0
+SCALE_DTYPE = torch.float32
+ZERO_DTYPE = torch.int8
+
+QUANTIZED_DTYPES = (FP8_DTYPE, torch.int8)
+# Kernel code of each cache dtype (the QUANT constexpr of the Triton kernels).
+QUANT_NONE, QUANT_FP8, QUANT_INT8 = 0, 1, 2
+
+# Documented round-trip bounds, per element: |x' - x| <= rel * |x| + amax_frac * amax.
+# (fp32 arithmetic adds at most a few ulps on top; the tests allow 1e-6 relative.)
+ROUND_TRIP_BOUNDS = {
+    FP8_DTYPE: dict(rel=2.0**-4, amax_frac=2.0**-10 / FP8_MAX),
+    torch.int8: dict(rel=0.0, amax_frac=1.0 / INT8_LEVELS),
+}
+
+
+def quant_code(dtype: torch.dtype) -> int:
+    if dtype == FP8_DTYPE:
+        return QUANT_FP8
+    if dtype == torch.int8:
+        return QUANT_INT8
+    return QUANT_NONE
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return quant_code(dtype) != QUANT_NONE
+
+
+def has_zero_point(dtype: torch.dtype) -> bool:
+    return dtype == torch.int8
+
+
+def scale_bytes_per_token_head(dtype: torch.dtype) -> int:
+    """Bytes of scale (+ zero point) stored per token per KV head, for K or for V."""
+    if not is_quantized(dtype):
+        return 0
+    size = torch.empty((), dtype=SCALE_DTYPE).element_size()
+    if has_zero_point(dtype):
+        size += torch.empty((), dtype=ZERO_DTYPE).element_size()
+    return size
+
+
+def _round(y: torch.Tensor) -> torch.Tensor:
+    return torch.floor(y + 0.5)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (q [..., head_dim] float8_e4m3fn, scale [...] fp32)."""
+    x = x.float()
+    scale = x.abs().amax(-1) / FP8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x / safe[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (q [..., head_dim] int8, scale [...] fp32, zero [...] int8)."""
+    x = x.float()
+    lo = x.amin(-1).clamp(max=0.0)
+    hi = x.amax(-1).clamp(min=0.0)
+    scale = (hi - lo) / INT8_LEVELS
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = (-128.0 - _round(lo / safe)).clamp(-128.0, 127.0)
+    q = (_round(x / safe[..., None]) + zero[..., None]).clamp(-128.0, 127.0)
+    return q.to(torch.int8), scale, zero.to(ZERO_DTYPE)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, scale, zero or None) for a quantized cache dtype."""
+    if dtype == FP8_DTYPE:
+        q, scale = quantize_fp8(x)
+        return q, scale, None
+    if dtype == torch.int8:
+        return quantize_int8(x)
+    raise ValueError(f"{dtype} is not a quantized KV dtype")
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """q [..., head_dim] with scale (and zero) [...] -> fp32 [..., head_dim]."""
+    values = q.float()
+    if zero is not None:
+        values = values - zero.float()[..., None]
+    return values * scale[..., None]
