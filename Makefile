@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 MODEL_DIR := models/SmolLM2-135M-Instruct
-PROTOS := proto/worker.proto proto/serving.proto
-STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto/serving_pb2_grpc.py
+PROTOS := proto/worker.proto proto/serving.proto proto/admin.proto
+STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto/serving_pb2_grpc.py \
+	proto/admin_pb2.py proto/admin_pb2_grpc.py
 
 HOST ?= 127.0.0.1
 WORKER_PORT ?= 50061
@@ -14,7 +15,7 @@ SCHEDULER_PORT ?= 50051
 DTYPE ?= bfloat16
 NUM_BLOCKS ?= 2048
 
-.PHONY: setup proto model test test-slow serve serve-worker clean
+.PHONY: setup proto model test test-slow serve serve-worker cluster cluster-status down compose-config clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -44,12 +45,48 @@ test-slow: setup model
 	$(PY) -m pytest -q -m slow
 
 WORKERS ?= 1
+GATEWAY_PORT ?= 8000
 
-# The whole system in the foreground: WORKERS worker processes and the scheduler
-# on $(HOST):$(SCHEDULER_PORT); Ctrl-C stops all of them.
+# The whole system in the foreground: WORKERS worker processes, the scheduler on
+# 127.0.0.1:$(SCHEDULER_PORT) and the OpenAI-compatible HTTP gateway on
+# 127.0.0.1:$(GATEWAY_PORT) (GATEWAY_PORT=-1: no gateway); Ctrl-C stops all of them.
 serve: setup model
 	$(PY) -m svc_common.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
+	    --gateway-port $(GATEWAY_PORT) --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)"
+
+# The same topology in the background (what docker-compose.yml runs, as plain
+# processes on $(HOST)): WORKERS workers, the scheduler on $(SCHEDULER_PORT), the
+# HTTP gateway on $(GATEWAY_PORT) (GATEWAY=0: none). Pid files and logs in run/;
+# `make down` stops everything.
+GATEWAY ?= 1
+RUN_DIR ?= run
+
+cluster: setup model
+	$(PY) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
+	    --host $(HOST) --port $(SCHEDULER_PORT) \
+	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)"
+
+cluster-status:
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) status
+
+down:
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) down
+
+# What CI checks of the containers (no Docker engine here): the compose file parses.
+compose-config:
+	docker-compose -f docker-compose.yml config -q
+
+SOAK_MINUTES ?= 1
+
+# Load tests, not part of `make test`: worker Step at batch sizes 1..256, up to 512
+# concurrent scheduler streams, and SOAK_MINUTES of mixed traffic with cancellations.
+# Each prints a table and fails on an error or a leaked block (~3 min by default).
+.PHONY: load
+load: setup
+	$(PY) -m tests.load.worker_step
+	$(PY) -m tests.load.scheduler_streams
+	$(PY) -m tests.load.soak --minutes $(SOAK_MINUTES)
 
 serve-worker: setup model
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)

@@ -21,6 +21,18 @@ arguments, per layer
 write_kv quantizes each written token and stores its scales beside it; the
 attention ops dequantize what they read (to fp32, then the query dtype). With
 the keywords left out (None) the ops are the unquantized ones.
+
+The contiguous layout (the baseline the paged cache is measured against) gives
+every sequence one whole slot of max_seq_len positions, per layer
+
+    k_cache, v_cache: [max_batch, num_kv_heads, max_seq_len, head_dim]
+
+(scales [max_batch, num_kv_heads, max_seq_len]). It is the paged layout with one
+block of max_seq_len tokens per sequence, so write_kv and copy_blocks serve it
+unchanged (slot = slot_index * max_seq_len + position); its attention ops,
+contiguous_prefill_attention / contiguous_decode_attention, take each
+sequence's slot index and read that slot's first context_len positions directly,
+with no block-table gather.
 """
 from __future__ import annotations
 
@@ -125,8 +137,19 @@ def paged_prefill_attention(
     only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
     read through its scales (k_scale, v_scale, and k_zero, v_zero for INT8).
     """
+    if quant.is_quantized(k_cache.dtype):
+        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    keys = _read_context(k_cache, block_tables, k_scale, k_zero, query.dtype)
+    values = _read_context(v_cache, block_tables, v_scale, v_zero, query.dtype)
+    return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
+
+
+def _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window) -> torch.Tensor:
+    """Causal attention of varlen query rows over per-sequence K/V [S, kv_heads, K, d]
+    whose position j is key j (K >= every context length; keys past a sequence's
+    context are masked out). Shared by the paged and contiguous layouts."""
     num_tokens, num_heads, head_dim = query.shape
-    num_seqs = block_tables.shape[0]
+    num_seqs = keys.shape[0]
     device = query.device
     query_lens = cu_query_lens[1:] - cu_query_lens[:-1]
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens.long(), output_size=num_tokens)
@@ -138,10 +161,6 @@ def paged_prefill_attention(
     padded[seq_of_token, row_of_token] = query
     padded = padded.transpose(1, 2)
 
-    if quant.is_quantized(k_cache.dtype):
-        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-    keys = _read_context(k_cache, block_tables, k_scale, k_zero, query.dtype)
-    values = _read_context(v_cache, block_tables, v_scale, v_zero, query.dtype)
     key_pos = torch.arange(keys.shape[2], device=device)
     rows = torch.arange(max_query_len, device=device)
     query_pos = (context_lens - query_lens)[:, None].long() + rows[None, :]  # [S, Qmax]
@@ -200,3 +219,67 @@ def copy_blocks(
     for tensor in (k_cache, v_cache, k_scale, v_scale, k_zero, v_zero):
         if tensor is not None:
             tensor[:, dst] = tensor[:, src]
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of the given slots of a contiguous cache:
+    [max_batch, kv_heads, max_seq_len, ...] x [S] -> [S, kv_heads, length, ...].
+    Sliced before indexing, so only `length` positions per slot are copied."""
+    return cache[:, :, :length][slots.long()]
+
+
+def _read_slots(cache, slots, length, scale, zero, dtype) -> torch.Tensor:
+    values = read_slots(cache, slots, length)
+    if not quant.is_quantized(cache.dtype):
+        return values.to(dtype)
+    zeros = read_slots(zero, slots, length) if zero is not None else None
+    return quant.dequantize(values, read_slots(scale, slots, length), zeros).to(dtype)
+
+
+def contiguous_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_prefill_attention over the contiguous layout: sequence s owns slot
+    slots[s] ([S] ints in [0, max_batch)) and its context is that slot's first
+    context_lens[s] positions. Same query/varlen conventions, same result."""
+    if quant.is_quantized(k_cache.dtype):
+        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    length = int(context_lens.max()) if context_lens.numel() else 0
+    keys = _read_slots(k_cache, slots, length, k_scale, k_zero, query.dtype)
+    values = _read_slots(v_cache, slots, length, v_scale, v_zero, query.dtype)
+    return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
+
+
+def contiguous_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over the contiguous layout. query [S, q_heads, d]."""
+    num_seqs = query.shape[0]
+    cu_query_lens = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
+    return contiguous_prefill_attention(
+        query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale, sliding_window,
+        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+    )

@@ -454,9 +454,28 @@ def paged_decode_attention(
                              v_zero=v_zero)
 
 
+def contiguous_prefill_attention(query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale,
+                                 sliding_window=0, *, k_scale=None, v_scale=None, k_zero=None, v_zero=None):
+    """reference.contiguous_prefill_attention: a contiguous cache [max_batch, kv_heads,
+    max_seq_len, d] is a paged one whose blocks are max_seq_len long, one per
+    sequence, so the paged kernel reads each slot directly through a 1-entry table."""
+    table = slots.to(torch.int32).reshape(-1, 1)
+    return _launch_attention(query, k_cache, v_cache, table, context_lens, cu_query_lens, scale, sliding_window,
+                             decode=False, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
+
+
+def contiguous_decode_attention(query, k_cache, v_cache, slots, context_lens, scale, sliding_window=0, *,
+                                k_scale=None, v_scale=None, k_zero=None, v_zero=None):
+    """reference.contiguous_decode_attention (see contiguous_prefill_attention)."""
+    table = slots.to(torch.int32).reshape(-1, 1)
+    return _launch_attention(query, k_cache, v_cache, table, context_lens, context_lens, scale, sliding_window,
+                             decode=True, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
+
+
 # Whole-block copies (values, and the scales of a quantized cache) are plain
 # tensor indexing: no kernel needed.
 copy_blocks = reference.copy_blocks
 
 
-__all__ = ["interpreter_enabled", "write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks"]
+__all__ = ["interpreter_enabled", "write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
+           "contiguous_decode_attention", "contiguous_prefill_attention"]

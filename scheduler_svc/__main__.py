@@ -7,33 +7,73 @@ import sys
 
 import structlog
 
+from scheduler_svc.auth import load_api_keys
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, StartupError
-from scheduler_svc.grpc_server import start_server
+from scheduler_svc.grpc_server import SchedulerServer, start_server
+from scheduler_svc.metrics import start_metrics_server
 from scheduler_svc.tokenizer import load_tokenizer
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
 from svc_common.ready_file import write_ready_file
+from svc_common.tls import server_credentials
 
 log = structlog.get_logger("scheduler_svc")
+# After the drain: time for the last messages (and UNAVAILABLE endings) to reach clients.
+FINAL_FLUSH_S = 2.0
 
 
 async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
+    api_keys = load_api_keys(config.api_keys, config.api_keys_file)
     engine = await Engine.connect(config, tokenizer)
     server, port = await start_server(engine, config.host, config.port, config.max_message_mb,
-                                      config.default_max_tokens)
+                                      config.default_max_tokens,
+                                      credentials=server_credentials(config.tls_cert, config.tls_key),
+                                      api_keys=api_keys)
     log.info("scheduler ready", host=config.host, port=port, workers=config.worker_addresses,
-             max_model_len=engine.max_model_len)
+             max_model_len=engine.max_model_len, tls=bool(config.tls_cert), api_keys=len(api_keys),
+             worker_tls=bool(config.worker_tls_ca))
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and api_keys):
+        log.warning("listening beyond loopback without TLS and API keys", host=config.host)
+    # Prometheus text on --metrics-port, served from this event loop (scheduler_svc/metrics.py).
+    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
     write_ready_file(config.ready_file, config.host, port)
-    stop = asyncio.Event()
+    signals = _signal_events()
+    await signals.get()
+    await shutdown(engine, server, config.drain_timeout_s, signals)
+    if metrics is not None:
+        metrics.close()
+
+
+def _signal_events() -> asyncio.Queue:
+    """Each SIGINT/SIGTERM puts an item: the first starts the drain, a second cuts it short."""
+    queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("scheduler stopping")
-    await server.stop(grace=5)
+        loop.add_signal_handler(sig, queue.put_nowait, sig)
+    return queue
+
+
+async def shutdown(engine: Engine, server: SchedulerServer, drain_timeout_s: float, signals: asyncio.Queue) -> None:
+    """Health NOT_SERVING and no new admissions; accepted requests get drain_timeout_s
+    to finish (a second signal ends the wait); those left end with UNAVAILABLE."""
+    log.info("scheduler draining", live_requests=engine.num_live, drain_timeout_s=drain_timeout_s)
+    engine.start_draining()
+    await server.set_serving(False)
+    idle = asyncio.create_task(engine.wait_idle(drain_timeout_s))
+    second = asyncio.create_task(signals.get())
+    await asyncio.wait([idle, second], return_when=asyncio.FIRST_COMPLETED)
+    second.cancel()
+    if not (idle.done() and idle.result()):
+        idle.cancel()
+        await engine.halt()  # no step may land on requests that are being failed
+        failed = engine.fail_all("UNAVAILABLE", "the scheduler shut down before the request finished")
+        log.warning("drain cut short", failed=failed)
+    await server.stop(FINAL_FLUSH_S)
+    engine.log_audit()
     await engine.stop()
+    log.info("scheduler stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(config.log_format, config.log_level)
     try:
         asyncio.run(serve(config))
-    except (StartupError, FileNotFoundError) as exc:
+    except (StartupError, OSError) as exc:  # OSError: cannot bind, unreadable key file
         log.error("start-up failed", error=str(exc))
         sys.exit(2)
 

@@ -87,7 +87,14 @@ class BlockPool:
         self.free_queue = make_free_queue(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}  # the prefix index
         self.num_cached_free_blocks = 0
-        self.evictions = 0
+        self.evictions = 0  # cached blocks reclaimed by allocate() (their hash dropped)
+        # Monotonic counters for the metrics (rates come from their deltas):
+        # blocks that left the free queue (allocate(), or a cached-free block a
+        # prefix hit revived) and blocks that went back to it, so
+        # num_used_blocks == blocks_allocated - blocks_freed at all times.
+        self.blocks_allocated = 0
+        self.blocks_freed = 0
+        self.eviction_events = 0  # allocate() calls that reclaimed at least one cached block
 
     # ---- counters -------------------------------------------------------
     @property
@@ -135,8 +142,10 @@ class BlockPool:
                 evicted += 1
             block.ref_cnt, block.shared = 1, False
             ids.append(block.block_id)
+        self.blocks_allocated += count
         if evicted:
             self.evictions += evicted
+            self.eviction_events += 1
             log.info("kv_blocks_evicted", blocks_reclaimed=evicted, total_evictions=self.evictions,
                      free_blocks=len(self.free_queue))
         return ids
@@ -155,6 +164,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 self.num_cached_free_blocks -= 1
+                self.blocks_allocated += 1
             block.ref_cnt += 1
             block.shared = True
 
@@ -178,6 +188,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.blocks_freed += 1
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
 

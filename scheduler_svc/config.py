@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_svc.eviction import EVICTION_POLICIES
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.tls import file_checks, pair_check
 
 
 @dataclass
@@ -16,13 +18,28 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step / running at once"})
     chunk_size: int = field(default=8192, metadata={"help": "largest prefill chunk of one request per step"})
+    dynamic_chunking: bool = field(default=False, metadata={"help": "shrink prefill chunks from --dynamic-chunk-max to --dynamic-chunk-min as free KV blocks run out"})
+    dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
+    dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     prefix_caching: bool = field(default=True, metadata={"help": "share full prompt blocks through the prefix hash index"})
+    eviction_policy: str = field(default="lru", metadata={"help": "which free cached block is reused first: lru, or priority (shared prefixes and pins outlive the rest)", "choices": EVICTION_POLICIES})
+    max_pinned_blocks: int = field(default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"})
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request leaves it unset"})
     connect_timeout_s: float = field(default=30.0, metadata={"help": "how long to wait for each worker at start-up"})
     worker_timeout_s: float = field(default=30.0, metadata={"help": "how long a lost worker may stay away before its requests fail with UNAVAILABLE"})
+    health_interval_s: float = field(default=1.0, metadata={"help": "how often an idle scheduler probes each worker, to notice one that died or restarted"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "after SIGTERM: how long accepted requests may take to finish before they end with UNAVAILABLE"})
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate for TLS on the client API (with --tls-key); default plaintext"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
+    api_keys: str = field(default="", metadata={"help": "comma-separated API keys; clients send 'authorization: Bearer KEY' (health stays open). Prefer the env var or --api-keys-file: flags show in ps"})
+    api_keys_file: str = field(default="", metadata={"help": "file with one API key per line (# comments); adds to --api-keys"})
+    worker_tls_ca: str = field(default="", metadata={"help": "PEM CA that signed the workers' certificates: talk TLS to workers"})
+    worker_tls_cert: str = field(default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"})
+    worker_tls_key: str = field(default="", metadata={"help": "PEM private key for --worker-tls-cert"})
+    metrics_port: int = field(default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
@@ -40,15 +57,27 @@ class SchedulerConfig:
             (bool(self.worker_addresses), "--workers", "at least one HOST:PORT"),
             (all(_is_host_port(a) for a in self.worker_addresses), "--workers", "a comma-separated list of HOST:PORT"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
+            (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", ">= 1"),
             (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1"),
             (self.chunk_size >= 1, "--chunk-size", ">= 1 (valid range [1, inf))"),
+            (self.dynamic_chunk_min >= 1, "--dynamic-chunk-min", ">= 1"),
+            (self.dynamic_chunk_max >= self.dynamic_chunk_min, "--dynamic-chunk-max", ">= --dynamic-chunk-min"),
             (self.max_model_len >= 0, "--max-model-len", ">= 0"),
             (self.max_waiting >= 1, "--max-waiting", ">= 1"),
+            (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (self.default_max_tokens >= 1, "--default-max-tokens", ">= 1"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
             (self.worker_timeout_s > 0, "--worker-timeout-s", "> 0"),
+            (self.health_interval_s > 0, "--health-interval-s", "> 0"),
+            (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "in 1..2047"),
+            pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
+            pair_check(self.worker_tls_cert, self.worker_tls_key, "--worker-tls-cert", "--worker-tls-key"),
+            (not self.worker_tls_cert or bool(self.worker_tls_ca), "--worker-tls-cert", "used with --worker-tls-ca"),
+            *file_checks({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--api-keys-file": self.api_keys_file,
+                         "--worker-tls-ca": self.worker_tls_ca, "--worker-tls-cert": self.worker_tls_cert,
+                         "--worker-tls-key": self.worker_tls_key}),
         ]
         for ok, flag, valid in checks:
             if not ok:

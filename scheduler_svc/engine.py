@@ -1,22 +1,29 @@
-"""The scheduler's engine: one EngineCore per worker, request routing, stats."""
+"""The scheduler's engine: one EngineCore per worker, request routing, stats,
+moving a lost worker's requests to the others (handover), and draining for a
+graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
+from proto import worker_pb2_grpc
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine_core import EngineCore, WorkerUnavailable
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.output import RequestStream
-from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.engine_core import CoreOptions, EngineCore, WorkerUnavailable
+from scheduler_svc.kv_cache_manager import KVCacheManager, LeakError
+from scheduler_svc.slot_manager import SlotManager
+from scheduler_svc.metrics import ObservabilityStats, stats_fields
+from scheduler_svc.output import StreamHandle
+from scheduler_svc.planner import Planner, PlannerConfig, QueueFull, RequestRejected
 from scheduler_svc.request import Request
 from scheduler_svc.tokenizer import ModelTokenizer
 from scheduler_svc.worker_client import WorkerClient, WorkerInfo
+from svc_common.tls import channel_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -26,7 +33,7 @@ class StartupError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class EngineStats:
+class EngineStats(ObservabilityStats):  # + the observability fields (scheduler_svc/metrics.py)
     running: int
     waiting: int
     blocks_total: int
@@ -39,6 +46,16 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_workers: int
+    blocks_cached_free: int
+    blocks_pinned: int
+    prefix_cache_queries: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    evictions: int
+    tokens_computed: int
+    resumed_tokens: int
+    recomputed_tokens: int
 
 
 class Engine:
@@ -46,16 +63,22 @@ class Engine:
         self.cores = cores
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.draining = False
         self._seq_ids = itertools.count(1)
+        # Client request id -> the planner request ids behind its stream (n > 1: a
+        # fork parent and its samples), and each of those -> the core it lives on.
+        self._members: dict[str, list[str]] = {}
         self._owner: dict[str, EngineCore] = {}
+        for core in cores:
+            core.handover = self.handover
 
     @classmethod
     async def connect(cls, config: SchedulerConfig, tokenizer: ModelTokenizer) -> "Engine":
-        clients = [WorkerClient(a, config.max_message_mb) for a in config.worker_addresses]
+        clients = [_worker_client(a, config) for a in config.worker_addresses]
         infos = await asyncio.gather(*(_first_info(c, config.connect_timeout_s) for c in clients))
         _check_compatible(infos, tokenizer)
-        cores = [EngineCore(c, info, _planner(config, info), tokenizer, config.worker_timeout_s)
-                 for c, info in zip(clients, infos)]
+        options = CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s)
+        cores = [EngineCore(c, info, _planner(config, info), tokenizer, options) for c, info in zip(clients, infos)]
         engine = cls(cores, tokenizer, cores[0].planner.max_len)
         for core in cores:
             core.start()
@@ -64,60 +87,209 @@ class Engine:
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
 
-    def submit(self, request: Request) -> RequestStream:
+    @property
+    def accepting(self) -> bool:
+        """New requests can be served: not shutting down and some worker is healthy."""
+        return not self.draining and any(c.healthy for c in self.cores)
+
+    @property
+    def block_size(self) -> int:
+        return self.cores[0].info.block_size
+
+    @property
+    def num_live(self) -> int:
+        """Requests whose client stream is still open."""
+        return len(self._members)
+
+    def submit(self, request: Request) -> StreamHandle:
         """Queue a request on the least loaded healthy worker; raises RequestRejected,
         QueueFull or WorkerUnavailable."""
-        healthy = [c for c in self.cores if c.healthy]
+        if self.draining:
+            raise WorkerUnavailable("the scheduler is shutting down")
+        if request.request_id in self._members:  # planners only see their own ids
+            raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
+        core = self._route(request, self.cores)
+        handle = core.add(request)
+        self._members[request.request_id] = handle.member_ids
+        for member_id in handle.member_ids:
+            self._owner[member_id] = core
+        return handle
+
+    def _route(self, request: Request, cores: list[EngineCore]) -> EngineCore:
+        healthy = [c for c in cores if c.healthy]
         if not healthy:
             raise WorkerUnavailable("no worker is available")
-        core = min(healthy, key=lambda c: c.load)
-        stream = core.add(request)
-        self._owner[request.request_id] = core
-        return stream
+        return min(healthy, key=lambda c: c.load)
+
+    def handover(self, source: EngineCore) -> bool:
+        """`source` lost its worker: move its live requests, with their outputs so far
+        and their client streams, to the least loaded healthy workers. False (nothing
+        moved) if there is none; the requests then wait for `source` to come back."""
+        others = [c for c in self.cores if c is not source and c.healthy]
+        if not others:
+            return False
+        requests, streams = source.take_requests()
+        moved = 0
+        for request in requests:
+            own = {rid: streams.pop(rid) for rid in _request_ids(request) if rid in streams}
+            target = self._route(request, others)
+            try:
+                target.adopt(request)
+            except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
+                for rid, stream in own.items():
+                    stream.fail("UNAVAILABLE", f"worker {source.info.address} was lost and no other worker could "
+                                               f"take the request over: {exc}")
+                    self._owner.pop(rid, None)
+                continue
+            target.adopt_streams(own)
+            for rid in _request_ids(request):
+                if rid in self._owner:  # not if its client has gone meanwhile
+                    self._owner[rid] = target
+            moved += 1
+            log.info("request moved", request_id=request.request_id, src=source.info.address,
+                     dst=target.info.address, output_tokens=request.num_output_tokens)
+        log.warning("requests moved off a lost worker", worker=source.info.address, moved=moved,
+                    failed=len(requests) - moved)
+        return True
 
     def release(self, request_id: str) -> None:
-        """The client's stream ended (done, cancelled or timed out): abort if still live."""
-        core = self._owner.pop(request_id, None)
-        if core is not None:
-            core.abort(request_id)
+        """The client's stream ended (done, cancelled or timed out): abort what is still live."""
+        for member_id in self._members.pop(request_id, ()):
+            core = self._owner.pop(member_id, None)
+            if core is None:
+                continue
+            try:
+                core.abort(member_id)
+            except Exception:  # a planner bug: log it, and still abort the other samples
+                log.exception("abort failed", request_id=member_id)
+
+    # ---- shutdown -----------------------------------------------------------
+    def start_draining(self) -> None:
+        """Refuse new requests (UNAVAILABLE); those already accepted run to the end."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Until every client stream has ended or timeout_s passed; True if idle."""
+        deadline = time.monotonic() + timeout_s
+        while self._members and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self._members
+
+    def fail_all(self, code: str, message: str) -> int:
+        return sum(core.fail_all(code, message) for core in self.cores)
 
     def stats(self) -> EngineStats:
         usages = [c.planner.kv.usage() for c in self.cores]
         counters = [c.counters for c in self.cores]
+        planners = [c.planner for c in self.cores]
+        query_tokens = sum(u.prefix_query_tokens for u in usages)
+        hit_tokens = sum(u.prefix_hit_tokens for u in usages)
         return EngineStats(
-            running=sum(c.planner.num_running for c in self.cores),
-            waiting=sum(c.planner.num_waiting for c in self.cores),
+            running=sum(p.num_running for p in planners),
+            waiting=sum(p.num_waiting for p in planners),
             blocks_total=sum(u.num_blocks for u in usages),
             blocks_used=sum(u.used_blocks for u in usages),
             blocks_free=sum(u.free_blocks for u in usages),
             tokens_in_cache=sum(u.tokens_held for u in usages),
             steps_run=sum(c.steps_run for c in counters),
             requests_finished=sum(c.requests_finished for c in counters),
-            preemptions=sum(c.planner.num_preemptions for c in self.cores),
+            preemptions=sum(p.num_preemptions for p in planners),
             prompt_tokens_total=sum(c.prompt_tokens for c in counters),
             generation_tokens_total=sum(c.generation_tokens for c in counters),
             num_workers=len(self.cores),
+            blocks_cached_free=sum(u.cached_free_blocks for u in usages),
+            blocks_pinned=sum(u.pinned_blocks for u in usages),
+            prefix_cache_queries=sum(u.prefix_queries for u in usages),
+            prefix_cache_query_tokens=query_tokens,
+            prefix_cache_hit_tokens=hit_tokens,
+            prefix_cache_hit_rate=hit_tokens / query_tokens if query_tokens else 0.0,
+            evictions=sum(u.evictions for u in usages),
+            tokens_computed=sum(c.tokens_computed for c in counters),
+            resumed_tokens=sum(p.resumed_tokens for p in planners),
+            recomputed_tokens=sum(p.recomputed_tokens for p in planners),
+            **stats_fields(self),
         )
 
     def audit(self) -> None:
         for core in self.cores:
             core.planner.audit()
 
-    async def stop(self) -> None:
+    def log_audit(self) -> bool:
+        """Audit every pool and log the outcome (at shutdown, when all must be free)."""
+        clean = True
+        for core in self.cores:
+            try:
+                core.planner.audit()
+            except LeakError as exc:
+                clean = False
+                log.error("engine audit failed", worker=core.info.address, error=str(exc))
+        if clean:
+            log.info("engine audit clean", blocks_used=sum(c.planner.kv.pool.num_used_blocks for c in self.cores),
+                     audit_failures=sum(c.counters.audit_failures for c in self.cores),
+                     worker_failures=sum(c.counters.worker_failures for c in self.cores),
+                     requests_failed=sum(c.counters.requests_failed for c in self.cores))
+        return clean
+
+    async def halt(self) -> None:
+        """Stop every core's step loop; a step in flight is abandoned."""
         for core in self.cores:
             await core.stop()
+
+    async def stop(self) -> None:
+        await self.halt()
+        for core in self.cores:
             await core.client.close()
+
+
+def _request_ids(request: Request) -> list[str]:
+    """The request and its parallel samples: each has its own client stream."""
+    return [request.request_id, *(c.request_id for c in request.children)]
+
+
+# Reconnect fast after a worker restarts: gRPC's default backoff grows to 120 s.
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                      ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+class _WorkerClient(WorkerClient):
+    """A WorkerClient whose channel may use (mutual) TLS and reconnects fast.
+    TODO(worker_client.py owner): take `credentials` and `options` in
+    WorkerClient.__init__ and drop this subclass."""
+
+    def __init__(self, address: str, max_message_mb: int, credentials: grpc.ChannelCredentials | None):
+        limit = max_message_mb * 2**20
+        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+                   *_RECONNECT_OPTIONS]
+        self.address = address
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+
+def _worker_client(address: str, config: SchedulerConfig) -> WorkerClient:
+    credentials = channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
+    return _WorkerClient(address, config.max_message_mb, credentials)
 
 
 def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
     max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
-    pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=config.prefix_caching)
     # Anything that changes a block's KV besides its tokens keys the prefix hash.
-    kv = KVCacheManager(pool, extra_keys=(info.model_name, info.model_type, info.dtype, info.kv_dtype))
+    extra_keys = (info.model_name, info.model_type, info.dtype, info.kv_dtype)
+    if info.kv_layout == "contiguous":  # one max_seq_len slot per sequence (num_blocks slots of block_size)
+        kv = SlotManager(info.num_blocks, info.block_size, extra_keys=extra_keys)
+    else:
+        pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=config.prefix_caching,
+                         eviction_policy=config.eviction_policy)
+        kv = KVCacheManager(pool, extra_keys=extra_keys,
+                            max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks)
     return Planner(PlannerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_num_seqs=config.max_num_seqs, chunk_size=config.chunk_size,
                                  max_model_len=max_len, max_waiting=config.max_waiting,
-                                 block_size=info.block_size), kv)
+                                 block_size=info.block_size, dynamic_chunking=config.dynamic_chunking,
+                                 dynamic_chunk_min=config.dynamic_chunk_min,
+                                 dynamic_chunk_max=config.dynamic_chunk_max), kv)
 
 
 async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:

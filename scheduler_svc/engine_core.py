@@ -1,16 +1,31 @@
 """Drives one worker: plan a step, run it on the worker, apply the result,
 stream the deltas. Everything runs on the asyncio loop, so the planner is only
-ever touched from one thread; the worker call is the only await in a step."""
+ever touched from one thread; the worker call is the only await in a step.
+
+Worker failure. A step that fails with a transport error (the worker died, was
+restarted, or the network dropped) loses the worker: every running request goes
+back to the queue, keeping the tokens it already streamed, and will recompute
+prompt + outputs. While the worker is lost the core asks the engine to move its
+requests to a healthy worker (`handover`); with none, they wait here until the
+worker answers again (reconnect with backoff) or `worker_timeout_s` passes, and
+then end with UNAVAILABLE. A worker that comes back with a new instance id has
+an empty cache, so the prefix index is reset before anything is scheduled.
+While idle, the core probes its worker every `health_interval_s`, so a dead or
+restarted worker is noticed before the next request is routed to it.
+"""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from scheduler_svc.output import RequestStream
+from scheduler_svc.kv_cache_manager import LeakError
+from scheduler_svc.metrics import RequestTiming, observe_step
+from scheduler_svc.output import RequestStream, StreamHandle, open_streams
 from scheduler_svc.planner import Planner, StepPlan
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.tokenizer import ModelTokenizer
@@ -21,6 +36,8 @@ log = structlog.get_logger(__name__)
 # Errors after which the worker may come back: reconnect and recompute.
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.UNKNOWN)
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.05, 1.0
+_PROBE_TIMEOUT_S = 2.0
 
 
 class WorkerUnavailable(RuntimeError):
@@ -31,25 +48,49 @@ class WorkerUnavailable(RuntimeError):
 class CoreCounters:
     steps_run: int = 0
     requests_finished: int = 0
+    requests_failed: int = 0
+    requests_moved_out: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    tokens_computed: int = 0  # tokens the worker ran a forward over (recomputation included)
     worker_failures: int = 0
+    worker_restarts: int = 0
+    audit_failures: int = 0
     last_step_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    worker_timeout_s: float = 30.0
+    health_interval_s: float = 1.0
+
+
+# Called by a core that lost its worker, with itself: moves its live requests to
+# another worker and returns True, or returns False if no worker can take them.
+Handover = Callable[["EngineCore"], bool]
 
 
 class EngineCore:
     def __init__(self, client: WorkerClient, info: WorkerInfo, planner: Planner, tokenizer: ModelTokenizer,
-                 worker_timeout_s: float):
+                 options: CoreOptions = CoreOptions(), handover: Handover | None = None):
         self.client = client
         self.info = info
         self.planner = planner
         self.tokenizer = tokenizer
-        self.worker_timeout_s = worker_timeout_s
+        self.options = options
+        self.handover = handover
         self.streams: dict[str, RequestStream] = {}
         self.counters = CoreCounters()
         self.healthy = True
+        self._lost_at = 0.0
+        self._refused_instance = ""
+        self._audited_at_step = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+
+    @property
+    def worker_timeout_s(self) -> float:
+        return self.options.worker_timeout_s
 
     @property
     def load(self) -> tuple[int, int]:
@@ -64,15 +105,45 @@ class EngineCore:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def add(self, request: Request) -> RequestStream:
+    # ---- requests ---------------------------------------------------------
+    def add(self, request: Request) -> StreamHandle:
+        """Queue a new request (with n > 1: a fork parent and its samples); raises
+        RequestRejected, QueueFull or WorkerUnavailable."""
         if not self.healthy:
             raise WorkerUnavailable(f"worker {self.info.address} is unavailable")
         self.planner.add(request)
-        stream = RequestStream(request, self.tokenizer)
-        self.streams[request.request_id] = stream
+        handle, streams = open_streams(request, self.tokenizer)
+        self.streams.update(streams)
         self.counters.prompt_tokens += request.num_prompt_tokens
         self._wakeup.set()
-        return stream
+        return handle
+
+    def adopt(self, request: Request) -> None:
+        """Queue a request moved here from a lost worker (its streams follow with
+        adopt_streams). It keeps its outputs: prompt + outputs are recomputed and
+        generation continues, so the client sees no token twice."""
+        if not self.healthy:
+            raise WorkerUnavailable(f"worker {self.info.address} is unavailable")
+        self.planner.add(request)
+        self._wakeup.set()
+
+    def take_requests(self) -> tuple[list[Request], dict[str, RequestStream]]:
+        """Give up every live request (oldest first) and the client streams that go
+        with them (a request's own, or its parallel samples'), e.g. to another worker."""
+        requests = self.planner.drain()
+        for request in requests:
+            # Block hashes are keyed by this worker's model/dtype; the next pool hashes its own.
+            request.block_hashes.clear()
+        streams = self._pop_streams(requests)
+        self.counters.requests_moved_out += len(requests)
+        return requests, streams
+
+    def adopt_streams(self, streams: dict[str, RequestStream]) -> None:
+        self.streams.update(streams)
+
+    def _pop_streams(self, requests: list[Request]) -> dict[str, RequestStream]:
+        ids = [r.request_id for r in requests] + [c.request_id for r in requests for c in r.children]
+        return {rid: self.streams.pop(rid) for rid in ids if rid in self.streams}
 
     def abort(self, request_id: str) -> bool:
         """Drop a request whose client went away; its blocks are freed now or by
@@ -86,19 +157,49 @@ class EngineCore:
         self._wakeup.set()
         return aborted
 
+    def fail_all(self, code: str, message: str) -> int:
+        """End every live request with a gRPC error (worker gone, shutdown); returns how many streams."""
+        streams = self._pop_streams(self.planner.drain())
+        for request_id, stream in streams.items():
+            stream.fail(code, message)
+            log.warning("request failed", request_id=request_id, code=code, reason=message)
+        self.counters.requests_failed += len(streams)
+        return len(streams)
+
+    # ---- the step loop ----------------------------------------------------
     async def _run(self) -> None:
         while True:
-            if not self.planner.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            plan = self.planner.schedule()
-            if plan.is_empty:
-                # Nothing fits right now (e.g. blocks held by ending requests): wait for a change.
-                self._wakeup.clear()
-                await _wait_or_timeout(self._wakeup, 0.01)
-                continue
-            await self._execute(plan)
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not silently stop this worker's loop
+                log.exception("engine core failed; ending its requests", worker=self.info.address)
+                self.fail_all("INTERNAL", "internal scheduler error; see the scheduler log")
+                await asyncio.sleep(_BACKOFF_FIRST_S)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.healthy:
+                await self._recover()
+            elif not self.planner.has_work():
+                await self._idle()
+            else:
+                plan = self.planner.schedule()
+                if plan.is_empty:
+                    # Nothing fits right now (e.g. blocks held by ending requests): wait for a change.
+                    await self._wait_for_wakeup(0.01)
+                else:
+                    await self._execute(plan)
+
+    async def _wait_for_wakeup(self, timeout_s: float) -> bool:
+        """True if woken (new work, an abort), False on timeout."""
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def _execute(self, plan: StepPlan) -> None:
         step_log = log.bind(step_id=plan.step_id, worker=self.info.address)
@@ -107,8 +208,7 @@ class EngineCore:
             result = await self.client.step(plan)
         except grpc.aio.AioRpcError as err:
             if err.code() in _TRANSIENT:
-                step_log.warning("worker step failed", code=err.code().name, details=err.details())
-                await self._recover()
+                self._lose(f"step failed: {err.code().name}: {err.details()}", step_id=plan.step_id)
             else:
                 step_log.error("worker rejected step", code=err.code().name, details=err.details())
                 self._fail_plan(plan, err)
@@ -118,10 +218,12 @@ class EngineCore:
             # result was computed over garbage. Forget it and recompute.
             step_log.warning("worker restarted", old=self.info.instance_id, new=result.instance_id)
             self.planner.requeue_all(reset_prefix_cache=True)
-            self.info = await self.client.info()
+            self._lose("restarted between steps", step_id=plan.step_id)
             return
+        observe_step(self, plan, result, started)  # metrics; before update(), while the step's requests are live
         updates = self.planner.update(plan, result.sampled)
         self.counters.steps_run += 1
+        self.counters.tokens_computed += plan.num_tokens
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
         step_log.debug("step", seqs=len(plan.seqs), tokens=plan.num_tokens, forward_ms=round(result.forward_ms, 2),
                        step_ms=round(self.counters.last_step_ms, 2), preempted=plan.preempted)
@@ -137,12 +239,15 @@ class EngineCore:
                 self.planner.finish(update.request_id, FinishReason.STOP)
             if stream.closed:
                 del self.streams[update.request_id]
-                self.counters.requests_finished += 1
-                r = stream.request
-                log.info("request finished", request_id=r.request_id, prompt_tokens=r.num_prompt_tokens,
-                         cached_tokens=r.num_cached_prompt_tokens, output_tokens=r.num_output_tokens,
-                         finish_reason=str(r.finish_reason or FinishReason.STOP),
-                         preemptions=r.num_preemptions)
+                if not update.forked:  # a fork parent's samples carry on under their own ids
+                    self._finished(stream.request, stream.timing)
+
+    def _finished(self, r: Request, timing: RequestTiming | None = None) -> None:
+        self.counters.requests_finished += 1
+        log.info("request finished", request_id=r.request_id, prompt_tokens=r.num_prompt_tokens,
+                 cached_tokens=r.num_cached_prompt_tokens, output_tokens=r.num_output_tokens,
+                 finish_reason=str(r.finish_reason or FinishReason.STOP), preemptions=r.num_preemptions,
+                 **(timing.log_fields() if timing is not None else {}))  # ttft_ms, e2e_ms, itl_ms_mean
 
     def _fail_plan(self, plan: StepPlan, err: grpc.aio.AioRpcError) -> None:
         """A step the worker refuses will be refused again: end its requests with
@@ -154,49 +259,81 @@ class EngineCore:
             if stream:
                 stream.fail("INTERNAL", f"worker rejected a step: {err.details()}")
 
-    async def _recover(self) -> None:
-        """Requeue everything (the worker's cache is gone or suspect) and wait for
-        the worker to answer again; past worker_timeout_s, fail the live requests."""
-        self.counters.worker_failures += 1
-        self.planner.requeue_all(reset_prefix_cache=True)
-        self.healthy = False
-        deadline = time.monotonic() + self.worker_timeout_s
-        info = await self._reconnect(deadline)
-        if info is None:
-            for request in self.planner.drain():
-                stream = self.streams.pop(request.request_id, None)
-                if stream:
-                    stream.fail("UNAVAILABLE", f"worker {self.info.address} did not come back within "
-                                               f"{self.worker_timeout_s}s")
-            log.error("worker gone, requests failed", worker=self.info.address)
-            info = await self._reconnect(None)
-        self._adopt(info)
-
-    async def _reconnect(self, deadline: float | None) -> WorkerInfo | None:
-        delay = 0.05
-        while deadline is None or time.monotonic() < deadline:
-            try:
-                return await self.client.info(timeout_s=2.0)
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        return None
-
-    def _adopt(self, info: WorkerInfo) -> None:
-        pool = self.planner.kv.pool
-        if (info.num_blocks, info.block_size) != (pool.num_blocks, pool.block_size):
-            # Our block ids would not match its pool; stay unhealthy and say why.
-            log.error("worker came back with another pool; not using it", worker=info.address,
-                      num_blocks=info.num_blocks, expected=pool.num_blocks)
+    # ---- idle: health watch and audit -------------------------------------
+    async def _idle(self) -> None:
+        if await self._wait_for_wakeup(self.options.health_interval_s):
             return
-        log.info("worker back", worker=info.address, instance_id=info.instance_id)
+        self._audit_if_changed()
+        try:
+            info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            self._lose(f"health probe failed: {err.code().name}: {err.details()}")
+            return
+        if info.instance_id != self.info.instance_id:
+            self.planner.requeue_all(reset_prefix_cache=False)  # _accept_worker resets the prefix cache
+            if not self._accept_worker(info):
+                self._lose("came back with another pool")
+
+    def _audit_if_changed(self) -> None:
+        """Idle is when every block must be accounted for: prove it once per busy spell."""
+        if self.counters.steps_run == self._audited_at_step:
+            return
+        self._audited_at_step = self.counters.steps_run
+        try:
+            self.planner.audit()
+        except LeakError as exc:
+            self.counters.audit_failures += 1
+            log.error("engine audit failed", worker=self.info.address, error=str(exc))
+
+    # ---- losing and regaining the worker ------------------------------------
+    def _lose(self, reason: str, step_id: int | None = None) -> None:
+        """Everything running goes back to the queue with its outputs; the prefix
+        index is kept until we know whether the same worker instance comes back."""
+        self.planner.requeue_all(reset_prefix_cache=False)
+        self.healthy = False
+        self._lost_at = time.monotonic()
+        self.counters.worker_failures += 1
+        log.warning("worker lost", worker=self.info.address, reason=reason, step_id=step_id,
+                    requests=self.planner.num_waiting)
+
+    async def _recover(self) -> None:
+        """Until the worker answers again: move requests to a healthy worker if there
+        is one; past worker_timeout_s, end those still here with UNAVAILABLE."""
+        delay = _BACKOFF_FIRST_S
+        while True:
+            try:
+                info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                info = None
+            if info is not None and self._accept_worker(info):
+                return
+            if self.planner.has_work() and self.handover is not None:
+                self.handover(self)
+            if self.planner.has_work() and time.monotonic() - self._lost_at >= self.worker_timeout_s:
+                failed = self.fail_all("UNAVAILABLE", f"worker {self.info.address} did not come back within "
+                                                      f"{self.worker_timeout_s}s and no other worker could take over")
+                log.error("worker gone, requests failed", worker=self.info.address, failed=failed)
+            await self._wait_for_wakeup(delay)
+            delay = min(delay * 2, _BACKOFF_MAX_S)
+
+    def _accept_worker(self, info: WorkerInfo) -> bool:
+        """Trust the worker again if its pool matches ours; a new instance has an empty cache."""
+        pool = self.planner.kv.pool
+        if (info.model_name, info.num_blocks, info.block_size) != (self.info.model_name, pool.num_blocks,
+                                                                   pool.block_size):
+            if info.instance_id != self._refused_instance:  # say it once per instance, not every retry
+                self._refused_instance = info.instance_id
+                log.error("worker came back with another model or pool; not using it", worker=info.address,
+                          model=info.model_name, num_blocks=info.num_blocks, expected_num_blocks=pool.num_blocks)
+            return False
+        if info.instance_id != self.info.instance_id:
+            dropped = self.planner.kv.reset_prefix_cache()
+            self.counters.worker_restarts += 1
+            log.warning("worker restarted: prefix cache reset", worker=info.address, old=self.info.instance_id,
+                        new=info.instance_id, dropped_blocks=dropped)
+        log.info("worker back", worker=info.address, instance_id=info.instance_id,
+                 waiting=self.planner.num_waiting)
         self.info = info
         self.healthy = True
         self._wakeup.set()
-
-
-async def _wait_or_timeout(event: asyncio.Event, timeout_s: float) -> None:
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
-        pass
+        return True

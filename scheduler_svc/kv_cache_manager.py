@@ -33,6 +33,18 @@ class KVCacheUsage:
     prefix_queries: int = 0  # admissions that looked up the prefix index
     prefix_query_tokens: int = 0  # prompt tokens those lookups covered
     prefix_hit_tokens: int = 0  # of which found cached
+    # Internal fragmentation: every block in use counted once (a shared block at
+    # its fullest holder's fill, a pinned block full); free blocks do not count.
+    allocated_slots: int = 0  # used_blocks * block_size
+    unused_slots: int = 0  # slots of blocks in use that hold no token
+    blocks_allocated: int = 0  # total blocks taken from the free queue (monotonic)
+    blocks_freed: int = 0  # total blocks returned to it (monotonic)
+    eviction_events: int = 0  # allocations that reclaimed cached blocks (`evictions` counts the blocks)
+
+    @property
+    def fragmentation(self) -> float:
+        """Unused token slots in allocated blocks / allocated slots (0 with nothing allocated)."""
+        return self.unused_slots / self.allocated_slots if self.allocated_slots else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -156,6 +168,16 @@ class KVCacheManager:
         self._num_table_tokens[child.request_id] = self._num_table_tokens[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
+    # ---- capacity (the KVPool protocol, scheduler_svc/kv_pool.py) --------
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens one request can hold: the whole pool."""
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def free_fraction(self) -> float:
+        return self.pool.num_free_blocks / self.pool.num_blocks if self.pool.num_blocks else 0.0
+
     # ---- allocation -----------------------------------------------------
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         total_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
@@ -243,8 +265,25 @@ class KVCacheManager:
             raise ValueError(f"{request.request_id}: positions up to {end} but table covers {len(table) * bs}")
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
+    def filled_slots(self) -> int:
+        """Token slots holding (or scheduled to hold) a token, over the blocks in
+        use, each block counted once: a block shared by several tables counts at
+        the fill of its fullest holder; a pinned block is full."""
+        bs, fill = self.block_size, {}
+        for request_id, table in self.tables.items():
+            tokens = self._num_table_tokens.get(request_id, 0)
+            for i, block_id in enumerate(table):
+                filled = min(bs, max(0, tokens - i * bs))
+                if filled > fill.get(block_id, -1):
+                    fill[block_id] = filled
+        for blocks in self.pins.values():
+            for block_id in blocks:
+                fill[block_id] = bs
+        return sum(fill.values())
+
     def usage(self) -> KVCacheUsage:
         pool = self.pool
+        allocated_slots = pool.num_used_blocks * self.block_size
         return KVCacheUsage(
             num_blocks=pool.num_blocks,
             block_size=self.block_size,
@@ -259,6 +298,11 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            allocated_slots=allocated_slots,
+            unused_slots=max(0, allocated_slots - self.filled_slots()),
+            blocks_allocated=pool.blocks_allocated,
+            blocks_freed=pool.blocks_freed,
+            eviction_events=pool.eviction_events,
         )
 
     # ---- audit ----------------------------------------------------------

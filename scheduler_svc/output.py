@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.metrics import RequestTiming
 from scheduler_svc.planner import RequestUpdate
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.tokenizer import ModelTokenizer
@@ -30,19 +31,35 @@ class StreamEvent:
     # Set when the stream must end with a gRPC error instead (e.g. UNAVAILABLE).
     error_code: str = ""
     error_message: str = ""
+    index: int = 0  # which of a request's n samples
+
+
+@dataclass
+class StreamHandle:
+    """What the client call reads: one queue for all of a request's samples."""
+    events: asyncio.Queue
+    num_samples: int           # finished events that end the call
+    member_ids: list[str]      # planner request ids behind it (a fork parent and its children)
 
 
 class RequestStream:
-    def __init__(self, request: Request, tokenizer: ModelTokenizer):
+    def __init__(self, request: Request, tokenizer: ModelTokenizer, events: asyncio.Queue | None = None):
         self.request = request
         self.detokenizer = IncrementalDetokenizer.for_prompt(tokenizer, request.prompt_token_ids,
                                                              request.sampling.stop)
-        self.events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[StreamEvent] = events if events is not None else asyncio.Queue()
         self.closed = False
+        # Sees every token event of the request: TTFT, inter-token and end-to-end histograms.
+        self.timing = RequestTiming(request.arrival_time)
 
     def on_update(self, update: RequestUpdate) -> bool:
         """Queue the event for one planner update. Returns True when a stop string
         ended the request (the caller must then finish it in the planner)."""
+        if update.forked:
+            self.closed = True  # a fork parent: its children's streams take over
+            return False
+        if update.new_token_ids and not self.closed:
+            self.timing.on_tokens(len(update.new_token_ids))
         if update.prefill_progress is not None and not update.new_token_ids:
             self._put(StreamEvent(progress=update.prefill_progress))
             return False
@@ -59,11 +76,15 @@ class RequestStream:
         self._finish("", RequestUpdate(self.request.request_id), FinishReason.ABORT)
 
     def fail(self, code: str, message: str) -> None:
+        if not self.closed and not self.request.prefill_only:
+            self.timing.finish("error")
         self._put(StreamEvent(error_code=code, error_message=message))
         self.closed = True
 
     def _finish(self, text: str, update: RequestUpdate, reason: FinishReason | None) -> None:
         r = self.request
+        if not self.closed and not r.prefill_only:
+            self.timing.finish(str(reason or FinishReason.STOP))
         usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
         self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs, finished=True,
                               finish_reason=str(reason or FinishReason.STOP), usage=usage))
@@ -71,4 +92,14 @@ class RequestStream:
 
     def _put(self, event: StreamEvent) -> None:
         if not self.closed:
+            event.index = self.request.sample_index
             self.events.put_nowait(event)
+
+
+def open_streams(request: Request, tokenizer: ModelTokenizer) -> tuple[StreamHandle, dict[str, RequestStream]]:
+    """The client handle and the per-request streams feeding it: a fork parent
+    reports prefill progress, each of its children one sample."""
+    events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+    members = [request, *request.children]
+    streams = {m.request_id: RequestStream(m, tokenizer, events) for m in members}
+    return StreamHandle(events, len(request.children) or 1, list(streams)), streams

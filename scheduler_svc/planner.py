@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, fields
 
 import structlog
 
-from scheduler_svc.kv_cache_manager import KVCacheManager, LeakError
+from scheduler_svc.kv_cache_manager import LeakError
+from scheduler_svc.kv_pool import KVPool
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
 
 log = structlog.get_logger(__name__)
@@ -158,14 +159,15 @@ class _StepBudget:
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: PlannerConfig, kv_cache_manager: KVPool) -> None:
+        """kv_cache_manager: the worker's KV memory as the KVPool protocol
+        (scheduler_svc/kv_pool.py): paged blocks or contiguous slots."""
         self.config = config.validate()
         if config.block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {config.block_size} != KV cache block size {kv_cache_manager.block_size}")
         self.kv = kv_cache_manager
-        pool = kv_cache_manager.pool
-        # A request longer than the whole pool could never be resumed alone.
-        self.max_len = min(config.max_model_len, pool.num_blocks * pool.block_size)
+        # A request longer than the whole pool (or a contiguous slot) could never be resumed alone.
+        self.max_len = min(config.max_model_len, kv_cache_manager.max_request_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}  # live = waiting or running
@@ -228,8 +230,10 @@ class Planner:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
+        # Children still waiting for this parent's prefill end with it; they hold no blocks.
         for child in self._pending_forks.pop(request_id, []):
-            self.finish(child.request_id, reason)
+            self.requests.pop(child.request_id, None)
+            child.status, child.finish_reason = RequestStatus.FINISHED, reason
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         if self._in_flight_requests.get(request_id) is request:
             self._free_after_step.append(request)
@@ -316,8 +320,7 @@ class Planner:
             budget.add(request, want)
 
     def _chunk_limit(self) -> int:
-        pool = self.kv.pool
-        return self.config.chunk_limit(pool.num_free_blocks / pool.num_blocks if pool.num_blocks else 0.0)
+        return self.config.chunk_limit(self.kv.free_fraction)
 
     def _preempt(self, request: Request) -> None:
         """Release all blocks and requeue at the front. Outputs are kept: on resume
@@ -333,7 +336,7 @@ class Planner:
             "request_preempted",
             request_id=request.request_id,
             num_tokens=request.num_tokens,
-            free_blocks=self.kv.pool.num_free_blocks,
+            free_blocks=self.kv.usage().free_blocks,
             total_preemptions=self.num_preemptions,
         )
 
@@ -445,6 +448,7 @@ class Planner:
         drained = list(self.waiting)
         self.waiting.clear()
         self.requests.clear()
+        self._pending_forks.clear()  # the drained parents carry their children along
         return drained
 
     def audit(self) -> None:
@@ -452,9 +456,9 @@ class Planner:
         blocks; running ones hold exactly the blocks their computed tokens need."""
         ended = [r.request_id for r in self._free_after_step]
         self.kv.audit(live_request_ids=[r.request_id for r in self.running] + ended)
-        problems = [f"waiting {r.request_id} holds blocks" for r in self.waiting if r.request_id in self.kv.tables]
+        problems = [f"waiting {r.request_id} holds blocks" for r in self.waiting if self.kv.block_table(r.request_id)]
         for request in self.running:
-            have = len(self.kv.tables.get(request.request_id, ()))
+            have = len(self.kv.block_table(request.request_id))
             in_flight = self._in_flight_requests.get(request.request_id) is request
             if not in_flight and have != math.ceil(request.num_computed_tokens / self.kv.block_size):
                 problems.append(f"running {request.request_id}: {have} blocks for {request.num_computed_tokens} tokens")
@@ -464,7 +468,7 @@ class Planner:
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in (r.request_id for r in self._free_after_step):
             raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
-        n, pool = request.num_prompt_tokens, self.kv.pool
+        n = request.num_prompt_tokens
         if n == 0:
             raise RequestRejected("prompt", "prompt is empty")
         if min(request.prompt_token_ids) < 0:
@@ -475,12 +479,15 @@ class Planner:
                 f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}, so at most "
                 f"{self.config.max_model_len - 1} prompt tokens fit (one more for the first generated token)",
             )
-        capacity = pool.num_blocks * pool.block_size
+        capacity = self.kv.max_request_tokens
         if n >= capacity:
+            u = self.kv.usage()
+            held = (f"{u.num_blocks} blocks x {u.block_size}" if capacity == u.num_blocks * u.block_size
+                    else f"one slot of {u.block_size} per request")  # contiguous
             raise RequestRejected(
                 "prompt",
-                f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({pool.num_blocks} blocks x "
-                f"{pool.block_size}), so at most {capacity - 1} prompt tokens fit",
+                f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({held}), so at most "
+                f"{capacity - 1} prompt tokens fit",
             )
         self._validate_sampling(request.sampling)
 

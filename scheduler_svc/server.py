@@ -2,6 +2,7 @@
 from the engine's data classes, and engine errors to gRPC status codes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 
@@ -11,17 +12,21 @@ import structlog
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.engine import Engine, EngineStats
 from scheduler_svc.engine_core import WorkerUnavailable
+from scheduler_svc.kv_cache_manager import PinLimitExceeded
 from scheduler_svc.output import StreamEvent
+from scheduler_svc.pinning import pin_on_core
 from scheduler_svc.planner import QueueFull, RequestRejected
 from scheduler_svc.request import Request, SamplingOptions
 
 log = structlog.get_logger(__name__)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+MAX_SAMPLES = 16
+_SEED_SPACE = 2**64
 
 
-def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default_max_tokens: int) -> Request:
-    """Validate and convert; raises RequestRejected naming the field."""
+def prompt_from_proto(msg, engine: Engine) -> list[int]:
+    """Token ids of a message with `prompt` / `prompt_token_ids` (exactly one)."""
     has_text, has_ids = bool(msg.prompt), bool(msg.prompt_token_ids)
     if has_text == has_ids:
         raise RequestRejected("prompt", "give exactly one of prompt (non-empty text) and prompt_token_ids")
@@ -30,18 +35,38 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
         bad = next((t for t in msg.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        prompt_ids = list(msg.prompt_token_ids)
-    else:
-        prompt_ids = engine.tokenizer.encode(msg.prompt)
-        if not prompt_ids:
-            raise RequestRejected("prompt", "the prompt encodes to no tokens")
-    return Request(
-        request_id=msg.request_id or uuid.uuid4().hex,
-        seq_id=engine.next_seq_id(),
-        prompt_token_ids=prompt_ids,
-        sampling=_sampling_from_proto(msg, default_max_tokens),
-        eos_token_ids=engine.tokenizer.eos_token_ids,
-    )
+        return list(msg.prompt_token_ids)
+    prompt_ids = engine.tokenizer.encode(msg.prompt)
+    if not prompt_ids:
+        raise RequestRejected("prompt", "the prompt encodes to no tokens")
+    return prompt_ids
+
+
+def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default_max_tokens: int) -> Request:
+    """Validate and convert; raises RequestRejected naming the field. With n > 1,
+    returns a prefill-only parent whose children are the n samples."""
+    prompt_ids = prompt_from_proto(msg, engine)
+    sampling = _sampling_from_proto(msg, default_max_tokens)
+    n = msg.n if msg.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise RequestRejected("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
+    if n > 1 and len(prompt_ids) < 2:
+        raise RequestRejected("n", "parallel samples need a prompt of at least 2 tokens (they fork after its "
+                                   "second-to-last token)")
+    request_id = msg.request_id or uuid.uuid4().hex
+    common = dict(eos_token_ids=engine.tokenizer.eos_token_ids, cache_salt=msg.cache_salt or None)
+    if n == 1:
+        return Request(request_id, engine.next_seq_id(), prompt_ids, sampling, **common)
+    children = [Request(f"{request_id}/{i}", engine.next_seq_id(), prompt_ids, _sample_seed(sampling, i),
+                        sample_index=i, **common) for i in range(n)]
+    return Request(request_id, engine.next_seq_id(), prompt_ids[:-1], sampling, prefill_only=True,
+                   children=children, **common)
+
+
+def _sample_seed(sampling: SamplingOptions, index: int) -> SamplingOptions:
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % _SEED_SPACE)
 
 
 def _sampling_from_proto(msg: serving_pb2.GenerateRequest, default_max_tokens: int) -> SamplingOptions:
@@ -67,7 +92,7 @@ def _sampling_from_proto(msg: serving_pb2.GenerateRequest, default_max_tokens: i
 def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateResponse:
     reply = serving_pb2.GenerateResponse(request_id=request_id, text=event.text, token_ids=event.token_ids,
                                          logprobs=event.logprobs, finished=event.finished,
-                                         finish_reason=event.finish_reason)
+                                         finish_reason=event.finish_reason, index=event.index)
     if event.progress is not None:
         reply.prefill_progress.processed_tokens, reply.prefill_progress.total_tokens = event.progress
     if event.usage is not None:
@@ -97,15 +122,15 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
         except WorkerUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         log.info("request received", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
-                 max_tokens=req.sampling.max_tokens)
+                 max_tokens=req.sampling.max_tokens, n=stream.num_samples)
         try:
-            while True:
+            remaining = stream.num_samples
+            while remaining:
                 event = await stream.events.get()
                 if event.error_code:
                     await context.abort(grpc.StatusCode[event.error_code], event.error_message)
                 yield event_to_proto(event, req.request_id)
-                if event.finished:
-                    return
+                remaining -= event.finished
         finally:
             # Runs on normal end, client cancel and deadline alike: a request whose
             # client is gone is aborted and its blocks freed within one step.
@@ -113,3 +138,33 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
 
     async def Stats(self, request, context):
         return stats_to_proto(self.engine.stats())
+
+    async def PinPrefix(self, request, context):
+        try:
+            prompt_ids = prompt_from_proto(request, self.engine)
+            if len(prompt_ids) < self.engine.block_size:
+                raise RequestRejected("prompt", f"a pinned prefix needs at least one full block "
+                                                f"({self.engine.block_size} tokens), got {len(prompt_ids)}")
+            pins = [await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.next_seq_id())
+                    for core in self.engine.cores if core.healthy]
+        except RequestRejected as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PinLimitExceeded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except WorkerUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        pinned = [p for p in pins if p is not None]
+        if not pinned:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker could keep the prefix cached long "
+                                                             "enough to pin it (memory pressure)")
+        pin_id, tokens = pinned[0]
+        log.info("prefix pinned", pin_id=pin_id.hex(), tokens=tokens, workers=len(pinned))
+        return serving_pb2.PinPrefixResponse(pin_id=pin_id.hex(), pinned_tokens=tokens, workers=len(pinned))
+
+    async def UnpinPrefix(self, request, context):
+        try:
+            pin_id = bytes.fromhex(request.pin_id)
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pin_id: not a pin id: {request.pin_id!r}")
+        unpinned = [core.planner.kv.unpin(pin_id) for core in self.engine.cores]
+        return serving_pb2.UnpinPrefixResponse(unpinned=any(unpinned))

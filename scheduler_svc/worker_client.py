@@ -24,6 +24,10 @@ class WorkerInfo:
     device: str
     instance_id: str
     kv_bytes_per_block: int
+    # paged | contiguous. Contiguous: num_blocks counts slots (== max_batch) and
+    # block_size is a slot's length (max_seq_len); see proto/worker.proto.
+    kv_layout: str = "paged"
+    max_batch: int = 0
 
 
 @dataclass
@@ -59,7 +63,8 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
     return WorkerInfo(address=address, model_name=reply.model_name, model_type=reply.model_type,
                       vocab_size=reply.vocab_size, max_model_len=reply.max_model_len, block_size=reply.block_size,
                       num_blocks=reply.num_blocks, kv_dtype=reply.kv_dtype, dtype=reply.dtype, device=reply.device,
-                      instance_id=reply.instance_id, kv_bytes_per_block=reply.kv_bytes_per_block)
+                      instance_id=reply.instance_id, kv_bytes_per_block=reply.kv_bytes_per_block,
+                      kv_layout=reply.kv_layout or "paged", max_batch=reply.max_batch)
 
 
 class WorkerClient:

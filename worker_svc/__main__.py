@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+
+import structlog
 
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
 from worker_svc.config import WorkerConfig
+
+log = structlog.get_logger("worker_svc")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -16,12 +21,19 @@ def main(argv: list[str] | None = None) -> None:
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.worker import Worker
 
-    server = serve(Worker(config), config.host, config.port, config.max_message_mb, config.ready_file)
-    stop = threading.Event()
+    stop = threading.Event()  # set before loading: a SIGTERM during start-up still stops cleanly
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = serve(Worker(config), config)
+    except OSError as exc:  # cannot bind, unreadable certificate or model files
+        log.error("start-up failed", error=str(exc))
+        sys.exit(2)
     stop.wait()
-    server.stop(grace=5).wait()
+    log.info("worker stopping", drain_timeout_s=config.drain_timeout_s)
+    # The step in flight finishes (its result reaches the scheduler); new calls are refused.
+    server.shutdown(config.drain_timeout_s)
+    log.info("worker stopped")
 
 
 if __name__ == "__main__":

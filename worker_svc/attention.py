@@ -1,7 +1,9 @@
-"""Attention backends: write this step's K/V into the paged cache, then attend.
+"""Attention backends: write this step's K/V into the cache, then attend.
 
 `torch` runs the reference ops in kernels/reference.py (the CPU path); `triton`
 runs the Triton kernels (compiled on CUDA, or under TRITON_INTERPRET=1 in tests).
+The cache (paged or contiguous, worker_svc/kv_cache.py) picks which ops of the
+backend read its layout.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from kernels import reference
 from worker_svc.forward_batch import ForwardBatch
-from worker_svc.kv_cache import PagedKVCache
+from worker_svc.kv_cache import KVCachePool
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -28,29 +30,19 @@ def load_ops(backend: str):
     return triton_ops
 
 
-class PagedAttention:
+class CacheAttention:
     """Callable the decoder invokes per layer for one step's batch."""
 
-    def __init__(self, ops, cache: PagedKVCache, batch: ForwardBatch, scale: float):
+    def __init__(self, ops, cache: KVCachePool, batch: ForwardBatch, scale: float):
         self.ops = ops
         self.cache = cache
         self.batch = batch
         self.scale = scale
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-        k_cache, v_cache = self.cache.layer(layer)
-        scales = self.cache.layer_scales(layer)  # FP8/INT8: quantize on write, dequantize on read
-        batch = self.batch
-        self.ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
-        parts = []
-        split = batch.decode.num_tokens if batch.decode else 0
-        if batch.decode:
-            group = batch.decode
-            parts.append(self.ops.paged_decode_attention(
-                q[:split], k_cache, v_cache, group.block_tables, group.context_lens, self.scale, window, **scales))
-        if batch.prefill:
-            group = batch.prefill
-            parts.append(self.ops.paged_prefill_attention(
-                q[split:], k_cache, v_cache, group.block_tables, group.cu_query_lens, group.context_lens,
-                self.scale, window, **scales))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        # FP8/INT8 caches quantize on write and dequantize on read.
+        self.cache.write(self.ops, layer, k, v, self.batch.slot_mapping)
+        return self.cache.attend(self.ops, layer, q, self.batch, self.scale, window)
+
+
+PagedAttention = CacheAttention  # the name bench/kv_quality.py imports

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.tls import file_checks, pair_check
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_DTYPES = ("auto", "fp16", "bf16", "fp32")
+KV_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "int8")
 
 
 @dataclass
@@ -17,14 +18,20 @@ class WorkerConfig:
     num_blocks: int = field(default=0, metadata={"help": "KV blocks to allocate; 0 = size from --kv-cache-memory-mb"})
     kv_cache_memory_mb: int = field(default=512, metadata={"help": "KV pool size when --num-blocks is 0"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_layout: str = field(default="paged", metadata={"help": "paged = blocks of --block-size tokens shared on demand; contiguous = the baseline: one max-model-len slot per sequence, [layers, max_batch, kv_heads, max_seq_len, head_dim]", "choices": ("paged", "contiguous")})
+    max_batch: int = field(default=0, metadata={"help": "contiguous layout: slots (sequences at once); 0 = as many as fit in --kv-cache-memory-mb"})
     dtype: str = field(default="bfloat16", metadata={"help": "weights/activations dtype", "choices": DTYPES})
-    kv_dtype: str = field(default="auto", metadata={"help": "KV cache dtype (auto = --dtype)", "choices": KV_DTYPES})
+    kv_dtype: str = field(default="auto", metadata={"help": "KV cache dtype, independent of --dtype (auto = --dtype); fp8 = e4m3 and int8 = scale + zero point, per token and KV head (~half an fp16 pool plus scales); fp8 falls back to int8 on CUDA below compute capability 8.9", "choices": KV_DTYPES})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N"})
     attention_backend: str = field(default="auto", metadata={"help": "auto = triton on CUDA, torch on CPU", "choices": ("auto", "torch", "triton")})
     max_model_len: int = field(default=0, metadata={"help": "longest sequence served; 0 = the model's max_position_embeddings"})
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit (send and receive)"})
     seed: int = field(default=-1, metadata={"help": "seed of the generator for unseeded sampling; -1 = random"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch default"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "after SIGTERM: how long the step in flight may take to finish"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate: serve TLS (with --tls-key); default plaintext"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
+    tls_client_ca: str = field(default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
@@ -33,12 +40,18 @@ class WorkerConfig:
         checks = [
             (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
             (self.num_blocks >= 0, "--num-blocks", ">= 0"),
+            (self.max_batch >= 0, "--max-batch", ">= 0"),
             (self.kv_cache_memory_mb > 0, "--kv-cache-memory-mb", "> 0"),
             (0 <= self.port <= 65535, "--port", "0..65535"),
             (self.max_model_len >= 0, "--max-model-len", ">= 0"),
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "1..2047"),
             (self.num_threads >= 0, "--num-threads", ">= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device", "cpu, cuda or cuda:N"),
+            (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
+            pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
+            (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),
+            *file_checks({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key,
+                          "--tls-client-ca": self.tls_client_ca}),
         ]
         for ok, flag, valid in checks:
             if not ok:

@@ -1,21 +1,83 @@
-"""The paged K/V block tensors a worker owns: [layers, blocks, kv_heads, block_size, head_dim].
+"""The K/V tensors a worker owns, behind one cache-pool protocol (KVCachePool).
+
+Two layouts, chosen by --kv-layout:
+
+* paged (default): [layers, blocks, kv_heads, block_size, head_dim]. A sequence's
+  tokens live in the blocks its block table names; blocks are shared, copied
+  (copy-on-write) and reused as the scheduler decides.
+* contiguous (the baseline the seeds compare against): [layers, max_batch,
+  kv_heads, max_seq_len, head_dim]. A sequence owns one whole slot of
+  max_seq_len positions for its life, whatever its length.
+
+The contiguous layout is the paged one with one block of max_seq_len tokens per
+sequence, and the Step contract is the same for both: a contiguous sequence's
+block table is [slot index] and its slot mapping is slot * max_seq_len +
+position. So each cache reports the ids a block table may name (num_blocks: the
+slots of a contiguous cache) and the tokens per id (block_size: max_seq_len),
+the step validation and KV writes are shared, and only reading K/V for attention
+differs (a gather through the block tables vs a direct read of each slot).
 
 A quantized cache (FP8 e4m3 or INT8, kernels/quant.py) also owns its per-token,
-per-KV-head scales (fp32) and, for INT8, zero points (int8), shaped
-[layers, blocks, kv_heads, block_size]: written with their token by write_kv,
-read by the attention ops, copied with their block by copy_blocks.
+per-KV-head scales (fp32) and, for INT8, zero points (int8), shaped like the
+values without head_dim: written with their token by write_kv, read by the
+attention ops, copied with their block (or slot) by copy_blocks.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from kernels import quant, reference
 
+if TYPE_CHECKING:
+    from worker_svc.forward_batch import AttentionGroup, ForwardBatch
 
-class PagedKVCache:
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+KV_LAYOUTS = ("paged", "contiguous")
+
+
+@runtime_checkable
+class KVCachePool(Protocol):
+    """What the model runner and the attention callable use of a KV cache."""
+
+    layout: str  # "paged" | "contiguous"
+    num_blocks: int  # ids a block table may name: blocks, or contiguous slots
+    block_size: int  # tokens per id: the block size, or max_seq_len
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one id (block or slot), all layers, K and V, scales included."""
+
+    @property
+    def scale_block_bytes(self) -> int:
+        """The scales' and zero points' part of block_bytes (0 unquantized)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """What the cache's tensors take (== num_blocks * block_bytes)."""
+
+    def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's K/V [T, kv_heads, d] of one layer at their slots."""
+
+    def attend(self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float,
+               sliding_window: int) -> torch.Tensor:
+        """Attention of the batch's query rows [T, q_heads, d] over their contexts
+        (decodes first, then prefill chunks, as the batch orders them)."""
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (or slots) src[i] -> dst[i] in every layer."""
+
+
+class _KVTensors:
+    """K/V values (+ scales) shaped [layers, ids, kv_heads, tokens per id, head_dim]
+    and what both layouts do alike: write, copy, the decode/prefill split."""
+
+    layout = ""
+
+    def __init__(self, num_layers: int, num_ids: int, num_kv_heads: int, tokens_per_id: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (num_layers, num_ids, num_kv_heads, tokens_per_id, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
@@ -25,8 +87,8 @@ class PagedKVCache:
             if quant.has_zero_point(dtype):
                 self.k_zero = torch.zeros(shape[:-1], dtype=quant.ZERO_DTYPE, device=device)
                 self.v_zero = torch.zeros(shape[:-1], dtype=quant.ZERO_DTYPE, device=device)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks = num_ids
+        self.block_size = tokens_per_id
         self.dtype = dtype
 
     @property
@@ -41,10 +103,11 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one block, all layers, K and V, scales included: what a block costs
-        when sizing the pool from a memory budget."""
+        when sizing the pool from a memory budget. A contiguous slot is a block of
+        max_seq_len tokens."""
         element = torch.empty((), dtype=dtype).element_size()
         values = 2 * num_layers * num_kv_heads * block_size * head_dim * element
-        return values + PagedKVCache.scale_bytes_per_block(num_layers, num_kv_heads, block_size, dtype)
+        return values + _KVTensors.scale_bytes_per_block(num_layers, num_kv_heads, block_size, dtype)
 
     @property
     def block_bytes(self) -> int:
@@ -78,3 +141,86 @@ class PagedKVCache:
         if src:
             index = lambda ids: torch.tensor(ids, dtype=torch.long, device=self.k.device)  # noqa: E731
             reference.copy_blocks(self.k, self.v, index(src), index(dst), **self.scale_tensors())
+
+    def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # slot // tokens_per_id, slot % tokens_per_id: the same op for blocks and slots.
+        k_cache, v_cache = self.layer(layer)
+        ops.write_kv(key, value, k_cache, v_cache, slot_mapping, **self.layer_scales(layer))
+
+    def attend(self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float,
+               sliding_window: int) -> torch.Tensor:
+        parts = []
+        split = batch.decode.num_tokens if batch.decode else 0
+        if batch.decode:
+            parts.append(self._decode(ops, layer, query[:split], batch.decode, scale, sliding_window))
+        if batch.prefill:
+            parts.append(self._prefill(ops, layer, query[split:], batch.prefill, scale, sliding_window))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prefill(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PagedKVCache(_KVTensors):
+    """[layers, num_blocks, kv_heads, block_size, head_dim]; attention gathers
+    each sequence's blocks through its block table."""
+
+    layout = "paged"
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
+
+    def _decode(self, ops, layer, query, group, scale, window):
+        k_cache, v_cache = self.layer(layer)
+        return ops.paged_decode_attention(query, k_cache, v_cache, group.block_tables, group.context_lens, scale,
+                                          window, **self.layer_scales(layer))
+
+    def _prefill(self, ops, layer, query, group, scale, window):
+        k_cache, v_cache = self.layer(layer)
+        return ops.paged_prefill_attention(query, k_cache, v_cache, group.block_tables, group.cu_query_lens,
+                                           group.context_lens, scale, window, **self.layer_scales(layer))
+
+
+class ContiguousKVCache(_KVTensors):
+    """[layers, max_batch, kv_heads, max_seq_len, head_dim]: one slot of
+    max_seq_len positions per sequence. A sequence's block table is [slot], and
+    attention reads that slot's first context_len positions directly."""
+
+    layout = "contiguous"
+
+    def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(num_layers, max_batch, num_kv_heads, max_seq_len, head_dim, dtype, device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.num_blocks
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.block_size
+
+    def _decode(self, ops, layer, query, group, scale, window):
+        k_cache, v_cache = self.layer(layer)
+        return ops.contiguous_decode_attention(query, k_cache, v_cache, group.block_tables[:, 0],
+                                               group.context_lens, scale, window, **self.layer_scales(layer))
+
+    def _prefill(self, ops, layer, query, group, scale, window):
+        k_cache, v_cache = self.layer(layer)
+        return ops.contiguous_prefill_attention(query, k_cache, v_cache, group.block_tables[:, 0],
+                                                group.cu_query_lens, group.context_lens, scale, window,
+                                                **self.layer_scales(layer))
+
+
+def make_kv_cache(layout: str, num_layers: int, num_ids: int, num_kv_heads: int, tokens_per_id: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> KVCachePool:
+    """num_ids blocks of tokens_per_id tokens (paged), or num_ids slots of
+    tokens_per_id = max_seq_len positions (contiguous)."""
+    classes = {"paged": PagedKVCache, "contiguous": ContiguousKVCache}
+    if layout not in classes:
+        raise ValueError(f"kv layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    return classes[layout](num_layers, num_ids, num_kv_heads, tokens_per_id, head_dim, dtype, device)

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_svc.attention import PagedAttention
+from worker_svc.attention import CacheAttention
 from worker_svc.forward_batch import build_forward_batch
-from worker_svc.kv_cache import PagedKVCache
+from worker_svc.kv_cache import KVCachePool
 from worker_svc.models import DecoderModel
 from worker_svc.sampler import Sampler
 from worker_svc.step_input import StepInput
@@ -31,7 +31,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, cache: PagedKVCache, attention_ops, sampler: Sampler):
+    def __init__(self, model: DecoderModel, cache: KVCachePool, attention_ops, sampler: Sampler):
         self.model = model
         self.cache = cache
         self.ops = attention_ops
@@ -47,7 +47,7 @@ class ModelRunner:
             return StepOutput(step.step_id, [], 0, {"total_ms": _ms(t0)})
         batch = build_forward_batch(step.seqs, self.model.device)
         t1 = time.perf_counter()
-        attention = PagedAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
+        attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
         hidden = self.model.forward(batch.input_ids, batch.positions, attention)
         sampled: list[SampledToken] = []
         t2 = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -12,6 +13,8 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common.ready_file import write_ready_file
+from svc_common.tls import server_credentials
+from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
 from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StepInput
 from worker_svc.worker import Worker
@@ -73,19 +76,36 @@ def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def serve(worker: Worker, host: str, port: int, max_message_mb: int, ready_file: str | None = None) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options(max_message_mb))
+@dataclass
+class WorkerServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int
+
+    def shutdown(self, grace_s: float) -> None:
+        """Health NOT_SERVING, refuse new calls, let the step in flight finish (up to grace_s)."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+
+
+def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options(config.max_message_mb))
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{config.host}:{config.port}"
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {address}")
     server.start()
-    log.info("worker ready", host=host, port=bound, **dataclasses.asdict(worker.info))
-    write_ready_file(ready_file or "", host, bound)
-    return server
-
+    log.info("worker ready", host=config.host, port=bound, tls=bool(credentials), mutual_tls=bool(config.tls_client_ca),
+             **dataclasses.asdict(worker.info))
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.tls_client_ca:
+        log.warning("listening beyond loopback without mutual TLS: anyone who can connect can run steps",
+                    host=config.host)
+    write_ready_file(config.ready_file, config.host, bound)
+    return WorkerServer(server, health_servicer, bound)

@@ -39,9 +39,10 @@ class StepInput:
 @dataclass(frozen=True, slots=True)
 class Limits:
     vocab_size: int
-    num_blocks: int
-    block_size: int
+    num_blocks: int  # ids a block table may name: blocks, or the slots of a contiguous cache
+    block_size: int  # tokens per id: a contiguous slot holds max_seq_len
     max_model_len: int
+    kv_layout: str = "paged"  # contiguous: a block table is exactly [slot]
 
 
 class InvalidStep(ValueError):
@@ -89,6 +90,9 @@ def _validate_seq(name: str, seq: SeqInput, limits: Limits) -> None:
     if bad is not None:
         raise InvalidStep(f"{name}.token_ids", f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
     needed = -(-seq.context_len // limits.block_size)
+    if limits.kv_layout == "contiguous" and len(seq.block_table) != 1:
+        raise InvalidStep(f"{name}.block_table", f"a contiguous cache takes exactly one slot per sequence "
+                                                 f"([slot]), got {len(seq.block_table)} entries")
     if len(seq.block_table) < needed:
         raise InvalidStep(f"{name}.block_table", f"{len(seq.block_table)} blocks cannot hold {seq.context_len} tokens (need {needed})")
     bad = next((b for b in seq.block_table if not 0 <= b < limits.num_blocks), None)

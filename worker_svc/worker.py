@@ -12,7 +12,7 @@ import torch
 
 from worker_svc.attention import load_ops, resolve_backend
 from worker_svc.config import WorkerConfig
-from worker_svc.kv_cache import PagedKVCache
+from worker_svc.kv_cache import KVCachePool, PagedKVCache, make_kv_cache
 from worker_svc.model_runner import ModelRunner, StepOutput
 from worker_svc.models import DecoderModel
 from worker_svc.sampler import Sampler
@@ -75,6 +75,8 @@ class WorkerInfo:
     kv_bytes_per_token: int  # kv_bytes_per_block / block_size
     kv_scale_bytes_per_block: int  # the scales' and zero points' share of kv_bytes_per_block
     kv_dtype_requested: str  # --kv-dtype as configured; kv_dtype is what it resolved to
+    kv_layout: str = "paged"  # contiguous: num_blocks = slots, block_size = max_seq_len
+    max_batch: int = 0  # contiguous: slots (sequences at once); paged: 0, no limit
 
 
 class Worker:
@@ -87,33 +89,40 @@ class Worker:
         self.model = DecoderModel.load(config.model, dtype, self.device)
         spec = self.model.spec
         kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
-        num_blocks = config.num_blocks or self._blocks_for_memory(kv_dtype)
-        self.cache = PagedKVCache(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size, spec.head_dim,
-                                  kv_dtype, self.device)
+        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        # Paged: blocks of --block-size tokens. Contiguous: slots of max_len tokens,
+        # one per sequence; the same [layers, ids, kv_heads, tokens, head_dim] tensor.
+        contiguous = config.kv_layout == "contiguous"
+        tokens_per_id = max_len if contiguous else config.block_size
+        num_ids = (config.max_batch if contiguous else config.num_blocks) or self._ids_for_memory(kv_dtype,
+                                                                                                   tokens_per_id)
+        self.cache: KVCachePool = make_kv_cache(config.kv_layout, spec.num_layers, num_ids, spec.num_kv_heads,
+                                                tokens_per_id, spec.head_dim, kv_dtype, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.cache, load_ops(self.backend),
                                   Sampler(None if config.seed < 0 else config.seed))
-        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        self.limits = Limits(spec.vocab_size, num_blocks, config.block_size, max_len)
+        self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout)
         self.info = WorkerInfo(
             model_name=Path(config.model).resolve().name, model_type=spec.model_type, num_layers=spec.num_layers,
             num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            vocab_size=spec.vocab_size, max_model_len=max_len, block_size=config.block_size, num_blocks=num_blocks,
+            vocab_size=spec.vocab_size, max_model_len=max_len, block_size=tokens_per_id, num_blocks=num_ids,
             kv_dtype=str(kv_dtype).removeprefix("torch."), dtype=config.dtype, device=_describe(self.device),
             instance_id=uuid.uuid4().hex, kv_bytes_per_block=self.cache.block_bytes,
             sliding_window=spec.sliding_window, attention_backend=self.backend,
-            kv_bytes_per_token=self.cache.block_bytes // config.block_size,
+            kv_bytes_per_token=self.cache.block_bytes // tokens_per_id,
             kv_scale_bytes_per_block=self.cache.scale_block_bytes, kv_dtype_requested=config.kv_dtype,
+            kv_layout=config.kv_layout, max_batch=num_ids if contiguous else 0,
         )
         # One step at a time: steps mutate the shared cache.
         self._step_lock = threading.Lock()
 
-    def _blocks_for_memory(self, kv_dtype: torch.dtype) -> int:
-        """Blocks that fit in --kv-cache-memory-mb, each costing its values and scales."""
+    def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int) -> int:
+        """Blocks (or contiguous slots of max_seq_len tokens) that fit in
+        --kv-cache-memory-mb, each costing its values and scales."""
         spec = self.model.spec
-        per_block = PagedKVCache.bytes_per_block(spec.num_layers, spec.num_kv_heads, self.config.block_size,
-                                                 spec.head_dim, kv_dtype)
-        return max(1, self.config.kv_cache_memory_mb * 2**20 // per_block)
+        per_id = PagedKVCache.bytes_per_block(spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim,
+                                              kv_dtype)
+        return max(1, self.config.kv_cache_memory_mb * 2**20 // per_id)
 
     def step(self, step: StepInput) -> StepOutput:
         """Validates first (raising InvalidStep before anything is touched), then runs."""

@@ -3,6 +3,7 @@ cancellation and deadlines, start-up errors, health and reflection."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -19,12 +20,16 @@ from tests.integration.test_end_to_end import wait_idle
 from tests.procs import REPO, Cluster
 
 MAX_MODEL_LEN = 128
+MAX_MESSAGE_MB = 1
+INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    # chunk-size 8: a prompt takes several steps to prefill, so cancellation can land mid-prefill.
     with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"],
-                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2", "--max-waiting", "2"]) as c:
+                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2", "--max-waiting", "2",
+                  "--max-message-mb", str(MAX_MESSAGE_MB), "--chunk-size", "8"]) as c:
         yield c
 
 
@@ -37,19 +42,43 @@ def client(cluster):
 BAD_REQUESTS = [
     # (case, GenerateRequest fields, field named in the error)
     ("neither prompt nor ids", {}, "prompt"),
+    ("empty strings everywhere", {"prompt": "", "request_id": "", "stop": [""], "cache_salt": ""}, "prompt"),
     ("both prompt and ids", {"prompt": "hi", "prompt_token_ids": [5, 6]}, "prompt"),
     ("id at vocab size", {"prompt_token_ids": [5, 768]}, "prompt_token_ids"),
+    ("id at int32 max", {"prompt_token_ids": [5, INT32_MAX]}, "prompt_token_ids"),
     ("negative id", {"prompt_token_ids": [5, -1]}, "prompt_token_ids"),
+    ("id at int32 min", {"prompt_token_ids": [INT32_MIN]}, "prompt_token_ids"),
     ("max_tokens 0", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("max_tokens negative", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("max_tokens int32 min", {"prompt": "hi", "max_tokens": INT32_MIN}, "max_tokens"),
     ("negative temperature", {"prompt": "hi", "temperature": -0.5}, "temperature"),
     ("NaN temperature", {"prompt": "hi", "temperature": math.nan}, "temperature"),
+    ("infinite temperature", {"prompt": "hi", "temperature": math.inf}, "temperature"),
+    ("-infinite temperature", {"prompt": "hi", "temperature": -math.inf}, "temperature"),
     ("top_p 0", {"prompt": "hi", "top_p": 0.0}, "top_p"),
     ("top_p above 1", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("negative top_p", {"prompt": "hi", "top_p": -0.1}, "top_p"),
+    ("NaN top_p", {"prompt": "hi", "top_p": math.nan}, "top_p"),
+    ("infinite top_p", {"prompt": "hi", "top_p": math.inf}, "top_p"),
     ("negative top_k", {"prompt": "hi", "top_k": -1}, "top_k"),
+    ("top_k int32 min", {"prompt": "hi", "top_k": INT32_MIN}, "top_k"),
     ("prompt at max model len", {"prompt_token_ids": [7] * MAX_MODEL_LEN}, "prompt"),
+    ("prompt far over max model len", {"prompt_token_ids": [7] * 20_000}, "prompt"),
+    ("text prompt over max model len", {"prompt": "lorem ipsum " * 2_000}, "prompt"),
     ("too many stop strings", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ("stop string too long", {"prompt": "hi", "stop": ["x" * 513]}, "stop"),
+    ("n 0", {"prompt": "hi", "n": 0}, "n"),
+    ("n negative", {"prompt": "hi", "n": -1}, "n"),
+    ("n int32 max", {"prompt": "hi", "n": INT32_MAX}, "n"),
 ]
+
+
+def assert_still_serving(client):
+    """After any bad input: a good request succeeds and nothing is left holding blocks."""
+    good = client.generate("The weather", max_tokens=3, temperature=0.0, ignore_eos=True, timeout=30)
+    assert good.completion_tokens == 3 and good.finish_reason == "length"
+    stats = wait_idle(client)
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("case,fields,field", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
@@ -58,12 +87,94 @@ def test_bad_request_is_invalid_argument_and_service_keeps_serving(client, case,
         list(client.stub.Generate(serving_pb2.GenerateRequest(**fields), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
-    if case == "prompt at max model len":
+    if case.startswith("prompt at max model len"):
         assert str(MAX_MODEL_LEN) in err.value.details()
-    good = client.generate("The weather", max_tokens=3, temperature=0.0, ignore_eos=True, timeout=30)
-    assert good.completion_tokens == 3 and good.finish_reason == "length"
-    stats = wait_idle(client)
-    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+    assert_still_serving(client)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    """One hand-encoded protobuf field (tag, then the payload as given)."""
+    return bytes([number << 3 | wire_type]) + payload
+
+
+def _len_delimited(number: int, data: bytes) -> bytes:
+    assert len(data) < 128  # one-byte length varint is all these rows need
+    return _field(number, 2, bytes([len(data)]) + data)
+
+
+_GOOD = serving_pb2.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString()
+RAW_REQUESTS = [
+    # (case, serialized GenerateRequest, status, text in the details). The generated
+    # client would refuse to build these, so they go out as raw bytes.
+    ("stop with invalid UTF-8", _GOOD + _len_delimited(9, b"\xff\xfe"), grpc.StatusCode.INVALID_ARGUMENT,
+     "malformed request"),
+    ("prompt with invalid UTF-8", _len_delimited(2, b"ok \xc3\x28"), grpc.StatusCode.INVALID_ARGUMENT,
+     "malformed request"),
+    ("truncated message", _len_delimited(2, b"hello")[:-2], grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
+    ("garbage bytes", b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
+    # A known field with the wrong wire type is kept as an unknown field by protobuf,
+    # so max_tokens stays unset and the request then misses a prompt.
+    ("max_tokens sent as a string", _len_delimited(4, b"10"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("unknown field only", _field(15, 0, b"\x01"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("message over the size limit", serving_pb2.GenerateRequest(prompt="x" * (MAX_MESSAGE_MB * 2**20 + 1))
+     .SerializeToString(), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+]
+
+
+@pytest.mark.parametrize("case,raw,code,text", RAW_REQUESTS, ids=[c[0] for c in RAW_REQUESTS])
+def test_malformed_request_bytes_get_a_clear_status(client, case, raw, code, text):
+    call = client.channel.unary_stream("/serving.v1.Scheduler/Generate", request_serializer=lambda b: b,
+                                       response_deserializer=serving_pb2.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw, timeout=30))
+    assert err.value.code() == code, err.value.details()
+    assert text in err.value.details()
+    assert_still_serving(client)
+
+
+EXTREME_BUT_VALID = [
+    # (case, GenerateRequest fields); each streams 3 tokens unless max_tokens says otherwise
+    ("top_k at int32 max", {"top_k": INT32_MAX}),
+    ("huge temperature", {"temperature": 1e30}),
+    ("tiny top_p", {"top_p": 1e-30}),
+    ("seed at uint64 max", {"seed": 2**64 - 1}),
+    ("empty stop strings are ignored", {"stop": ["", ""]}),
+    ("16 stop strings of 512 characters", {"stop": [chr(0x4E00 + i) * 512 for i in range(16)]}),
+    ("cache_salt of 100 kB", {"cache_salt": "s" * 100_000}),
+    ("request_id of 10 kB", {"request_id": "r" * 10_000}),
+    ("non-ASCII prompt and stop", {"prompt": "héllo wörld 🌍 ", "stop": ["🌍🌍"]}),
+    ("token id 0 only", {"prompt": "", "prompt_token_ids": [0] * 5}),
+]
+
+
+@pytest.mark.parametrize("case,fields", EXTREME_BUT_VALID, ids=[c[0] for c in EXTREME_BUT_VALID])
+def test_extreme_but_valid_values_are_served(client, case, fields):
+    params = {"prompt": "Once upon a time", "max_tokens": 3, "ignore_eos": True, **fields}
+    replies = list(client.stub.Generate(serving_pb2.GenerateRequest(**params), timeout=30))
+    assert replies[-1].finished and replies[-1].usage.completion_tokens == 3
+    assert sum(len(r.token_ids) for r in replies) == 3
+    assert all(r.request_id == (fields.get("request_id") or replies[0].request_id) for r in replies)
+    assert_still_serving(client)
+
+
+def test_huge_max_tokens_is_clamped_by_max_model_len(client):
+    prompt = list(range(10, 30))
+    out = client.generate(prompt_token_ids=prompt, max_tokens=INT32_MAX, temperature=0.0, ignore_eos=True,
+                          timeout=60)
+    assert out.finish_reason == "length"
+    assert out.completion_tokens == MAX_MODEL_LEN - len(prompt)
+    assert_still_serving(client)
+
+
+def test_request_id_in_use_is_invalid_argument(client):
+    first = client.stream(prompt_token_ids=[11] * 5, max_tokens=100, temperature=0.0, ignore_eos=True,
+                          request_id="dup", timeout=60)
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream("again", max_tokens=2, request_id="dup", timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+    first.cancel()
+    assert_still_serving(client)
 
 
 def test_full_queue_is_resource_exhausted(client):
@@ -97,6 +208,19 @@ def test_cancel_mid_stream_frees_blocks(client):
     stream.cancel()
     stats = wait_idle(client)
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+
+
+def test_cancel_mid_prefill_frees_blocks(cluster, client):
+    # 120 prompt tokens in chunks of 8: the first message is prefill progress, not a token.
+    stream = client.stream(prompt_token_ids=list(range(20, 140)), max_tokens=8, temperature=0.0, ignore_eos=True,
+                           request_id="cancel-mid-prefill", timeout=60)
+    first = next(stream)
+    assert first.HasField("prefill_progress") and not first.token_ids
+    assert first.prefill_progress.processed_tokens < first.prefill_progress.total_tokens == 120
+    stream.cancel()
+    stats = wait_idle(client)
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+    assert re.search(r"request aborted\s+request_id=cancel-mid-prefill", cluster.scheduler.log())
 
 
 def test_deadline_while_decoding_frees_blocks(client):

@@ -228,3 +228,24 @@ def _check_invariants(planner):
     pinned = {b for blocks in planner.kv.pins.values() for b in blocks}
     assert all(pool.ref_count(b) >= 1 for b in pinned)
     assert all(pool.ref_count(b) == 0 for b in pool.free_block_ids())
+
+
+@pytest.mark.parametrize("when", ["queued", "in flight", "after the step"])
+def test_aborting_a_parent_before_the_fork_frees_everything(when):
+    planner, worker = make()
+    parent, children = group("g", list(range(900, 940)), n=3)
+    planner.add(parent)
+    if when == "queued":
+        planner.abort("g")
+    else:
+        plan = planner.schedule()
+        if when == "in flight":
+            planner.abort("g")
+        planner.update(plan, worker.execute(plan))
+        if when == "after the step":
+            # 39 tokens in one chunk: the fork already happened; abort the samples instead.
+            for child in children:
+                planner.abort(child.request_id)
+    assert not planner.has_work() and not planner.requests
+    assert planner.kv.pool.num_used_blocks == 0
+    planner.audit()
