@@ -1,6 +1,8 @@
-"""The scheduler's engine: one EngineCore per worker, request routing, stats,
-moving a lost worker's requests to the others (handover), and draining for a
-graceful shutdown."""
+"""The scheduler's engine: one EngineCore per worker, request routing
+(scheduler_svc/router.py), stats, moving a lost worker's requests to the others
+(handover), workers joining and leaving at run time (add_worker, drain_worker:
+the admin.v1 service, scheduler_svc/admin.py), and draining for a graceful
+shutdown."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,8 @@ import grpc
 import structlog
 
 from proto import worker_pb2_grpc
+from scheduler_svc.admin import (LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerStatus,
+                                 WorkerUnreachable)
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine_core import CoreOptions, EngineCore, WorkerUnavailable
@@ -21,11 +25,15 @@ from scheduler_svc.metrics import ObservabilityStats, stats_fields
 from scheduler_svc.output import StreamHandle
 from scheduler_svc.planner import Planner, PlannerConfig, QueueFull, RequestRejected
 from scheduler_svc.request import Request
+from scheduler_svc.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
 from scheduler_svc.tokenizer import ModelTokenizer
 from scheduler_svc.worker_client import WorkerClient, WorkerInfo
 from svc_common.tls import channel_credentials
 
 log = structlog.get_logger(__name__)
+
+# How often a draining worker is checked for the end of its last request.
+_DRAIN_POLL_S = 0.05
 
 
 class StartupError(RuntimeError):
@@ -59,11 +67,22 @@ class EngineStats(ObservabilityStats):  # + the observability fields (scheduler_
 
 
 class Engine:
-    def __init__(self, cores: list[EngineCore], tokenizer: ModelTokenizer, max_model_len: int):
-        self.cores = cores
+    def __init__(self, cores: list[EngineCore], tokenizer: ModelTokenizer, max_model_len: int,
+                 config: SchedulerConfig | None = None, router: Router | None = None):
+        self.cores = cores  # in the order the workers were added
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.config = config if config is not None else SchedulerConfig()
+        self.router = router if router is not None else make_router(
+            self.config.routing, affinity_ttl_s=self.config.routing_affinity_ttl_s)
+        self.routing = self.router.name
         self.draining = False
+        self._block_size = cores[0].info.block_size
+        # Workers being drained: no new request is routed there; each has a task that
+        # removes it once it holds no request (its result: the last WorkerStatus).
+        self._draining: set[str] = set()
+        self._drains: dict[str, asyncio.Task] = {}
+        self._adding: set[str] = set()
         self._seq_ids = itertools.count(1)
         # Client request id -> the planner request ids behind its stream (n > 1: a
         # fork parent and its samples), and each of those -> the core it lives on.
@@ -77,9 +96,9 @@ class Engine:
         clients = [_worker_client(a, config) for a in config.worker_addresses]
         infos = await asyncio.gather(*(_first_info(c, config.connect_timeout_s) for c in clients))
         _check_compatible(infos, tokenizer)
-        options = CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s)
+        options = _core_options(config)
         cores = [EngineCore(c, info, _planner(config, info), tokenizer, options) for c, info in zip(clients, infos)]
-        engine = cls(cores, tokenizer, cores[0].planner.max_len)
+        engine = cls(cores, tokenizer, cores[0].planner.max_len, config)
         for core in cores:
             core.start()
         return engine
@@ -89,12 +108,13 @@ class Engine:
 
     @property
     def accepting(self) -> bool:
-        """New requests can be served: not shutting down and some worker is healthy."""
-        return not self.draining and any(c.healthy for c in self.cores)
+        """New requests can be served: not shutting down and some worker is serving
+        (healthy and not being drained)."""
+        return not self.draining and any(self._state(c) is WorkerState.SERVING for c in self.cores)
 
     @property
     def block_size(self) -> int:
-        return self.cores[0].info.block_size
+        return self._block_size  # the same on every worker (_check_compatible)
 
     @property
     def num_live(self) -> int:
@@ -102,7 +122,8 @@ class Engine:
         return len(self._members)
 
     def submit(self, request: Request) -> StreamHandle:
-        """Queue a request on the least loaded healthy worker; raises RequestRejected,
+        """Queue a request on the worker the router picks (by default: the longest
+        cached prefix of its prompt, then the least loaded); raises RequestRejected,
         QueueFull or WorkerUnavailable."""
         if self.draining:
             raise WorkerUnavailable("the scheduler is shutting down")
@@ -116,24 +137,32 @@ class Engine:
         return handle
 
     def _route(self, request: Request, cores: list[EngineCore]) -> EngineCore:
-        healthy = [c for c in cores if c.healthy]
-        if not healthy:
-            raise WorkerUnavailable("no worker is available")
-        return min(healthy, key=lambda c: c.load)
+        """The router's choice among `cores` (only SERVING ones are eligible)."""
+        candidates = [Candidate.from_core(c, draining=c.info.address in self._draining) for c in cores]
+        try:
+            decision = self.router.route(request, candidates)
+        except NoWorkerAvailable as exc:
+            raise WorkerUnavailable(str(exc)) from None
+        log.debug("request routed", request_id=request.request_id, worker=decision.address,
+                  reason=str(decision.reason), cached_tokens=decision.cached_tokens,
+                  expected_cached_tokens=decision.expected_cached_tokens)
+        return next(c for c in cores if c.info.address == decision.address)
 
     def handover(self, source: EngineCore) -> bool:
         """`source` lost its worker: move its live requests, with their outputs so far
-        and their client streams, to the least loaded healthy workers. False (nothing
-        moved) if there is none; the requests then wait for `source` to come back."""
-        others = [c for c in self.cores if c is not source and c.healthy]
+        and their client streams, to the serving workers the router picks (a draining
+        worker takes nothing new). False (nothing moved) if there is none; the requests
+        then wait for `source` to come back."""
+        others = [c for c in self.cores
+                  if c is not source and c.healthy and c.info.address not in self._draining]
         if not others:
             return False
         requests, streams = source.take_requests()
         moved = 0
         for request in requests:
             own = {rid: streams.pop(rid) for rid in _request_ids(request) if rid in streams}
-            target = self._route(request, others)
             try:
+                target = self._route(request, others)
                 target.adopt(request)
             except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
                 for rid, stream in own.items():
@@ -162,6 +191,113 @@ class Engine:
                 core.abort(member_id)
             except Exception:  # a planner bug: log it, and still abort the other samples
                 log.exception("abort failed", request_id=member_id)
+
+    # ---- workers joining and leaving (admin.v1) -------------------------------
+    async def add_worker(self, address: str) -> WorkerStatus:
+        """Connect to a worker (Info, waiting up to connect_timeout_s for it to be ready),
+        check it serves what the others serve, start its core and route to it.
+        Raises WorkerExists, WorkerUnreachable, WorkerIncompatible."""
+        if self._find(address) is not None or address in self._adding:
+            raise WorkerExists(f"worker {address} is already known")
+        self._adding.add(address)
+        try:
+            client = _worker_client(address, self.config)
+            try:
+                try:
+                    info = await _first_info(client, self.config.connect_timeout_s)
+                except StartupError as exc:
+                    raise WorkerUnreachable(str(exc)) from None
+                planner = self._check_new_worker(info)
+                if self.draining:
+                    raise WorkerUnreachable("the scheduler is shutting down")
+            except BaseException:
+                await client.close()
+                raise
+            core = EngineCore(client, info, planner, self.tokenizer, _core_options(self.config),
+                              handover=self.handover)
+            self.cores.append(core)
+            core.start()
+        finally:
+            self._adding.discard(address)
+        log.info("worker added", worker=address, model=info.model_name, num_blocks=info.num_blocks,
+                 workers=len(self.cores))
+        return self._status(core)
+
+    async def drain_worker(self, address: str, wait: bool = False, allow_last: bool = False) -> WorkerStatus:
+        """Route nothing new to the worker; once its requests have finished (or moved,
+        if it fails meanwhile) remove it. wait: return once removed (state REMOVED).
+        Raises UnknownWorker, LastWorker."""
+        core = self._find(address)
+        if core is None:
+            known = ", ".join(c.info.address for c in self.cores) or "none"
+            raise UnknownWorker(f"no worker {address} (workers: {known})")
+        if address not in self._draining:
+            others = [c for c in self.cores if c is not core and self._state(c) is WorkerState.SERVING]
+            if not others and not allow_last:
+                raise LastWorker(f"no other worker is serving: draining {address} would leave none "
+                                 f"(pass allow_last to drain it anyway)")
+            self._draining.add(address)
+            self._drains[address] = asyncio.create_task(self._drain(core), name=f"drain-{address}")
+            log.info("worker draining", worker=address, running=core.planner.num_running,
+                     waiting=core.planner.num_waiting)
+        if not wait:
+            return self._status(core)
+        # A cancelled wait (the client went away) must not cancel the drain itself.
+        return await asyncio.shield(self._drains[address])
+
+    def list_workers(self) -> list[WorkerStatus]:
+        """Every worker (serving, draining, unhealthy), in the order they were added."""
+        return [self._status(c) for c in self.cores]
+
+    async def _drain(self, core: EngineCore) -> WorkerStatus:
+        address = core.info.address
+        try:
+            while not core.planner.idle:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            status = self._status(core, WorkerState.REMOVED)
+            self.cores.remove(core)
+            self.router.forget(address)
+            try:
+                core.planner.audit()
+            except LeakError as exc:
+                log.error("engine audit failed", worker=address, error=str(exc))
+            await core.stop()
+            await core.client.close()
+            log.info("worker removed", worker=address, requests_finished=core.counters.requests_finished,
+                     blocks_used=status.blocks_used, workers=len(self.cores))
+            return status
+        finally:
+            self._draining.discard(address)
+            self._drains.pop(address, None)
+
+    def _check_new_worker(self, info: WorkerInfo) -> Planner:
+        """The new worker's planner, if it serves what the others serve; else WorkerIncompatible."""
+        try:
+            _check_compatible([*(c.info for c in self.cores), info], self.tokenizer)
+        except StartupError as exc:
+            raise WorkerIncompatible(str(exc)) from None
+        if info.block_size != self._block_size:  # checked above unless no worker is left to compare with
+            raise WorkerIncompatible(f"worker {info.address} uses {info.block_size}-token blocks, this scheduler "
+                                     f"{self._block_size}: all workers must use the same")
+        planner = _planner(self.config, info)
+        if planner.max_len < self.max_model_len:
+            raise WorkerIncompatible(f"worker {info.address} holds at most {planner.max_len} tokens per request; "
+                                     f"this scheduler serves up to {self.max_model_len}")
+        return planner
+
+    def _find(self, address: str) -> EngineCore | None:
+        return next((c for c in self.cores if c.info.address == address), None)
+
+    def _state(self, core: EngineCore) -> WorkerState:
+        if core.info.address in self._draining:
+            return WorkerState.DRAINING
+        return WorkerState.SERVING if core.healthy else WorkerState.UNHEALTHY
+
+    def _status(self, core: EngineCore, state: WorkerState | None = None) -> WorkerStatus:
+        routed = self.router.counters.get(core.info.address)
+        return WorkerStatus.from_core(core, state or self._state(core),
+                                      prefix_hit_tokens=core.counters.prefix_hit_tokens,
+                                      requests_routed=routed.routed if routed else 0)
 
     # ---- shutdown -----------------------------------------------------------
     def start_draining(self) -> None:
@@ -231,8 +367,12 @@ class Engine:
         return clean
 
     async def halt(self) -> None:
-        """Stop every core's step loop; a step in flight is abandoned."""
-        for core in self.cores:
+        """Stop every core's step loop (and every worker drain); a step in flight is abandoned."""
+        drains = list(self._drains.values())
+        for task in drains:
+            task.cancel()
+        await asyncio.gather(*drains, return_exceptions=True)
+        for core in list(self.cores):
             await core.stop()
 
     async def stop(self) -> None:
@@ -266,6 +406,10 @@ class _WorkerClient(WorkerClient):
         else:
             self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+
+def _core_options(config: SchedulerConfig) -> CoreOptions:
+    return CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s)
 
 
 def _worker_client(address: str, config: SchedulerConfig) -> WorkerClient:

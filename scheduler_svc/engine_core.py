@@ -56,6 +56,7 @@ class CoreCounters:
     worker_failures: int = 0
     worker_restarts: int = 0
     audit_failures: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens of finished requests found in the prefix cache at admission
     last_step_ms: float = 0.0
 
 
@@ -226,7 +227,8 @@ class EngineCore:
         self.counters.tokens_computed += plan.num_tokens
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
         step_log.debug("step", seqs=len(plan.seqs), tokens=plan.num_tokens, forward_ms=round(result.forward_ms, 2),
-                       step_ms=round(self.counters.last_step_ms, 2), preempted=plan.preempted)
+                       step_ms=round(self.counters.last_step_ms, 2), preempted=plan.preempted,
+                       request_ids=[s.request_id for s in plan.seqs])
         self._dispatch(updates)
 
     def _dispatch(self, updates) -> None:
@@ -244,9 +246,11 @@ class EngineCore:
 
     def _finished(self, r: Request, timing: RequestTiming | None = None) -> None:
         self.counters.requests_finished += 1
-        log.info("request finished", request_id=r.request_id, prompt_tokens=r.num_prompt_tokens,
-                 cached_tokens=r.num_cached_prompt_tokens, output_tokens=r.num_output_tokens,
-                 finish_reason=str(r.finish_reason or FinishReason.STOP), preemptions=r.num_preemptions,
+        self.counters.prefix_hit_tokens += r.num_cached_prompt_tokens
+        log.info("request finished", request_id=r.request_id, worker=self.info.address,
+                 prompt_tokens=r.num_prompt_tokens, cached_tokens=r.num_cached_prompt_tokens,
+                 output_tokens=r.num_output_tokens, finish_reason=str(r.finish_reason or FinishReason.STOP),
+                 preemptions=r.num_preemptions,
                  **(timing.log_fields() if timing is not None else {}))  # ttft_ms, e2e_ms, itl_ms_mean
 
     def _fail_plan(self, plan: StepPlan, err: grpc.aio.AioRpcError) -> None:

@@ -49,6 +49,7 @@ class RequestStream:
                                                              request.sampling.stop)
         self.events: asyncio.Queue[StreamEvent] = events if events is not None else asyncio.Queue()
         self.closed = False
+        self.reported_progress = False  # a multi-chunk prompt: progress events were sent
         # Sees every token event of the request: TTFT, inter-token and end-to-end histograms.
         self.timing = RequestTiming(request.arrival_time)
 
@@ -62,14 +63,18 @@ class RequestStream:
             self.timing.on_tokens(len(update.new_token_ids))
         if update.prefill_progress is not None and not update.new_token_ids:
             self._put(StreamEvent(progress=update.prefill_progress))
+            self.reported_progress = True
             return False
+        # A prompt that took several chunks gets its final (total, total) with the first token.
+        progress = update.prefill_progress if self.reported_progress else None
         text = "".join(self.detokenizer.add(t) for t in update.new_token_ids)
         hit_stop = self.detokenizer.stopped and not update.finished
         if update.finished or hit_stop:
             reason = FinishReason.STOP if hit_stop else update.finish_reason
-            self._finish(text + self.detokenizer.flush(), update, reason)
+            self._finish(text + self.detokenizer.flush(), update, reason, progress)
         elif text or update.new_token_ids:
-            self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs))
+            self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs,
+                                  progress=progress))
         return hit_stop
 
     def abort(self) -> None:
@@ -81,13 +86,14 @@ class RequestStream:
         self._put(StreamEvent(error_code=code, error_message=message))
         self.closed = True
 
-    def _finish(self, text: str, update: RequestUpdate, reason: FinishReason | None) -> None:
+    def _finish(self, text: str, update: RequestUpdate, reason: FinishReason | None,
+                progress: tuple[int, int] | None = None) -> None:
         r = self.request
         if not self.closed and not r.prefill_only:
             self.timing.finish(str(reason or FinishReason.STOP))
         usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
         self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs, finished=True,
-                              finish_reason=str(reason or FinishReason.STOP), usage=usage))
+                              finish_reason=str(reason or FinishReason.STOP), usage=usage, progress=progress))
         self.closed = True
 
     def _put(self, event: StreamEvent) -> None:

@@ -193,6 +193,12 @@ class Planner:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def idle(self) -> bool:
+        """No live request, no step in flight, no ended request still holding blocks
+        until its step comes back: nothing left for this worker to do (draining)."""
+        return not (self.waiting or self.running or self._in_flight is not None or self._free_after_step)
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
@@ -396,11 +402,13 @@ class Planner:
                 progress = (request.num_computed_tokens, _prompt_total(request))
             return RequestUpdate(request.request_id, prefill_progress=progress)
         token_id, logprob = sampled[seq.seq_id]
+        # The first token also closes the prompt's progress: (total, total).
+        progress = None if request.output_token_ids else (request.num_prompt_tokens, request.num_prompt_tokens)
         request.append_output(token_id, logprob)
         reason = self._stop_reason(request, token_id)
         if reason is not None:
             self.finish(request.request_id, reason)
-        return RequestUpdate(request.request_id, [token_id], [logprob], None, reason is not None, reason)
+        return RequestUpdate(request.request_id, [token_id], [logprob], progress, reason is not None, reason)
 
     def _fork(self, parent: Request) -> None:
         """The parent's prompt is computed: its children take over its blocks

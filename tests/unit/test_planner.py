@@ -217,7 +217,9 @@ def test_exact_chunk_splits_when_alone():
         chunks.append([(s.start_pos, len(s.token_ids), s.sample) for s in plan.seqs])
         progress.append([(p.processed, p.total) for p in plan.prefill_progress])
         seq = plan.seqs[0]
-        expected = None if seq.sample else (seq.start_pos + len(seq.token_ids), 20000)
+        end = seq.start_pos + len(seq.token_ids)
+        # every committed chunk reports progress; the sampling one closes it at (total, total)
+        expected = (20000, 20000) if seq.sample else (end, 20000)
         assert updates[0].prefill_progress == expected
     assert chunks == [[(0, 8192, False)], [(8192, 8192, False)], [(16384, 3616, True)]]
     assert progress == [[(8192, 20000)], [(16384, 20000)], [(20000, 20000)]]
