@@ -192,15 +192,20 @@ def add_admin_to_server(server: grpc.aio.Server, engine: AdminEngine) -> str:
 
 async def start_admin_server(engine: AdminEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
     """admin.v1 + health + reflection on their own listener. Returns (server, bound port)."""
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second scheduler on the same admin port must fail to start,
+    # not silently share the port (and receive half of the AddWorker calls).
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_admin_to_server(server, engine)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpcio raises this (not OSError) when the port is taken
+        raise OSError(f"admin service: cannot bind {host}:{port} ({exc})") from None
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"admin service: cannot bind {host}:{port}")
     await server.start()
     return server, bound

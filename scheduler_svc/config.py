@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.eviction import EVICTION_POLICIES
+from scheduler_svc.router import ROUTING_POLICIES
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.tls import file_checks, pair_check
 
@@ -39,10 +40,14 @@ class SchedulerConfig:
     worker_tls_ca: str = field(default="", metadata={"help": "PEM CA that signed the workers' certificates: talk TLS to workers"})
     worker_tls_cert: str = field(default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"})
     worker_tls_key: str = field(default="", metadata={"help": "PEM private key for --worker-tls-cert"})
+    routing: str = field(default="prefix", metadata={"help": "which worker gets a new request: prefix (longest cached prompt prefix, then load), round-robin, or least-loaded", "choices": ROUTING_POLICIES})
+    routing_affinity_ttl_s: float = field(default=10.0, metadata={"help": "prefix routing: how long a prompt prefix routed to a worker keeps drawing requests with the same prefix there before that worker has computed it; 0 = off"})
+    admin_host: str = field(default="127.0.0.1", metadata={"help": "address to bind the admin.v1 service (AddWorker, DrainWorker, ListWorkers)"})
+    admin_port: int = field(default=50052, metadata={"help": "port of the admin.v1 service; 0 lets the OS pick; -1 = no admin service"})
     metrics_port: int = field(default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
-    ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+    ready_file: str = field(default="", metadata={"help": "write {host, port, pid, admin_port} as JSON here once serving"})
 
     @property
     def worker_addresses(self) -> list[str]:
@@ -57,6 +62,8 @@ class SchedulerConfig:
             (bool(self.worker_addresses), "--workers", "at least one HOST:PORT"),
             (all(_is_host_port(a) for a in self.worker_addresses), "--workers", "a comma-separated list of HOST:PORT"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
+            (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
+            (-1 <= self.admin_port <= 65535, "--admin-port", "in 0..65535, or -1 for no admin service"),
             (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", ">= 1"),
             (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1"),

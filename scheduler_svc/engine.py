@@ -249,11 +249,19 @@ class Engine:
         """Every worker (serving, draining, unhealthy), in the order they were added."""
         return [self._status(c) for c in self.cores]
 
+    def serving_cores(self) -> list[EngineCore]:
+        """The cores that take new work: healthy and not being drained."""
+        return [c for c in self.cores if self._state(c) is WorkerState.SERVING]
+
     async def _drain(self, core: EngineCore) -> WorkerStatus:
         address = core.info.address
         try:
             while not core.planner.idle:
                 await asyncio.sleep(_DRAIN_POLL_S)
+            # Still listed (DRAINING) while it stops: a second drain_worker(wait=True) waits too.
+            await core.stop()
+            await core.client.close()
+            core.healthy = False  # whoever still holds it (a PinPrefix in progress) gets WorkerUnavailable
             status = self._status(core, WorkerState.REMOVED)
             self.cores.remove(core)
             self.router.forget(address)
@@ -261,8 +269,6 @@ class Engine:
                 core.planner.audit()
             except LeakError as exc:
                 log.error("engine audit failed", worker=address, error=str(exc))
-            await core.stop()
-            await core.client.close()
             log.info("worker removed", worker=address, requests_finished=core.counters.requests_finished,
                      blocks_used=status.blocks_used, workers=len(self.cores))
             return status

@@ -371,12 +371,14 @@ def observe_step(core: EngineCore, plan: StepPlan, result: StepResult, started: 
     metrics = metrics if metrics is not None else METRICS
     step_s = time.perf_counter() - started
     cm = core_metrics(core)
+    now = metrics.clock()
+    # Rate sample first: every counter then reflects the previous steps fully
+    # applied (this step's tokens are neither computed nor generated yet).
+    cm.sample(core, now)
     prefill, decode, chunks = split_step_tokens(plan, core.planner.get_request)
     cm.prefill_tokens += prefill
     cm.decode_tokens += decode
-    now = metrics.clock()
     metrics.observe_step_timing(cm.worker, step_s, result.forward_ms / 1e3, prefill + decode, chunks, now)
-    cm.sample(core, now)
 
 
 # ---- scrape-time collector -------------------------------------------------

@@ -146,7 +146,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                 raise RequestRejected("prompt", f"a pinned prefix needs at least one full block "
                                                 f"({self.engine.block_size} tokens), got {len(prompt_ids)}")
             pins = [await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.next_seq_id())
-                    for core in self.engine.cores if core.healthy]
+                    for core in self.engine.serving_cores()]
         except RequestRejected as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except PinLimitExceeded as exc:

@@ -6,7 +6,8 @@
 The block pool is drawn as a bar: `█` blocks in use, `▒` cached-free (free, but
 still a prefix-cache hit until evicted), `░` free; then utilization, internal
 fragmentation, prefix-cache hit rate, running/waiting, tokens/s, block
-allocation rates and latency percentiles (over the scheduler's recent window),
+allocation rates and latency percentiles (over the scheduler's recent window;
+`chunk` is the time of a step that computed a prefill chunk),
 and one line per worker when there are several.
 """
 from __future__ import annotations
@@ -61,7 +62,9 @@ def _pct(x: float) -> str:
 
 
 def _ms(x: float) -> str:
-    return f"{x / 1e3:.2f} s" if x >= 1000 else f"{x:.1f} ms"
+    if x >= 1000:
+        return f"{x / 1e3:.2f} s"
+    return f"{x:.0f} ms" if x >= 100 else f"{x:.1f} ms"
 
 
 def render(stats: serving_pb2.StatsResponse, target: str, now: float | None = None) -> Group:
@@ -79,19 +82,19 @@ def render(stats: serving_pb2.StatsResponse, target: str, now: float | None = No
                            f"pinned {s.blocks_pinned}   {s.kv_bytes_per_token} B/token")
     lines = [
         f"utilization {_pct(s.block_utilization)}   fragmentation {_pct(s.fragmentation)} "
-        f"({s.kv_slots_unused}/{s.kv_slots_allocated} slots unused)   prefix hit rate {_pct(s.prefix_cache_hit_rate)} "
-        f"({s.prefix_cache_hit_tokens}/{s.prefix_cache_query_tokens} tokens)",
+        f"({s.kv_slots_unused}/{s.kv_slots_allocated} slots unused)   "
+        f"alloc {s.blocks_allocated_per_s:.1f}/s   freed {s.blocks_freed_per_s:.1f}/s",
+        f"prefix    hit rate {_pct(s.prefix_cache_hit_rate)} ({s.prefix_cache_hit_tokens}/"
+        f"{s.prefix_cache_query_tokens} tokens)   evictions {s.eviction_events} ({s.evictions} blocks reclaimed)",
         f"requests  running {s.running}   waiting {s.waiting}   finished {s.requests_finished}   "
         f"preemptions {s.preemptions}",
         f"tokens/s  computed {s.tokens_per_s:.1f}   generated {s.generation_tokens_per_s:.1f}   "
         f"per step {s.tokens_per_step_mean:.1f}   steps {s.steps_run}   "
-        f"prefill/decode tokens {s.prefill_tokens_total}/{s.decode_tokens_total}",
-        f"blocks/s  allocated {s.blocks_allocated_per_s:.1f}   freed {s.blocks_freed_per_s:.1f}   "
-        f"evictions {s.eviction_events} ({s.evictions} blocks reclaimed)",
+        f"prefill/decode {s.prefill_tokens_total}/{s.decode_tokens_total}",
         f"latency   TTFT p50 {_ms(s.ttft_ms_p50)} p95 {_ms(s.ttft_ms_p95)}   "
         f"ITL p50 {_ms(s.itl_ms_p50)} p95 {_ms(s.itl_ms_p95)}   e2e p50 {_ms(s.e2e_ms_p50)} p95 {_ms(s.e2e_ms_p95)}",
         f"step      p50 {_ms(s.step_ms_p50)} p95 {_ms(s.step_ms_p95)}   forward p50 {_ms(s.forward_ms_p50)} "
-        f"p95 {_ms(s.forward_ms_p95)}   prefill chunk p50 {_ms(s.prefill_chunk_ms_p50)} "
+        f"p95 {_ms(s.forward_ms_p95)}   chunk p50 {_ms(s.prefill_chunk_ms_p50)} "
         f"p95 {_ms(s.prefill_chunk_ms_p95)}",
     ]
     parts = [header, pool, legend, *(Text(line) for line in lines)]

@@ -138,6 +138,9 @@ def up(args: argparse.Namespace) -> int:
         p = start(scheduler, run_dir, env)
         addresses["scheduler"] = wait_ready(scheduler, p, run_dir, deadline)
         print(f"{'scheduler':<10} ready on {addresses['scheduler']}  (pid {p.pid})", flush=True)
+        admin_port = json.loads(scheduler.paths(run_dir)[2].read_text()).get("admin_port", -1)
+        if admin_port >= 0:  # admin.v1: AddWorker, DrainWorker, ListWorkers (loopback by default)
+            addresses["admin"] = f"127.0.0.1:{admin_port}"
         if args.gateway_port >= 0:
             gateway = Service("gateway", "gateway_svc", ["--scheduler", addresses["scheduler"], "--model-dir", model,
                                                          *shlex.split(args.gateway_args)], args.host, args.gateway_port)
@@ -160,6 +163,8 @@ def up(args: argparse.Namespace) -> int:
              f"  stream a completion:  .venv/bin/python -m scheduler_svc.client --target {target} --max-tokens 16 "
              f"\"The capital of France is\"",
              f"  stats:                grpcurl -plaintext {target} serving.v1.Scheduler/Stats"]
+    if "admin" in addresses:
+        lines.append(f"  workers (admin.v1):   grpcurl -plaintext {addresses['admin']} admin.v1.Admin/ListWorkers")
     if "gateway" in addresses:
         lines.append(f"  HTTP (OpenAI API):    curl http://{addresses['gateway']}/v1/completions "
                      f"-H 'Content-Type: application/json' -d '{{\"prompt\": \"The capital of France is\", "

@@ -28,6 +28,7 @@ class ServiceProcess:
     bind_port: int = 0  # 0: the OS picks; the bound port is read back into `port`
     proc: subprocess.Popen | None = None
     port: int = 0
+    ready_info: dict = field(default_factory=dict)  # the ready file's JSON (the scheduler adds admin_port)
     _dir: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -57,8 +58,17 @@ class ServiceProcess:
                 self.stop()
                 raise TimeoutError(f"{self.module} not ready after {self.timeout_s}s:\n{self.log()}")
             time.sleep(0.05)
-        self.port = json.loads(ready.read_text())["port"]
+        self.ready_info = json.loads(ready.read_text())
+        self.port = self.ready_info["port"]
         return self
+
+    @property
+    def admin_address(self) -> str:
+        """The scheduler's admin.v1 service (from its ready file)."""
+        port = self.ready_info.get("admin_port", -1)
+        if port < 0:
+            raise RuntimeError(f"{self.module} serves no admin service (--admin-port -1, or not a scheduler)")
+        return f"127.0.0.1:{port}"
 
     def log(self) -> str:
         if not self._dir or not self.log_path.exists():
@@ -137,8 +147,11 @@ class Cluster:
             for w in self.workers:
                 w.start()
             workers = ",".join(w.address for w in self.workers)
+            # An OS-picked scheduler port goes with an OS-picked admin port (not the fixed default).
+            admin = ["--admin-port", "0"] if self.scheduler_port == 0 and not any(
+                a.startswith("--admin-port") for a in self.scheduler_args) else []
             self.scheduler = ServiceProcess("scheduler_svc", ["--model", str(self.model_dir), "--workers", workers,
-                                                              *self.scheduler_args],
+                                                              *admin, *self.scheduler_args],
                                             inherit_output=self.inherit_output,
                                             bind_port=self.scheduler_port).start()
             if self.with_gateway:

@@ -6,11 +6,12 @@ import json
 import os
 
 
-def write_ready_file(path: str, host: str, port: int) -> None:
-    """Atomically write {host, port, pid}: a reader never sees a half-written file."""
+def write_ready_file(path: str, host: str, port: int, **extra) -> None:
+    """Atomically write {host, port, pid, **extra} (e.g. the scheduler's admin_port):
+    a reader never sees a half-written file."""
     if not path:
         return
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
+        json.dump({"host": host, "port": port, "pid": os.getpid(), **extra}, f)
     os.replace(tmp, path)

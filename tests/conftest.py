@@ -28,6 +28,8 @@ def default_model() -> Path:
 def pytest_configure(config):
     # Services started by tests must not fight pytest for the 2 cores.
     os.environ.setdefault("PAGEDSERVE_WORKER_NUM_THREADS", "2")
+    # Schedulers started by tests serve admin.v1 on an OS-picked port, not the fixed 50052.
+    os.environ.setdefault("PAGEDSERVE_SCHEDULER_ADMIN_PORT", "0")
     # Without a GPU the Triton kernels run under the interpreter. Triton reads this
     # when kernels/triton_ops.py defines its @triton.jit functions, so it must be
     # set before any test imports that module; setting it here covers the whole run.

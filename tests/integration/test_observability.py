@@ -165,7 +165,7 @@ def test_top_once_renders_a_frame(cluster):
     assert out.returncode == 0, out.stderr
     frame = out.stdout
     assert "KV blocks [" in frame and f"{2 * NUM_BLOCKS} total" in frame
-    for needle in ("utilization", "fragmentation", "prefix hit rate", "running 0", "waiting 0", "tokens/s",
+    for needle in ("utilization", "fragmentation", "hit rate", "running 0", "waiting 0", "tokens/s",
                    *(w.address for w in cluster.workers)):
         assert needle in frame, needle
     bad = subprocess.run([sys.executable, "-m", "scheduler_svc.top", "--target", "127.0.0.1:1", "--once",

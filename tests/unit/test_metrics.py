@@ -450,7 +450,7 @@ def test_top_renders_a_frame():
     Console(file=out, width=120, color_system=None).print(render(stats, "127.0.0.1:50051"))
     text = out.getvalue()
     assert "[" + "█" * 19 + "▒" * 12 + "░" * 19 + "]" in text
-    for needle in ("utilization 37.5%", "fragmentation 28.1% (27/96 slots unused)", "prefix hit rate 25.0%",
+    for needle in ("utilization 37.5%", "fragmentation 28.1% (27/96 slots unused)", "hit rate 25.0%",
                    "running 3", "waiting 0", "computed 123.4", "TTFT p50 45.0 ms", "in use 6", "cached 4", "free 6"):
         assert needle in text, needle
 

@@ -1,0 +1,166 @@
+"""Engine.add_worker / drain_worker / list_workers and routing through the router,
+in-process: the real engine and serving.v1 server over gRPC against fake workers
+(no torch, no model), each step slowed down a little so requests are still
+running when a worker is drained."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from proto import serving_pb2, serving_pb2_grpc
+from scheduler_svc.admin import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.grpc_server import start_server
+from scheduler_svc.router import WorkerState
+from scheduler_svc.tokenizer import load_tokenizer
+from tests.conftest import tiny_checkpoint
+from tests.fake_worker_server import FakeWorkerServicer, start_fake_worker
+
+STEP_DELAY_S = 0.005
+
+
+@pytest.fixture(autouse=True)
+def slow_steps(monkeypatch):
+    step = FakeWorkerServicer.Step
+
+    async def slow(self, request, context):
+        await asyncio.sleep(STEP_DELAY_S)
+        return await step(self, request, context)
+
+    monkeypatch.setattr(FakeWorkerServicer, "Step", slow)
+
+
+def run(scenario, num_workers: int = 2, **config):
+    """scenario(engine, stub, tokenizer, start_worker) with an engine over `num_workers` fake workers."""
+    tokenizer = load_tokenizer(tiny_checkpoint("llama"))
+
+    async def main():
+        servers = []
+
+        async def start_worker(**kw):
+            server, address, _ = await start_fake_worker(num_blocks=kw.pop("num_blocks", 64),
+                                                         vocab_size=tokenizer.vocab_size, **kw)
+            servers.append(server)
+            return address
+
+        addresses = [await start_worker() for _ in range(num_workers)]
+        engine = await Engine.connect(SchedulerConfig(workers=",".join(addresses), **config), tokenizer)
+        server, port = await start_server(engine, "127.0.0.1", 0, 16, 16)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await scenario(engine, serving_pb2_grpc.SchedulerStub(channel), tokenizer, start_worker)
+        finally:
+            await server.stop(None)
+            await engine.stop()
+            for s in servers:
+                await s.stop(None)
+        engine.audit()
+
+    asyncio.run(main())
+
+
+async def generate(stub, ids: list[int], max_tokens: int) -> serving_pb2.GenerateResponse:
+    replies = [r async for r in stub.Generate(serving_pb2.GenerateRequest(
+        prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=30)]
+    assert replies[-1].finished
+    return replies[-1]
+
+
+def test_drain_while_running_finishes_its_requests_and_removes_it():
+    async def scenario(engine, stub, tokenizer, start_worker):
+        a, b = (c.info.address for c in engine.cores)
+        tasks = [asyncio.create_task(generate(stub, [5 + i, 9, 11, 13], 40)) for i in range(6)]
+        while engine.list_workers()[0].running == 0:
+            await asyncio.sleep(0.005)
+        status = await engine.drain_worker(a)
+        assert status.state is WorkerState.DRAINING and status.running + status.waiting > 0
+        assert engine.accepting  # b still serves
+        assert (await engine.drain_worker(a)).state is WorkerState.DRAINING  # twice is fine
+        late = [asyncio.create_task(generate(stub, [7, 8, 9 + i], 5)) for i in range(4)]  # none may go to a
+        removed = await engine.drain_worker(a, wait=True)
+        assert removed.state is WorkerState.REMOVED
+        assert (removed.running, removed.waiting, removed.blocks_used) == (0, 0, 0)
+        assert removed.requests_finished == removed.requests_routed == status.requests_routed > 0
+        done = await asyncio.gather(*tasks, *late)
+        assert all(r.usage.completion_tokens == (40 if i < 6 else 5) for i, r in enumerate(done))
+        assert [w.address for w in engine.list_workers()] == [b]
+        assert a not in engine.router.counters
+        with pytest.raises(UnknownWorker):
+            await engine.drain_worker(a)
+        with pytest.raises(LastWorker):
+            await engine.drain_worker(b)
+        # Back again: a removed worker can be added, and gets requests.
+        assert (await engine.add_worker(a)).state is WorkerState.SERVING
+        assert [w.address for w in engine.list_workers()] == [b, a]
+
+    run(scenario)
+
+
+def test_cancelled_wait_does_not_undo_the_drain():
+    async def scenario(engine, stub, tokenizer, start_worker):
+        a, b = (c.info.address for c in engine.cores)
+        task = asyncio.create_task(generate(stub, [5, 9, 11, 13], 40))
+        while engine.list_workers()[0].running == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.drain_worker(a, wait=True), 0.02)
+        assert engine.list_workers()[0].state is WorkerState.DRAINING
+        assert (await task).usage.completion_tokens == 40
+        for _ in range(200):
+            if len(engine.cores) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert [c.info.address for c in engine.cores] == [b]
+
+    run(scenario)
+
+
+def test_add_worker_errors_and_draining_the_last_worker():
+    async def scenario(engine, stub, tokenizer, start_worker):
+        (a,) = (c.info.address for c in engine.cores)
+        with pytest.raises(WorkerExists):
+            await engine.add_worker(a)
+        with pytest.raises(WorkerIncompatible, match="same model"):
+            await engine.add_worker(await start_worker(block_size=32))
+        with pytest.raises(WorkerIncompatible, match="at most"):
+            await engine.add_worker(await start_worker(num_blocks=2))  # 32 tokens < max_model_len
+        with pytest.raises(WorkerUnreachable, match="did not answer"):
+            await engine.add_worker("127.0.0.1:1")
+        assert [w.address for w in engine.list_workers()] == [a]
+        with pytest.raises(LastWorker):
+            await engine.drain_worker(a)
+        removed = await engine.drain_worker(a, wait=True, allow_last=True)
+        assert removed.state is WorkerState.REMOVED and engine.list_workers() == [] and not engine.accepting
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(stub, [5, 6, 7], 3)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        b = await start_worker()
+        assert (await engine.add_worker(b)).state is WorkerState.SERVING and engine.accepting
+        assert (await generate(stub, [5, 6, 7], 3)).usage.completion_tokens == 3
+
+    run(scenario, num_workers=1, connect_timeout_s=0.5, max_model_len=256)
+
+
+def test_shared_prefix_colocates_and_handover_skips_draining_workers():
+    async def scenario(engine, stub, tokenizer, start_worker):
+        system = list(range(10, 58))  # 3 full blocks
+        await asyncio.gather(*(generate(stub, system + [100 + i], 4) for i in range(6)))
+        routed = {w.address: w.requests_routed for w in engine.list_workers()}
+        assert sorted(routed.values()) == [0, 6]  # one worker for the shared prompt
+        owner = next(a for a, n in routed.items() if n == 6)
+        assert next(w for w in engine.list_workers() if w.address == owner).prefix_hit_tokens > 0
+        other = next(a for a in routed if a != owner)
+        # A new prompt goes to the worker whose free blocks hold no cached prefix.
+        task = asyncio.create_task(generate(stub, [7, 8, 9], 40))
+        while next(w for w in engine.list_workers() if w.address == other).running == 0:
+            await asyncio.sleep(0.005)
+        # handover: a lost worker's requests never go to a draining one.
+        assert (await engine.drain_worker(other)).state is WorkerState.DRAINING
+        source = next(c for c in engine.cores if c.info.address == owner)
+        assert engine.handover(source) is False  # the only other worker is draining
+        assert (await task).usage.completion_tokens == 40
+
+    run(scenario, num_workers=2)
