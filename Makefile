@@ -88,6 +88,13 @@ load: setup
 	$(PY) -m tests.load.scheduler_streams
 	$(PY) -m tests.load.soak --minutes $(SOAK_MINUTES)
 
+# Benchmarks, not part of `make test`: every module listed in bench/run_all.py
+# (BENCHMARKS), each printing a table and writing bench/results/<name>.md and a
+# .png plot; a missing or failing one is reported and fails the target (~20 min).
+.PHONY: bench
+bench: setup model
+	$(PY) -m bench.run_all
+
 serve-worker: setup model
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
 

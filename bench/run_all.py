@@ -1,0 +1,123 @@
+"""Run every benchmark (what `make bench` does): each module in BENCHMARKS below,
+in order, as its own process, with the arguments `make bench` uses. Each prints
+its table and writes bench/results/<name>.md and bench/results/<name>.png.
+
+    python -m bench.run_all                 # all of them (~20 minutes on 2 CPU cores)
+    python -m bench.run_all --only overhead prefix_cache
+    python -m bench.run_all --list
+
+Nothing is skipped silently: a module listed here but missing, one that fails,
+or one that leaves no fresh results file or plot is reported as such in the
+summary (bench/results/run_all.md) and makes the exit status non-zero; a
+bench/*.py that is neither listed here nor in HELPERS stops the run before it
+starts, so a new benchmark cannot be forgotten.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.bench_util import load_average
+from bench.common import RESULTS, markdown_table, write_result
+
+BENCH = Path(__file__).resolve().parent
+BUDGET_S = 20 * 60
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # module bench/<name>.py, results bench/results/<name>.{md,png}
+    args: tuple[str, ...]  # as `make bench` runs it (kept within the 20-minute budget)
+    what: str
+    plot: bool = True  # writes bench/results/<name>.png (checked)
+
+
+# The one list. Issue 10's six sections first, then the others.
+BENCHMARKS = [
+    Benchmark("capacity", (), "issue 10 §1: paged vs contiguous backend at equal KV memory"),
+    Benchmark("vs_transformers", ("--repeats", "2"), "issue 10 §2: vs transformers generate, batch 1/8/32, fp32+bf16"),
+    Benchmark("prefix_cache", (), "issue 10 §3: 1,000-token shared system prompt, cache on vs off"),
+    Benchmark("chunked_prefill", (), "issue 10 §4: decode ITL while long prompts arrive, per chunk size"),
+    Benchmark("allocation_sim", (), "issue 10 §5: naive / dynamic / paged / paged+sharing allocators"),
+    Benchmark("overhead", ("--steps", "3", "--warmup", "1", "--e2e-seqs", "1", "64"),
+              "issue 10 §6: planning, serialization, gRPC and forward per step"),
+    Benchmark("long_context", (), "issue 5: 200k-token prompt, KV bytes vs formula, memory, ITL per chunk"),
+    Benchmark("kv_quality", ("--text-tokens", "1536", "--gen-tokens", "64"), "KV precision: fp32/fp16/bf16/fp8/int8",
+              plot=False),
+    Benchmark("gateway_overhead", ("--requests", "10"), "HTTP gateway vs direct gRPC latency", plot=False),
+    Benchmark("routing", ("--seeds", "2"), "prefix-aware routing vs round-robin, two workers", plot=False),
+]
+# Modules in bench/ that are not benchmarks.
+HELPERS = {"__init__", "common", "bench_util", "run_all"}
+
+
+def unlisted() -> list[str]:
+    listed = {b.name for b in BENCHMARKS} | HELPERS
+    return sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in listed)
+
+
+def run(bench: Benchmark) -> tuple[str, float]:
+    module = BENCH / f"{bench.name}.py"
+    if not module.exists():
+        return "MISSING (bench/%s.py does not exist)" % bench.name, 0.0
+    cmd = [sys.executable, "-m", f"bench.{bench.name}", *bench.args]
+    print(f"\n=== {bench.name}: {bench.what}\n$ {' '.join(cmd[1:])}", flush=True)
+    start = time.time()
+    rc = subprocess.run(cmd, cwd=BENCH.parent).returncode
+    elapsed = time.time() - start
+    if rc != 0:
+        return f"FAILED (exit status {rc})", elapsed
+    stale = [f"{bench.name}{ext}" for ext in ((".md", ".png") if bench.plot else (".md",))
+             if not (RESULTS / f"{bench.name}{ext}").exists() or (RESULTS / f"{bench.name}{ext}").stat().st_mtime < start]
+    if stale:
+        return f"FAILED (no fresh {', '.join(stale)})", elapsed
+    return "ok" if bench.plot else "ok (writes no plot)", elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these (names from --list)")
+    parser.add_argument("--list", action="store_true", help="print the benchmarks and their arguments")
+    args = parser.parse_args()
+    if args.list:
+        for b in BENCHMARKS:
+            present = "" if (BENCH / f"{b.name}.py").exists() else "   [MISSING]"
+            plot = "" if b.plot else " (no plot)"
+            print(f"{b.name:18} {' '.join(b.args):40} {b.what}{plot}{present}")
+        return 0
+    if extra := unlisted():
+        print(f"error: bench/{{{','.join(extra)}}}.py not listed in bench/run_all.py BENCHMARKS (nor HELPERS); "
+              "add them so that `make bench` runs them", file=sys.stderr)
+        return 2
+    chosen = BENCHMARKS
+    if args.only:
+        unknown = set(args.only) - {b.name for b in BENCHMARKS}
+        if unknown:
+            print(f"error: unknown benchmark(s) {sorted(unknown)}; see --list", file=sys.stderr)
+            return 2
+        chosen = [b for b in BENCHMARKS if b.name in args.only]
+    started, load_before = time.time(), load_average()
+    rows, failed = [], 0
+    for bench in chosen:
+        status, elapsed = run(bench)
+        failed += not status.startswith("ok")
+        rows.append([bench.name, status, f"{elapsed:.0f}", f"`python -m bench.{bench.name} {' '.join(bench.args)}`".replace(" `", "`"),
+                     f"[{bench.name}.md]({bench.name}.md)", f"[{bench.name}.png]({bench.name}.png)" if bench.plot else "none"])
+        print(f"=== {bench.name}: {status} in {elapsed:.0f} s (total so far {time.time() - started:.0f} s)", flush=True)
+    total = time.time() - started
+    table = markdown_table(["benchmark", "status", "seconds", "command", "results", "plot"], rows)
+    notes = (f"Total {total:.0f} s ({total / 60:.1f} min; budget {BUDGET_S // 60} min"
+             + (", **over budget**" if total > BUDGET_S else "") + f"); {failed} failed or missing. "
+             f"1-minute load average {load_before:.1f} before, {load_average():.1f} after (2 cores, shared).")
+    print("\n" + table + "\n\n" + notes)
+    if not args.only:
+        print(f"wrote {write_result('run_all', 'All benchmarks (make bench)', table, notes)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
