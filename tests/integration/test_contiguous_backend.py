@@ -11,11 +11,10 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from proto import worker_pb2, worker_pb2_grpc
+from proto import worker_pb2
 from tests.conftest import tiny_checkpoint
-from tests.procs import ServiceProcess
+from tests.integration.test_worker_exactness import WorkerUnderTest
 from tests.worker_client import by_seq, logits_of
 
 MAX_BATCH = 4
@@ -23,34 +22,10 @@ MAX_LEN = 128
 ATOL = 1e-4
 
 
-class ContiguousWorker:
-    def __init__(self, model_dir):
-        self.proc = ServiceProcess("worker_svc", ["--model", str(model_dir), "--dtype", "float32",
-                                                  "--kv-layout", "contiguous", "--max-batch", str(MAX_BATCH),
-                                                  "--max-model-len", str(MAX_LEN)]).start()
-        self.channel = grpc.insecure_channel(self.proc.address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.info = self.stub.Info(worker_pb2.InfoRequest())
-        self.step_id = 0
-
-    def step(self, seqs, copies=()):
-        self.step_id += 1
-        return self.stub.Step(worker_pb2.StepRequest(step_id=self.step_id, seqs=seqs,
-                                                     copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies]))
-
-    def ref_logits(self, ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return self.ref(torch.tensor([ids])).logits[0].numpy()
-
-    def close(self):
-        self.channel.close()
-        self.proc.stop()
-
-
 @pytest.fixture(scope="module", params=("llama", "qwen3_mqa", "gemma3"))
 def worker(request):
-    w = ContiguousWorker(tiny_checkpoint(request.param))
+    w = WorkerUnderTest(tiny_checkpoint(request.param), ATOL, ("--kv-layout", "contiguous", "--max-batch",
+                                                                str(MAX_BATCH), "--max-model-len", str(MAX_LEN)))
     yield w
     w.close()
 

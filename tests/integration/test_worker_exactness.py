@@ -28,9 +28,9 @@ DEFAULT_MODEL_ATOL = 1e-3
 
 
 class WorkerUnderTest:
-    def __init__(self, model_dir, atol: float):
+    def __init__(self, model_dir, atol: float, worker_args: tuple[str, ...] = ("--num-blocks", str(NUM_BLOCKS))):
         self.proc = ServiceProcess("worker_svc", ["--model", str(model_dir), "--dtype", "float32",
-                                                  "--num-blocks", str(NUM_BLOCKS)]).start()
+                                                  *worker_args]).start()
         self.channel = grpc.insecure_channel(self.proc.address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
