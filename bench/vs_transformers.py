@@ -13,7 +13,8 @@ fp32 and bf16 weights, on the same prompts, in the same run.
   worker runs its steps (on a gRPC server thread): on this shared 2-vCPU VM,
   torch's 2-thread OpenMP regions started from the main thread stall far more
   under CPU contention than from another thread, which would handicap
-  transformers rather than measure it.
+  transformers rather than measure it. This process uses the worker's malloc
+  settings (worker_svc/allocator.py), so both keep freed activations mapped.
 * Prompts: N passages of 20-120 words of the CPython Language Reference (fixed
   seed), tokenized once here; both systems get the same token ids.
 * Rate = N x max_tokens / wall time (submit to last token), prompt processing
@@ -41,6 +42,7 @@ from bench.bench_util import DEFAULT_MODEL, load_average, progress, pyplot, requ
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
 from svc_common.processes import Cluster
+from worker_svc.allocator import keep_freed_memory
 
 NAME = "vs_transformers"
 # Figures quoted in issue 10 for transformers on this CPU: batch 32, 64 new tokens,
@@ -89,9 +91,9 @@ def run_transformers(model, pad_id: int, prompts: list[list[int]], max_tokens: i
 PROFILED = {  # label -> (file name, function name) whose cumulative time counts, as cProfile names them
     "attention path (worker_svc/attention.py, __call__)": ("attention.py", "__call__"),
     "context gather (kernels/reference.py, gather_context)": ("reference.py", "gather_context"),
-    "mask + SDPA (kernels/reference.py, _varlen_attention)": ("reference.py", "_varlen_attention"),
+    "mask + SDPA (kernels/reference.py, _decode_attention)": ("reference.py", "_decode_attention"),
     "KV write (kernels/reference.py, write_kv)": ("reference.py", "write_kv"),
-    "linear layers (torch._C._nn.linear)": ("~", "<built-in method torch._C._nn.linear>"),
+    "linear layers (worker_svc/models/linear.py, __call__)": ("linear.py", "__call__"),
     "sampling (worker_svc/sampler.py, __call__)": ("sampler.py", "__call__"),
 }
 
@@ -181,6 +183,9 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=1024)
     args = parser.parse_args()
     require_model(args.model)
+    # The worker process runs with these malloc settings (worker_svc/allocator.py);
+    # transformers runs in this process, so it gets them too.
+    keep_freed_memory()
     started, load_before = time.perf_counter(), load_average()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     texts = word_prompts(max(args.batches))

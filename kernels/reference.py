@@ -59,15 +59,16 @@ def write_kv(
     KV head and writes its scale (and zero point) at the same slot."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
+    if not bool(keep.all()):  # padding slots are rare: skip the masked copies when there are none
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     if not quant.is_quantized(k_cache.dtype):
-        k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
-        v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+        k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
         return
     _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
     for x, cache, scale, zero in ((key, k_cache, k_scale, k_zero), (value, v_cache, v_scale, v_zero)):
-        q, s, z = quant.quantize(x[keep], cache.dtype)
+        q, s, z = quant.quantize(x, cache.dtype)
         cache[blocks, :, offsets] = q
         scale[blocks, :, offsets] = s
         if zero is not None:
@@ -92,16 +93,24 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     """[num_blocks, kv_heads, bs, d] x [S, max_blocks] -> [S, kv_heads, max_blocks*bs, d]."""
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, block_size, head_dim = cache.shape
-    gathered = cache[block_tables.long()]  # [S, max_blocks, kv_heads, bs, d]
-    return gathered.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    # One index_select per KV head copies whole [bs, d] rows straight into a
+    # [kv_heads, S, context, d] buffer: a single pass over the context (advanced
+    # indexing plus a permute copied it twice, the largest cost of a CPU decode
+    # step). The result is a [S, kv_heads, ...] view of that buffer.
+    blocks = block_tables.flatten().long()
+    gathered = cache.new_empty(num_kv_heads, num_seqs * max_blocks, block_size, head_dim)
+    for head in range(num_kv_heads):
+        torch.index_select(cache[:, head], 0, blocks, out=gathered[head])
+    return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, head_dim).transpose(0, 1)
 
 
 def gather_scales(scales: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_blocks, kv_heads, bs] x [S, max_blocks] -> [S, kv_heads, max_blocks*bs]."""
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, block_size = scales.shape
-    gathered = scales[block_tables.long()]  # [S, max_blocks, kv_heads, bs]
-    return gathered.permute(0, 2, 1, 3).reshape(num_seqs, num_kv_heads, max_blocks * block_size)
+    gathered = scales.index_select(0, block_tables.flatten().long())
+    gathered = gathered.view(num_seqs, max_blocks, num_kv_heads, block_size)
+    return gathered.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size)
 
 
 def _read_context(cache, block_tables, scale, zero, dtype) -> torch.Tensor:
@@ -194,12 +203,27 @@ def paged_decode_attention(
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
-    num_seqs = query.shape[0]
-    cu_query_lens = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
-    return paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window,
-        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+    if quant.is_quantized(k_cache.dtype):
+        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    keys = _read_context(k_cache, block_tables, k_scale, k_zero, query.dtype)
+    values = _read_context(v_cache, block_tables, v_scale, v_zero, query.dtype)
+    return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
+
+
+def _decode_attention(query, keys, values, context_lens, scale, sliding_window) -> torch.Tensor:
+    """The decode case of _varlen_attention (one query row per sequence, at
+    position context_len - 1) without its padding: decode steps are most of a
+    server's steps, and this runs once per layer."""
+    key_pos = torch.arange(keys.shape[2], device=query.device)
+    last = (context_lens.long() - 1)[:, None]
+    mask = key_pos[None, :] <= last
+    if sliding_window > 0:
+        mask &= key_pos[None, :] > last - sliding_window
+    out = F.scaled_dot_product_attention(
+        query[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
     )
+    return out[:, :, 0]
 
 
 def copy_blocks(
@@ -277,9 +301,9 @@ def contiguous_decode_attention(
     v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over the contiguous layout. query [S, q_heads, d]."""
-    num_seqs = query.shape[0]
-    cu_query_lens = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
-    return contiguous_prefill_attention(
-        query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale, sliding_window,
-        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
-    )
+    if quant.is_quantized(k_cache.dtype):
+        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    length = int(context_lens.max()) if context_lens.numel() else 0
+    keys = _read_slots(k_cache, slots, length, k_scale, k_zero, query.dtype)
+    values = _read_slots(v_cache, slots, length, v_scale, v_zero, query.dtype)
+    return _decode_attention(query, keys, values, context_lens, scale, sliding_window)

@@ -18,8 +18,11 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(WorkerConfig, "PAGEDSERVE_WORKER", "pagedserve worker: model + paged KV cache, gRPC worker.v1",
                           argv)
     configure_logging(config.log_format, config.log_level)
+    from worker_svc.allocator import keep_freed_memory
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.worker import Worker
+
+    keep_freed_memory()
 
     stop = threading.Event()  # set before loading: a SIGTERM during start-up still stops cleanly
     for sig in (signal.SIGINT, signal.SIGTERM):

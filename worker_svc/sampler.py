@@ -40,7 +40,8 @@ class Sampler:
             rows = torch.tensor(random_rows)
             chosen = self._sample_rows(logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows])
             tokens[rows] = chosen
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
+        logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         return tokens, logprobs
 
     def _sample_rows(self, logits: torch.Tensor, params: list[Sampling], positions: list[int]) -> torch.Tensor:

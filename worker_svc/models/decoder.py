@@ -14,15 +14,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from worker_svc.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from worker_svc.models.linear import Linear
 from worker_svc.models.spec import ModelSpec, load_spec
 
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor           # q, k, v projections fused: one matmul
-    o: torch.Tensor
-    gate_up: torch.Tensor       # gate and up projections fused
-    down: torch.Tensor
+    qkv: Linear                 # q, k, v projections fused: one matmul
+    o: Linear
+    gate_up: Linear             # gate and up projections fused
+    down: Linear
     attn_norm: torch.Tensor     # before attention
     mlp_norm: torch.Tensor      # before the MLP
     post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms
@@ -33,7 +34,7 @@ class LayerWeights:
 
 class DecoderModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+                 final_norm: torch.Tensor, lm_head: Linear):
         self.spec = spec
         self.embed = embed
         self.layers = layers
@@ -69,7 +70,8 @@ class DecoderModel:
             gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
             sandwich = spec.sandwich_norm
             layers.append(LayerWeights(
-                qkv=qkv, o=take(attn + "o_proj.weight"), gate_up=gate_up, down=take(mlp + "down_proj.weight"),
+                qkv=Linear(qkv), o=Linear(take(attn + "o_proj.weight")), gate_up=Linear(gate_up),
+                down=Linear(take(mlp + "down_proj.weight")),
                 attn_norm=norm(p + "input_layernorm.weight"),
                 # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma's
                 # normalizes the attention output and has its own pre-MLP norm.
@@ -81,7 +83,7 @@ class DecoderModel:
             ))
         embed = take("model.embed_tokens.weight")
         lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
-        return cls(spec, embed, layers, norm("model.norm.weight"), lm_head)
+        return cls(spec, embed, layers, norm("model.norm.weight"), Linear(lm_head))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm.
@@ -103,7 +105,7 @@ class DecoderModel:
         spec, eps = self.spec, self.spec.rms_norm_eps
         num_tokens = hidden.shape[0]
         x = rms_norm(hidden, w.attn_norm, eps)
-        q, k, v = F.linear(x, w.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = w.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_q_heads, spec.head_dim)
         k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -111,7 +113,7 @@ class DecoderModel:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attention(i, q, k, v, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
-        attn = F.linear(attn, w.o)
+        attn = w.o(attn)
         if w.post_attn_norm is not None:
             attn = rms_norm(attn, w.post_attn_norm, eps)
         hidden = hidden + attn
@@ -122,7 +124,7 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the selected hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
