@@ -38,6 +38,7 @@ _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
               grpc.StatusCode.UNKNOWN)
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.05, 1.0
 _PROBE_TIMEOUT_S = 2.0
+_STOP_RETRY_S = 1.0
 
 
 class WorkerUnavailable(RuntimeError):
@@ -103,7 +104,11 @@ class EngineCore:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
+            # Cancel until it ends: one cancellation may be absorbed by an
+            # awaited library call finishing at the same moment.
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=_STOP_RETRY_S)
             await asyncio.gather(self._task, return_exceptions=True)
 
     # ---- requests ---------------------------------------------------------
@@ -196,10 +201,14 @@ class EngineCore:
     async def _wait_for_wakeup(self, timeout_s: float) -> bool:
         """True if woken (new work, an abort), False on timeout."""
         self._wakeup.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+        # cancellation that lands as the event is set, so stop() could wait on a
+        # loop that never ends (a drained worker stayed listed, issue 11).
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._wakeup.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def _execute(self, plan: StepPlan) -> None:
