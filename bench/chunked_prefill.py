@@ -123,13 +123,15 @@ def main() -> None:
         before = [g for r in runs for g in r["before"]]
         ttft = [t for r in runs for t in r["ttft"]]
         summary[name] = dict(p50=percentile(during, 50), p99=percentile(during, 99), max=max(during),
+                             mean=sum(during) / len(during),
                              base=percentile(before, 50), ttft=median(ttft), ttft_max=max(ttft))
-        rows.append([name, fmt(summary[name]["base"]), fmt(summary[name]["p50"]), fmt(summary[name]["p99"]),
+        rows.append([name, fmt(summary[name]["base"]), fmt(summary[name]["p50"]), fmt(summary[name]["mean"]),
+                     fmt(summary[name]["p99"]),
                      fmt(summary[name]["max"]), len(during), f"{median([r['steps'] for r in runs]):.0f}",
                      fmt(summary[name]["ttft"], 0), fmt(summary[name]["ttft_max"], 0),
                      " / ".join(f"{percentile(r['during'], 99):.0f}" for r in runs)])
     table = markdown_table(["chunk size", "ITL p50 decode only (ms)", "ITL p50 during prefill (ms)",
-                            "ITL p99 during prefill (ms)", "ITL max (ms)", "gaps measured", "steps (median)",
+                            "ITL mean during prefill (ms)", "ITL p99 during prefill (ms)", "ITL max (ms)", "gaps measured", "steps (median)",
                             "long-prompt TTFT median (ms)", "long-prompt TTFT max (ms)", "p99 per repeat (ms)"], rows)
     notes = (
         f"Default model `{model.name}`, {args.dtype}; {NUM_DECODES} decode streams running while "

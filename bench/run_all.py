@@ -40,10 +40,11 @@ class Benchmark:
 BENCHMARKS = [
     Benchmark("capacity", (), "issue 10 §1: paged vs contiguous backend at equal KV memory"),
     Benchmark("vs_transformers", ("--repeats", "2"), "issue 10 §2: vs transformers generate, batch 1/8/32, fp32+bf16"),
-    Benchmark("prefix_cache", (), "issue 10 §3: 1,000-token shared system prompt, cache on vs off"),
+    Benchmark("prefix_cache", ("--repeats", "6", "--burst-repeats", "2"),
+              "issue 10 §3: 1,000-token shared system prompt, cache on vs off"),
     Benchmark("chunked_prefill", (), "issue 10 §4: decode ITL while long prompts arrive, per chunk size"),
     Benchmark("allocation_sim", (), "issue 10 §5: naive / dynamic / paged / paged+sharing allocators"),
-    Benchmark("overhead", ("--steps", "3", "--warmup", "1", "--e2e-seqs", "1", "64"),
+    Benchmark("overhead", ("--steps", "2", "--warmup", "1", "--e2e-seqs", "1", "64"),
               "issue 10 §6: planning, serialization, gRPC and forward per step"),
     Benchmark("long_context", (), "issue 5: 200k-token prompt, KV bytes vs formula, memory, ITL per chunk"),
     Benchmark("kv_quality", ("--text-tokens", "1536", "--gen-tokens", "64"), "KV precision: fp32/fp16/bf16/fp8/int8",
