@@ -174,11 +174,12 @@ class Harness:
         groups = {"gather": 0.0, "sdpa": 0.0, "matmul": 0.0, "other": 0.0}
         for event in prof.key_averages():
             ms = event.self_cpu_time_total / 1e3
-            if event.key in ("aten::index", "aten::copy_"):
+            if event.key in ("aten::index", "aten::index_select", "aten::copy_"):
                 groups["gather"] += ms
             elif "scaled_dot_product" in event.key:
                 groups["sdpa"] += ms
-            elif event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
+            elif event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+                               "mkldnn::_linear_pointwise"):  # bf16 weights packed for oneDNN (models/linear.py)
                 groups["matmul"] += ms
             else:
                 groups["other"] += ms
@@ -353,8 +354,8 @@ def main() -> None:
     for n, g in profiles.items():
         total = sum(g.values())
         rows_p.append([n, fmt(total)] + [f"{100 * g[k] / total:.0f}%" for k in ("gather", "sdpa", "matmul", "other")])
-    table_p = markdown_table(["seqs", "profiled CPU ms", "aten::index + aten::copy_ (context gather, layout copies)",
-                              "SDPA kernel", "matmuls (aten::mm)", "everything else"], rows_p) if rows_p else ""
+    table_p = markdown_table(["seqs", "profiled CPU ms", "aten::index / index_select + aten::copy_ (context gather, layout copies)",
+                              "SDPA kernel", "matmuls (aten::mm, mkldnn linear)", "everything else"], rows_p) if rows_p else ""
     tables = (f"### A. One decode step, piece by piece (medians of {args.steps} steps)\n\n{table_a}\n\n"
               + (f"Where the worker's execute time goes (one in-process step under torch.profiler, self CPU time "
                  f"by op):\n\n{table_p}\n\n" if table_p else "")
