@@ -90,37 +90,37 @@ def _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero) -> None:
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, kv_heads, bs, d] x [S, max_blocks] -> [S, kv_heads, max_blocks*bs, d]."""
+    """[num_blocks, kv_heads, bs, *rest] x [S, max_blocks] -> [S, kv_heads, max_blocks*bs, *rest]:
+    K/V values (rest = head_dim) or their scales and zero points (no rest)."""
     num_seqs, max_blocks = block_tables.shape
-    _, num_kv_heads, block_size, head_dim = cache.shape
-    # One index_select per KV head copies whole [bs, d] rows straight into a
-    # [kv_heads, S, context, d] buffer: a single pass over the context (advanced
+    _, num_kv_heads, block_size, *rest = cache.shape
+    # One index_select per KV head copies whole block rows straight into a
+    # [kv_heads, S, context, ...] buffer: a single pass over the context (advanced
     # indexing plus a permute copied it twice, the largest cost of a CPU decode
     # step). The result is a [S, kv_heads, ...] view of that buffer.
     blocks = block_tables.flatten().long()
-    gathered = cache.new_empty(num_kv_heads, num_seqs * max_blocks, block_size, head_dim)
+    gathered = cache.new_empty(num_kv_heads, num_seqs * max_blocks, block_size, *rest)
     for head in range(num_kv_heads):
         torch.index_select(cache[:, head], 0, blocks, out=gathered[head])
-    return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, head_dim).transpose(0, 1)
+    return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, *rest).transpose(0, 1)
 
 
-def gather_scales(scales: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, kv_heads, bs] x [S, max_blocks] -> [S, kv_heads, max_blocks*bs]."""
-    num_seqs, max_blocks = block_tables.shape
-    _, num_kv_heads, block_size = scales.shape
-    gathered = scales.index_select(0, block_tables.flatten().long())
-    gathered = gathered.view(num_seqs, max_blocks, num_kv_heads, block_size)
-    return gathered.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size)
+def _read_kv(read, k_cache, v_cache, dtype, k_scale, v_scale, k_zero, v_zero):
+    """The sequences' K and V [S, kv_heads, K, d] in `dtype`, dequantized (through
+    fp32) when the cache is quantized. `read` takes one layer's cache tensor (values,
+    scales or zero points) to the sequences' [S, kv_heads, K, ...]: a block-table
+    gather (paged) or a slot read (contiguous)."""
+    quantized = quant.is_quantized(k_cache.dtype)
+    if quantized:
+        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
 
+    def one(cache, scale, zero):
+        values = read(cache)
+        if not quantized:
+            return values.to(dtype)
+        return quant.dequantize(values, read(scale), read(zero) if zero is not None else None).to(dtype)
 
-def _read_context(cache, block_tables, scale, zero, dtype) -> torch.Tensor:
-    """The sequences' K or V [S, kv_heads, max_blocks*bs, d] in `dtype`, dequantized
-    (through fp32) when the cache is quantized."""
-    values = gather_context(cache, block_tables)
-    if not quant.is_quantized(cache.dtype):
-        return values.to(dtype)
-    zeros = gather_scales(zero, block_tables) if zero is not None else None
-    return quant.dequantize(values, gather_scales(scale, block_tables), zeros).to(dtype)
+    return one(k_cache, k_scale, k_zero), one(v_cache, v_scale, v_zero)
 
 
 def paged_prefill_attention(
@@ -146,10 +146,8 @@ def paged_prefill_attention(
     only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
     read through its scales (k_scale, v_scale, and k_zero, v_zero for INT8).
     """
-    if quant.is_quantized(k_cache.dtype):
-        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-    keys = _read_context(k_cache, block_tables, k_scale, k_zero, query.dtype)
-    values = _read_context(v_cache, block_tables, v_scale, v_zero, query.dtype)
+    keys, values = _read_kv(lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype,
+                            k_scale, v_scale, k_zero, v_zero)
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
 
 
@@ -203,10 +201,8 @@ def paged_decode_attention(
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
-    if quant.is_quantized(k_cache.dtype):
-        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-    keys = _read_context(k_cache, block_tables, k_scale, k_zero, query.dtype)
-    values = _read_context(v_cache, block_tables, v_scale, v_zero, query.dtype)
+    keys, values = _read_kv(lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype,
+                            k_scale, v_scale, k_zero, v_zero)
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
 
 
@@ -252,14 +248,6 @@ def read_slots(cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.T
     return cache[:, :, :length][slots.long()]
 
 
-def _read_slots(cache, slots, length, scale, zero, dtype) -> torch.Tensor:
-    values = read_slots(cache, slots, length)
-    if not quant.is_quantized(cache.dtype):
-        return values.to(dtype)
-    zeros = read_slots(zero, slots, length) if zero is not None else None
-    return quant.dequantize(values, read_slots(scale, slots, length), zeros).to(dtype)
-
-
 def contiguous_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -278,11 +266,9 @@ def contiguous_prefill_attention(
     """paged_prefill_attention over the contiguous layout: sequence s owns slot
     slots[s] ([S] ints in [0, max_batch)) and its context is that slot's first
     context_lens[s] positions. Same query/varlen conventions, same result."""
-    if quant.is_quantized(k_cache.dtype):
-        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
     length = int(context_lens.max()) if context_lens.numel() else 0
-    keys = _read_slots(k_cache, slots, length, k_scale, k_zero, query.dtype)
-    values = _read_slots(v_cache, slots, length, v_scale, v_zero, query.dtype)
+    keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype,
+                            k_scale, v_scale, k_zero, v_zero)
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
 
 
@@ -301,9 +287,7 @@ def contiguous_decode_attention(
     v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over the contiguous layout. query [S, q_heads, d]."""
-    if quant.is_quantized(k_cache.dtype):
-        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
     length = int(context_lens.max()) if context_lens.numel() else 0
-    keys = _read_slots(k_cache, slots, length, k_scale, k_zero, query.dtype)
-    values = _read_slots(v_cache, slots, length, v_scale, v_zero, query.dtype)
+    keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype,
+                            k_scale, v_scale, k_zero, v_zero)
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
