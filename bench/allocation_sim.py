@@ -50,10 +50,10 @@ import structlog
 from tqdm import tqdm
 
 from bench.common import RESULTS, markdown_table, write_result
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.slot_manager import SlotManager
+from scheduler_svc.kv.slot_manager import SlotManager
 
 BLOCK = 16
 MAX_SEQ_LEN = 4096

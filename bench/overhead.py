@@ -57,12 +57,12 @@ from bench.bench_util import (DEFAULT_MODEL, fmt, load_average, progress, pyplot
                               save_plot, worker_info)
 from bench.common import markdown_table, median, write_result
 from proto import worker_pb2
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.planner import Planner, PlannerConfig, StepPlan
+from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.worker_client import plan_to_proto, result_from_proto
+from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
 from svc_common.processes import Cluster, ServiceProcess
 from worker_svc.config import WorkerConfig
 from worker_svc.server import step_from_proto, step_to_proto

@@ -7,13 +7,16 @@ import sys
 
 import structlog
 
-from scheduler_svc.admin import start_admin_server
-from scheduler_svc.auth import load_api_keys
+from scheduler_svc.api.admin import start_admin_server
+from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine, StartupError
-from scheduler_svc.grpc_server import SchedulerServer, start_server
-from scheduler_svc.metrics import start_metrics_server
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.errors import StartupError
+from scheduler_svc.api.server import SchedulerServer, start_server
+from scheduler_svc.observability.exposition import start_metrics_server
+from scheduler_svc.observability.metrics import METRICS, engine_hooks
+from scheduler_svc.observability.stats import stats_fields
+from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
 from svc_common.ready_file import write_ready_file
@@ -27,11 +30,11 @@ FINAL_FLUSH_S = 2.0
 async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
     api_keys = load_api_keys(config.api_keys, config.api_keys_file)
-    engine = await Engine.connect(config, tokenizer)
+    engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))
     server, port = await start_server(engine, config.host, config.port, config.max_message_mb,
                                       config.default_max_tokens,
                                       credentials=server_credentials(config.tls_cert, config.tls_key),
-                                      api_keys=api_keys)
+                                      api_keys=api_keys, extra_stats=lambda: stats_fields(engine, METRICS))
     # admin.v1 (AddWorker, DrainWorker, ListWorkers) on its own listener; --admin-port -1: none.
     admin, admin_port = (await start_admin_server(engine, config.admin_host, config.admin_port)
                          if config.admin_port >= 0 else (None, -1))
@@ -44,7 +47,7 @@ async def serve(config: SchedulerConfig) -> None:
     if admin is not None and config.admin_host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("admin service listening beyond loopback: whoever reaches it can add and drain workers",
                     admin_host=config.admin_host)
-    # Prometheus text on --metrics-port, served from this event loop (scheduler_svc/metrics.py).
+    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py).
     metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
     write_ready_file(config.ready_file, config.host, port, admin_port=admin_port)
     signals = _signal_events()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 from proto import serving_pb2, serving_pb2_grpc
 
 
@@ -28,10 +29,8 @@ class Completion:
 
 
 class SchedulerClient:
-    def __init__(self, target: str, max_message_mb: int = 256):
-        limit = max_message_mb * 2**20
-        self.channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", limit),
-                                                              ("grpc.max_receive_message_length", limit)])
+    def __init__(self, target: str, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB):
+        self.channel = grpc.insecure_channel(target, options=channel_options(max_message_mb))
         self.stub = serving_pb2_grpc.SchedulerStub(self.channel)
 
     def stream(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,

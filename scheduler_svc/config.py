@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.eviction import EVICTION_POLICIES
-from scheduler_svc.router import ROUTING_POLICIES
+from scheduler_svc.kv.free_queue import EVICTION_POLICIES
+from svc_common.addresses import host_port_problem
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.tls import file_checks, pair_check
+
+# Which worker gets a new request (engine/router.py implements each).
+ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
 @dataclass
@@ -60,7 +63,7 @@ class SchedulerConfig:
     def validate(self) -> None:
         checks = [
             (bool(self.worker_addresses), "--workers", "at least one HOST:PORT"),
-            (all(_is_host_port(a) for a in self.worker_addresses), "--workers", "a comma-separated list of HOST:PORT"),
+            (all(host_port_problem(a) is None for a in self.worker_addresses), "--workers", "a comma-separated list of HOST:PORT"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
             (-1 <= self.admin_port <= 65535, "--admin-port", "in 0..65535, or -1 for no admin service"),
@@ -90,7 +93,3 @@ class SchedulerConfig:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
 
-
-def _is_host_port(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -11,6 +11,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from svc_common.grpc_options import server_options
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
@@ -69,13 +70,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return step_to_proto(out, self.worker.info.instance_id)
 
 
-def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
-    # Steps carry whole block tables and prefill chunks: 256 sequences x 4k tokens
-    # is ~15 MB of packed ids, slots and tables, above gRPC's 4 MB default.
-    limit = max_message_mb * 2**20
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-
-
 @dataclass
 class WorkerServer:
     server: grpc.Server
@@ -89,7 +83,7 @@ class WorkerServer:
 
 
 def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options(config.max_message_mb))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=server_options(config.max_message_mb))
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

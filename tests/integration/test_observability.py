@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.metrics import METRIC_NAMES
+from scheduler_svc.observability.names import METRIC_NAMES
 from tests.conftest import tiny_checkpoint
 from tests.integration.test_end_to_end import wait_idle
 from tests.procs import REPO, Cluster
@@ -160,7 +160,7 @@ def test_json_logs_carry_request_and_step_ids(cluster):
 
 
 def test_top_once_renders_a_frame(cluster):
-    out = subprocess.run([sys.executable, "-m", "scheduler_svc.top", "--target", cluster.address, "--once",
+    out = subprocess.run([sys.executable, "-m", "scheduler_svc.observability.top", "--target", cluster.address, "--once",
                           "--width", "120"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     frame = out.stdout
@@ -168,6 +168,6 @@ def test_top_once_renders_a_frame(cluster):
     for needle in ("utilization", "fragmentation", "hit rate", "running 0", "waiting 0", "tokens/s",
                    *(w.address for w in cluster.workers)):
         assert needle in frame, needle
-    bad = subprocess.run([sys.executable, "-m", "scheduler_svc.top", "--target", "127.0.0.1:1", "--once",
+    bad = subprocess.run([sys.executable, "-m", "scheduler_svc.observability.top", "--target", "127.0.0.1:1", "--once",
                           "--timeout", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "UNAVAILABLE" in bad.stdout

@@ -20,7 +20,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler_svc.auth import bearer_token, load_api_keys
+from scheduler_svc.api.auth import bearer_token, load_api_keys
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import parse_config
 from tests.conftest import tiny_checkpoint

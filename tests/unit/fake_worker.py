@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler_svc.planner import StepPlan
+from scheduler_svc.planning.planner import StepPlan
 
 
 class FakeWorker:

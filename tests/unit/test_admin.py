@@ -8,17 +8,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import admin_pb2, admin_pb2_grpc
-from scheduler_svc.admin import (
-    LastWorker,
-    UnknownWorker,
-    WorkerExists,
-    WorkerIncompatible,
-    WorkerStatus,
-    WorkerUnreachable,
-    check_address,
-    start_admin_server,
-)
-from scheduler_svc.router import WorkerState
+from scheduler_svc.api.admin import start_admin_server
+from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
+from scheduler_svc.engine.worker_status import WorkerStatus
+from svc_common.addresses import host_port_problem as check_address
+from scheduler_svc.engine.router import WorkerState
 
 
 class FakeEngine:
@@ -183,8 +177,8 @@ def test_drain_wait_deadline_does_not_undo_the_drain():
 
 
 def test_worker_status_from_core():
-    from scheduler_svc.block_pool import BlockPool
-    from scheduler_svc.kv_cache_manager import KVCacheManager
+    from scheduler_svc.kv.block_pool import BlockPool
+    from scheduler_svc.kv.block_manager import KVCacheManager
 
     class Core:
         class info:

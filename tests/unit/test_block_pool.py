@@ -2,8 +2,9 @@
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool, DoubleFreeError, KVBlock, hash_block_tokens, hash_extra_keys
-from scheduler_svc.eviction import FreeBlockQueue, NoFreeBlocksError
+from scheduler_svc.kv.block import KVBlock
+from scheduler_svc.kv.block_pool import BlockPool, DoubleFreeError, hash_block_tokens, hash_extra_keys
+from scheduler_svc.kv.free_queue import FreeBlockQueue, NoFreeBlocksError
 
 EXTRA = hash_extra_keys(("model", "bf16", None))
 

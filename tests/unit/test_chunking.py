@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
 from tests.unit.fake_worker import FakeWorker
 from tests.unit.test_planner import BS, VOCAB, reference, run, step

@@ -215,7 +215,7 @@ SLIM_IMAGES = {
     "scheduler": (["scheduler_svc", "svc_common", "proto"],
                   {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
                    "google": "protobuf", "structlog": "structlog", "tokenizers": "tokenizers",
-                   "prometheus_client": "prometheus_client", "rich": "rich"}),
+                   "prometheus_client": "prometheus_client", "uvicorn": "uvicorn", "rich": "rich"}),
     "gateway": (["gateway_svc", "svc_common", "proto"],
                 {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google": "protobuf",
                  "structlog": "structlog", "fastapi": "fastapi", "starlette": "fastapi", "pydantic": "fastapi",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.conftest import tiny_checkpoint
 
 

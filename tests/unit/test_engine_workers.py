@@ -11,13 +11,13 @@ import grpc
 import pytest
 
 from proto import serving_pb2, serving_pb2_grpc
-from scheduler_svc.admin import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
+from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine
-from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.grpc_server import start_server
-from scheduler_svc.router import WorkerState
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.api.server import start_server
+from scheduler_svc.engine.router import WorkerState
+from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.conftest import tiny_checkpoint
 from tests.fake_worker_server import FakeWorkerServicer, start_fake_worker
 

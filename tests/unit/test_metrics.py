@@ -17,14 +17,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from proto import serving_pb2
-from scheduler_svc import metrics as m
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.engine_core import CoreCounters
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.engine.timing import RequestTiming
+from scheduler_svc.observability.accounting import RateWindow, core_metrics, split_step_tokens
+from scheduler_svc.observability.exposition import start_metrics_server
+from scheduler_svc.observability.metrics import SchedulerMetrics, observe_step
+from scheduler_svc.observability.names import METRIC_NAMES
+from scheduler_svc.observability.stats import stats_fields
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.engine.core import CoreCounters
+from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.worker_client import StepResult, WorkerInfo
-from scheduler_svc.top import pool_bar, render, split_cells
+from scheduler_svc.engine.worker_client import StepResult, WorkerInfo
+from scheduler_svc.observability.top import pool_bar, render, split_cells
 from tests.unit.fake_worker import FakeWorker
 
 BS = 16
@@ -69,7 +74,7 @@ def run_step(core, worker, metrics=None, forward_ms=2.0):
     started = time.perf_counter()
     sampled = worker.execute(plan)
     result = StepResult(sampled=sampled, instance_id="i1", forward_ms=forward_ms, total_ms=forward_ms)
-    m.observe_step(core, plan, result, started, metrics=metrics)
+    observe_step(core, plan, result, started, metrics=metrics)
     updates = core.planner.update(plan, sampled)
     core.counters.steps_run += 1
     core.counters.generation_tokens += sum(len(u.new_token_ids) for u in updates)
@@ -78,7 +83,7 @@ def run_step(core, worker, metrics=None, forward_ms=2.0):
 
 def scrape(engine, metrics=None) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} from a fresh registry's text exposition."""
-    metrics = metrics or m.SchedulerMetrics(CollectorRegistry())
+    metrics = metrics or SchedulerMetrics(CollectorRegistry())
     metrics.register_engine(engine)
     text = metrics.exposition().decode()
     out = {}
@@ -226,7 +231,7 @@ def test_preemption_and_prefill_decode_split():
             break
         run_step(core, worker)
     assert planner.num_preemptions > 0
-    cm = m.core_metrics(core)
+    cm = core_metrics(core)
     assert cm.decode_tokens + cm.prefill_tokens == sum(len(seq.token_ids) for plan in worker.steps
                                                        for seq in plan.seqs)
     assert cm.prefill_tokens > 48  # both prompts, plus recomputation after preemptions
@@ -241,16 +246,16 @@ def test_split_step_tokens_classifies_decodes_and_chunks():
     a = req("a", range(100, 120))
     planner.add(a)
     plan = planner.schedule()
-    assert m.split_step_tokens(plan, planner.get_request) == (20, 0, 1)
+    assert split_step_tokens(plan, planner.get_request) == (20, 0, 1)
     plan.seqs[0].token_ids, plan.seqs[0].start_pos = [5], 20  # one token past the prompt: a decode
-    assert m.split_step_tokens(plan, planner.get_request) == (0, 1, 0)
+    assert split_step_tokens(plan, planner.get_request) == (0, 1, 0)
     plan.seqs[0].start_pos = 19  # the last prompt token alone (a fork sample): prefill
-    assert m.split_step_tokens(plan, planner.get_request) == (1, 0, 1)
+    assert split_step_tokens(plan, planner.get_request) == (1, 0, 1)
 
 
 # ---- hook-fed histograms ----------------------------------------------------
 def test_step_hook_observes_step_forward_tokens_and_chunks():
-    metrics = m.SchedulerMetrics(CollectorRegistry())
+    metrics = SchedulerMetrics(CollectorRegistry())
     planner, worker = make()
     core = fake_core(planner)
     planner.add(req("a", range(100, 140), max_tokens=2))
@@ -267,8 +272,8 @@ def test_step_hook_observes_step_forward_tokens_and_chunks():
 
 def test_request_timing_observes_ttft_itl_and_e2e():
     clock = FakeClock(100.0)
-    metrics = m.SchedulerMetrics(CollectorRegistry(), clock=clock)
-    timing = m.RequestTiming(arrival=99.5, metrics=metrics)
+    metrics = SchedulerMetrics(CollectorRegistry(), clock=clock)
+    timing = RequestTiming(arrival=99.5, observer=metrics)
     clock.t = 100.0
     timing.on_tokens(1)  # TTFT 0.5 s
     clock.t = 100.02
@@ -286,7 +291,7 @@ def test_request_timing_observes_ttft_itl_and_e2e():
     assert g("pagedserve_requests_finished_total", {"finish_reason": "length"}) == 1
     assert timing.ttft_s == 0.5 and timing.log_fields() == {"ttft_ms": 500.0, "e2e_ms": 600.0,
                                                             "itl_ms_mean": pytest.approx(26.67, abs=0.01)}
-    aborted = m.RequestTiming(arrival=100.0, metrics=metrics)
+    aborted = RequestTiming(arrival=100.0, observer=metrics)
     aborted.finish("abort")  # counted, but an abort's duration is not service latency
     assert g("pagedserve_requests_finished_total", {"finish_reason": "abort"}) == 1
     assert g("pagedserve_e2e_request_latency_seconds_count") == 1
@@ -294,18 +299,18 @@ def test_request_timing_observes_ttft_itl_and_e2e():
 
 
 def test_request_stream_drives_its_timing():
-    from scheduler_svc.output import RequestStream
-    from scheduler_svc.planner import RequestUpdate
+    from scheduler_svc.engine.streams import RequestStream
+    from scheduler_svc.planning.planner import RequestUpdate
     from scheduler_svc.request import FinishReason
-    from scheduler_svc.tokenizer import load_tokenizer
+    from scheduler_svc.text.tokenizer import load_tokenizer
     from tests.conftest import tiny_checkpoint
 
     tokenizer = load_tokenizer(tiny_checkpoint("llama"))
     clock = FakeClock(10.0)
-    metrics = m.SchedulerMetrics(CollectorRegistry(), clock=clock)
+    metrics = SchedulerMetrics(CollectorRegistry(), clock=clock)
     request = req("s", tokenizer.encode("Hello there"), max_tokens=3)
     stream = RequestStream(request, tokenizer)
-    stream.timing = m.RequestTiming(arrival=9.0, metrics=metrics)
+    stream.timing = RequestTiming(arrival=9.0, observer=metrics)
     stream.on_update(RequestUpdate("s", prefill_progress=(5, 10)))  # progress only: no token yet
     assert stream.timing.first_token is None
     for t, token in ((10.0, 42), (10.05, 43), (10.1, 44)):
@@ -323,7 +328,7 @@ def test_request_stream_drives_its_timing():
 
 # ---- rates and Stats fields -------------------------------------------------
 def test_rate_window_is_exact_over_the_window():
-    w = m.RateWindow(window_s=10.0)
+    w = RateWindow(window_s=10.0)
     w.observe(0.0, (0,))
     w.observe(5.0, (50,))
     assert w.rates(5.0, (50,)) == (10.0,)  # before a full window: since the first sample
@@ -340,16 +345,16 @@ def test_rate_window_is_exact_over_the_window():
 
 def test_stats_fields_and_proto():
     clock = FakeClock(50.0)
-    metrics = m.SchedulerMetrics(CollectorRegistry(), clock=clock)
+    metrics = SchedulerMetrics(CollectorRegistry(), clock=clock)
     planner, worker = make()
     core = fake_core(planner)
     engine = SimpleNamespace(cores=[core])
-    m.stats_fields(engine, metrics)  # the rate window's first sample: nothing allocated yet
+    stats_fields(engine, metrics)  # the rate window's first sample: nothing allocated yet
     for rid, n, base in (("a", 20, 100), ("b", 33, 200), ("c", 16, 300)):
         planner.add(req(rid, range(base, base + n), max_tokens=2))
     clock.t = 52.0
     run_step(core, worker, metrics)  # 6 blocks for the prompts
-    fields = m.stats_fields(engine, metrics)
+    fields = stats_fields(engine, metrics)
     assert fields["fragmentation"] == (12 + 15 + 0) / 96
     assert fields["block_utilization"] == 6 / 16
     assert (fields["kv_slots_allocated"], fields["kv_slots_unused"]) == (96, 27)
@@ -383,18 +388,18 @@ def test_per_worker_labels_with_two_workers():
 
 # ---- the exposition ---------------------------------------------------------
 def test_every_documented_name_is_served_and_parses():
-    metrics = m.SchedulerMetrics(CollectorRegistry())
+    metrics = SchedulerMetrics(CollectorRegistry())
     planner, worker = make()
     core = fake_core(planner)
     planner.add(req("a", range(100, 120), max_tokens=2))
     run_step(core, worker, metrics)
     metrics.register_engine(SimpleNamespace(cores=[core]))
-    timing = m.RequestTiming(metrics=metrics)
+    timing = RequestTiming(observer=metrics)
     timing.on_tokens(1)
     timing.on_tokens(1)
     timing.finish("stop")
     families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
-    for name in m.METRIC_NAMES:
+    for name in METRIC_NAMES:
         assert name.removesuffix("_total") in families, name  # the text parser names counters without _total
     assert families["pagedserve_time_to_first_token_seconds"].type == "histogram"
     assert families["pagedserve_kv_blocks_allocated"].type == "counter"
@@ -404,7 +409,7 @@ def test_every_documented_name_is_served_and_parses():
 
 
 def test_metrics_endpoint_serves_text_on_the_event_loop():
-    metrics = m.SchedulerMetrics(CollectorRegistry())
+    metrics = SchedulerMetrics(CollectorRegistry())
     planner, _ = make()
     engine = SimpleNamespace(cores=[fake_core(planner)])
 
@@ -417,8 +422,8 @@ def test_metrics_endpoint_serves_text_on_the_event_loop():
         return head.decode().split("\r\n")[0], body
 
     async def main():
-        server = await m.start_metrics_server(engine, "127.0.0.1", 0, metrics)
-        port = server.sockets[0].getsockname()[1]
+        server = await start_metrics_server(engine, "127.0.0.1", 0, metrics)
+        port = server.port
         try:
             return await get(port, "/metrics"), await get(port, "/nope")
         finally:

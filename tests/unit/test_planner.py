@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager, LeakError
-from scheduler_svc.planner import Planner, PlannerConfig, QueueFull, RequestRejected
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull, RequestRejected
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
 
 try:

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager, PinLimitExceeded
-from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.block_manager import KVCacheManager, PinLimitExceeded
+from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
 from tests.unit.fake_worker import FakeWorker
 from tests.unit.test_planner import BS, VOCAB, reference, step

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.request import Request
-from scheduler_svc.router import (
+from scheduler_svc.engine.router import (
     ROUTING_POLICIES,
     Candidate,
     LeastLoadedRouter,

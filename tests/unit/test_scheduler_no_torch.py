@@ -16,9 +16,9 @@ SCRIPT = textwrap.dedent("""
     import scheduler_svc
     from proto import serving_pb2, serving_pb2_grpc
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.engine import Engine
-    from scheduler_svc.grpc_server import start_server
-    from scheduler_svc.tokenizer import load_tokenizer
+    from scheduler_svc.engine.engine import Engine
+    from scheduler_svc.api.server import start_server
+    from scheduler_svc.text.tokenizer import load_tokenizer
     from tests.fake_worker_server import start_fake_worker
 
     for mod in pkgutil.walk_packages(scheduler_svc.__path__, "scheduler_svc."):

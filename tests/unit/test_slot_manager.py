@@ -5,12 +5,12 @@ import random
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool, DoubleFreeError
-from scheduler_svc.kv_cache_manager import KVCacheManager, LeakError
-from scheduler_svc.kv_pool import KVPool
-from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
+from scheduler_svc.kv.block_pool import BlockPool, DoubleFreeError
+from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.kv.interface import KVPool
+from scheduler_svc.planning.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.slot_manager import SlotManager, SlotPool
+from scheduler_svc.kv.slot_manager import SlotManager, SlotPool
 
 try:
     from fake_worker import FakeWorker

@@ -11,7 +11,6 @@ client-facing port: whoever can add a worker decides what every client gets.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -20,7 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import admin_pb2, admin_pb2_grpc
-from scheduler_svc.router import WorkerState
+from scheduler_svc.api.status import abort_with
+from scheduler_svc.engine.errors import WorkerAdminError
+from scheduler_svc.engine.router import WorkerState
+from scheduler_svc.engine.worker_status import WorkerStatus
+from svc_common.addresses import host_port_problem
+from svc_common.grpc_options import server_options
 
 log = structlog.get_logger(__name__)
 
@@ -32,71 +36,6 @@ _STATE_TO_PROTO = {
     WorkerState.UNHEALTHY: admin_pb2.WORKER_STATE_UNHEALTHY,
     WorkerState.REMOVED: admin_pb2.WORKER_STATE_REMOVED,
 }
-
-
-# ---- what the engine raises (each carries its gRPC status code) ---------------
-class AdminError(Exception):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class UnknownWorker(AdminError):
-    """No worker with that address."""
-
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class WorkerExists(AdminError):
-    """add_worker: the address is already a worker (serving, draining or unhealthy)."""
-
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
-class WorkerUnreachable(AdminError):
-    """add_worker: the worker did not answer Info within the connect timeout."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class WorkerIncompatible(AdminError):
-    """add_worker: another model, vocabulary or block size than the current workers."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class LastWorker(AdminError):
-    """drain_worker: it is the last serving worker and allow_last is false."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStatus:
-    address: str
-    state: WorkerState
-    running: int = 0
-    waiting: int = 0
-    blocks_total: int = 0
-    blocks_used: int = 0
-    blocks_free: int = 0
-    prefix_hit_tokens: int = 0  # prompt tokens served from this worker's prefix cache
-    prompt_tokens: int = 0  # prompt tokens of requests admitted on this worker
-    requests_routed: int = 0
-    requests_finished: int = 0
-    model: str = ""
-    device: str = ""
-    kv_dtype: str = ""
-
-    @classmethod
-    def from_core(cls, core, state: WorkerState, prefix_hit_tokens: int = 0,
-                  requests_routed: int = 0) -> "WorkerStatus":
-        """From an EngineCore (duck-typed: .info, .planner, .counters)."""
-        usage = core.planner.kv.usage()
-        return cls(address=core.info.address, state=state, running=core.planner.num_running,
-                   waiting=core.planner.num_waiting, blocks_total=usage.num_blocks, blocks_used=usage.used_blocks,
-                   blocks_free=usage.free_blocks, prefix_hit_tokens=prefix_hit_tokens,
-                   prompt_tokens=core.counters.prompt_tokens, requests_routed=requests_routed,
-                   requests_finished=core.counters.requests_finished, model=core.info.model_name,
-                   device=core.info.device, kv_dtype=core.info.kv_dtype)
 
 
 class AdminEngine(Protocol):
@@ -130,16 +69,6 @@ def status_to_proto(status: WorkerStatus) -> admin_pb2.WorkerStatus:
         kv_dtype=status.kv_dtype)
 
 
-def check_address(address: str) -> str | None:
-    """None if `address` is a usable HOST:PORT, else what is wrong with it."""
-    if not address or address != address.strip() or "," in address or "/" in address:
-        return f"must be HOST:PORT, got {address!r}"
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return f"must be HOST:PORT with a port in 1..65535, got {address!r}"
-    return None
-
-
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, engine: AdminEngine):
         self.engine = engine
@@ -169,19 +98,18 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 
 async def _require_address(address: str, context) -> None:
-    if (problem := check_address(address)) is not None:
+    if (problem := host_port_problem(address)) is not None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: {problem}")
 
 
 async def _call(context, what: str, awaitable):
     try:
         return await awaitable
-    except AdminError as exc:
-        error = (exc.code, str(exc) or type(exc).__name__)
+    except WorkerAdminError as exc:
+        await abort_with(context, exc)
     except Exception:
         log.exception(f"{what} failed")
-        error = (grpc.StatusCode.INTERNAL, f"{what} failed (see the scheduler log)")
-    await context.abort(*error)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed (see the scheduler log)")
 
 
 def add_admin_to_server(server: grpc.aio.Server, engine: AdminEngine) -> str:
@@ -192,9 +120,7 @@ def add_admin_to_server(server: grpc.aio.Server, engine: AdminEngine) -> str:
 
 async def start_admin_server(engine: AdminEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
     """admin.v1 + health + reflection on their own listener. Returns (server, bound port)."""
-    # No SO_REUSEPORT: a second scheduler on the same admin port must fail to start,
-    # not silently share the port (and receive half of the AddWorker calls).
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=server_options(reuse_port=False))
     add_admin_to_server(server, engine)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -21,8 +21,8 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from scheduler_svc.block_pool import DoubleFreeError
-from scheduler_svc.kv_cache_manager import KVCacheUsage, LeakError
+from scheduler_svc.kv.block_pool import DoubleFreeError
+from scheduler_svc.kv.block_manager import KVCacheUsage, LeakError
 from scheduler_svc.request import Request
 
 

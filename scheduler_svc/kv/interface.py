@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from scheduler_svc.kv_cache_manager import KVCacheUsage
+    from scheduler_svc.kv.block_manager import KVCacheUsage
     from scheduler_svc.request import Request
 
 

@@ -10,24 +10,23 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import grpc
 import structlog
 
-from proto import worker_pb2_grpc
-from scheduler_svc.admin import (LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerStatus,
-                                 WorkerUnreachable)
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine_core import CoreOptions, EngineCore, WorkerUnavailable
-from scheduler_svc.kv_cache_manager import KVCacheManager, LeakError
-from scheduler_svc.slot_manager import SlotManager
-from scheduler_svc.metrics import ObservabilityStats, stats_fields
-from scheduler_svc.output import StreamHandle
-from scheduler_svc.planner import Planner, PlannerConfig, QueueFull, RequestRejected
+from scheduler_svc.engine.core import CoreOptions, EngineCore
+from scheduler_svc.engine.errors import (LastWorker, StartupError, UnknownWorker, WorkerCallFailed, WorkerExists,
+                                         WorkerIncompatible, WorkerUnavailable, WorkerUnreachable)
+from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.kv.slot_manager import SlotManager
+from scheduler_svc.engine.streams import StreamHandle
+from scheduler_svc.engine.timing import EngineHooks
+from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull, RequestRejected
 from scheduler_svc.request import Request
-from scheduler_svc.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
-from scheduler_svc.tokenizer import ModelTokenizer
-from scheduler_svc.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
+from scheduler_svc.text.tokenizer import ModelTokenizer
+from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.engine.worker_status import WorkerStatus
 from svc_common.tls import channel_credentials
 
 log = structlog.get_logger(__name__)
@@ -36,12 +35,10 @@ log = structlog.get_logger(__name__)
 _DRAIN_POLL_S = 0.05
 
 
-class StartupError(RuntimeError):
-    """A worker could not be reached or does not match the others."""
-
-
 @dataclass(frozen=True)
-class EngineStats(ObservabilityStats):  # + the observability fields (scheduler_svc/metrics.py)
+class EngineStats:
+    """Engine-wide counts for the Stats RPC (the observability layer adds its own fields)."""
+
     running: int
     waiting: int
     blocks_total: int
@@ -68,7 +65,8 @@ class EngineStats(ObservabilityStats):  # + the observability fields (scheduler_
 
 class Engine:
     def __init__(self, cores: list[EngineCore], tokenizer: ModelTokenizer, max_model_len: int,
-                 config: SchedulerConfig | None = None, router: Router | None = None):
+                 config: SchedulerConfig | None = None, router: Router | None = None,
+                 hooks: EngineHooks = EngineHooks()):
         self.cores = cores  # in the order the workers were added
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -76,6 +74,7 @@ class Engine:
         self.router = router if router is not None else make_router(
             self.config.routing, affinity_ttl_s=self.config.routing_affinity_ttl_s)
         self.routing = self.router.name
+        self.hooks = hooks
         self.draining = False
         self._block_size = cores[0].info.block_size
         # Workers being drained: no new request is routed there; each has a task that
@@ -92,13 +91,15 @@ class Engine:
             core.handover = self.handover
 
     @classmethod
-    async def connect(cls, config: SchedulerConfig, tokenizer: ModelTokenizer) -> "Engine":
+    async def connect(cls, config: SchedulerConfig, tokenizer: ModelTokenizer,
+                      hooks: EngineHooks = EngineHooks()) -> Engine:
         clients = [_worker_client(a, config) for a in config.worker_addresses]
         infos = await asyncio.gather(*(_first_info(c, config.connect_timeout_s) for c in clients))
         _check_compatible(infos, tokenizer)
         options = _core_options(config)
-        cores = [EngineCore(c, info, _planner(config, info), tokenizer, options) for c, info in zip(clients, infos)]
-        engine = cls(cores, tokenizer, cores[0].planner.max_len, config)
+        cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks)
+                 for c, info in zip(clients, infos)]
+        engine = cls(cores, tokenizer, cores[0].planner.max_len, config, hooks=hooks)
         for core in cores:
             core.start()
         return engine
@@ -214,7 +215,7 @@ class Engine:
                 await client.close()
                 raise
             core = EngineCore(client, info, planner, self.tokenizer, _core_options(self.config),
-                              handover=self.handover)
+                              handover=self.handover, hooks=self.hooks)
             self.cores.append(core)
             core.start()
         finally:
@@ -349,7 +350,6 @@ class Engine:
             tokens_computed=sum(c.tokens_computed for c in counters),
             resumed_tokens=sum(p.resumed_tokens for p in planners),
             recomputed_tokens=sum(p.recomputed_tokens for p in planners),
-            **stats_fields(self),
         )
 
     def audit(self) -> None:
@@ -392,35 +392,13 @@ def _request_ids(request: Request) -> list[str]:
     return [request.request_id, *(c.request_id for c in request.children)]
 
 
-# Reconnect fast after a worker restarts: gRPC's default backoff grows to 120 s.
-_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                      ("grpc.max_reconnect_backoff_ms", 1000)]
-
-
-class _WorkerClient(WorkerClient):
-    """A WorkerClient whose channel may use (mutual) TLS and reconnects fast.
-    TODO(worker_client.py owner): take `credentials` and `options` in
-    WorkerClient.__init__ and drop this subclass."""
-
-    def __init__(self, address: str, max_message_mb: int, credentials: grpc.ChannelCredentials | None):
-        limit = max_message_mb * 2**20
-        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                   *_RECONNECT_OPTIONS]
-        self.address = address
-        if credentials is None:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
-        else:
-            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-
-
 def _core_options(config: SchedulerConfig) -> CoreOptions:
     return CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s)
 
 
 def _worker_client(address: str, config: SchedulerConfig) -> WorkerClient:
     credentials = channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
-    return _WorkerClient(address, config.max_message_mb, credentials)
+    return WorkerClient(address, config.max_message_mb, credentials)
 
 
 def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
@@ -445,9 +423,8 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
 async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:
     try:
         info = await client.info(timeout_s=timeout_s, wait_for_ready=True)
-    except grpc.aio.AioRpcError as err:
-        raise StartupError(f"worker {client.address} did not answer Info within {timeout_s}s "
-                           f"({err.code().name}: {err.details()})") from None
+    except WorkerCallFailed as err:
+        raise StartupError(f"worker {client.address} did not answer Info within {timeout_s}s ({err})") from None
     log.info("worker connected", worker=client.address, model=info.model_name, num_blocks=info.num_blocks,
              kv_dtype=info.kv_dtype, device=info.device)
     return info

@@ -13,9 +13,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import serving_pb2, serving_pb2_grpc
-from scheduler_svc.auth import ApiKeyInterceptor
-from scheduler_svc.engine import Engine
-from scheduler_svc.server import SchedulerServicer
+from scheduler_svc.api.auth import ApiKeyInterceptor
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.api.serving import ExtraStats, SchedulerServicer
+from svc_common.grpc_options import server_options
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -55,13 +56,12 @@ class SchedulerServer:
 
 async def start_server(engine: Engine, host: str, port: int, max_message_mb: int, default_max_tokens: int, *,
                        credentials: grpc.ServerCredentials | None = None,
-                       api_keys: frozenset[str] = frozenset()) -> tuple[SchedulerServer, int]:
-    limit = max_message_mb * 2**20
+                       api_keys: frozenset[str] = frozenset(),
+                       extra_stats: ExtraStats = dict) -> tuple[SchedulerServer, int]:
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
     interceptors.append(ParseErrorInterceptor())  # after auth: an unauthenticated payload is never parsed
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", limit),
-                                                                 ("grpc.max_receive_message_length", limit)])
-    serving_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, default_max_tokens), server)
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_mb))
+    serving_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, default_max_tokens, extra_stats), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

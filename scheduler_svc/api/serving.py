@@ -5,17 +5,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import structlog
 
 from proto import serving_pb2, serving_pb2_grpc
-from scheduler_svc.engine import Engine, EngineStats
-from scheduler_svc.engine_core import WorkerUnavailable
-from scheduler_svc.kv_cache_manager import PinLimitExceeded
-from scheduler_svc.output import StreamEvent
-from scheduler_svc.pinning import pin_on_core
-from scheduler_svc.planner import QueueFull, RequestRejected
+from scheduler_svc.engine.engine import Engine, EngineStats
+from scheduler_svc.api.status import DOMAIN_ERRORS, abort_with
+from scheduler_svc.engine.streams import StreamEvent
+from scheduler_svc.engine.pinning import pin_on_core
+from scheduler_svc.planning.planner import RequestRejected
 from scheduler_svc.request import Request, SamplingOptions
 
 log = structlog.get_logger(__name__)
@@ -102,25 +103,26 @@ def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateR
     return reply
 
 
-def stats_to_proto(stats: EngineStats) -> serving_pb2.StatsResponse:
-    return serving_pb2.StatsResponse(**stats.__dict__)
+def stats_to_proto(stats: EngineStats, extra: dict[str, Any]) -> serving_pb2.StatsResponse:
+    return serving_pb2.StatsResponse(**dataclasses.asdict(stats), **extra)
+
+
+# The observability layer's Stats fields (numbers >= 30); the API only forwards them.
+ExtraStats = Callable[[], dict[str, Any]]
 
 
 class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, default_max_tokens: int):
+    def __init__(self, engine: Engine, default_max_tokens: int, extra_stats: ExtraStats = dict):
         self.engine = engine
         self.default_max_tokens = default_max_tokens
+        self.extra_stats = extra_stats
 
     async def Generate(self, request, context):
         try:
             req = request_from_proto(request, self.engine, self.default_max_tokens)
             stream = self.engine.submit(req)
-        except RequestRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except WorkerUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except DOMAIN_ERRORS as exc:
+            await abort_with(context, exc)
         log.info("request received", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
                  max_tokens=req.sampling.max_tokens, n=stream.num_samples)
         try:
@@ -137,7 +139,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             self.engine.release(req.request_id)
 
     async def Stats(self, request, context):
-        return stats_to_proto(self.engine.stats())
+        return stats_to_proto(self.engine.stats(), self.extra_stats())
 
     async def PinPrefix(self, request, context):
         try:
@@ -147,12 +149,8 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                                                 f"({self.engine.block_size} tokens), got {len(prompt_ids)}")
             pins = [await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.next_seq_id())
                     for core in self.engine.serving_cores()]
-        except RequestRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except PinLimitExceeded as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except WorkerUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except DOMAIN_ERRORS as exc:
+            await abort_with(context, exc)
         pinned = [p for p in pins if p is not None]
         if not pinned:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker could keep the prefix cached long "

@@ -20,29 +20,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import structlog
 
-from scheduler_svc.kv_cache_manager import LeakError
-from scheduler_svc.metrics import RequestTiming, observe_step
-from scheduler_svc.output import RequestStream, StreamHandle, open_streams
-from scheduler_svc.planner import Planner, StepPlan
+from scheduler_svc.engine.errors import WorkerCallFailed, WorkerUnavailable
+from scheduler_svc.kv.block_manager import LeakError
+from scheduler_svc.engine.timing import EngineHooks, RequestTiming
+from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
+from scheduler_svc.planning.planner import Planner, StepPlan
 from scheduler_svc.request import FinishReason, Request
-from scheduler_svc.tokenizer import ModelTokenizer
-from scheduler_svc.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.text.tokenizer import ModelTokenizer
+from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
-# Errors after which the worker may come back: reconnect and recompute.
-_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.UNKNOWN)
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.05, 1.0
 _PROBE_TIMEOUT_S = 2.0
 _STOP_RETRY_S = 1.0
-
-
-class WorkerUnavailable(RuntimeError):
-    """No healthy worker can take the request (the server maps it to UNAVAILABLE)."""
 
 
 @dataclass
@@ -74,13 +67,16 @@ Handover = Callable[["EngineCore"], bool]
 
 class EngineCore:
     def __init__(self, client: WorkerClient, info: WorkerInfo, planner: Planner, tokenizer: ModelTokenizer,
-                 options: CoreOptions = CoreOptions(), handover: Handover | None = None):
+                 options: CoreOptions = CoreOptions(), handover: Handover | None = None,
+                 hooks: EngineHooks = EngineHooks()):
         self.client = client
         self.info = info
         self.planner = planner
         self.tokenizer = tokenizer
         self.options = options
         self.handover = handover
+        self.hooks = hooks
+        self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
         self.streams: dict[str, RequestStream] = {}
         self.counters = CoreCounters()
         self.healthy = True
@@ -118,7 +114,7 @@ class EngineCore:
         if not self.healthy:
             raise WorkerUnavailable(f"worker {self.info.address} is unavailable")
         self.planner.add(request)
-        handle, streams = open_streams(request, self.tokenizer)
+        handle, streams = open_streams(request, self.tokenizer, self.hooks)
         self.streams.update(streams)
         self.counters.prompt_tokens += request.num_prompt_tokens
         self._wakeup.set()
@@ -216,11 +212,11 @@ class EngineCore:
         started = time.perf_counter()
         try:
             result = await self.client.step(plan)
-        except grpc.aio.AioRpcError as err:
-            if err.code() in _TRANSIENT:
-                self._lose(f"step failed: {err.code().name}: {err.details()}", step_id=plan.step_id)
+        except WorkerCallFailed as err:
+            if err.transient:
+                self._lose(f"step failed: {err}", step_id=plan.step_id)
             else:
-                step_log.error("worker rejected step", code=err.code().name, details=err.details())
+                step_log.error("worker rejected step", code=err.reason, details=err.details)
                 self._fail_plan(plan, err)
             return
         if result.instance_id != self.info.instance_id:
@@ -230,7 +226,8 @@ class EngineCore:
             self.planner.requeue_all(reset_prefix_cache=True)
             self._lose("restarted between steps", step_id=plan.step_id)
             return
-        observe_step(self, plan, result, started)  # metrics; before update(), while the step's requests are live
+        for observe in self.hooks.on_step:  # before update(), while the step's requests are live
+            observe(self, plan, result, started)
         updates = self.planner.update(plan, result.sampled)
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
@@ -262,7 +259,7 @@ class EngineCore:
                  preemptions=r.num_preemptions,
                  **(timing.log_fields() if timing is not None else {}))  # ttft_ms, e2e_ms, itl_ms_mean
 
-    def _fail_plan(self, plan: StepPlan, err: grpc.aio.AioRpcError) -> None:
+    def _fail_plan(self, plan: StepPlan, err: WorkerCallFailed) -> None:
         """A step the worker refuses will be refused again: end its requests with
         an error rather than retry forever (this is a scheduler bug, logged)."""
         self.planner.requeue_all(reset_prefix_cache=True)
@@ -270,7 +267,7 @@ class EngineCore:
             stream = self.streams.pop(request_id, None)
             self.planner.finish(request_id, FinishReason.ABORT)
             if stream:
-                stream.fail("INTERNAL", f"worker rejected a step: {err.details()}")
+                stream.fail("INTERNAL", f"worker rejected a step: {err.details}")
 
     # ---- idle: health watch and audit -------------------------------------
     async def _idle(self) -> None:
@@ -279,8 +276,8 @@ class EngineCore:
         self._audit_if_changed()
         try:
             info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            self._lose(f"health probe failed: {err.code().name}: {err.details()}")
+        except WorkerCallFailed as err:
+            self._lose(f"health probe failed: {err}")
             return
         if info.instance_id != self.info.instance_id:
             self.planner.requeue_all(reset_prefix_cache=False)  # _accept_worker resets the prefix cache
@@ -316,7 +313,7 @@ class EngineCore:
         while True:
             try:
                 info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
+            except WorkerCallFailed:
                 info = None
             if info is not None and self._accept_worker(info):
                 return

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.metrics import RequestTiming
-from scheduler_svc.planner import RequestUpdate
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.engine.timing import EngineHooks, RequestTiming
+from scheduler_svc.planning.planner import RequestUpdate
 from scheduler_svc.request import FinishReason, Request
-from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.text.tokenizer import ModelTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ class StreamHandle:
 
 
 class RequestStream:
-    def __init__(self, request: Request, tokenizer: ModelTokenizer, events: asyncio.Queue | None = None):
+    def __init__(self, request: Request, tokenizer: ModelTokenizer, events: asyncio.Queue[StreamEvent] | None = None,
+                 hooks: EngineHooks = EngineHooks()):
         self.request = request
         self.detokenizer = IncrementalDetokenizer.for_prompt(tokenizer, request.prompt_token_ids,
                                                              request.sampling.stop)
@@ -51,7 +52,7 @@ class RequestStream:
         self.closed = False
         self.reported_progress = False  # a multi-chunk prompt: progress events were sent
         # Sees every token event of the request: TTFT, inter-token and end-to-end histograms.
-        self.timing = RequestTiming(request.arrival_time)
+        self.timing = RequestTiming(request.arrival_time, hooks.latency, hooks.clock)
 
     def on_update(self, update: RequestUpdate) -> bool:
         """Queue the event for one planner update. Returns True when a stop string
@@ -102,10 +103,11 @@ class RequestStream:
             self.events.put_nowait(event)
 
 
-def open_streams(request: Request, tokenizer: ModelTokenizer) -> tuple[StreamHandle, dict[str, RequestStream]]:
+def open_streams(request: Request, tokenizer: ModelTokenizer,
+                 hooks: EngineHooks = EngineHooks()) -> tuple[StreamHandle, dict[str, RequestStream]]:
     """The client handle and the per-request streams feeding it: a fork parent
     reports prefill progress, each of its children one sample."""
     events: asyncio.Queue[StreamEvent] = asyncio.Queue()
     members = [request, *request.children]
-    streams = {m.request_id: RequestStream(m, tokenizer, events) for m in members}
+    streams = {m.request_id: RequestStream(m, tokenizer, events, hooks) for m in members}
     return StreamHandle(events, len(request.children) or 1, list(streams)), streams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.request import Request, SamplingOptions
 
 _ATTEMPTS = 3  # the prefix can be evicted between computing and pinning under pressure

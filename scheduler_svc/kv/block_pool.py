@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import structlog
 
-from scheduler_svc.eviction import NoFreeBlocksError, make_free_queue
+from scheduler_svc.kv.block import BlockHash, KVBlock
+from scheduler_svc.kv.free_queue import NoFreeBlocksError, make_free_queue
 
 log = structlog.get_logger(__name__)
 
-BlockHash = bytes
 
 # Parent of a sequence's first block. sha256 never yields 32 zero bytes in practice.
 ROOT_PARENT_HASH: BlockHash = bytes(32)
@@ -59,20 +59,6 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
 
 class DoubleFreeError(ValueError):
     """A block was freed more times than it was referenced."""
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    # Reused by a second holder (prefix hit, fork) since it was last allocated:
-    # the priority eviction policy keeps such blocks longest.
-    shared: bool = False
-    in_shared_segment: bool = False
-    # Free-queue links; both None while the block is used.
-    prev: KVBlock | None = None
-    next: KVBlock | None = None
 
 
 class BlockPool:

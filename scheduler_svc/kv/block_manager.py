@@ -6,7 +6,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from scheduler_svc.block_pool import BlockHash, BlockPool, hash_block_tokens, hash_extra_keys
+from scheduler_svc.kv.block import BlockHash
+from scheduler_svc.kv.block_pool import BlockPool, hash_block_tokens, hash_extra_keys
 from scheduler_svc.request import Request
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler_svc.block_pool import KVBlock
+    from scheduler_svc.kv.block import KVBlock
 
 EVICTION_POLICIES = ("lru", "priority")
 

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
-from scheduler_svc.planner import StepPlan
+from scheduler_svc.planning.planner import StepPlan
+from scheduler_svc.engine.errors import WorkerCallFailed
+from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
+
+
+# Codes after which the worker may come back: reconnect and recompute.
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.UNKNOWN})
 
 
 @dataclass(frozen=True)
@@ -68,19 +75,36 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
 
 
 class WorkerClient:
-    def __init__(self, address: str, max_message_mb: int = 256):
-        limit = max_message_mb * 2**20
+    def __init__(self, address: str, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+                 credentials: grpc.ChannelCredentials | None = None):
+        # Fast reconnect: a restarted worker is noticed within a second, not gRPC's 120 s backoff.
+        options = channel_options(max_message_mb, fast_reconnect=True)
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
     async def info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> WorkerInfo:
-        reply = await self.stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+        """Raises WorkerCallFailed."""
+        try:
+            reply = await self.stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+        except grpc.aio.AioRpcError as err:
+            raise self._failure(err) from None
         return info_from_proto(self.address, reply)
 
     async def step(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
-        return result_from_proto(await self.stub.Step(plan_to_proto(plan), timeout=timeout_s))
+        """Raises WorkerCallFailed."""
+        try:
+            reply = await self.stub.Step(plan_to_proto(plan), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise self._failure(err) from None
+        return result_from_proto(reply)
+
+    def _failure(self, err: grpc.aio.AioRpcError) -> WorkerCallFailed:
+        code = err.code()
+        return WorkerCallFailed(self.address, code in _TRANSIENT, code.name, err.details() or "")
 
     async def close(self) -> None:
         await self.channel.close()

@@ -1,7 +1,7 @@
 """A live terminal view of a scheduler, from its Stats RPC:
 
-    python -m scheduler_svc.top --target 127.0.0.1:50051          # refreshes every second; Ctrl-C quits
-    python -m scheduler_svc.top --target 127.0.0.1:50051 --once   # one frame on stdout
+    python -m scheduler_svc.observability.top --target 127.0.0.1:50051          # refreshes every second; Ctrl-C quits
+    python -m scheduler_svc.observability.top --target 127.0.0.1:50051 --once   # one frame on stdout
 
 The block pool is drawn as a bar: `█` blocks in use, `▒` cached-free (free, but
 still a prefix-cache hit until evicted), `░` free; then utilization, internal

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.text.tokenizer import ModelTokenizer
 
 # Decoding restarts a few tokens back so byte-level pieces have their context.
 _CONTEXT_TOKENS = 5

@@ -54,10 +54,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.config import ROUTING_POLICIES
+from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.request import Request
 
-ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
 class WorkerState(enum.StrEnum):

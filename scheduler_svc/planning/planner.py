@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields
 
 import structlog
 
-from scheduler_svc.kv_cache_manager import LeakError
-from scheduler_svc.kv_pool import KVPool
+from scheduler_svc.kv.block_manager import LeakError
+from scheduler_svc.kv.interface import KVPool
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
 
 log = structlog.get_logger(__name__)

@@ -1,0 +1,36 @@
+"""The one mapping of domain errors to gRPC status codes. Below the API layer
+errors are plain exceptions; here each gets the code a client sees."""
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+
+from scheduler_svc.engine.errors import (LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible,
+                                         WorkerUnavailable, WorkerUnreachable)
+from scheduler_svc.kv.block_manager import PinLimitExceeded
+from scheduler_svc.planning.planner import QueueFull, RequestRejected
+
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PinLimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (WorkerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (UnknownWorker, grpc.StatusCode.NOT_FOUND),
+    (WorkerExists, grpc.StatusCode.ALREADY_EXISTS),
+    (WorkerUnreachable, grpc.StatusCode.UNAVAILABLE),
+    (WorkerIncompatible, grpc.StatusCode.FAILED_PRECONDITION),
+    (LastWorker, grpc.StatusCode.FAILED_PRECONDITION),
+)
+# What a servicer catches and turns into a status; anything else is a bug (INTERNAL).
+DOMAIN_ERRORS: tuple[type[Exception], ...] = tuple(cls for cls, _ in _CODES)
+
+
+def status_code(exc: Exception) -> grpc.StatusCode:
+    return next(code for cls, code in _CODES if isinstance(exc, cls))
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """End the call with the code of `exc` and its message."""
+    await context.abort(status_code(exc), str(exc) or type(exc).__name__)
+    raise AssertionError("context.abort returned")  # it always raises

@@ -1,0 +1,90 @@
+"""Prometheus state read at scrape time: every engine core's pool, planner and
+counters. Nothing is copied into Prometheus objects on the hot path; a scrape
+reads the engine as it is (on the event loop, see exposition.py)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler_svc.observability.accounting import core_metrics
+from scheduler_svc.observability.names import METRIC_NAMES
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine.core import EngineCore
+    from scheduler_svc.engine.engine import Engine
+
+
+class EngineCollector(Collector):
+    """Reads every engine core's pool, planner and counters when scraped."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def describe(self):
+        return []  # names depend on nothing static; collect() on demand
+
+    def collect(self) -> Iterable:
+        cores = list(self.engine.cores)
+        families: dict[str, Any] = {}
+
+        def gauge(name: str, labels=("worker",)):
+            if name not in families:
+                families[name] = GaugeMetricFamily(name, METRIC_NAMES[name], labels=list(labels))
+            return families[name]
+
+        def counter(name: str):
+            if name not in families:
+                families[name] = CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=["worker"])
+            return families[name]
+
+        info = InfoMetricFamily("pagedserve_worker", METRIC_NAMES["pagedserve_worker_info"],
+                                labels=["worker"])
+        for core in cores:
+            w = [core.info.address]
+            u = core.planner.kv.usage()
+            cm = core_metrics(core)
+            c = core.counters
+            gauge("pagedserve_kv_cache_capacity_blocks").add_metric(w, u.num_blocks)
+            blocks = gauge("pagedserve_kv_cache_blocks", ("worker", "state"))
+            blocks.add_metric(w + ["in_use"], u.used_blocks)
+            blocks.add_metric(w + ["cached_free"], u.cached_free_blocks)
+            blocks.add_metric(w + ["free"], u.free_blocks - u.cached_free_blocks)
+            gauge("pagedserve_kv_cache_pinned_blocks").add_metric(w, u.pinned_blocks)
+            gauge("pagedserve_kv_cache_utilization_ratio").add_metric(w, u.used_fraction)
+            gauge("pagedserve_kv_cache_fragmentation_ratio").add_metric(w, u.fragmentation)
+            gauge("pagedserve_kv_cache_allocated_slots").add_metric(w, u.allocated_slots)
+            gauge("pagedserve_kv_cache_unused_slots").add_metric(w, u.unused_slots)
+            gauge("pagedserve_kv_cache_tokens").add_metric(w, u.tokens_held)
+            counter("pagedserve_kv_blocks_allocated").add_metric(w, u.blocks_allocated)
+            counter("pagedserve_kv_blocks_freed").add_metric(w, u.blocks_freed)
+            counter("pagedserve_kv_evictions").add_metric(w, u.eviction_events)
+            counter("pagedserve_kv_blocks_reclaimed").add_metric(w, u.evictions)
+            counter("pagedserve_prefix_cache_queries").add_metric(w, u.prefix_queries)
+            counter("pagedserve_prefix_cache_query_tokens").add_metric(w, u.prefix_query_tokens)
+            counter("pagedserve_prefix_cache_hit_tokens").add_metric(w, u.prefix_hit_tokens)
+            gauge("pagedserve_prefix_cache_hit_ratio").add_metric(w, u.prefix_hit_rate)
+            gauge("pagedserve_requests_running").add_metric(w, core.planner.num_running)
+            gauge("pagedserve_requests_waiting").add_metric(w, core.planner.num_waiting)
+            counter("pagedserve_preemptions").add_metric(w, core.planner.num_preemptions)
+            counter("pagedserve_steps").add_metric(w, c.steps_run)
+            counter("pagedserve_prefill_tokens").add_metric(w, cm.prefill_tokens)
+            counter("pagedserve_decode_tokens").add_metric(w, cm.decode_tokens)
+            counter("pagedserve_prompt_tokens").add_metric(w, c.prompt_tokens)
+            counter("pagedserve_generation_tokens").add_metric(w, c.generation_tokens)
+            per_token = kv_bytes_per_token(core)
+            gauge("pagedserve_worker_kv_cache_bytes_per_token").add_metric(w, per_token)
+            gauge("pagedserve_worker_kv_cache_bytes").add_metric(w, core.info.kv_bytes_per_block * u.num_blocks)
+            gauge("pagedserve_worker_healthy").add_metric(w, 1.0 if core.healthy else 0.0)
+            i = core.info
+            info.add_metric(w, {"device": i.device, "model": i.model_name, "model_type": i.model_type,
+                                "dtype": i.dtype, "kv_dtype": i.kv_dtype, "block_size": str(i.block_size)})
+        yield from families.values()
+        yield info
+
+
+def kv_bytes_per_token(core: EngineCore) -> float:
+    info = core.info
+    return info.kv_bytes_per_block / info.block_size if info.block_size else 0.0

@@ -1,0 +1,54 @@
+"""Every metric name the scheduler's /metrics endpoint serves, with its help
+text (histograms also serve _bucket/_count/_sum, counters _total and _created,
+info metrics _info). Names follow the Prometheus conventions: `pagedserve_`
+prefix, base units (seconds, bytes), `_total` for counters, `_ratio` for 0..1
+fractions. Documented in README.md."""
+from __future__ import annotations
+
+METRIC_NAMES = {
+    # block pool (gauges per worker; state = in_use | cached_free | free, which partition the pool)
+    "pagedserve_kv_cache_capacity_blocks": "KV blocks in the worker's pool",
+    "pagedserve_kv_cache_blocks": "KV blocks by state: in_use (ref > 0), cached_free (free, still a prefix hit), "
+                                  "free (free, empty); they sum to the capacity",
+    "pagedserve_kv_cache_pinned_blocks": "blocks held by pinned prefixes",
+    "pagedserve_kv_cache_utilization_ratio": "blocks in use / capacity",
+    "pagedserve_kv_cache_fragmentation_ratio": "internal fragmentation: unused token slots in blocks in use / "
+                                               "their slots (each block once)",
+    "pagedserve_kv_cache_allocated_slots": "token slots of the blocks in use (blocks in use x block size)",
+    "pagedserve_kv_cache_unused_slots": "token slots of blocks in use that hold no token",
+    "pagedserve_kv_cache_tokens": "tokens live requests' block tables cover",
+    "pagedserve_kv_blocks_allocated_total": "blocks taken from the free queue (new allocations and cached-free "
+                                            "blocks revived by a prefix hit)",
+    "pagedserve_kv_blocks_freed_total": "blocks returned to the free queue",
+    "pagedserve_kv_evictions_total": "allocations that reclaimed cached-free blocks",
+    "pagedserve_kv_blocks_reclaimed_total": "cached-free blocks reclaimed (their prefix-cache entry dropped)",
+    # prefix cache
+    "pagedserve_prefix_cache_queries_total": "admissions that looked up the prefix index",
+    "pagedserve_prefix_cache_query_tokens_total": "prompt tokens those lookups covered",
+    "pagedserve_prefix_cache_hit_tokens_total": "prompt tokens found cached",
+    "pagedserve_prefix_cache_hit_ratio": "hit tokens / query tokens since start",
+    # scheduling
+    "pagedserve_requests_running": "requests running (holding blocks)",
+    "pagedserve_requests_waiting": "requests queued",
+    "pagedserve_preemptions_total": "running requests preempted for lack of blocks",
+    "pagedserve_steps_total": "engine steps run",
+    "pagedserve_prefill_tokens_total": "tokens computed in prefill chunks (recomputation included)",
+    "pagedserve_decode_tokens_total": "tokens computed by decodes",
+    "pagedserve_prompt_tokens_total": "prompt tokens of the requests received",
+    "pagedserve_generation_tokens_total": "tokens generated",
+    "pagedserve_requests_finished_total": "requests ended, by finish_reason (stop, length, abort, error)",
+    "pagedserve_step_duration_seconds": "wall time of one engine step (the Step RPC included)",
+    "pagedserve_step_tokens": "tokens computed per step",
+    "pagedserve_prefill_chunk_duration_seconds": "time of the step that computed a prefill chunk, per chunk",
+    # latency
+    "pagedserve_time_to_first_token_seconds": "request arrival to its first generated token",
+    "pagedserve_inter_token_latency_seconds": "time between two tokens of one request",
+    "pagedserve_e2e_request_latency_seconds": "request arrival to its last token (stop and length)",
+    # workers
+    "pagedserve_worker_forward_duration_seconds": "the worker's forward time per step (from Step timings)",
+    "pagedserve_worker_kv_cache_bytes_per_token": "KV bytes per token, all layers, K and V, scales included",
+    "pagedserve_worker_kv_cache_bytes": "bytes of the worker's KV pool",
+    "pagedserve_worker_healthy": "1 while the worker answers",
+    "pagedserve_worker_info": "worker identity: device, model, dtype, kv_dtype (value 1)",
+}
+

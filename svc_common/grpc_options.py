@@ -1,0 +1,27 @@
+"""gRPC channel and server options: the one place they are built."""
+from __future__ import annotations
+
+GrpcOptions = list[tuple[str, int]]
+
+# Steps carry whole block tables and prefill chunks: 256 sequences x 4k tokens
+# is ~15 MB of packed ids, slots and tables, above gRPC's 4 MB default.
+DEFAULT_MAX_MESSAGE_MB = 256
+
+# Reconnect fast after a peer restarts: gRPC's default backoff grows to 120 s.
+_FAST_RECONNECT: GrpcOptions = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                                ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def message_limits(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> GrpcOptions:
+    limit = max_message_mb * 2**20
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def channel_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, fast_reconnect: bool = False) -> GrpcOptions:
+    return message_limits(max_message_mb) + (_FAST_RECONNECT if fast_reconnect else [])
+
+
+def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, reuse_port: bool = True) -> GrpcOptions:
+    # Without SO_REUSEPORT a second server on a taken port fails to start instead
+    # of silently sharing the port (and receiving half of the calls).
+    return message_limits(max_message_mb) + ([] if reuse_port else [("grpc.so_reuseport", 0)])
