@@ -14,10 +14,11 @@ from pathlib import Path
 import grpc
 
 from bench.common import RESULTS
+from svc_common import defaults
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common.processes import REPO
 
-DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = REPO / defaults.DEFAULT_MODEL
 
 
 def require_model(path: str | Path) -> Path:

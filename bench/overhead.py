@@ -53,6 +53,7 @@ from pathlib import Path
 
 import grpc
 
+from svc_common.grpc_options import channel_options
 from bench.bench_util import (DEFAULT_MODEL, fmt, load_average, progress, pyplot, random_token_ids, require_model,
                               save_plot, worker_info)
 from bench.common import markdown_table, median, write_result
@@ -97,8 +98,7 @@ class Harness:
     """The scheduler's planner in this process, a real worker process behind gRPC."""
 
     def __init__(self, address: str, info: worker_pb2.InfoResponse, inproc: Worker, max_num_seqs: int):
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 * 2**20),
-                                                               ("grpc.max_receive_message_length", 256 * 2**20)])
+        self.channel = grpc.insecure_channel(address, options=channel_options())
         self.call = self.channel.unary_unary("/worker.v1.Worker/Step")  # bytes in, bytes out
         self.info = info
         self.inproc = inproc

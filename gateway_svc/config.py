@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from svc_common.addresses import host_port_problem
+from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
 
 INT32_MAX = 2**31 - 1  # serving.v1's int32 fields (max_tokens, top_k, token ids)
@@ -14,7 +16,7 @@ class GatewayConfig:
     scheduler: str = field(default="127.0.0.1:50051", metadata={"help": "the scheduler's serving.v1 gRPC address, HOST:PORT"})
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port to bind; 0 lets the OS pick (see --ready-file)"})
-    model_dir: str = field(default="models/SmolLM2-135M-Instruct",
+    model_dir: str = field(default=DEFAULT_MODEL,
                            metadata={"help": "model directory: its chat template (chat_template.jinja or tokenizer_config.json) "
                                              "and, unless --model-name, the model id; '' = completions only"})
     model_name: str = field(default="", metadata={"help": "model id shown by /v1/models and in responses; default: --model-dir's name"})
@@ -40,7 +42,7 @@ class GatewayConfig:
 
     def validate(self) -> None:
         checks = [
-            (_is_host_port(self.scheduler), "--scheduler", "HOST:PORT"),
+            (host_port_problem(self.scheduler) is None, "--scheduler", "HOST:PORT"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (not self.model_dir or Path(self.model_dir).is_dir(), "--model-dir",
              "an existing directory (run `make model`, or pass --model-dir '' to serve completions only)"),
@@ -54,7 +56,3 @@ class GatewayConfig:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
 
-
-def _is_host_port(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -36,19 +36,20 @@ async def serve(config: SchedulerConfig) -> None:
                                       credentials=server_credentials(config.tls_cert, config.tls_key),
                                       api_keys=api_keys, extra_stats=lambda: stats_fields(engine, METRICS))
     # admin.v1 (AddWorker, DrainWorker, ListWorkers) on its own listener; --admin-port -1: none.
-    admin, admin_port = (await start_admin_server(engine, config.admin_host, config.admin_port)
+    admin, admin_port = (await start_admin_server(engine, config.admin_host, config.admin_bind_port)
                          if config.admin_port >= 0 else (None, -1))
-    log.info("scheduler ready", host=config.host, port=port, workers=config.worker_addresses,
+    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py).
+    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
+    log.info("scheduler ready", serving=f"{config.host}:{port}", workers=config.worker_addresses,
              max_model_len=engine.max_model_len, tls=bool(config.tls_cert), api_keys=len(api_keys),
              worker_tls=bool(config.worker_tls_ca), routing=engine.routing,
-             admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off")
+             admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off",
+             metrics=f"http://{config.host}:{metrics.port}/metrics" if metrics is not None else "off")
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and api_keys):
         log.warning("listening beyond loopback without TLS and API keys", host=config.host)
     if admin is not None and config.admin_host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("admin service listening beyond loopback: whoever reaches it can add and drain workers",
                     admin_host=config.admin_host)
-    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py).
-    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
     write_ready_file(config.ready_file, config.host, port, admin_port=admin_port)
     signals = _signal_events()
     await signals.get()

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
+from scheduler_svc.planning.planner import PlannerConfig
 from svc_common.addresses import host_port_problem
+from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.tls import file_checks, pair_check
 
@@ -17,7 +19,7 @@ class SchedulerConfig:
     workers: str = field(default="127.0.0.1:50061", metadata={"help": "worker addresses, HOST:PORT[,HOST:PORT...]"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50051, metadata={"help": "port to bind; 0 lets the OS pick"})
-    model: str = field(default="models/SmolLM2-135M-Instruct", metadata={"help": "model directory (tokenizer and generation config)"})
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step / running at once"})
@@ -46,7 +48,7 @@ class SchedulerConfig:
     routing: str = field(default="prefix", metadata={"help": "which worker gets a new request: prefix (longest cached prompt prefix, then load), round-robin, or least-loaded", "choices": ROUTING_POLICIES})
     routing_affinity_ttl_s: float = field(default=10.0, metadata={"help": "prefix routing: how long a prompt prefix routed to a worker keeps drawing requests with the same prefix there before that worker has computed it; 0 = off"})
     admin_host: str = field(default="127.0.0.1", metadata={"help": "address to bind the admin.v1 service (AddWorker, DrainWorker, ListWorkers)"})
-    admin_port: int = field(default=50052, metadata={"help": "port of the admin.v1 service; 0 lets the OS pick; -1 = no admin service"})
+    admin_port: int = field(default=0, metadata={"help": "port of the admin.v1 service; 0 = --port + 1 (the OS picks when --port is 0), so schedulers on different ports never collide; -1 = no admin service"})
     metrics_port: int = field(default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
@@ -55,6 +57,13 @@ class SchedulerConfig:
     @property
     def worker_addresses(self) -> list[str]:
         return [a.strip() for a in self.workers.split(",") if a.strip()]
+
+    @property
+    def admin_bind_port(self) -> int:
+        """The admin port to bind: --admin-port, or derived from --port (0: the OS picks)."""
+        if self.admin_port != 0:
+            return self.admin_port
+        return self.port + 1 if self.port else 0
 
     @property
     def tokenizer_dir(self) -> str:
@@ -66,15 +75,11 @@ class SchedulerConfig:
             (all(host_port_problem(a) is None for a in self.worker_addresses), "--workers", "a comma-separated list of HOST:PORT"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
-            (-1 <= self.admin_port <= 65535, "--admin-port", "in 0..65535, or -1 for no admin service"),
+            (-1 <= self.admin_port <= 65535, "--admin-port", "in 1..65535, 0 for --port + 1, or -1 for no admin service"),
+            (self.admin_port != 0 or self.port < 65535, "--admin-port", "set when --port is 65535 (--port + 1 is no port)"),
             (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
-            (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", ">= 1"),
-            (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1"),
-            (self.chunk_size >= 1, "--chunk-size", ">= 1 (valid range [1, inf))"),
-            (self.dynamic_chunk_min >= 1, "--dynamic-chunk-min", ">= 1"),
-            (self.dynamic_chunk_max >= self.dynamic_chunk_min, "--dynamic-chunk-max", ">= --dynamic-chunk-min"),
-            (self.max_model_len >= 0, "--max-model-len", ">= 0"),
-            (self.max_waiting >= 1, "--max-waiting", ">= 1"),
+            model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
+            (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (self.default_max_tokens >= 1, "--default-max-tokens", ">= 1"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
@@ -92,4 +97,13 @@ class SchedulerConfig:
         for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
+        # The planner's own options are checked where they are used, once.
+        self.planner_config(max_model_len=max(self.max_model_len, 2), block_size=1).validate()
+
+    def planner_config(self, max_model_len: int, block_size: int) -> PlannerConfig:
+        """The planner's options for a worker holding `max_model_len` tokens per request in `block_size` blocks."""
+        return PlannerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                             chunk_size=self.chunk_size, max_model_len=max_model_len, max_waiting=self.max_waiting,
+                             block_size=block_size, dynamic_chunking=self.dynamic_chunking,
+                             dynamic_chunk_min=self.dynamic_chunk_min, dynamic_chunk_max=self.dynamic_chunk_max)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.tls import file_checks, pair_check
 
@@ -12,7 +13,7 @@ KV_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "int8")
 
 @dataclass
 class WorkerConfig:
-    model: str = field(default="models/SmolLM2-135M-Instruct", metadata={"help": "HF checkpoint directory"})
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF checkpoint directory"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50061, metadata={"help": "port to bind; 0 lets the OS pick (printed in the 'worker ready' log line)"})
     num_blocks: int = field(default=0, metadata={"help": "KV blocks to allocate; 0 = size from --kv-cache-memory-mb"})
@@ -38,6 +39,7 @@ class WorkerConfig:
 
     def validate(self) -> None:
         checks = [
+            model_dir_check(self.model, "--model"),
             (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
             (self.num_blocks >= 0, "--num-blocks", ">= 0"),
             (self.max_batch >= 0, "--max-batch", ">= 0"),

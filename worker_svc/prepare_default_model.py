@@ -11,8 +11,10 @@ import os
 import sys
 from pathlib import Path
 
+from svc_common.defaults import DEFAULT_MODEL
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / DEFAULT_MODEL
 
 
 def find_gguf() -> Path:

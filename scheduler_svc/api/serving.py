@@ -3,7 +3,6 @@ from the engine's data classes, and engine errors to gRPC status codes."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -16,27 +15,22 @@ from scheduler_svc.engine.engine import Engine, EngineStats
 from scheduler_svc.api.status import DOMAIN_ERRORS, abort_with
 from scheduler_svc.engine.streams import StreamEvent
 from scheduler_svc.engine.pinning import pin_on_core
-from scheduler_svc.planning.planner import RequestRejected
+from scheduler_svc.planning.validation import (SEED_SPACE, RequestRejected, check_num_samples, check_prompt_ids,
+                                               check_sampling)
 from scheduler_svc.request import Request, SamplingOptions
 
 log = structlog.get_logger(__name__)
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512
-MAX_SAMPLES = 16
-_SEED_SPACE = 2**64
 
 
-def prompt_from_proto(msg, engine: Engine) -> list[int]:
+def prompt_from_proto(msg: serving_pb2.GenerateRequest | serving_pb2.PinPrefixRequest, engine: Engine) -> list[int]:
     """Token ids of a message with `prompt` / `prompt_token_ids` (exactly one)."""
     has_text, has_ids = bool(msg.prompt), bool(msg.prompt_token_ids)
     if has_text == has_ids:
         raise RequestRejected("prompt", "give exactly one of prompt (non-empty text) and prompt_token_ids")
-    vocab = engine.tokenizer.vocab_size
     if has_ids:
-        bad = next((t for t in msg.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return list(msg.prompt_token_ids)
+        prompt_ids = list(msg.prompt_token_ids)
+        check_prompt_ids(prompt_ids, engine.tokenizer.vocab_size)
+        return prompt_ids
     prompt_ids = engine.tokenizer.encode(msg.prompt)
     if not prompt_ids:
         raise RequestRejected("prompt", "the prompt encodes to no tokens")
@@ -49,11 +43,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     prompt_ids = prompt_from_proto(msg, engine)
     sampling = _sampling_from_proto(msg, default_max_tokens)
     n = msg.n if msg.HasField("n") else 1
-    if not 1 <= n <= MAX_SAMPLES:
-        raise RequestRejected("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
-    if n > 1 and len(prompt_ids) < 2:
-        raise RequestRejected("n", "parallel samples need a prompt of at least 2 tokens (they fork after its "
-                                   "second-to-last token)")
+    check_num_samples(n, len(prompt_ids))
     request_id = msg.request_id or uuid.uuid4().hex
     common = dict(eos_token_ids=engine.tokenizer.eos_token_ids, cache_salt=msg.cache_salt or None)
     if n == 1:
@@ -67,27 +57,18 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
 def _sample_seed(sampling: SamplingOptions, index: int) -> SamplingOptions:
     if sampling.seed is None:
         return sampling
-    return dataclasses.replace(sampling, seed=(sampling.seed + index) % _SEED_SPACE)
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % SEED_SPACE)
 
 
 def _sampling_from_proto(msg: serving_pb2.GenerateRequest, default_max_tokens: int) -> SamplingOptions:
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens
-    temperature = msg.temperature if msg.HasField("temperature") else 1.0
-    top_p = msg.top_p if msg.HasField("top_p") else 1.0
-    if max_tokens <= 0:
-        raise RequestRejected("max_tokens", f"must be > 0, got {max_tokens}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise RequestRejected("temperature", f"must be a finite number >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise RequestRejected("top_p", f"must be in (0, 1], got {top_p}")
-    if msg.top_k < 0:
-        raise RequestRejected("top_k", f"must be >= 0 (0 = off), got {msg.top_k}")
-    stop = tuple(s for s in msg.stop if s)
-    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise RequestRejected("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
-    return SamplingOptions(temperature=temperature, top_p=top_p, top_k=msg.top_k,
-                           seed=msg.seed if msg.HasField("seed") else None, max_tokens=max_tokens, stop=stop,
-                           ignore_eos=msg.ignore_eos)
+    sampling = SamplingOptions(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0, top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        stop=tuple(s for s in msg.stop if s), ignore_eos=msg.ignore_eos)
+    check_sampling(sampling)
+    return sampling
 
 
 def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateResponse:

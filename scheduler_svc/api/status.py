@@ -9,7 +9,8 @@ import grpc
 from scheduler_svc.engine.errors import (LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible,
                                          WorkerUnavailable, WorkerUnreachable)
 from scheduler_svc.kv.block_manager import PinLimitExceeded
-from scheduler_svc.planning.planner import QueueFull, RequestRejected
+from scheduler_svc.planning.planner import QueueFull
+from scheduler_svc.planning.validation import RequestRejected
 
 _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),

@@ -50,7 +50,7 @@ class CoreCounters:
     worker_failures: int = 0
     worker_restarts: int = 0
     audit_failures: int = 0
-    prefix_hit_tokens: int = 0  # prompt tokens of finished requests found in the prefix cache at admission
+    finished_cached_prompt_tokens: int = 0  # prompt tokens of finished requests found in the prefix cache at admission
     last_step_ms: float = 0.0
 
 
@@ -89,11 +89,6 @@ class EngineCore:
     @property
     def worker_timeout_s(self) -> float:
         return self.options.worker_timeout_s
-
-    @property
-    def load(self) -> tuple[int, int]:
-        """Smaller is less loaded: queued + running requests, then blocks in use."""
-        return self.planner.num_running + self.planner.num_waiting, self.planner.kv.pool.num_used_blocks
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"engine-core-{self.info.address}")
@@ -252,7 +247,7 @@ class EngineCore:
 
     def _finished(self, r: Request, timing: RequestTiming | None = None) -> None:
         self.counters.requests_finished += 1
-        self.counters.prefix_hit_tokens += r.num_cached_prompt_tokens
+        self.counters.finished_cached_prompt_tokens += r.num_cached_prompt_tokens
         log.info("request finished", request_id=r.request_id, worker=self.info.address,
                  prompt_tokens=r.num_prompt_tokens, cached_tokens=r.num_cached_prompt_tokens,
                  output_tokens=r.num_output_tokens, finish_reason=str(r.finish_reason or FinishReason.STOP),

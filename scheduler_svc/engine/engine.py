@@ -21,7 +21,8 @@ from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
 from scheduler_svc.kv.slot_manager import SlotManager
 from scheduler_svc.engine.streams import StreamHandle
 from scheduler_svc.engine.timing import EngineHooks
-from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull, RequestRejected
+from scheduler_svc.planning.planner import Planner, QueueFull
+from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request
 from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -303,7 +304,7 @@ class Engine:
     def _status(self, core: EngineCore, state: WorkerState | None = None) -> WorkerStatus:
         routed = self.router.counters.get(core.info.address)
         return WorkerStatus.from_core(core, state or self._state(core),
-                                      prefix_hit_tokens=core.counters.prefix_hit_tokens,
+                                      prefix_hit_tokens=core.counters.finished_cached_prompt_tokens,
                                       requests_routed=routed.routed if routed else 0)
 
     # ---- shutdown -----------------------------------------------------------
@@ -346,7 +347,7 @@ class Engine:
             prefix_cache_query_tokens=query_tokens,
             prefix_cache_hit_tokens=hit_tokens,
             prefix_cache_hit_rate=hit_tokens / query_tokens if query_tokens else 0.0,
-            evictions=sum(u.evictions for u in usages),
+            evictions=sum(u.blocks_reclaimed for u in usages),
             tokens_computed=sum(c.tokens_computed for c in counters),
             resumed_tokens=sum(p.resumed_tokens for p in planners),
             recomputed_tokens=sum(p.recomputed_tokens for p in planners),
@@ -412,12 +413,7 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
                          eviction_policy=config.eviction_policy)
         kv = KVCacheManager(pool, extra_keys=extra_keys,
                             max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks)
-    return Planner(PlannerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
-                                 max_num_seqs=config.max_num_seqs, chunk_size=config.chunk_size,
-                                 max_model_len=max_len, max_waiting=config.max_waiting,
-                                 block_size=info.block_size, dynamic_chunking=config.dynamic_chunking,
-                                 dynamic_chunk_min=config.dynamic_chunk_min,
-                                 dynamic_chunk_max=config.dynamic_chunk_max), kv)
+    return Planner(config.planner_config(max_len, info.block_size), kv)
 
 
 async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:

@@ -42,7 +42,6 @@ class StepResult:
     sampled: dict[int, tuple[int, float]]   # seq_id -> (token id, logprob)
     instance_id: str
     forward_ms: float
-    total_ms: float
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
@@ -62,7 +61,6 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
         sampled={t.seq_id: (t.token_id, t.logprob) for t in reply.sampled},
         instance_id=reply.instance_id,
         forward_ms=reply.timings.forward_ms,
-        total_ms=reply.timings.total_ms,
     )
 
 

@@ -27,7 +27,7 @@ class KVCacheUsage:
     free_blocks: int  # includes cached_free_blocks
     cached_free_blocks: int  # free but still a prefix hit until evicted
     cached_blocks: int  # in the prefix index, used or free
-    evictions: int
+    blocks_reclaimed: int  # cached blocks whose prefix entry an allocation dropped (monotonic)
     num_requests: int  # requests holding a block table
     tokens_held: int  # tokens live requests' tables cover (shared blocks counted per request)
     pinned_blocks: int = 0
@@ -40,7 +40,7 @@ class KVCacheUsage:
     unused_slots: int = 0  # slots of blocks in use that hold no token
     blocks_allocated: int = 0  # total blocks taken from the free queue (monotonic)
     blocks_freed: int = 0  # total blocks returned to it (monotonic)
-    eviction_events: int = 0  # allocations that reclaimed cached blocks (`evictions` counts the blocks)
+    eviction_events: int = 0  # allocations that reclaimed cached blocks (blocks_reclaimed counts the blocks)
 
     @property
     def fragmentation(self) -> float:
@@ -169,7 +169,7 @@ class KVCacheManager:
         self._num_table_tokens[child.request_id] = self._num_table_tokens[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
-    # ---- capacity (the KVPool protocol, scheduler_svc/kv_pool.py) --------
+    # ---- capacity (the KVManager protocol, scheduler_svc/kv_pool.py) --------
     @property
     def max_request_tokens(self) -> int:
         """Most tokens one request can hold: the whole pool."""
@@ -292,7 +292,7 @@ class KVCacheManager:
             free_blocks=pool.num_free_blocks,
             cached_free_blocks=pool.num_cached_free_blocks,
             cached_blocks=pool.num_cached_blocks,
-            evictions=pool.evictions,
+            blocks_reclaimed=pool.blocks_reclaimed,
             num_requests=len(self.tables),
             tokens_held=sum(self._num_table_tokens.values()),
             pinned_blocks=self.num_pinned_blocks,

@@ -73,7 +73,7 @@ class BlockPool:
         self.free_queue = make_free_queue(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}  # the prefix index
         self.num_cached_free_blocks = 0
-        self.evictions = 0  # cached blocks reclaimed by allocate() (their hash dropped)
+        self.blocks_reclaimed = 0  # cached blocks reclaimed by allocate() (their hash dropped)
         # Monotonic counters for the metrics (rates come from their deltas):
         # blocks that left the free queue (allocate(), or a cached-free block a
         # prefix hit revived) and blocks that went back to it, so
@@ -130,9 +130,9 @@ class BlockPool:
             ids.append(block.block_id)
         self.blocks_allocated += count
         if evicted:
-            self.evictions += evicted
+            self.blocks_reclaimed += evicted
             self.eviction_events += 1
-            log.info("kv_blocks_evicted", blocks_reclaimed=evicted, total_evictions=self.evictions,
+            log.info("kv_blocks_evicted", blocks_reclaimed=evicted, blocks_reclaimed_total=self.blocks_reclaimed,
                      free_blocks=len(self.free_queue))
         return ids
 

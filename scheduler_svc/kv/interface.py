@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @runtime_checkable
-class PoolCounters(Protocol):
+class PoolState(Protocol):
     """Read-only counters of the physical pool (blocks, or contiguous slots), for
     routing, health checks and metrics."""
 
@@ -47,12 +47,12 @@ class PoolCounters(Protocol):
 
 
 @runtime_checkable
-class KVPool(Protocol):
+class KVManager(Protocol):
     """Maps requests to the worker's KV memory: allocation, views, prefix cache, checks."""
 
     block_size: int  # tokens per block table entry (a contiguous slot: max_seq_len)
     extra_keys: tuple  # what besides tokens keys a cached block (the router groups workers by it)
-    pool: PoolCounters
+    pool: PoolState
 
     # ---- capacity ---------------------------------------------------------
     @property

@@ -5,7 +5,7 @@ The worker's cache is [layers, max_batch, kv_heads, max_seq_len, head_dim]; a
 sequence holds one whole slot of max_seq_len positions from admission to the
 end, however few tokens it has. So admission needs a free slot, a running
 sequence never needs more memory, and there is no prefix sharing. It speaks the
-same KVPool protocol as KVCacheManager (scheduler_svc/kv_pool.py): a slot is a
+same KVManager protocol as KVCacheManager (scheduler_svc/kv_pool.py): a slot is a
 block of max_seq_len tokens, a block table is [slot], a position's slot is
 slot * max_seq_len + position.
 
@@ -28,12 +28,12 @@ from scheduler_svc.request import Request
 
 class SlotPool:
     """max_batch slots of slot_len tokens: ref counts and the free slots
-    (lowest id first). Has the PoolCounters of a BlockPool; nothing is ever cached."""
+    (lowest id first). Has the PoolState of a BlockPool; nothing is ever cached."""
 
     enable_prefix_caching = False
     num_cached_free_blocks = 0
     num_cached_blocks = 0
-    evictions = 0
+    blocks_reclaimed = 0
 
     def __init__(self, num_slots: int, slot_len: int) -> None:
         if num_slots < 1 or slot_len < 1:
@@ -88,7 +88,7 @@ class SlotPool:
 
 
 class SlotManager:
-    """The KVPool of a contiguous worker (see the module docstring)."""
+    """The KVManager of a contiguous worker (see the module docstring)."""
 
     def __init__(self, num_slots: int, slot_len: int, extra_keys: tuple = ()) -> None:
         self.pool = SlotPool(num_slots, slot_len)
@@ -180,7 +180,7 @@ class SlotManager:
         allocated = pool.num_used_blocks * n
         return KVCacheUsage(
             num_blocks=pool.num_blocks, block_size=n, used_blocks=pool.num_used_blocks,
-            free_blocks=pool.num_free_blocks, cached_free_blocks=0, cached_blocks=0, evictions=0,
+            free_blocks=pool.num_free_blocks, cached_free_blocks=0, cached_blocks=0, blocks_reclaimed=0,
             num_requests=len(self.tables), tokens_held=sum(self._num_tokens.values()),
             allocated_slots=allocated, unused_slots=max(0, allocated - sum(fill.values())),
             blocks_allocated=pool.blocks_allocated, blocks_freed=pool.blocks_freed,

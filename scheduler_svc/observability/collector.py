@@ -61,7 +61,7 @@ class EngineCollector(Collector):
             counter("pagedserve_kv_blocks_allocated").add_metric(w, u.blocks_allocated)
             counter("pagedserve_kv_blocks_freed").add_metric(w, u.blocks_freed)
             counter("pagedserve_kv_evictions").add_metric(w, u.eviction_events)
-            counter("pagedserve_kv_blocks_reclaimed").add_metric(w, u.evictions)
+            counter("pagedserve_kv_blocks_reclaimed").add_metric(w, u.blocks_reclaimed)
             counter("pagedserve_prefix_cache_queries").add_metric(w, u.prefix_queries)
             counter("pagedserve_prefix_cache_query_tokens").add_metric(w, u.prefix_query_tokens)
             counter("pagedserve_prefix_cache_hit_tokens").add_metric(w, u.prefix_hit_tokens)

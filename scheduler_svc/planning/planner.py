@@ -20,19 +20,11 @@ from dataclasses import dataclass, field, fields
 import structlog
 
 from scheduler_svc.kv.block_manager import LeakError
-from scheduler_svc.kv.interface import KVPool
+from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.planning.validation import RequestRejected, check_sampling
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
 
 log = structlog.get_logger(__name__)
-
-
-class RequestRejected(ValueError):
-    """The request can never be served as given (the server maps it to INVALID_ARGUMENT)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 class QueueFull(RuntimeError):
@@ -159,8 +151,8 @@ class _StepBudget:
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, kv_cache_manager: KVPool) -> None:
-        """kv_cache_manager: the worker's KV memory as the KVPool protocol
+    def __init__(self, config: PlannerConfig, kv_cache_manager: KVManager) -> None:
+        """kv_cache_manager: the worker's KV memory as the KVManager protocol
         (scheduler_svc/kv_pool.py): paged blocks or contiguous slots."""
         self.config = config.validate()
         if config.block_size != kv_cache_manager.block_size:
@@ -497,17 +489,4 @@ class Planner:
                 f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({held}), so at most "
                 f"{capacity - 1} prompt tokens fit",
             )
-        self._validate_sampling(request.sampling)
-
-    @staticmethod
-    def _validate_sampling(s: SamplingOptions) -> None:
-        if not s.max_tokens >= 1:
-            raise RequestRejected("max_tokens", f"must be >= 1, got {s.max_tokens}")
-        if not (math.isfinite(s.temperature) and s.temperature >= 0):
-            raise RequestRejected("temperature", f"must be a finite number >= 0, got {s.temperature}")
-        if not 0 <= s.top_p <= 1:
-            raise RequestRejected("top_p", f"must be in [0, 1] (0 means 1), got {s.top_p}")
-        if s.top_k < 0:
-            raise RequestRejected("top_k", f"must be >= 0 (0 = off), got {s.top_k}")
-        if s.seed is not None and not 0 <= s.seed < 2**64:
-            raise RequestRejected("seed", f"must be in [0, 2**64), got {s.seed}")
+        check_sampling(request.sampling)

@@ -1,6 +1,7 @@
 """The model's tokenizer, loaded with the `tokenizers` library only (no
 transformers, no torch), plus the bits of tokenizer/generation config the
-scheduler needs: special tokens, EOS ids and the chat template source."""
+scheduler needs: EOS ids and the vocabulary size. (The chat template is the
+gateway's: gateway_svc/chat_template.py.)"""
 from __future__ import annotations
 
 import json
@@ -15,17 +16,12 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     vocab_size: int
-    chat_template: str | None
-    special_tokens: dict[str, str]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.tokenizer.token_to_id(token)
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
@@ -40,8 +36,6 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
         tokenizer=tokenizer,
         eos_token_ids=frozenset(_eos_ids(model_dir, tokenizer, special)),
         vocab_size=_vocab_size(model_dir, tokenizer),
-        chat_template=_chat_template(model_dir, tok_config),
-        special_tokens=special,
     )
 
 
@@ -68,10 +62,3 @@ def _eos_ids(model_dir: Path, tokenizer: Tokenizer, special: dict[str, str]) -> 
 def _vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
     return int(_read_json(model_dir / "config.json").get("vocab_size") or tokenizer.get_vocab_size())
 
-
-def _chat_template(model_dir: Path, tok_config: dict) -> str | None:
-    path = model_dir / "chat_template.jinja"
-    if path.exists():
-        return path.read_text()
-    template = tok_config.get("chat_template")
-    return template if isinstance(template, str) else None

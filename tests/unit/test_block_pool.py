@@ -155,9 +155,9 @@ def test_freed_block_keeps_hash_until_allocation_evicts_it():
     pool.free(reversed(ids))  # tail first: block 1, then block 0
     assert pool.free_block_ids() == [2, 1, 0]
     assert pool.num_cached_free_blocks == 1 and pool.get_cached_block(h0) == 0
-    assert pool.allocate(2) == [2, 1] and pool.evictions == 0
+    assert pool.allocate(2) == [2, 1] and pool.blocks_reclaimed == 0
     assert pool.allocate(1) == [0]  # the cached-free block goes last
-    assert pool.evictions == 1
+    assert pool.blocks_reclaimed == 1
     assert pool.get_cached_block(h0) is None and pool.block_hash(0) is None
     assert pool.num_cached_blocks == 0 and pool.num_cached_free_blocks == 0
 
@@ -216,4 +216,4 @@ def test_reset_prefix_cache_drops_every_hash():
     assert all(pool.get_cached_block(x) is None for x in hashes)
     assert all(pool.block_hash(i) is None for i in range(4))
     pool.allocate(2)
-    assert pool.evictions == 0  # nothing cached left to evict
+    assert pool.blocks_reclaimed == 0  # nothing cached left to evict

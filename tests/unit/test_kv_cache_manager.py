@@ -194,10 +194,10 @@ def test_lru_eviction_takes_chain_tail_before_prefix():
     assert kv.pool.num_cached_free_blocks == 3
     b = req("b", [500] * 32)
     prefill(kv, b)  # takes 4 (uncached), then 3 (uncached): no eviction
-    assert kv.block_table("b") == [4, 3] and kv.pool.evictions == 0
+    assert kv.block_table("b") == [4, 3] and kv.pool.blocks_reclaimed == 0
     c = req("c", [600] * 16)
     prefill(kv, c)  # must evict: the chain's tail (block 2) goes first
-    assert kv.block_table("c") == [2] and kv.pool.evictions == 1
+    assert kv.block_table("c") == [2] and kv.pool.blocks_reclaimed == 1
     hits, _ = kv.get_computed_blocks(req("d", range(49)))
     assert hits == [0, 1]  # the prefix survived
     kv.audit(["b", "c"])

@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "text": set(),
     "kv": {"request"},
     "planning": {"request", "kv"},
-    "config": {"kv"},
+    "config": {"request", "kv", "planning"},
     "engine": {"request", "kv", "planning", "text", "config"},
     "api": {"request", "kv", "planning", "text", "config", "engine"},
     "observability": {"request", "kv", "planning", "engine"},

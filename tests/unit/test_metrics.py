@@ -73,7 +73,7 @@ def run_step(core, worker, metrics=None, forward_ms=2.0):
     plan = core.planner.schedule()
     started = time.perf_counter()
     sampled = worker.execute(plan)
-    result = StepResult(sampled=sampled, instance_id="i1", forward_ms=forward_ms, total_ms=forward_ms)
+    result = StepResult(sampled=sampled, instance_id="i1", forward_ms=forward_ms)
     observe_step(core, plan, result, started, metrics=metrics)
     updates = core.planner.update(plan, sampled)
     core.counters.steps_run += 1
@@ -203,7 +203,7 @@ def test_evictions_count_events_and_reclaimed_blocks():
     planner.add(req("b", range(500, 563)))  # 63 tokens: all 4 blocks, reclaiming both cached ones
     run_step(core, worker)
     u = planner.kv.usage()
-    assert (u.eviction_events, u.evictions) == (1, 2)
+    assert (u.eviction_events, u.blocks_reclaimed) == (1, 2)
     got = scrape(SimpleNamespace(cores=[core]))
     assert got[("pagedserve_kv_evictions_total", W)] == 1
     assert got[("pagedserve_kv_blocks_reclaimed_total", W)] == 2

@@ -8,7 +8,8 @@ import pytest
 
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
-from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull, RequestRejected
+from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull
+from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
 
 try:

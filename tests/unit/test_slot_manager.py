@@ -1,14 +1,15 @@
 """The contiguous layout on the scheduler side: SlotManager under the real
 planner against the fake worker (a slot is a block of max_seq_len tokens), with
-audit() after every step; and both managers satisfy the KVPool protocol."""
+audit() after every step; and both managers satisfy the KVManager protocol."""
 import random
 
 import pytest
 
 from scheduler_svc.kv.block_pool import BlockPool, DoubleFreeError
 from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
-from scheduler_svc.kv.interface import KVPool
-from scheduler_svc.planning.planner import Planner, PlannerConfig, RequestRejected
+from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.planning.planner import Planner, PlannerConfig
+from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request, SamplingOptions
 from scheduler_svc.kv.slot_manager import SlotManager, SlotPool
 
@@ -42,8 +43,8 @@ def run(planner, worker, max_steps=20000, on_step=None):
 
 
 def test_both_managers_satisfy_the_kv_pool_protocol():
-    assert isinstance(SlotManager(2, 64), KVPool)
-    assert isinstance(KVCacheManager(BlockPool(4, 16)), KVPool)
+    assert isinstance(SlotManager(2, 64), KVManager)
+    assert isinstance(KVCacheManager(BlockPool(4, 16)), KVManager)
 
 
 def test_a_sequence_holds_one_whole_slot_for_its_life():
