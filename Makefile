@@ -95,6 +95,15 @@ load: setup
 bench: setup model
 	$(PY) -m bench.run_all
 
+# The serving loop under load (bench/loop.py): the tiny Llama, real scheduler + worker
+# processes, 1/64/256/1024 concurrent streams, beside the same run of BASELINE (a
+# revision, checked out in a temporary git worktree); writes bench/results/loop.md
+# and loop.png (~3 min on 2 CPU cores).
+BASELINE ?= 1b3f5f4
+.PHONY: bench-loop
+bench-loop: setup
+	$(PY) -m bench.loop --baseline $(BASELINE)
+
 serve-worker: setup model
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
 

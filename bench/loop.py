@@ -1,0 +1,590 @@
+"""The serving loop under load: real scheduler + worker processes on 127.0.0.1,
+one asyncio gRPC client driving N concurrent Generate streams, on the tiny
+2-layer hidden-64 Llama checkpoint (fp32), so that the model is cheap and the
+loop around it (planning, protos, gRPC, streaming) is what is measured; the same
+workload against a baseline revision in a temporary git worktree, in the same run.
+
+    python -m bench.loop [--streams 1 64 256 1024] [--max-tokens 128] [--baseline REV | --no-baseline]
+    python -m bench.loop --quick        # smoke test (~20 s)
+    python -m bench.loop --current HEAD # 'current' from a clean worktree of HEAD, not this working tree
+
+'current' is this working tree by default (uncommitted changes to the service
+code are listed in the results); --current REV runs it from REV in a temporary
+worktree as well. Part B runs in a child process started from the same tree.
+
+Workload: N prompts of 40-80 random token ids (seeded), 128 greedy tokens each
+with ignore_eos; scheduler flags --max-num-seqs 256 --max-num-batched-tokens 8192
+--no-prefix-caching (and --max-waiting 2048, so that 1024 streams arriving at once
+queue instead of being refused). N = 1024 > max-num-seqs: requests queue.
+The worker runs on CPU (--device cuda passes the worker's --device flag).
+
+Part A, end to end (both revisions; their processes are started from their own
+tree with `python -m worker_svc` / `python -m scheduler_svc`, the same code path):
+* output tok/s: completion tokens received by the client / wall time from the
+  first Generate call to the last stream's end;
+* ITL p50/p99: gaps between consecutive token-carrying messages of one stream,
+  measured in the client (perf_counter on arrival), pooled over all streams;
+* step period: the scheduler runs with JSON logs at debug level and logs one
+  "step" line per step (same line in both revisions); period = time between
+  consecutive lines (the whole loop: dispatch + streaming of the previous step,
+  planning, the Step RPC, update). "mean" = all steps of the run; "decode" =
+  steps that only decode. The same lines give the scheduler's step_ms (RPC +
+  update) and the worker's forward_ms (from its StepResponse).
+
+Part B, where a step's time goes (current revision only: it imports the
+scheduler's planning/engine modules, whose paths changed in the reorganisation):
+the scheduler's own Planner + KVCacheManager + RequestStreams run in this
+process on the same workload (batch = min(N, max-num-seqs)) and drive a real
+worker process over gRPC as the scheduler does; after the prefill, per decode
+step: plan (Planner.schedule), build (plan_to_proto), encode
+(SerializeToString), RPC (unary call wall time), parse reply (FromString +
+result_from_proto), update (Planner.update), dispatch (RequestStream.on_update
+per update, as EngineCore._dispatch), responses (event_to_proto +
+SerializeToString per stream event, as the Generate handler). Worker figures
+come from its StepResponse timings: batch = prepare_ms (block copies +
+forward-batch building), forward_ms, sample_ms; its request parsing
+(step_from_proto) and validation (step_input.validate) are timed here on the
+same bytes with the same code; RPC transport = RPC wall - worker total_ms -
+that parse+validate - the worker's reply encoding (also timed here).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import grpc
+
+from bench.bench_util import fmt, load_average, percentile, pyplot, save_plot
+from bench.common import markdown_table, write_result
+from proto import serving_pb2, serving_pb2_grpc
+from svc_common.grpc_options import channel_options
+from svc_common.processes import REPO
+
+NAME = "loop"
+DEFAULT_BASELINE = "1b3f5f4"
+MAX_NUM_SEQS = 256
+SCHEDULER_FLAGS = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "8192", "--no-prefix-caching",
+                   "--max-waiting", "2048", "--admin-port", "-1"]
+NUM_BLOCKS = 4096  # 256 running x ceil(208 / 16) = 3,328 blocks at most
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+# ---- processes started from a given tree -----------------------------------------------
+@dataclass
+class Service:
+    """`python -m MODULE` with cwd and PYTHONPATH = root (so a worktree runs its own code)."""
+
+    root: Path
+    module: str
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    _dir: str = ""
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._dir) / "service.log"
+
+    def start(self, timeout_s: float = 180.0) -> Service:
+        self._dir = tempfile.mkdtemp(prefix="pagedserve-loop-")
+        ready = Path(self._dir) / "ready.json"
+        env = {**os.environ, "PYTHONPATH": str(self.root)}
+        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", "0",
+               "--ready-file", str(ready)]
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop(keep_log=True)
+                raise RuntimeError(f"{self.module} ({self.root}) did not start:\n{self.log_path.read_text()[-4000:]}")
+            time.sleep(0.05)
+        time.sleep(0.05)  # the ready file is written in one go, but be safe
+        self.port = json.loads(ready.read_text())["port"]
+        return self
+
+    def stop(self, keep_log: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._dir and not keep_log:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclass
+class Stack:
+    """A worker and a scheduler from one source tree."""
+
+    label: str
+    root: Path
+    model: Path
+    worker_args: list[str]
+    worker: Service | None = None
+    scheduler: Service | None = None
+
+    def start(self) -> Stack:
+        self.worker = Service(self.root, "worker_svc", ["--model", str(self.model), *self.worker_args]).start()
+        try:
+            self.scheduler = Service(self.root, "scheduler_svc", [
+                "--model", str(self.model), "--workers", self.worker.address, *SCHEDULER_FLAGS,
+                "--log-format", "json", "--log-level", "debug"]).start()
+        except Exception:
+            self.worker.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for s in (self.scheduler, self.worker):
+            if s:
+                s.stop()
+
+    def step_lines(self) -> list[dict]:
+        out = []
+        with open(self.scheduler.log_path, errors="replace") as f:
+            for line in f:
+                if '"event": "step"' not in line and '"event":"step"' not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("event") == "step":
+                    out.append(record)
+        return out
+
+
+# ---- the client: one asyncio channel, N streams ------------------------------------------
+async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    channel = grpc.aio.insecure_channel(address, options=channel_options())
+    stub = serving_pb2_grpc.SchedulerStub(channel)
+    gaps: list[float] = []
+    tokens = 0
+    errors: list[str] = []
+
+    async def one(ids: list[int]) -> None:
+        nonlocal tokens
+        last = None
+        request = serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
+                                              ignore_eos=True)
+        try:
+            async for reply in stub.Generate(request, timeout=1800):
+                if reply.token_ids:
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append((now - last) * 1e3)
+                    last = now
+                    tokens += len(reply.token_ids)
+        except grpc.aio.AioRpcError as err:
+            errors.append(f"{err.code().name}: {err.details()}")
+
+    try:
+        await channel.channel_ready()
+        started = time.perf_counter()
+        await asyncio.gather(*(one(ids) for ids in prompts))
+        wall = time.perf_counter() - started
+    finally:
+        await channel.close()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(prompts)} streams failed, e.g. {errors[0]}")
+    if tokens != len(prompts) * max_tokens:
+        raise RuntimeError(f"expected {len(prompts) * max_tokens} tokens, got {tokens}")
+    return {"tokens": tokens, "wall_s": wall, "gaps": gaps}
+
+
+def prompts_for(n: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(40, 80))] for _ in range(n)]
+
+
+def timestamp(record: dict) -> float:
+    return datetime.fromisoformat(record["timestamp"]).timestamp()
+
+
+def run_e2e(stack: Stack, n: int, max_tokens: int, vocab: int) -> dict:
+    seen = len(stack.step_lines())
+    load = load_average()
+    out = asyncio.run(drive(stack.scheduler.address, prompts_for(n, n, vocab), max_tokens))
+    time.sleep(0.05)  # the last step's line is written before its tokens go out; be safe
+    steps = stack.step_lines()[seen:]
+    times = [timestamp(s) for s in steps]
+    periods = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
+    decode = [(b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False)
+              if s["tokens"] == s["seqs"]]
+    decode_steps = [s for s in steps if s["tokens"] == s["seqs"]]
+    return {
+        "n": n, "tok_s": out["tokens"] / out["wall_s"], "wall_s": out["wall_s"], "tokens": out["tokens"],
+        "itl_p50": percentile(out["gaps"], 50), "itl_p99": percentile(out["gaps"], 99),
+        "steps": len(steps), "period": mean(periods), "period_decode": mean(decode),
+        "step_ms": mean(s["step_ms"] for s in decode_steps), "forward_ms": mean(s["forward_ms"] for s in decode_steps),
+        "seqs_per_step": mean(s["seqs"] for s in decode_steps), "load": load,
+    }
+
+
+# ---- part B: in-process split (current revision) ----------------------------------------
+def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: int, steps: int) -> dict:
+    from proto import worker_pb2
+    from scheduler_svc.api.serving import event_to_proto
+    from scheduler_svc.engine.streams import RequestStream
+    from scheduler_svc.engine.worker_client import info_from_proto, plan_to_proto, result_from_proto
+    from scheduler_svc.kv.block_manager import KVCacheManager
+    from scheduler_svc.kv.block_pool import BlockPool
+    from scheduler_svc.planning.planner import Planner, PlannerConfig
+    from scheduler_svc.request import Request, SamplingOptions
+    from scheduler_svc.text.tokenizer import load_tokenizer
+    from worker_svc.model_runner import SampledToken, StepOutput
+    from worker_svc.server import step_from_proto, step_to_proto
+    from worker_svc.step_input import Limits, validate
+
+    channel = grpc.insecure_channel(worker_address, options=channel_options())
+    try:
+        info = info_from_proto(worker_address, worker_pb2.InfoResponse.FromString(
+            channel.unary_unary("/worker.v1.Worker/Info")(worker_pb2.InfoRequest().SerializeToString(), timeout=60)))
+        call = channel.unary_unary("/worker.v1.Worker/Step")  # bytes in, bytes out
+        limits = Limits(info.vocab_size, info.num_blocks, info.block_size, info.max_model_len, info.kv_layout)
+        tokenizer = load_tokenizer(model)
+        pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=False)
+        kv = KVCacheManager(pool, extra_keys=(info.model_name, info.model_type, info.dtype, info.kv_dtype))
+        planner = Planner(PlannerConfig(max_num_batched_tokens=8192, max_num_seqs=MAX_NUM_SEQS, chunk_size=8192,
+                                        max_model_len=info.max_model_len, block_size=info.block_size, max_waiting=4096),
+                          kv)
+        streams = {}
+        for i, ids in enumerate(prompts_for(batch, batch, vocab)):
+            r = Request(f"r{i}", i, ids, SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                        eos_token_ids=frozenset(tokenizer.eos_token_ids))
+            planner.add(r)
+            streams[r.request_id] = RequestStream(r, tokenizer)
+        measured = []
+        while planner.has_work() and len(measured) < steps:
+            t = {}
+            start = time.perf_counter()
+            plan = planner.schedule()
+            t["plan"] = _ms(start)
+            start = time.perf_counter()
+            message = plan_to_proto(plan)
+            t["build"] = _ms(start)
+            start = time.perf_counter()
+            payload = message.SerializeToString()
+            t["encode"] = _ms(start)
+            start = time.perf_counter()
+            reply_bytes = call(payload, timeout=600)
+            t["rpc"] = _ms(start)
+            start = time.perf_counter()
+            reply = worker_pb2.StepResponse.FromString(reply_bytes)
+            result = result_from_proto(reply)
+            t["parse_reply"] = _ms(start)
+            start = time.perf_counter()
+            updates = planner.update(plan, result.sampled)
+            t["update"] = _ms(start)
+            start = time.perf_counter()
+            for update in updates:  # as EngineCore._dispatch
+                stream = streams.get(update.request_id)
+                if stream is None:
+                    continue
+                stream.on_update(update)
+                if stream.closed:
+                    del streams[update.request_id]
+            t["dispatch"] = _ms(start)
+            start = time.perf_counter()
+            events = 0
+            for stream in list(streams.values()):  # as the Generate handlers, one event_to_proto per event
+                while not stream.events.empty():
+                    event_to_proto(stream.events.get_nowait(), stream.request.request_id).SerializeToString()
+                    events += 1
+            t["responses"] = _ms(start)
+            timings = reply.timings
+            t["w_prepare"], t["w_forward"], t["w_sample"], t["w_total"] = (
+                timings.prepare_ms, timings.forward_ms, timings.sample_ms, timings.total_ms)
+            # The worker's own parsing/validation and reply encoding: same code, same bytes, timed here.
+            start = time.perf_counter()
+            step_input = step_from_proto(worker_pb2.StepRequest.FromString(payload))
+            validate(step_input, limits)
+            t["w_validate"] = _ms(start)
+            out = StepOutput(reply.step_id, [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
+                             reply.num_tokens, {"total_ms": timings.total_ms})
+            start = time.perf_counter()
+            step_to_proto(out, reply.instance_id).SerializeToString()
+            t["w_reply"] = _ms(start)
+            t["transport"] = t["rpc"] - t["w_total"] - t["w_validate"] - t["w_reply"]
+            if plan.num_tokens == len(plan.seqs) == batch:  # a decode step of the whole batch
+                measured.append(t)
+        planner.requeue_all()
+        if not measured:
+            raise RuntimeError(f"no decode step of {batch} sequences")
+        return {k: mean(s[k] for s in measured) for k in measured[0]} | {"steps": len(measured)}
+    finally:
+        channel.close()
+
+
+# ---- main -----------------------------------------------------------------------------------
+def make_worktree(rev: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="pagedserve-baseline-"))
+    path.rmdir()
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO, check=True,
+                   capture_output=True, text=True)
+    protos = sorted(str(p.relative_to(path)) for p in (path / "proto").glob("*.proto"))
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
+                    *protos], cwd=path, check=True)
+    return path
+
+
+def remove_worktree(path: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
+
+
+def dirty_files(root: Path) -> list[str]:
+    """Uncommitted changes to the code the services and part B run."""
+    out = subprocess.run(["git", "status", "--porcelain", "--", "scheduler_svc", "worker_svc", "svc_common", "proto",
+                          "models", "kernels", "bench/loop.py"], cwd=root, capture_output=True, text=True).stdout
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def split_in(root: Path, worker_address: str, model: Path, batches: list[int], args) -> dict[int, dict]:
+    """Part B in a child process started from `root`, so it imports the same code as that tree's services."""
+    cmd = [sys.executable, "-m", "bench.loop", "--split-only", worker_address, "--model", str(model),
+           "--streams", *map(str, batches), "--max-tokens", str(args.max_tokens),
+           "--split-steps", str(args.split_steps)]
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"part B failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("SPLIT "))
+    return {int(k): v for k, v in json.loads(line[len("SPLIT "):]).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="revision to compare against (git worktree)")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--current", default="", metavar="REV",
+                        help="run 'current' from this revision in a git worktree too (default: this working tree, "
+                             "uncommitted changes included; they are listed in the results)")
+    parser.add_argument("--device", default="cpu", help="the worker's --device")
+    parser.add_argument("--worker-threads", type=int, default=1, help="the worker's --num-threads (2-core machine)")
+    parser.add_argument("--split-steps", type=int, default=24, help="decode steps measured in part B per batch")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1/16/64 streams, 16 tokens, 4 split steps")
+    parser.add_argument("--model", default="", help="checkpoint (default: the tiny Llama, built if missing)")
+    parser.add_argument("--split-only", default="", help=argparse.SUPPRESS)  # part B's child process
+    args = parser.parse_args()
+    if args.quick:
+        args.streams, args.max_tokens, args.split_steps = [1, 16, 64], 16, 4
+    if args.model:
+        model = Path(args.model).resolve()
+    else:
+        from worker_svc.tiny_checkpoints import ensure_checkpoint
+
+        model = ensure_checkpoint("llama")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    if args.split_only:
+        parts = {b: split(args.split_only, model, b, args.max_tokens, vocab, args.split_steps) for b in args.streams}
+        print("SPLIT " + json.dumps(parts))
+        return
+    worker_args = ["--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--num-threads", str(args.worker_threads),
+                   "--device", args.device]
+    started, load_before = time.perf_counter(), load_average()
+
+    def rev_of(rev: str) -> str:
+        return subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    baseline_rev = None if args.no_baseline else rev_of(args.baseline)
+    current_rev = rev_of(args.current) if args.current else None
+    worktrees: list[Path] = []
+    stacks: list[Stack] = []
+    e2e: dict[str, dict[int, dict]] = {"current": {}, "baseline": {}}
+    parts: dict[int, dict] = {}
+    try:
+        current_root = REPO
+        if current_rev:
+            current_root = make_worktree(current_rev)
+            worktrees.append(current_root)
+        dirty = [] if current_rev else dirty_files(REPO)
+        stacks.append(Stack("current", current_root, model, worker_args).start())
+        if baseline_rev:
+            worktrees.append(make_worktree(baseline_rev))
+            stacks.append(Stack("baseline", worktrees[-1], model, worker_args).start())
+        for stack in stacks:  # warm-up: first-call costs (torch kernels, gRPC channels) out of the figures
+            run_e2e(stack, 8, 8, vocab)
+        for i, n in enumerate(args.streams):
+            order = stacks if i % 2 == 0 else stacks[::-1]  # alternate who goes first
+            for stack in order:
+                r = run_e2e(stack, n, args.max_tokens, vocab)
+                e2e[stack.label][n] = r
+                print(f"{stack.label:8} N={n:5}: {r['tok_s']:8.0f} tok/s, period {r['period']:.2f} ms "
+                      f"(decode {r['period_decode']:.2f}), ITL p50 {r['itl_p50']:.2f} p99 {r['itl_p99']:.2f} ms, "
+                      f"{r['steps']} steps, {r['wall_s']:.1f} s", flush=True)
+        for stack in stacks[1:]:
+            stack.stop()
+        del stacks[1:]
+        # Part B on the current worker process (idle now; prefix caching is off, so no stale block is read).
+        batches = sorted({min(n, MAX_NUM_SEQS) for n in args.streams})
+        parts = split_in(current_root, stacks[0].worker.address, model, batches, args)
+        for batch, p in parts.items():
+            print(f"split B={batch}: plan {p['plan']:.2f} build {p['build']:.2f} encode {p['encode']:.2f} "
+                  f"rpc {p['rpc']:.2f} (worker {p['w_total']:.2f}) update {p['update']:.2f} dispatch "
+                  f"{p['dispatch']:.2f} responses {p['responses']:.2f} ms", flush=True)
+    finally:
+        for stack in stacks:
+            stack.stop()
+        for path in worktrees:
+            remove_worktree(path)
+    load_after = load_average()
+    current_desc = (f"`{current_rev}` (a clean git worktree)" if current_rev else
+                    "this working tree" + (f", with uncommitted changes to {', '.join(f'`{d}`' for d in dirty)}"
+                                           if dirty else " (no uncommitted changes to the service code)"))
+    report(args, model, e2e, parts, baseline_rev, current_desc, load_before, load_after,
+           time.perf_counter() - started)
+
+
+def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, load_after, elapsed) -> None:
+    cur, base = e2e["current"], e2e["baseline"]
+    has_base = bool(base)
+
+    def pair(n, key, digits=1, higher_better=True):
+        c = cur[n][key]
+        if not has_base:
+            return [fmt(c, digits)]
+        b = base[n][key]
+        ratio = c / b if b else math.nan
+        return [fmt(b, digits), fmt(c, digits), f"{ratio:.2f}x"]
+
+    heads = ["streams N"]
+    for what in ("output tok/s", "step period ms (mean)", "decode step period ms", "ITL p50 ms", "ITL p99 ms"):
+        heads += [f"{what} base", f"{what} current", "ratio"] if has_base else [what]
+    rows = []
+    for n in args.streams:
+        rows.append([n, *pair(n, "tok_s", 0), *pair(n, "period", 2), *pair(n, "period_decode", 2),
+                     *pair(n, "itl_p50", 2), *pair(n, "itl_p99", 2)])
+    table_a = markdown_table(heads, rows)
+    rows_x = []
+    for label, res in (("baseline", base), ("current", cur)):
+        for n in args.streams:
+            if n in res:
+                r = res[n]
+                rows_x.append([label, n, r["steps"], fmt(r["seqs_per_step"], 0), fmt(r["period_decode"], 2),
+                               fmt(r["step_ms"], 2), fmt(r["forward_ms"], 2), fmt(r["period_decode"] - r["step_ms"], 2),
+                               fmt(r["wall_s"], 1), fmt(r["load"], 1)])
+    table_x = markdown_table(["revision", "N", "steps", "seqs per decode step", "decode step period ms",
+                              "scheduler step_ms (RPC + update)", "worker forward_ms",
+                              "period - step_ms (plan + dispatch + streaming out + loop)", "run s",
+                              "load avg at start"], rows_x)
+    rows_b = []
+    for batch, p in parts.items():
+        sched = p["plan"] + p["build"] + p["encode"] + p["parse_reply"] + p["update"] + p["dispatch"] + p["responses"]
+        total = sched + p["rpc"]
+        rows_b.append([batch, p["steps"], fmt(p["plan"], 2), fmt(p["build"] + p["encode"], 2),
+                       f"{fmt(p['build'], 2)} + {fmt(p['encode'], 2)}", fmt(p["transport"], 2),
+                       fmt(p["w_validate"] + p["w_prepare"], 2),
+                       f"{fmt(p['w_validate'], 2)} + {fmt(p['w_prepare'], 2)}",
+                       fmt(p["w_forward"], 2), fmt(p["w_sample"], 2), fmt(p["w_reply"], 2),
+                       fmt(p["parse_reply"] + p["update"], 2), fmt(p["dispatch"] + p["responses"], 2),
+                       f"{fmt(p['dispatch'], 2)} + {fmt(p['responses'], 2)}", fmt(total, 2),
+                       f"{100 * (total - p['w_forward'] - p['w_sample']) / total:.0f}%"])
+    table_b = markdown_table(
+        ["batch (seqs)", "steps", "plan ms", "build + encode Step ms", "(build + encode)", "RPC transport ms",
+         "worker validation + batch ms", "(parse+validate + prepare)", "forward ms", "sampling ms",
+         "worker reply encode ms", "parse reply + update ms", "output streaming ms", "(dispatch + responses)",
+         "step total ms", "not forward/sampling"], rows_b)
+    shown_model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
+    quick = " (**--quick smoke test**: fewer streams and tokens)" if args.quick else ""
+    tables = (f"### A. End to end: output tok/s, step period, ITL{quick}\n\n"
+              + (f"Baseline = `{baseline_rev}` (before this work), current = {current_desc}; "
+                 f"ratio = current / baseline "
+                 f"(tok/s: higher is better; periods and ITL: lower is better).\n\n" if has_base else "")
+              + f"{table_a}\n\nPer decode step, from the scheduler's step log lines:\n\n{table_x}\n\n"
+              + f"### B. Where a decode step's time goes (current revision, in process + real worker; means of "
+                f"{args.split_steps} decode steps of the whole batch)\n\n{table_b}\n")
+    notes = (
+        f"Current = {current_desc}" + (f"; baseline = `{baseline_rev}`" if has_base else "") + ".\n\n"
+        f"Workload: tiny 2-layer hidden-64 Llama (`{shown_model}`, "
+        f"vocab 768), fp32, worker on {args.device} with --num-threads {args.worker_threads} and {NUM_BLOCKS} blocks; "
+        f"scheduler `{' '.join(SCHEDULER_FLAGS)}` with JSON logs at debug level (one 'step' line per step, in both "
+        f"revisions); prompts of 40-80 random token ids, {args.max_tokens} greedy tokens each with ignore_eos; one "
+        f"asyncio grpc.aio client in the bench process driving N concurrent Generate streams; all on 127.0.0.1, "
+        f"client, scheduler and worker sharing the machine's cores. Each (revision, N) ran once, alternating which "
+        f"revision goes first per N, after a warm-up run of 8 streams x 8 tokens on each stack; both stacks were up "
+        f"for the whole of part A (the idle one only probes its worker once a second).\n\n"
+        f"How each figure is measured: **output tok/s** = completion tokens received by the client / wall time from "
+        f"the first Generate call to the last stream's end (prefill and queueing included). **ITL p50/p99** = gaps "
+        f"between consecutive token-carrying messages of one stream, taken in the client on arrival, pooled over all "
+        f"streams. **Step period** = time between consecutive 'step' log lines of the scheduler (ISO timestamps, us): "
+        f"one full turn of the per-worker loop (output streaming of the previous step, planning, Step RPC, update); "
+        f"'mean' over all steps of the run, 'decode' over steps that only decode. 'scheduler step_ms' and 'worker "
+        f"forward_ms' are the fields of the same log lines (step_ms = the RPC + Planner.update; forward_ms = the "
+        f"worker's forward from its StepResponse). Part B (current revision only; the baseline's modules live at other "
+        f"paths, so only part A ran for it): this process runs the scheduler's own Planner + KVCacheManager (prefix "
+        f"caching off) and RequestStreams on the same prompts (batch = min(N, {MAX_NUM_SEQS})) and sends each step to "
+        f"the real worker process over gRPC as serialized bytes; plan = Planner.schedule; build = plan_to_proto; "
+        f"encode = SerializeToString; RPC transport = RPC wall time - worker total_ms - worker parse+validate - worker "
+        f"reply encode; worker validation + batch = step_from_proto + step_input.validate (the worker's code on the "
+        f"same bytes, timed here) + prepare_ms (block copies + forward-batch building, from StepResponse.timings); "
+        f"forward = forward_ms (model + logits), sampling = sample_ms (StepResponse.timings); parse reply + update = "
+        f"StepResponse.FromString + result_from_proto + Planner.update; output streaming = RequestStream.on_update per "
+        f"update (EngineCore._dispatch) + event_to_proto + SerializeToString per event (the Generate handler's part; "
+        f"gRPC's own write of each message on the asyncio loop is not in B, it is in part A's period). "
+        f"'not forward/sampling' = share of the step total spent outside the model.\n\n"
+        f"1-minute load average {load_before:.2f} before, {load_after:.2f} after (the machine is shared: other "
+        f"engineers' tests may have been running). Run time {elapsed:.0f} s.")
+    print("\n" + tables + "\n" + notes)
+    plot(args, e2e, baseline_rev)
+    title = "The serving loop: tiny model, N concurrent streams, baseline vs current"
+    print(f"wrote {write_result(NAME, title, tables, notes)}")
+
+
+def plot(args, e2e, baseline_rev) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, res, style in (("current", e2e["current"], "o-"),
+                              (f"baseline {baseline_rev}", e2e["baseline"], "s--")):
+        ns = [n for n in args.streams if n in res]
+        if not ns:
+            continue
+        left.plot(ns, [res[n]["tok_s"] for n in ns], style, label=label)
+        right.plot(ns, [res[n]["period_decode"] for n in ns], style, label=label)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.streams, [str(n) for n in args.streams])
+        ax.set_xlabel("concurrent streams")
+        ax.axvline(MAX_NUM_SEQS, color="grey", linestyle=":", linewidth=1)
+        ax.legend(fontsize=8)
+    left.set_ylabel("output tokens/s")
+    left.set_title("throughput (tiny Llama, 128 tokens per stream)")
+    right.set_ylabel("ms")
+    right.set_yscale("log")
+    right.set_title("decode step period (scheduler loop)")
+    save_plot(fig, NAME)
+
+
+if __name__ == "__main__":
+    main()
