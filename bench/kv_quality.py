@@ -74,7 +74,7 @@ class Variant:
     def chunk_logits(self, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
         """fp32 logits [len(tokens), vocab] of a prefill chunk at positions start..."""
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        batch = build_forward_batch([SeqInput(1, tokens, start, table, slots)], self.model.device)
+        batch = build_forward_batch(StepInput(0, [], [SeqInput(1, tokens, start, table, slots)]), self.model.device)
         attention = PagedAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
         return self.model.logits(self.model.forward(batch.input_ids, batch.positions, attention))
 

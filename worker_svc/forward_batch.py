@@ -2,15 +2,17 @@
 
 Token order: all single-token sequences (decodes) first, then the prefill
 chunks, so each layer runs the decode op on one slice and the prefill op on the
-other without gathering.
+other without gathering. Everything is built from the step's flat arrays with
+numpy and crosses to the device in one copy per tensor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from worker_svc.step_input import SeqInput
+from worker_svc.step_input import SeqInput, StepArrays, StepInput, ranges
 
 
 @dataclass
@@ -33,47 +35,44 @@ class ForwardBatch:
     sample_seqs: list[SeqInput]
 
 
-def build_forward_batch(seqs: list[SeqInput], device: torch.device) -> ForwardBatch:
-    decodes = [s for s in seqs if len(s.token_ids) == 1]
-    prefills = [s for s in seqs if len(s.token_ids) > 1]
-    ordered = decodes + prefills
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    for seq in ordered:
-        ids.extend(seq.token_ids)
-        positions.extend(range(seq.start_pos, seq.context_len))
-        slots.extend(seq.slot_mapping)
-        if seq.sample:
-            sample_rows.append(len(ids) - 1)
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+def build_forward_batch(step: StepInput, device: torch.device) -> ForwardBatch:
+    a = step.arrays
+    is_decode = a.seq_lens == 1
+    order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+    token_starts = np.cumsum(a.seq_lens) - a.seq_lens
+    rows = ranges(token_starts[order], a.seq_lens[order])  # step token index of each batch row
+    seqs = [step.seqs[i] for i in order]
+    samples = np.array([s.sample for s in seqs], dtype=bool)
+    last_rows = np.cumsum(a.seq_lens[order]) - 1
+    num_decodes = int(is_decode.sum())
+    as_tensor = lambda values: torch.from_numpy(np.ascontiguousarray(values)).to(device)  # noqa: E731
     return ForwardBatch(
-        input_ids=as_tensor(ids, torch.long),
-        positions=as_tensor(positions, torch.long),
-        slot_mapping=as_tensor(slots, torch.long),
-        decode=_group(decodes, device),
-        prefill=_group(prefills, device),
-        seqs=ordered,
-        sample_rows=as_tensor(sample_rows, torch.long),
-        sample_seqs=[s for s in ordered if s.sample],
+        input_ids=as_tensor(a.token_ids[rows]),
+        positions=as_tensor(a.positions[rows]),
+        slot_mapping=as_tensor(a.slot_mapping[rows]),
+        decode=_group(a, order[:num_decodes], device),
+        prefill=_group(a, order[num_decodes:], device),
+        seqs=seqs,
+        sample_rows=as_tensor(last_rows[samples]),
+        sample_seqs=[s for s in seqs if s.sample],
     )
 
 
-def _group(seqs: list[SeqInput], device: torch.device) -> AttentionGroup | None:
-    if not seqs:
+def _group(a: StepArrays, members: np.ndarray, device: torch.device) -> AttentionGroup | None:
+    """The attention metadata of the sequences `members` (indices into the step), in that order."""
+    if members.size == 0:
         return None
-    max_blocks = max(len(s.block_table) for s in seqs)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-    lens = [len(s.token_ids) for s in seqs]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
+    table_lens = a.table_lens[members]
+    table_starts = (np.cumsum(a.table_lens) - a.table_lens)[members]
+    tables = np.zeros((members.size, int(table_lens.max())), dtype=np.int32)
+    row_of = np.repeat(np.arange(members.size), table_lens)
+    tables[row_of, ranges(np.zeros_like(table_lens), table_lens)] = a.block_tables[ranges(table_starts, table_lens)]
+    query_lens = a.seq_lens[members]
+    cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    to = lambda values: torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device)  # noqa: E731
     return AttentionGroup(
-        block_tables=tables.to(device),
-        context_lens=torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=device),
-        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        num_tokens=cu[-1],
+        block_tables=to(tables),
+        context_lens=to(a.context_lens[members]),
+        cu_query_lens=to(cu),
+        num_tokens=int(cu[-1]),
     )

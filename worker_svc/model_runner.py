@@ -45,7 +45,7 @@ class ModelRunner:
             self.cache.copy_blocks(list(src), list(dst))
         if not step.seqs:
             return StepOutput(step.step_id, [], 0, {"total_ms": _ms(t0)})
-        batch = build_forward_batch(step.seqs, self.model.device)
+        batch = build_forward_batch(step, self.model.device)
         t1 = time.perf_counter()
         attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
         hidden = self.model.forward(batch.input_ids, batch.positions, attention)

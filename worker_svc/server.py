@@ -7,6 +7,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -17,7 +18,7 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
-from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StepInput
+from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StepArrays, StepInput
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -25,13 +26,34 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
-    seqs = []
+    """The step's numbers go straight into flat arrays (one extend per field per
+    sequence, then one numpy array each); each SeqInput views its slices."""
+    tokens: list[int] = []
+    slots: list[int] = []
+    tables: list[int] = []
+    seq_lens, slot_lens, table_lens, starts = [], [], [], []
     for s in req.seqs:
-        sp = s.sampling
-        sampling = Sampling(sp.temperature, sp.top_p, sp.top_k, sp.seed if sp.HasField("seed") else None)
-        seqs.append(SeqInput(s.seq_id, list(s.token_ids), s.start_pos, list(s.block_table), list(s.slot_mapping),
-                             s.sample, sampling, s.return_logits))
-    return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs)
+        tokens.extend(s.token_ids)
+        slots.extend(s.slot_mapping)
+        tables.extend(s.block_table)
+        seq_lens.append(len(s.token_ids))
+        slot_lens.append(len(s.slot_mapping))
+        table_lens.append(len(s.block_table))
+        starts.append(s.start_pos)
+    i64 = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    arrays = StepArrays(i64(tokens), i64(seq_lens), i64(starts), i64(slots), i64(slot_lens), i64(tables),
+                        i64(table_lens))
+    views = zip(np.split(arrays.token_ids, np.cumsum(arrays.seq_lens)[:-1]),
+                np.split(arrays.block_tables, np.cumsum(arrays.table_lens)[:-1]),
+                np.split(arrays.slot_mapping, np.cumsum(arrays.slot_lens)[:-1]))
+    seqs = [SeqInput(s.seq_id, token_ids, s.start_pos, table, slot_mapping, s.sample, _sampling(s.sampling),
+                     s.return_logits)
+            for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)]
+    return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs, arrays)
+
+
+def _sampling(sp: worker_pb2.SamplingParams) -> Sampling:
+    return Sampling(sp.temperature, sp.top_p, sp.top_k, sp.seed if sp.HasField("seed") else None)
 
 
 def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:

@@ -1,8 +1,16 @@
 """What a Step asks for, as plain data (converted from proto in server.py), and
-its validation: a step that fails here touches nothing."""
+its validation: a step that fails here touches nothing.
+
+A step's numbers also live as flat arrays (`StepArrays`: every sequence's
+tokens, slots and block table end to end), so validation and batch building
+are a few numpy operations per step, not Python loops over tokens.
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,10 +24,10 @@ class Sampling:
 @dataclass(slots=True)
 class SeqInput:
     seq_id: int
-    token_ids: list[int]
+    token_ids: Sequence[int]
     start_pos: int
-    block_table: list[int]
-    slot_mapping: list[int]
+    block_table: Sequence[int]
+    slot_mapping: Sequence[int]
     sample: bool = False
     sampling: Sampling = field(default_factory=Sampling)
     return_logits: bool = False
@@ -29,11 +37,52 @@ class SeqInput:
         return self.start_pos + len(self.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class StepArrays:
+    """The step's sequences end to end, in step order (all int64)."""
+
+    token_ids: np.ndarray     # [T]
+    seq_lens: np.ndarray      # [S] tokens per sequence
+    start_pos: np.ndarray     # [S]
+    slot_mapping: np.ndarray  # [sum(slot_lens)]
+    slot_lens: np.ndarray     # [S] (validated to equal seq_lens)
+    block_tables: np.ndarray  # [sum(table_lens)]
+    table_lens: np.ndarray    # [S]
+
+    @classmethod
+    def from_seqs(cls, seqs: Sequence[SeqInput]) -> StepArrays:
+        return cls(
+            token_ids=_flat([s.token_ids for s in seqs]),
+            seq_lens=np.array([len(s.token_ids) for s in seqs], dtype=np.int64),
+            start_pos=np.array([s.start_pos for s in seqs], dtype=np.int64),
+            slot_mapping=_flat([s.slot_mapping for s in seqs]),
+            slot_lens=np.array([len(s.slot_mapping) for s in seqs], dtype=np.int64),
+            block_tables=_flat([s.block_table for s in seqs]),
+            table_lens=np.array([len(s.block_table) for s in seqs], dtype=np.int64),
+        )
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.start_pos + self.seq_lens
+
+    @property
+    def positions(self) -> np.ndarray:
+        """[T]: each token's position in its sequence."""
+        return np.repeat(self.start_pos, self.seq_lens) + _offsets_within(self.seq_lens)
+
+
 @dataclass(slots=True)
 class StepInput:
     step_id: int
     copies: list[tuple[int, int]]
     seqs: list[SeqInput]
+    _arrays: StepArrays | None = None
+
+    @property
+    def arrays(self) -> StepArrays:
+        if self._arrays is None:
+            self._arrays = StepArrays.from_seqs(self.seqs)
+        return self._arrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +102,30 @@ class InvalidStep(ValueError):
         self.field = field_name
 
 
+def ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Indices of the ranges [starts[i], starts[i] + lens[i]) laid end to end."""
+    return np.repeat(starts, lens) + _offsets_within(lens)
+
+
+def _offsets_within(lens: np.ndarray) -> np.ndarray:
+    """0..lens[i]-1 for each i, end to end."""
+    total = int(lens.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
+def _flat(parts: Sequence[Sequence[int]]) -> np.ndarray:
+    flat: list[int] = []
+    for part in parts:
+        flat.extend(part)
+    return np.array(flat, dtype=np.int64)
+
+
 def validate(step: StepInput, limits: Limits) -> None:
     if not step.seqs and not step.copies:
         raise InvalidStep("seqs", "a step needs at least one sequence or block copy")
     _validate_copies(step.copies, limits)
-    seen: set[int] = set()
-    for i, seq in enumerate(step.seqs):
-        if seq.seq_id in seen:
-            raise InvalidStep(f"seqs[{i}].seq_id", f"seq_id {seq.seq_id} appears twice in one step")
-        seen.add(seq.seq_id)
-        _validate_seq(f"seqs[{i}]", seq, limits)
+    if step.seqs:
+        _validate_seqs(step, limits)
 
 
 def _validate_copies(copies: list[tuple[int, int]], limits: Limits) -> None:
@@ -78,35 +141,67 @@ def _validate_copies(copies: list[tuple[int, int]], limits: Limits) -> None:
         raise InvalidStep("copies", "a block is both a copy source and a copy destination")
 
 
-def _validate_seq(name: str, seq: SeqInput, limits: Limits) -> None:
-    n = len(seq.token_ids)
-    if n == 0:
-        raise InvalidStep(f"{name}.token_ids", "empty")
-    if seq.start_pos < 0:
-        raise InvalidStep(f"{name}.start_pos", f"negative ({seq.start_pos})")
-    if seq.context_len > limits.max_model_len:
-        raise InvalidStep(f"{name}.start_pos", f"start_pos + len(token_ids) = {seq.context_len} exceeds max model length {limits.max_model_len}")
-    bad = next((t for t in seq.token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidStep(f"{name}.token_ids", f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
-    needed = -(-seq.context_len // limits.block_size)
-    if limits.kv_layout == "contiguous" and len(seq.block_table) != 1:
-        raise InvalidStep(f"{name}.block_table", f"a contiguous cache takes exactly one slot per sequence "
-                                                 f"([slot]), got {len(seq.block_table)} entries")
-    if len(seq.block_table) < needed:
-        raise InvalidStep(f"{name}.block_table", f"{len(seq.block_table)} blocks cannot hold {seq.context_len} tokens (need {needed})")
-    bad = next((b for b in seq.block_table if not 0 <= b < limits.num_blocks), None)
-    if bad is not None:
-        raise InvalidStep(f"{name}.block_table", f"block {bad} outside [0, {limits.num_blocks})")
-    if len(seq.slot_mapping) != n:
-        raise InvalidStep(f"{name}.slot_mapping", f"{len(seq.slot_mapping)} slots for {n} tokens")
-    bs = limits.block_size
-    for offset, slot in enumerate(seq.slot_mapping):
-        pos = seq.start_pos + offset
-        # A slot must be where the block table says the token lives, or attention
-        # would read other data than was written (and could clobber a shared block).
-        if slot >= 0 and slot != seq.block_table[pos // bs] * bs + pos % bs:
-            raise InvalidStep(f"{name}.slot_mapping", f"slot {slot} for position {pos} does not match block_table")
-    s = seq.sampling
-    if seq.sample and (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0):
-        raise InvalidStep(f"{name}.sampling", "need temperature >= 0, top_p in [0, 1], top_k >= 0")
+def _first(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if hits.size else None
+
+
+def _seq_of(flat_index: int, lens: np.ndarray) -> int:
+    """Which sequence the element at `flat_index` of an end-to-end array belongs to."""
+    return int(np.searchsorted(np.cumsum(lens), flat_index, side="right"))
+
+
+def _validate_seqs(step: StepInput, limits: Limits) -> None:
+    a = step.arrays
+    ids = [s.seq_id for s in step.seqs]
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        for i, seq_id in enumerate(ids):
+            if seq_id in seen:
+                raise InvalidStep(f"seqs[{i}].seq_id", f"seq_id {seq_id} appears twice in one step")
+            seen.add(seq_id)
+    if (i := _first(a.seq_lens == 0)) is not None:
+        raise InvalidStep(f"seqs[{i}].token_ids", "empty")
+    if (i := _first(a.start_pos < 0)) is not None:
+        raise InvalidStep(f"seqs[{i}].start_pos", f"negative ({a.start_pos[i]})")
+    context = a.context_lens
+    if (i := _first(context > limits.max_model_len)) is not None:
+        raise InvalidStep(f"seqs[{i}].start_pos", f"start_pos + len(token_ids) = {context[i]} exceeds max model "
+                                                  f"length {limits.max_model_len}")
+    if (t := _first((a.token_ids < 0) | (a.token_ids >= limits.vocab_size))) is not None:
+        raise InvalidStep(f"seqs[{_seq_of(t, a.seq_lens)}].token_ids",
+                          f"token id {a.token_ids[t]} outside the vocabulary [0, {limits.vocab_size})")
+    _validate_tables(a, context, limits)
+    if (i := _first(a.slot_lens != a.seq_lens)) is not None:
+        raise InvalidStep(f"seqs[{i}].slot_mapping", f"{a.slot_lens[i]} slots for {a.seq_lens[i]} tokens")
+    _validate_slots(a, limits.block_size)
+    for i, seq in enumerate(step.seqs):
+        s = seq.sampling
+        if seq.sample and (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0):
+            raise InvalidStep(f"seqs[{i}].sampling", "need temperature >= 0, top_p in [0, 1], top_k >= 0")
+
+
+def _validate_tables(a: StepArrays, context: np.ndarray, limits: Limits) -> None:
+    if limits.kv_layout == "contiguous" and (i := _first(a.table_lens != 1)) is not None:
+        raise InvalidStep(f"seqs[{i}].block_table", f"a contiguous cache takes exactly one slot per sequence "
+                                                    f"([slot]), got {a.table_lens[i]} entries")
+    needed = -(-context // limits.block_size)
+    if (i := _first(a.table_lens < needed)) is not None:
+        raise InvalidStep(f"seqs[{i}].block_table",
+                          f"{a.table_lens[i]} blocks cannot hold {context[i]} tokens (need {needed[i]})")
+    if (b := _first((a.block_tables < 0) | (a.block_tables >= limits.num_blocks))) is not None:
+        raise InvalidStep(f"seqs[{_seq_of(b, a.table_lens)}].block_table",
+                          f"block {a.block_tables[b]} outside [0, {limits.num_blocks})")
+
+
+def _validate_slots(a: StepArrays, block_size: int) -> None:
+    """A slot must be where the block table says the token lives, or attention
+    would read other data than was written (and could clobber a shared block).
+    A negative slot means "don't write"."""
+    positions = a.positions
+    table_starts = np.cumsum(a.table_lens) - a.table_lens
+    blocks = a.block_tables[np.repeat(table_starts, a.seq_lens) + positions // block_size]
+    expected = blocks * block_size + positions % block_size
+    if (t := _first((a.slot_mapping >= 0) & (a.slot_mapping != expected))) is not None:
+        raise InvalidStep(f"seqs[{_seq_of(t, a.seq_lens)}].slot_mapping",
+                          f"slot {a.slot_mapping[t]} for position {positions[t]} does not match block_table")
