@@ -229,23 +229,35 @@ def timestamp(record: dict) -> float:
     return datetime.fromisoformat(record["timestamp"]).timestamp()
 
 
-def run_e2e(stack: Stack, n: int, max_tokens: int, vocab: int) -> dict:
+def run_once(stack: Stack, n: int, max_tokens: int, vocab: int) -> dict:
+    """One run of the workload: what the client saw and the scheduler's step lines."""
     seen = len(stack.step_lines())
     load = load_average()
     out = asyncio.run(drive(stack.scheduler.address, prompts_for(n, n, vocab), max_tokens))
     time.sleep(0.05)  # the last step's line is written before its tokens go out; be safe
     steps = stack.step_lines()[seen:]
     times = [timestamp(s) for s in steps]
-    periods = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
-    decode = [(b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False)
-              if s["tokens"] == s["seqs"]]
-    decode_steps = [s for s in steps if s["tokens"] == s["seqs"]]
     return {
-        "n": n, "tok_s": out["tokens"] / out["wall_s"], "wall_s": out["wall_s"], "tokens": out["tokens"],
-        "itl_p50": percentile(out["gaps"], 50), "itl_p99": percentile(out["gaps"], 99),
-        "steps": len(steps), "period": mean(periods), "period_decode": mean(decode),
+        "tok_s": out["tokens"] / out["wall_s"], "wall_s": out["wall_s"], "gaps": out["gaps"], "load": load,
+        "steps": steps, "periods": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)],
+        "decode_periods": [(b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False)
+                           if s["tokens"] == s["seqs"]],
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Repeated runs: tok/s is their mean; periods and ITL percentiles are over the steps and gaps of all."""
+    gaps = [g for r in runs for g in r["gaps"]]
+    decode_steps = [s for r in runs for s in r["steps"] if s["tokens"] == s["seqs"]]
+    return {
+        "tok_s": mean(r["tok_s"] for r in runs), "tok_s_all": [r["tok_s"] for r in runs],
+        "wall_s": mean(r["wall_s"] for r in runs), "load": mean(r["load"] for r in runs),
+        "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+        "steps": mean(len(r["steps"]) for r in runs),
+        "period": mean(p for r in runs for p in r["periods"]),
+        "period_decode": mean(p for r in runs for p in r["decode_periods"]),
         "step_ms": mean(s["step_ms"] for s in decode_steps), "forward_ms": mean(s["forward_ms"] for s in decode_steps),
-        "seqs_per_step": mean(s["seqs"] for s in decode_steps), "load": load,
+        "seqs_per_step": mean(s["seqs"] for s in decode_steps),
     }
 
 
@@ -392,13 +404,15 @@ def main() -> None:
                              "uncommitted changes included; they are listed in the results)")
     parser.add_argument("--device", default="cpu", help="the worker's --device")
     parser.add_argument("--worker-threads", type=int, default=1, help="the worker's --num-threads (2-core machine)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per (revision, N), alternating revisions")
     parser.add_argument("--split-steps", type=int, default=24, help="decode steps measured in part B per batch")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 1/16/64 streams, 16 tokens, 4 split steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 1/16/64 streams, 16 tokens, 1 repeat, 4 split steps")
     parser.add_argument("--model", default="", help="checkpoint (default: the tiny Llama, built if missing)")
     parser.add_argument("--split-only", default="", help=argparse.SUPPRESS)  # part B's child process
     args = parser.parse_args()
     if args.quick:
-        args.streams, args.max_tokens, args.split_steps = [1, 16, 64], 16, 4
+        args.streams, args.max_tokens, args.split_steps, args.repeats = [1, 16, 64], 16, 4, 1
     if args.model:
         model = Path(args.model).resolve()
     else:
@@ -435,11 +449,15 @@ def main() -> None:
             worktrees.append(make_worktree(baseline_rev))
             stacks.append(Stack("baseline", worktrees[-1], model, worker_args).start())
         for stack in stacks:  # warm-up: first-call costs (torch kernels, gRPC channels) out of the figures
-            run_e2e(stack, 8, 8, vocab)
+            run_once(stack, 8, 8, vocab)
         for i, n in enumerate(args.streams):
-            order = stacks if i % 2 == 0 else stacks[::-1]  # alternate who goes first
-            for stack in order:
-                r = run_e2e(stack, n, args.max_tokens, vocab)
+            runs = {stack.label: [] for stack in stacks}
+            for j in range(args.repeats):
+                order = stacks if (i + j) % 2 == 0 else stacks[::-1]  # alternate who goes first
+                for stack in order:
+                    runs[stack.label].append(run_once(stack, n, args.max_tokens, vocab))
+            for stack in stacks:
+                r = summarize(runs[stack.label])
                 e2e[stack.label][n] = r
                 print(f"{stack.label:8} N={n:5}: {r['tok_s']:8.0f} tok/s, period {r['period']:.2f} ms "
                       f"(decode {r['period_decode']:.2f}), ITL p50 {r['itl_p50']:.2f} p99 {r['itl_p99']:.2f} ms, "
@@ -492,10 +510,12 @@ def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, loa
         for n in args.streams:
             if n in res:
                 r = res[n]
-                rows_x.append([label, n, r["steps"], fmt(r["seqs_per_step"], 0), fmt(r["period_decode"], 2),
+                rows_x.append([label, n, fmt(r["steps"], 0), " / ".join(f"{x:.0f}" for x in r["tok_s_all"]),
+                               fmt(r["seqs_per_step"], 0), fmt(r["period_decode"], 2),
                                fmt(r["step_ms"], 2), fmt(r["forward_ms"], 2), fmt(r["period_decode"] - r["step_ms"], 2),
                                fmt(r["wall_s"], 1), fmt(r["load"], 1)])
-    table_x = markdown_table(["revision", "N", "steps", "seqs per decode step", "decode step period ms",
+    table_x = markdown_table(["revision", "N", "steps per run", "tok/s of each run", "seqs per decode step",
+                              "decode step period ms",
                               "scheduler step_ms (RPC + update)", "worker forward_ms",
                               "period - step_ms (plan + dispatch + streaming out + loop)", "run s",
                               "load avg at start"], rows_x)
@@ -532,9 +552,9 @@ def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, loa
         f"scheduler `{' '.join(SCHEDULER_FLAGS)}` with JSON logs at debug level (one 'step' line per step, in both "
         f"revisions); prompts of 40-80 random token ids, {args.max_tokens} greedy tokens each with ignore_eos; one "
         f"asyncio grpc.aio client in the bench process driving N concurrent Generate streams; all on 127.0.0.1, "
-        f"client, scheduler and worker sharing the machine's cores. Each (revision, N) ran once, alternating which "
-        f"revision goes first per N, after a warm-up run of 8 streams x 8 tokens on each stack; both stacks were up "
-        f"for the whole of part A (the idle one only probes its worker once a second).\n\n"
+        f"client, scheduler and worker sharing the machine's cores. Each (revision, N) ran {args.repeats} time(s), "
+        f"alternating which revision goes first, after a warm-up run of 8 streams x 8 tokens on each stack; both "
+        f"stacks were up for the whole of part A (the idle one only probes its worker once a second).\n\n"
         f"How each figure is measured: **output tok/s** = completion tokens received by the client / wall time from "
         f"the first Generate call to the last stream's end (prefill and queueing included). **ITL p50/p99** = gaps "
         f"between consecutive token-carrying messages of one stream, taken in the client on arrival, pooled over all "

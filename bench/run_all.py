@@ -51,7 +51,8 @@ BENCHMARKS = [
               plot=False),
     Benchmark("gateway_overhead", ("--requests", "10"), "HTTP gateway vs direct gRPC latency", plot=False),
     Benchmark("routing", ("--seeds", "2"), "prefix-aware routing vs round-robin, two workers", plot=False),
-    Benchmark("loop", ("--max-tokens", "64"), "serving loop: tiny model, 1-1024 streams, vs the baseline revision"),
+    Benchmark("loop", ("--max-tokens", "64", "--repeats", "1"),
+              "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)"),
 ]
 # Modules in bench/ that are not benchmarks.
 HELPERS = {"__init__", "common", "bench_util", "run_all"}
