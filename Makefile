@@ -15,7 +15,7 @@ SCHEDULER_PORT ?= 50051
 DTYPE ?= bfloat16
 NUM_BLOCKS ?= 2048
 
-.PHONY: setup proto model test test-slow serve serve-worker cluster cluster-status down compose-config clean
+.PHONY: setup proto model test test-slow lint serve serve-worker cluster cluster-status down compose-config clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -43,6 +43,13 @@ test: setup model
 
 test-slow: setup model
 	$(PY) -m pytest -q -m slow
+
+# ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc,
+# kernels and svc_common (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 WORKERS ?= 1
 GATEWAY_PORT ?= 8000
