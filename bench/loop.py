@@ -47,6 +47,7 @@ forward-batch building), forward_ms, sample_ms; its request parsing
 same bytes with the same code; RPC transport = RPC wall - worker total_ms -
 that parse+validate - the worker's reply encoding (also timed here).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,7 @@ from pathlib import Path
 import grpc
 
 from bench.bench_util import fmt, load_average, percentile, pyplot, save_plot
-from bench.common import markdown_table, write_result
+from bench.common import commit, markdown_table, write_result
 from proto import serving_pb2, serving_pb2_grpc
 from svc_common.grpc_options import channel_options
 from svc_common.processes import REPO
@@ -76,8 +77,17 @@ from svc_common.processes import REPO
 NAME = "loop"
 DEFAULT_BASELINE = "1b3f5f4"
 MAX_NUM_SEQS = 256
-SCHEDULER_FLAGS = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "8192", "--no-prefix-caching",
-                   "--max-waiting", "2048", "--admin-port", "-1"]
+SCHEDULER_FLAGS = [
+    "--max-num-seqs",
+    str(MAX_NUM_SEQS),
+    "--max-num-batched-tokens",
+    "8192",
+    "--no-prefix-caching",
+    "--max-waiting",
+    "2048",
+    "--admin-port",
+    "-1",
+]
 NUM_BLOCKS = 4096  # 256 running x ceil(208 / 16) = 3,328 blocks at most
 
 
@@ -114,8 +124,18 @@ class Service:
         self._dir = tempfile.mkdtemp(prefix="pagedserve-loop-")
         ready = Path(self._dir) / "ready.json"
         env = {**os.environ, "PYTHONPATH": str(self.root)}
-        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", "0",
-               "--ready-file", str(ready)]
+        cmd = [
+            sys.executable,
+            "-m",
+            self.module,
+            *self.args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+        ]
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
@@ -154,9 +174,21 @@ class Stack:
     def start(self) -> Stack:
         self.worker = Service(self.root, "worker_svc", ["--model", str(self.model), *self.worker_args]).start()
         try:
-            self.scheduler = Service(self.root, "scheduler_svc", [
-                "--model", str(self.model), "--workers", self.worker.address, *SCHEDULER_FLAGS,
-                "--log-format", "json", "--log-level", "debug"]).start()
+            self.scheduler = Service(
+                self.root,
+                "scheduler_svc",
+                [
+                    "--model",
+                    str(self.model),
+                    "--workers",
+                    self.worker.address,
+                    *SCHEDULER_FLAGS,
+                    "--log-format",
+                    "json",
+                    "--log-level",
+                    "debug",
+                ],
+            ).start()
         except Exception:
             self.worker.stop()
             raise
@@ -193,8 +225,9 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> dict
     async def one(ids: list[int]) -> None:
         nonlocal tokens
         last = None
-        request = serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
-                                              ignore_eos=True)
+        request = serving_pb2.GenerateRequest(
+            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
         try:
             async for reply in stub.Generate(request, timeout=1800):
                 if reply.token_ids:
@@ -238,10 +271,15 @@ def run_once(stack: Stack, n: int, max_tokens: int, vocab: int) -> dict:
     steps = stack.step_lines()[seen:]
     times = [timestamp(s) for s in steps]
     return {
-        "tok_s": out["tokens"] / out["wall_s"], "wall_s": out["wall_s"], "gaps": out["gaps"], "load": load,
-        "steps": steps, "periods": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)],
-        "decode_periods": [(b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False)
-                           if s["tokens"] == s["seqs"]],
+        "tok_s": out["tokens"] / out["wall_s"],
+        "wall_s": out["wall_s"],
+        "gaps": out["gaps"],
+        "load": load,
+        "steps": steps,
+        "periods": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)],
+        "decode_periods": [
+            (b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False) if s["tokens"] == s["seqs"]
+        ],
     }
 
 
@@ -250,13 +288,17 @@ def summarize(runs: list[dict]) -> dict:
     gaps = [g for r in runs for g in r["gaps"]]
     decode_steps = [s for r in runs for s in r["steps"] if s["tokens"] == s["seqs"]]
     return {
-        "tok_s": mean(r["tok_s"] for r in runs), "tok_s_all": [r["tok_s"] for r in runs],
-        "wall_s": mean(r["wall_s"] for r in runs), "load": mean(r["load"] for r in runs),
-        "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+        "tok_s": mean(r["tok_s"] for r in runs),
+        "tok_s_all": [r["tok_s"] for r in runs],
+        "wall_s": mean(r["wall_s"] for r in runs),
+        "load": mean(r["load"] for r in runs),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
         "steps": mean(len(r["steps"]) for r in runs),
         "period": mean(p for r in runs for p in r["periods"]),
         "period_decode": mean(p for r in runs for p in r["decode_periods"]),
-        "step_ms": mean(s["step_ms"] for s in decode_steps), "forward_ms": mean(s["forward_ms"] for s in decode_steps),
+        "step_ms": mean(s["step_ms"] for s in decode_steps),
+        "forward_ms": mean(s["forward_ms"] for s in decode_steps),
         "seqs_per_step": mean(s["seqs"] for s in decode_steps),
     }
 
@@ -278,20 +320,37 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
 
     channel = grpc.insecure_channel(worker_address, options=channel_options())
     try:
-        info = info_from_proto(worker_address, worker_pb2.InfoResponse.FromString(
-            channel.unary_unary("/worker.v1.Worker/Info")(worker_pb2.InfoRequest().SerializeToString(), timeout=60)))
+        info = info_from_proto(
+            worker_address,
+            worker_pb2.InfoResponse.FromString(
+                channel.unary_unary("/worker.v1.Worker/Info")(worker_pb2.InfoRequest().SerializeToString(), timeout=60)
+            ),
+        )
         call = channel.unary_unary("/worker.v1.Worker/Step")  # bytes in, bytes out
         limits = Limits(info.vocab_size, info.num_blocks, info.block_size, info.max_model_len, info.kv_layout)
         tokenizer = load_tokenizer(model)
         pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=False)
         kv = KVCacheManager(pool, extra_keys=(info.model_name, info.model_type, info.dtype, info.kv_dtype))
-        planner = Planner(PlannerConfig(max_num_batched_tokens=8192, max_num_seqs=MAX_NUM_SEQS, chunk_size=8192,
-                                        max_model_len=info.max_model_len, block_size=info.block_size, max_waiting=4096),
-                          kv)
+        planner = Planner(
+            PlannerConfig(
+                max_num_batched_tokens=8192,
+                max_num_seqs=MAX_NUM_SEQS,
+                chunk_size=8192,
+                max_model_len=info.max_model_len,
+                block_size=info.block_size,
+                max_waiting=4096,
+            ),
+            kv,
+        )
         streams = {}
         for i, ids in enumerate(prompts_for(batch, batch, vocab)):
-            r = Request(f"r{i}", i, ids, SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                        eos_token_ids=frozenset(tokenizer.eos_token_ids))
+            r = Request(
+                f"r{i}",
+                i,
+                ids,
+                SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                eos_token_ids=frozenset(tokenizer.eos_token_ids),
+            )
             planner.add(r)
             streams[r.request_id] = RequestStream(r, tokenizer)
         measured = []
@@ -334,14 +393,22 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             t["responses"] = _ms(start)
             timings = reply.timings
             t["w_prepare"], t["w_forward"], t["w_sample"], t["w_total"] = (
-                timings.prepare_ms, timings.forward_ms, timings.sample_ms, timings.total_ms)
+                timings.prepare_ms,
+                timings.forward_ms,
+                timings.sample_ms,
+                timings.total_ms,
+            )
             # The worker's own parsing/validation and reply encoding: same code, same bytes, timed here.
             start = time.perf_counter()
             step_input = step_from_proto(worker_pb2.StepRequest.FromString(payload))
             validate(step_input, limits)
             t["w_validate"] = _ms(start)
-            out = StepOutput(reply.step_id, [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
-                             reply.num_tokens, {"total_ms": timings.total_ms})
+            out = StepOutput(
+                reply.step_id,
+                [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
+                reply.num_tokens,
+                {"total_ms": timings.total_ms},
+            )
             start = time.perf_counter()
             step_to_proto(out, reply.instance_id).SerializeToString()
             t["w_reply"] = _ms(start)
@@ -360,11 +427,15 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
 def make_worktree(rev: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix="pagedserve-baseline-"))
     path.rmdir()
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO, check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO, check=True, capture_output=True, text=True
+    )
     protos = sorted(str(p.relative_to(path)) for p in (path / "proto").glob("*.proto"))
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-                    *protos], cwd=path, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.", *protos],
+        cwd=path,
+        check=True,
+    )
     return path
 
 
@@ -376,21 +447,49 @@ def remove_worktree(path: Path) -> None:
 
 def dirty_files(root: Path) -> list[str]:
     """Uncommitted changes to the code the services and part B run."""
-    out = subprocess.run(["git", "status", "--porcelain", "--", "scheduler_svc", "worker_svc", "svc_common", "proto",
-                          "models", "kernels", "bench/loop.py"], cwd=root, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--",
+            "scheduler_svc",
+            "worker_svc",
+            "svc_common",
+            "proto",
+            "models",
+            "kernels",
+            "bench/loop.py",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
 def split_in(root: Path, worker_address: str, model: Path, batches: list[int], args) -> dict[int, dict]:
     """Part B in a child process started from `root`, so it imports the same code as that tree's services."""
-    cmd = [sys.executable, "-m", "bench.loop", "--split-only", worker_address, "--model", str(model),
-           "--streams", *map(str, batches), "--max-tokens", str(args.max_tokens),
-           "--split-steps", str(args.split_steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.loop",
+        "--split-only",
+        worker_address,
+        "--model",
+        str(model),
+        "--streams",
+        *map(str, batches),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--split-steps",
+        str(args.split_steps),
+    ]
     proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"part B failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("SPLIT "))
-    return {int(k): v for k, v in json.loads(line[len("SPLIT "):]).items()}
+    return {int(k): v for k, v in json.loads(line[len("SPLIT ") :]).items()}
 
 
 def main() -> None:
@@ -399,15 +498,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="revision to compare against (git worktree)")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--current", default="", metavar="REV",
-                        help="run 'current' from this revision in a git worktree too (default: this working tree, "
-                             "uncommitted changes included; they are listed in the results)")
+    parser.add_argument(
+        "--current",
+        default="",
+        metavar="REV",
+        help="run 'current' from this revision in a git worktree too (default: this working tree, "
+        "uncommitted changes included; they are listed in the results)",
+    )
     parser.add_argument("--device", default="cpu", help="the worker's --device")
     parser.add_argument("--worker-threads", type=int, default=1, help="the worker's --num-threads (2-core machine)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per (revision, N), alternating revisions")
     parser.add_argument("--split-steps", type=int, default=24, help="decode steps measured in part B per batch")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 1/16/64 streams, 16 tokens, 1 repeat, 4 split steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 1/16/64 streams, 16 tokens, 1 repeat, 4 split steps"
+    )
     parser.add_argument("--model", default="", help="checkpoint (default: the tiny Llama, built if missing)")
     parser.add_argument("--split-only", default="", help=argparse.SUPPRESS)  # part B's child process
     args = parser.parse_args()
@@ -424,13 +528,22 @@ def main() -> None:
         parts = {b: split(args.split_only, model, b, args.max_tokens, vocab, args.split_steps) for b in args.streams}
         print("SPLIT " + json.dumps(parts))
         return
-    worker_args = ["--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--num-threads", str(args.worker_threads),
-                   "--device", args.device]
+    worker_args = [
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        str(NUM_BLOCKS),
+        "--num-threads",
+        str(args.worker_threads),
+        "--device",
+        args.device,
+    ]
     started, load_before = time.perf_counter(), load_average()
 
     def rev_of(rev: str) -> str:
-        return subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     baseline_rev = None if args.no_baseline else rev_of(args.baseline)
     current_rev = rev_of(args.current) if args.current else None
@@ -459,9 +572,12 @@ def main() -> None:
             for stack in stacks:
                 r = summarize(runs[stack.label])
                 e2e[stack.label][n] = r
-                print(f"{stack.label:8} N={n:5}: {r['tok_s']:8.0f} tok/s, period {r['period']:.2f} ms "
-                      f"(decode {r['period_decode']:.2f}), ITL p50 {r['itl_p50']:.2f} p99 {r['itl_p99']:.2f} ms, "
-                      f"{r['steps']} steps, {r['wall_s']:.1f} s", flush=True)
+                print(
+                    f"{stack.label:8} N={n:5}: {r['tok_s']:8.0f} tok/s, period {r['period']:.2f} ms "
+                    f"(decode {r['period_decode']:.2f}), ITL p50 {r['itl_p50']:.2f} p99 {r['itl_p99']:.2f} ms, "
+                    f"{r['steps']} steps, {r['wall_s']:.1f} s",
+                    flush=True,
+                )
         for stack in stacks[1:]:
             stack.stop()
         del stacks[1:]
@@ -469,23 +585,45 @@ def main() -> None:
         batches = sorted({min(n, MAX_NUM_SEQS) for n in args.streams})
         parts = split_in(current_root, stacks[0].worker.address, model, batches, args)
         for batch, p in parts.items():
-            print(f"split B={batch}: plan {p['plan']:.2f} build {p['build']:.2f} encode {p['encode']:.2f} "
-                  f"rpc {p['rpc']:.2f} (worker {p['w_total']:.2f}) update {p['update']:.2f} dispatch "
-                  f"{p['dispatch']:.2f} responses {p['responses']:.2f} ms", flush=True)
+            print(
+                f"split B={batch}: plan {p['plan']:.2f} build {p['build']:.2f} encode {p['encode']:.2f} "
+                f"rpc {p['rpc']:.2f} (worker {p['w_total']:.2f}) update {p['update']:.2f} dispatch "
+                f"{p['dispatch']:.2f} responses {p['responses']:.2f} ms",
+                flush=True,
+            )
     finally:
         for stack in stacks:
             stack.stop()
         for path in worktrees:
             remove_worktree(path)
     load_after = load_average()
-    current_desc = (f"`{current_rev}` (a clean git worktree)" if current_rev else
-                    "this working tree" + (f", with uncommitted changes to {', '.join(f'`{d}`' for d in dirty)}"
-                                           if dirty else " (no uncommitted changes to the service code)"))
-    report(args, model, e2e, parts, baseline_rev, current_desc, load_before, load_after,
-           time.perf_counter() - started)
+    current_desc = (
+        f"`{current_rev}` (a clean git worktree)"
+        if current_rev
+        else "this working tree"
+        + (
+            f", with uncommitted changes to {', '.join(f'`{d}`' for d in dirty)}"
+            if dirty
+            else " (no uncommitted changes to the service code)"
+        )
+    )
+    report(
+        args,
+        model,
+        e2e,
+        parts,
+        baseline_rev,
+        current_desc,
+        load_before,
+        load_after,
+        time.perf_counter() - started,
+        current_rev,
+    )
 
 
-def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, load_after, elapsed) -> None:
+def report(
+    args, model, e2e, parts, baseline_rev, current_desc, load_before, load_after, elapsed, current_rev=None
+) -> None:
     cur, base = e2e["current"], e2e["baseline"]
     has_base = bool(base)
 
@@ -502,51 +640,124 @@ def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, loa
         heads += [f"{what} base", f"{what} current", "ratio"] if has_base else [what]
     rows = []
     for n in args.streams:
-        rows.append([n, *pair(n, "tok_s", 0), *pair(n, "period", 2), *pair(n, "period_decode", 2),
-                     *pair(n, "itl_p50", 2), *pair(n, "itl_p99", 2)])
+        rows.append(
+            [
+                n,
+                *pair(n, "tok_s", 0),
+                *pair(n, "period", 2),
+                *pair(n, "period_decode", 2),
+                *pair(n, "itl_p50", 2),
+                *pair(n, "itl_p99", 2),
+            ]
+        )
     table_a = markdown_table(heads, rows)
     rows_x = []
     for label, res in (("baseline", base), ("current", cur)):
         for n in args.streams:
             if n in res:
                 r = res[n]
-                rows_x.append([label, n, fmt(r["steps"], 0), " / ".join(f"{x:.0f}" for x in r["tok_s_all"]),
-                               fmt(r["seqs_per_step"], 0), fmt(r["period_decode"], 2),
-                               fmt(r["step_ms"], 2), fmt(r["forward_ms"], 2), fmt(r["period_decode"] - r["step_ms"], 2),
-                               fmt(r["wall_s"], 1), fmt(r["load"], 1)])
-    table_x = markdown_table(["revision", "N", "steps per run", "tok/s of each run", "seqs per decode step",
-                              "decode step period ms",
-                              "scheduler step_ms (RPC + update)", "worker forward_ms",
-                              "period - step_ms (plan + dispatch + streaming out + loop)", "run s",
-                              "load avg at start"], rows_x)
+                rows_x.append(
+                    [
+                        label,
+                        n,
+                        fmt(r["steps"], 0),
+                        " / ".join(f"{x:.0f}" for x in r["tok_s_all"]),
+                        fmt(r["seqs_per_step"], 0),
+                        fmt(r["period_decode"], 2),
+                        fmt(r["step_ms"], 2),
+                        fmt(r["forward_ms"], 2),
+                        fmt(r["period_decode"] - r["step_ms"], 2),
+                        fmt(r["wall_s"], 1),
+                        fmt(r["load"], 1),
+                    ]
+                )
+    table_x = markdown_table(
+        [
+            "revision",
+            "N",
+            "steps per run",
+            "tok/s of each run",
+            "seqs per decode step",
+            "decode step period ms",
+            "scheduler step_ms (RPC + update)",
+            "worker forward_ms",
+            "period - step_ms (plan + dispatch + streaming out + loop)",
+            "run s",
+            "load avg at start",
+        ],
+        rows_x,
+    )
     rows_b = []
     for batch, p in parts.items():
         sched = p["plan"] + p["build"] + p["encode"] + p["parse_reply"] + p["update"] + p["dispatch"] + p["responses"]
         total = sched + p["rpc"]
-        rows_b.append([batch, p["steps"], fmt(p["plan"], 2), fmt(p["build"] + p["encode"], 2),
-                       f"{fmt(p['build'], 2)} + {fmt(p['encode'], 2)}", fmt(p["transport"], 2),
-                       fmt(p["w_validate"] + p["w_prepare"], 2),
-                       f"{fmt(p['w_validate'], 2)} + {fmt(p['w_prepare'], 2)}",
-                       fmt(p["w_forward"], 2), fmt(p["w_sample"], 2), fmt(p["w_reply"], 2),
-                       fmt(p["parse_reply"] + p["update"], 2), fmt(p["dispatch"] + p["responses"], 2),
-                       f"{fmt(p['dispatch'], 2)} + {fmt(p['responses'], 2)}", fmt(total, 2),
-                       f"{100 * (total - p['w_forward'] - p['w_sample']) / total:.0f}%"])
+        rows_b.append(
+            [
+                batch,
+                p["steps"],
+                fmt(p["plan"], 2),
+                fmt(p["build"] + p["encode"], 2),
+                f"{fmt(p['build'], 2)} + {fmt(p['encode'], 2)}",
+                fmt(p["transport"], 2),
+                fmt(p["w_validate"] + p["w_prepare"], 2),
+                f"{fmt(p['w_validate'], 2)} + {fmt(p['w_prepare'], 2)}",
+                fmt(p["w_forward"], 2),
+                fmt(p["w_sample"], 2),
+                fmt(p["w_reply"], 2),
+                fmt(p["parse_reply"] + p["update"], 2),
+                fmt(p["dispatch"] + p["responses"], 2),
+                f"{fmt(p['dispatch'], 2)} + {fmt(p['responses'], 2)}",
+                fmt(total, 2),
+                f"{100 * (total - p['w_forward'] - p['w_sample']) / total:.0f}%",
+            ]
+        )
     table_b = markdown_table(
-        ["batch (seqs)", "steps", "plan ms", "build + encode Step ms", "(build + encode)", "RPC transport ms",
-         "worker validation + batch ms", "(parse+validate + prepare)", "forward ms", "sampling ms",
-         "worker reply encode ms", "parse reply + update ms", "output streaming ms", "(dispatch + responses)",
-         "step total ms", "not forward/sampling"], rows_b)
+        [
+            "batch (seqs)",
+            "steps",
+            "plan ms",
+            "build + encode Step ms",
+            "(build + encode)",
+            "RPC transport ms",
+            "worker validation + batch ms",
+            "(parse+validate + prepare)",
+            "forward ms",
+            "sampling ms",
+            "worker reply encode ms",
+            "parse reply + update ms",
+            "output streaming ms",
+            "(dispatch + responses)",
+            "step total ms",
+            "not forward/sampling",
+        ],
+        rows_b,
+    )
     shown_model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
     quick = " (**--quick smoke test**: fewer streams and tokens)" if args.quick else ""
-    tables = (f"### A. End to end: output tok/s, step period, ITL{quick}\n\n"
-              + (f"Baseline = `{baseline_rev}` (before this work), current = {current_desc}; "
-                 f"ratio = current / baseline "
-                 f"(tok/s: higher is better; periods and ITL: lower is better).\n\n" if has_base else "")
-              + f"{table_a}\n\nPer decode step, from the scheduler's step log lines:\n\n{table_x}\n\n"
-              + f"### B. Where a decode step's time goes (current revision, in process + real worker; means of "
-                f"{args.split_steps} decode steps of the whole batch)\n\n{table_b}\n")
+    tables = (
+        f"### A. End to end: output tok/s, step period, ITL{quick}\n\n"
+        + (
+            f"Baseline = `{baseline_rev}` (before this work), current = {current_desc}; "
+            f"ratio = current / baseline "
+            f"(tok/s: higher is better; periods and ITL: lower is better).\n\n"
+            if has_base
+            else ""
+        )
+        + f"{table_a}\n\nPer decode step, from the scheduler's step log lines:\n\n{table_x}\n\n"
+        + f"### B. Where a decode step's time goes (current revision, in process + real worker; means of "
+        f"{args.split_steps} decode steps of the whole batch)\n\n{table_b}\n"
+    )
     notes = (
-        f"Current = {current_desc}" + (f"; baseline = `{baseline_rev}`" if has_base else "") + ".\n\n"
+        f"Current = {current_desc}"
+        + (f"; baseline = `{baseline_rev}`" if has_base else "")
+        + "."
+        + (
+            f" (The 'commit' line above is HEAD when this file was written, `{commit()}`; the code measured as "
+            f"current is `{current_rev}`.)"
+            if current_rev and not commit().startswith(current_rev)
+            else ""
+        )
+        + "\n\n"
         f"Workload: tiny 2-layer hidden-64 Llama (`{shown_model}`, "
         f"vocab 768), fp32, worker on {args.device} with --num-threads {args.worker_threads} and {NUM_BLOCKS} blocks; "
         f"scheduler `{' '.join(SCHEDULER_FLAGS)}` with JSON logs at debug level (one 'step' line per step, in both "
@@ -575,7 +786,8 @@ def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, loa
         f"gRPC's own write of each message on the asyncio loop is not in B, it is in part A's period). "
         f"'not forward/sampling' = share of the step total spent outside the model.\n\n"
         f"1-minute load average {load_before:.2f} before, {load_after:.2f} after (the machine is shared: other "
-        f"engineers' tests may have been running). Run time {elapsed:.0f} s.")
+        f"engineers' tests may have been running). Run time {elapsed:.0f} s."
+    )
     print("\n" + tables + "\n" + notes)
     plot(args, e2e, baseline_rev)
     title = "The serving loop: tiny model, N concurrent streams, baseline vs current"
@@ -585,8 +797,7 @@ def report(args, model, e2e, parts, baseline_rev, current_desc, load_before, loa
 def plot(args, e2e, baseline_rev) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, res, style in (("current", e2e["current"], "o-"),
-                              (f"baseline {baseline_rev}", e2e["baseline"], "s--")):
+    for label, res, style in (("current", e2e["current"], "o-"), (f"baseline {baseline_rev}", e2e["baseline"], "s--")):
         ns = [n for n in args.streams if n in res]
         if not ns:
             continue
