@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny checkpoints, the default model, and service processes."""
+"""Shared fixtures (the default model) and pytest hooks; plain helpers live in tests/helpers/."""
 from __future__ import annotations
 
 import os
@@ -6,16 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
-
-DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
-TINY_FAMILIES = ("llama", "llama_mqa", "llama_long", "qwen3", "qwen3_mqa", "gemma3", "gemma3_mqa")
-
-
-def tiny_checkpoint(family: str) -> Path:
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
-
-    return ensure_checkpoint(family)
+from tests.helpers.checkpoints import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import TINY_FAMILIES, tiny_checkpoint
+from tests.helpers.checkpoints import TINY_FAMILIES, tiny_checkpoint
 from worker_svc.config import WorkerConfig
 from worker_svc.step_input import SeqInput, StepInput
 from worker_svc.worker import Worker

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from proto import worker_pb2
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_worker_exactness import WorkerUnderTest
-from tests.worker_client import by_seq, logits_of
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.worker_client import by_seq, logits_of
+from tests.helpers.worker_under_test import WorkerUnderTest
 
 MAX_BATCH = 4
 MAX_LEN = 128

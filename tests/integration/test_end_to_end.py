@@ -3,7 +3,6 @@ token-exact with transformers even when the pool forces chunking and preemption.
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,25 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.procs import Cluster
-
-
-def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def wait_idle(client: SchedulerClient, timeout_s: float = 10.0):
-    """Stats after the last stream: the engine frees blocks on its own loop."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.stats()
-        if (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
-
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.procs import Cluster
 
 # paged: 20 blocks x 16 = 320 token slots for 16 requests of up to ~90 tokens each:
 # requests must wait, get preempted and recompute. contiguous: 3 slots of 128

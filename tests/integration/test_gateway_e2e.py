@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.procs import Cluster
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.procs import Cluster
 
 MAX_MODEL_LEN = 256  # the scheduler's --max-model-len (the tiny model allows 512)
 WAIT_S = 30.0  # upper bound on any single request or wait in this file

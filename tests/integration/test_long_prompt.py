@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_end_to_end import hf_greedy, wait_idle
-from tests.procs import Cluster
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.procs import Cluster
 
 LONG = 20_000
 BUDGET = 2048

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_end_to_end import hf_greedy, wait_idle
-from tests.integration.test_reliability import Recorder, join, wait_for
-from tests.procs import ServiceProcess
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.procs import ServiceProcess
+from tests.helpers.recorder import Recorder, join, wait_for
 
 MODEL = tiny_checkpoint("llama")
 NUM_BLOCKS = 512

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.observability.names import METRIC_NAMES
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_end_to_end import wait_idle
-from tests.procs import REPO, Cluster
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import wait_idle
+from tests.helpers.procs import REPO, Cluster
 
 NUM_BLOCKS = 64
 NUM_REQUESTS = 6

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_end_to_end import hf_greedy, wait_idle
-from tests.procs import Cluster
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.procs import Cluster
 
 rng = random.Random(4)
 SYSTEMS = [[rng.randrange(4, 700) for _ in range(40)] for _ in range(2)]

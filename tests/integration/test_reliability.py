@@ -8,7 +8,6 @@ import contextlib
 import random
 import re
 import signal
-import threading
 import time
 
 import grpc
@@ -19,10 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_end_to_end import hf_greedy, wait_idle
-from tests.procs import ServiceProcess
-from tests.worker_client import seq_step
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.procs import ServiceProcess
+from tests.helpers.recorder import Recorder, join, wait_for
+from tests.helpers.worker_client import seq_step
 
 MODEL = tiny_checkpoint("llama")
 WORKER_ARGS = ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "4096"]
@@ -59,29 +59,6 @@ def scheduler(workers: list[ServiceProcess], *args: str):
             assert sign not in log, log[-4000:]
 
 
-class Recorder(threading.Thread):
-    """One greedy stream in the background: its tokens as they arrive, how it ended."""
-
-    def __init__(self, client: SchedulerClient, prompt_ids: list[int], max_tokens: int):
-        super().__init__(daemon=True)
-        self.client, self.prompt_ids, self.max_tokens = client, prompt_ids, max_tokens
-        self.tokens: list[int] = []
-        self.finish_reason = ""
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-
-    def run(self) -> None:
-        try:
-            for reply in self.client.stream(prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
-                                            temperature=0.0, timeout=120):
-                self.tokens.extend(reply.token_ids)
-                if reply.finished:
-                    self.finish_reason = reply.finish_reason
-        except grpc.RpcError as err:
-            self.error = err
-        self.ended_at = time.monotonic()
-
-
 def start_streams(client: SchedulerClient, count: int, max_tokens: int, seed: int) -> list[Recorder]:
     rng = random.Random(seed)
     recorders = [Recorder(client, [rng.randrange(4, 700) for _ in range(rng.randrange(12, 40))], max_tokens)
@@ -96,12 +73,6 @@ def wait_for_tokens(recorders: list[Recorder], at_least: int, timeout_s: float =
     while min(len(r.tokens) for r in recorders) < at_least:
         assert time.monotonic() < deadline, "streams did not start"
         time.sleep(0.002)
-
-
-def join(recorders: list[Recorder], timeout_s: float = 90.0) -> None:
-    for r in recorders:
-        r.join(timeout_s)
-        assert not r.is_alive(), "a stream never ended"
 
 
 def assert_exact(recorders: list[Recorder], reference) -> None:
@@ -129,13 +100,6 @@ def health_status(address: str) -> int:
 def queue_is(client: SchedulerClient, running: int, waiting: int) -> bool:
     stats = client.stats()
     return (stats.running, stats.waiting) == (running, waiting)
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 # ---- worker failure -----------------------------------------------------------

@@ -15,9 +15,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.integration.test_end_to_end import wait_idle
-from tests.procs import REPO, Cluster
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import wait_idle
+from tests.helpers.procs import REPO, Cluster
 
 MAX_MODEL_LEN = 128
 MAX_MESSAGE_MB = 1

@@ -23,8 +23,8 @@ from proto import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.api.auth import bearer_token, load_api_keys
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import parse_config
-from tests.conftest import tiny_checkpoint
-from tests.procs import REPO, ServiceProcess
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.procs import REPO, ServiceProcess
 from worker_svc.config import WorkerConfig
 
 MODEL = tiny_checkpoint("llama")

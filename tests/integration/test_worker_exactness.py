@@ -8,48 +8,19 @@ from __future__ import annotations
 
 import random
 
-import grpc
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from proto import worker_pb2, worker_pb2_grpc
-from tests.conftest import TINY_FAMILIES, tiny_checkpoint
-from tests.procs import ServiceProcess
-from tests.worker_client import by_seq, logits_of, seq_step
+from tests.helpers.checkpoints import TINY_FAMILIES, tiny_checkpoint
+from tests.helpers.worker_client import by_seq, logits_of, seq_step
+from tests.helpers.worker_under_test import NUM_BLOCKS, WorkerUnderTest
 
-NUM_BLOCKS = 64
 TINY_ATOL = 1e-4
 # SmolLM2 has 30 layers and a 49k vocab; fp32 reordering across them measured
 # ~5e-5 max abs error, so 1e-3 leaves room without hiding a real bug (a wrong
 # mask or rope shows up as errors of order 1).
 DEFAULT_MODEL_ATOL = 1e-3
-
-
-class WorkerUnderTest:
-    def __init__(self, model_dir, atol: float, worker_args: tuple[str, ...] = ("--num-blocks", str(NUM_BLOCKS))):
-        self.proc = ServiceProcess("worker_svc", ["--model", str(model_dir), "--dtype", "float32",
-                                                  *worker_args]).start()
-        self.channel = grpc.insecure_channel(self.proc.address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.info = self.stub.Info(worker_pb2.InfoRequest())
-        self.atol = atol
-        self.step_id = 0
-
-    def step(self, seqs, copies=()):
-        self.step_id += 1
-        return self.stub.Step(worker_pb2.StepRequest(step_id=self.step_id, seqs=seqs,
-                                                     copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies]))
-
-    def ref_logits(self, ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return self.ref(torch.tensor([ids])).logits[0].numpy()
-
-    def close(self):
-        self.channel.close()
-        self.proc.stop()
 
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES + ("default",))

@@ -8,9 +8,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from proto import worker_pb2, worker_pb2_grpc
-from tests.conftest import tiny_checkpoint
-from tests.procs import ServiceProcess
-from tests.worker_client import by_seq, logits_of, seq_step
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.procs import ServiceProcess
+from tests.helpers.worker_client import by_seq, logits_of, seq_step
 
 NUM_BLOCKS = 32
 VICTIM_TABLE = [30, 31]

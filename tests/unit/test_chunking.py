@@ -8,8 +8,8 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
-from tests.unit.fake_worker import FakeWorker
-from tests.unit.test_planner import BS, VOCAB, reference, run, step
+from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.planner_sim import BS, VOCAB, reference, run, step
 
 _ids = iter(range(2 * 10**6, 10**9))
 

@@ -5,7 +5,7 @@ import pytest
 
 from scheduler_svc.text.detokenizer import IncrementalDetokenizer
 from scheduler_svc.text.tokenizer import load_tokenizer
-from tests.conftest import tiny_checkpoint
+from tests.helpers.checkpoints import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

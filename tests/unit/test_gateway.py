@@ -28,7 +28,7 @@ from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.server import GatewayServer
 from proto import serving_pb2, serving_pb2_grpc
-from tests.procs import REPO, ServiceProcess
+from tests.helpers.procs import REPO, ServiceProcess
 
 MODEL_NAME = "tiny-chat-model"
 # A small template in tokenizer_config.json that uses bos/eos and raise_exception.

@@ -10,71 +10,15 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
 from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull
 from scheduler_svc.planning.validation import RequestRejected
-from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
-
-try:
-    from fake_worker import FakeWorker
-except ImportError:  # tests/unit collected as a package
-    from .fake_worker import FakeWorker
-
-BS = 16
-VOCAB = 1000
+from scheduler_svc.request import FinishReason, RequestStatus
+from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.planner_sim import BS, VOCAB, check_plan, reference, req, run, step
 
 
 def make(num_blocks=64, caching=True, **config):
     config.setdefault("max_model_len", 4096)
     kv = KVCacheManager(BlockPool(num_blocks, BS, enable_prefix_caching=caching), BS, extra_keys=("m", "bf16"))
     return Planner(PlannerConfig(**config), kv), FakeWorker(num_blocks, BS, VOCAB)
-
-
-_seq_ids = iter(range(1, 10**9))
-
-
-def req(rid, prompt, max_tokens=8, **sampling):
-    return Request(rid, next(_seq_ids), list(prompt), SamplingOptions(max_tokens=max_tokens, **sampling))
-
-
-def reference(prompt, max_tokens, max_len=10**9):
-    """What any correct schedule must produce: the fake model run token by token."""
-    worker, context, out = FakeWorker(1, BS, VOCAB), list(prompt), []
-    while len(out) < max_tokens and len(context) < max_len:
-        token = worker.next_token(context)
-        out.append(token)
-        context.append(token)
-    return out
-
-
-def check_plan(planner, plan, decoding: set[str]):
-    """`decoding`: running requests with exactly one token left before this step."""
-    cfg = planner.config
-    assert plan.num_tokens <= cfg.max_num_batched_tokens
-    assert len(plan.seqs) <= cfg.max_num_seqs and planner.num_running <= cfg.max_num_seqs
-    assert all(len(s.token_ids) <= cfg.chunk_size for s in plan.seqs)
-    # running decodes come before every prefill chunk
-    kinds = [s.request_id in decoding for s in plan.seqs]
-    assert kinds == sorted(kinds, reverse=True), "a decode was scheduled after a prefill chunk"
-
-
-def step(planner, worker):
-    decoding = {r.request_id for r in planner.running if r.num_tokens - r.num_computed_tokens == 1}
-    plan = planner.schedule()
-    check_plan(planner, plan, decoding)
-    planner.audit()
-    sampled = worker.execute(plan) if plan.seqs else {}
-    updates = planner.update(plan, sampled)
-    planner.audit()
-    return plan, updates
-
-
-def run(planner, worker, max_steps=20000):
-    plans = []
-    for _ in range(max_steps):
-        if not planner.has_work():
-            planner.audit()
-            assert planner.kv.pool.num_used_blocks == 0
-            return plans
-        plans.append(step(planner, worker)[0])
-    raise AssertionError("did not finish")
 
 
 # ---- config and admission validation --------------------------------------------

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import tiny_checkpoint
-from tests.procs import REPO
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.procs import REPO
 
 SCRIPT = textwrap.dedent("""
     import asyncio, importlib, pkgutil, sys
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from scheduler_svc.engine.engine import Engine
     from scheduler_svc.api.server import start_server
     from scheduler_svc.text.tokenizer import load_tokenizer
-    from tests.fake_worker_server import start_fake_worker
+    from tests.helpers.fake_worker_server import start_fake_worker
 
     for mod in pkgutil.walk_packages(scheduler_svc.__path__, "scheduler_svc."):
         importlib.import_module(mod.name)

@@ -12,13 +12,8 @@ from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request, SamplingOptions
 from scheduler_svc.kv.slot_manager import SlotManager, SlotPool
-
-try:
-    from fake_worker import FakeWorker
-    from test_planner import reference, req, step
-except ImportError:  # tests/unit collected as a package
-    from .fake_worker import FakeWorker
-    from .test_planner import reference, req, step
+from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.planner_sim import reference, req, step
 
 SLOT_LEN = 256
 VOCAB = 1000

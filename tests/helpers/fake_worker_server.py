@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
-from tests.unit.fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker
 
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -1,0 +1,15 @@
+"""What several test files share, so that no test module imports another.
+
+* ``checkpoints``: the tiny checkpoint families and the default model's path.
+* ``procs``: worker, scheduler and gateway processes (svc_common.processes).
+* ``worker_client``: worker.v1 steps built by hand, logits decoded.
+* ``worker_under_test``: a worker process beside the transformers model it serves.
+* ``cluster``: transformers' greedy reference; waiting for a scheduler to go idle.
+* ``recorder``: greedy streams in background threads, and waiting for conditions.
+* ``fake_worker``: a pure-Python stand-in for worker_svc over a simulated paged cache.
+* ``fake_worker_server``: that fake served over worker.v1 gRPC (no torch).
+* ``planner_sim``: requests, a Planner stepped against the fake worker, the reference output.
+
+Nothing here imports torch at module level unless it needs it: the scheduler's
+no-torch test loads ``fake_worker_server`` in an interpreter that must stay torch-free.
+"""

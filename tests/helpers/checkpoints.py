@@ -1,0 +1,16 @@
+"""Tiny checkpoints (generated on first use) and the default model's directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.procs import REPO
+
+DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
+TINY_FAMILIES = ("llama", "llama_mqa", "llama_long", "qwen3", "qwen3_mqa", "gemma3", "gemma3_mqa")
+
+
+def tiny_checkpoint(family: str) -> Path:
+    from worker_svc.tiny_checkpoints import ensure_checkpoint
+
+    return ensure_checkpoint(family)

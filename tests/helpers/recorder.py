@@ -1,0 +1,48 @@
+"""Greedy streams run in background threads (their tokens as they arrive, how
+each ended), and polling for a condition with a deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from scheduler_svc.client import SchedulerClient
+
+
+class Recorder(threading.Thread):
+    """One greedy stream in the background: its tokens as they arrive, how it ended."""
+
+    def __init__(self, client: SchedulerClient, prompt_ids: list[int], max_tokens: int):
+        super().__init__(daemon=True)
+        self.client, self.prompt_ids, self.max_tokens = client, prompt_ids, max_tokens
+        self.tokens: list[int] = []
+        self.finish_reason = ""
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        try:
+            for reply in self.client.stream(
+                prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens, temperature=0.0, timeout=120
+            ):
+                self.tokens.extend(reply.token_ids)
+                if reply.finished:
+                    self.finish_reason = reply.finish_reason
+        except grpc.RpcError as err:
+            self.error = err
+        self.ended_at = time.monotonic()
+
+
+def join(recorders: list[Recorder], timeout_s: float = 90.0) -> None:
+    for r in recorders:
+        r.join(timeout_s)
+        assert not r.is_alive(), "a stream never ended"
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
