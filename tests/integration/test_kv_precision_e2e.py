@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from tests.conftest import tiny_checkpoint
-from tests.procs import Cluster
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.procs import Cluster
 
 MAX_TOKENS = 16
 PROMPTS = [

@@ -18,8 +18,8 @@ from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.api.server import start_server
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
-from tests.conftest import tiny_checkpoint
-from tests.fake_worker_server import FakeWorkerServicer, start_fake_worker
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.fake_worker_server import FakeWorkerServicer, start_fake_worker
 
 STEP_DELAY_S = 0.005
 

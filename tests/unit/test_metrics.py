@@ -30,7 +30,7 @@ from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
 from scheduler_svc.engine.worker_client import StepResult, WorkerInfo
 from scheduler_svc.observability.top import pool_bar, render, split_cells
-from tests.unit.fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker
 
 BS = 16
 _seq = iter(range(1, 10**9))
@@ -303,7 +303,7 @@ def test_request_stream_drives_its_timing():
     from scheduler_svc.planning.planner import RequestUpdate
     from scheduler_svc.request import FinishReason
     from scheduler_svc.text.tokenizer import load_tokenizer
-    from tests.conftest import tiny_checkpoint
+    from tests.helpers.checkpoints import tiny_checkpoint
 
     tokenizer = load_tokenizer(tiny_checkpoint("llama"))
     clock = FakeClock(10.0)
