@@ -31,6 +31,7 @@ class SchedulerConfig:
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     prefix_caching: bool = field(default=True, metadata={"help": "share full prompt blocks through the prefix hash index"})
     eviction_policy: str = field(default="lru", metadata={"help": "which free cached block is reused first: lru, or priority (shared prefixes and pins outlive the rest)", "choices": EVICTION_POLICIES})
+    async_scheduling: bool = field(default=True, metadata={"help": "plan and send step N+1 while step N runs on the worker (overlapped scheduling); --no-async-scheduling: strict alternation"})
     max_pinned_blocks: int = field(default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"})
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request leaves it unset"})
     connect_timeout_s: float = field(default=30.0, metadata={"help": "how long to wait for each worker at start-up"})

@@ -8,11 +8,15 @@ numpy and crosses to the device in one copy per tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from worker_svc.step_input import SeqInput, StepArrays, StepInput, ranges
+from worker_svc.step_input import InvalidStep, SeqInput, StepArrays, StepInput, ranges
+
+if TYPE_CHECKING:
+    from worker_svc.model_runner import LastSamples
 
 
 @dataclass
@@ -35,7 +39,9 @@ class ForwardBatch:
     sample_seqs: list[SeqInput]
 
 
-def build_forward_batch(step: StepInput, device: torch.device) -> ForwardBatch:
+def build_forward_batch(step: StepInput, device: torch.device, previous: LastSamples | None = None) -> ForwardBatch:
+    """`previous`: the samples of the step run last, for the decodes that take
+    their input from it (checked by check_references)."""
     a = step.arrays
     is_decode = a.seq_lens == 1
     order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
@@ -46,8 +52,14 @@ def build_forward_batch(step: StepInput, device: torch.device) -> ForwardBatch:
     last_rows = np.cumsum(a.seq_lens[order]) - 1
     num_decodes = int(is_decode.sum())
     as_tensor = lambda values: torch.from_numpy(np.ascontiguousarray(values)).to(device)  # noqa: E731
+    input_ids = as_tensor(a.token_ids[rows])
+    referring = [k for k, seq in enumerate(seqs) if seq.token_from_previous_step]
+    if referring and previous is not None:
+        # Resolved on the device: the sampled ids never went through the host for this.
+        source = [previous.rows[seqs[k].seq_id] for k in referring]
+        input_ids[as_tensor(last_rows[referring])] = previous.token_ids[as_tensor(np.array(source))]
     return ForwardBatch(
-        input_ids=as_tensor(a.token_ids[rows]),
+        input_ids=input_ids,
         positions=as_tensor(a.positions[rows]),
         slot_mapping=as_tensor(a.slot_mapping[rows]),
         decode=_group(a, order[:num_decodes], device),
@@ -76,3 +88,13 @@ def _group(a: StepArrays, members: np.ndarray, device: torch.device) -> Attentio
         cu_query_lens=to(cu),
         num_tokens=int(cu[-1]),
     )
+
+
+def check_references(step: StepInput, previous: LastSamples | None) -> None:
+    """Every decode that names the previous step's sample must find it there."""
+    for i, seq in enumerate(step.seqs):
+        if not seq.token_from_previous_step:
+            continue
+        if previous is None or previous.step_id != step.previous_step_id or seq.seq_id not in previous.rows:
+            raise InvalidStep(f"seqs[{i}].token_from_previous_step",
+                              f"seq_id {seq.seq_id} sampled nothing in step {step.previous_step_id}")

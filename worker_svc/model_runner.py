@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker_svc.attention import CacheAttention
-from worker_svc.forward_batch import build_forward_batch
+from worker_svc.forward_batch import build_forward_batch, check_references
 from worker_svc.kv_cache import KVCachePool
 from worker_svc.models import DecoderModel
 from worker_svc.sampler import Sampler
@@ -20,6 +20,16 @@ class SampledToken:
     token_id: int
     logprob: float
     logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LastSamples:
+    """The token ids the last step sampled, kept where they were sampled (on the
+    device) for the decodes of a step planned ahead, which name them instead of
+    carrying them. Only the last step's: a worker keeps no other request state."""
+    step_id: int
+    rows: dict[int, int]  # seq_id -> row of token_ids
+    token_ids: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -36,16 +46,19 @@ class ModelRunner:
         self.cache = cache
         self.ops = attention_ops
         self.sampler = sampler
+        self.last_samples: LastSamples | None = None
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         t0 = time.perf_counter()
+        check_references(step, self.last_samples)  # before anything is touched
         if step.copies:
             src, dst = zip(*step.copies)
             self.cache.copy_blocks(list(src), list(dst))
         if not step.seqs:
             return StepOutput(step.step_id, [], 0, {"total_ms": _ms(t0)})
-        batch = build_forward_batch(step, self.model.device)
+        previous, self.last_samples = self.last_samples, None  # a failed step leaves nothing to name
+        batch = build_forward_batch(step, self.model.device, previous)
         t1 = time.perf_counter()
         attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
         hidden = self.model.forward(batch.input_ids, batch.positions, attention)
@@ -57,6 +70,8 @@ class ModelRunner:
             params = [s.sampling for s in batch.sample_seqs]
             positions = [s.context_len for s in batch.sample_seqs]
             tokens, logprobs = self.sampler(logits, params, positions)
+            self.last_samples = LastSamples(step.step_id, {s.seq_id: i for i, s in enumerate(batch.sample_seqs)},
+                                            tokens.to(self.model.device))
             for i, seq in enumerate(batch.sample_seqs):
                 row = logits[i].cpu() if seq.return_logits else None
                 sampled.append(SampledToken(seq.seq_id, int(tokens[i]), float(logprobs[i]), row))

@@ -18,7 +18,7 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
-from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StepArrays, StepInput
+from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StaleStep, StepArrays, StepInput
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -47,9 +47,10 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
                 np.split(arrays.block_tables, np.cumsum(arrays.table_lens)[:-1]),
                 np.split(arrays.slot_mapping, np.cumsum(arrays.slot_lens)[:-1]))
     seqs = [SeqInput(s.seq_id, token_ids, s.start_pos, table, slot_mapping, s.sample, _sampling(s.sampling),
-                     s.return_logits)
+                     s.return_logits, s.token_from_previous_step)
             for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)]
-    return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs, arrays)
+    previous = req.previous_step_id if req.HasField("previous_step_id") else None
+    return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs, arrays, previous)
 
 
 def _sampling(sp: worker_pb2.SamplingParams) -> Sampling:
@@ -85,6 +86,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except InvalidStep as exc:
             step_log.warning("step rejected", error=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StaleStep as exc:
+            step_log.warning("step refused", error=str(exc))
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
         except Exception as exc:  # a bug must not take the worker down
             step_log.exception("step failed")
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")

@@ -31,6 +31,8 @@ class SeqInput:
     sample: bool = False
     sampling: Sampling = field(default_factory=Sampling)
     return_logits: bool = False
+    # The input is the token this sequence sampled in the previous step (token_ids holds a placeholder).
+    token_from_previous_step: bool = False
 
     @property
     def context_len(self) -> int:
@@ -77,6 +79,8 @@ class StepInput:
     copies: list[tuple[int, int]]
     seqs: list[SeqInput]
     _arrays: StepArrays | None = None
+    # Planned ahead of that step's result: run only right after it (overlapped scheduling).
+    previous_step_id: int | None = None
 
     @property
     def arrays(self) -> StepArrays:
@@ -100,6 +104,11 @@ class InvalidStep(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+class StaleStep(RuntimeError):
+    """A step planned ahead names a previous step that is not the one this worker
+    ran last (it restarted, or that step failed): its inputs cannot be resolved."""
 
 
 def ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -179,6 +188,9 @@ def _validate_seqs(step: StepInput, limits: Limits) -> None:
         s = seq.sampling
         if seq.sample and (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0):
             raise InvalidStep(f"seqs[{i}].sampling", "need temperature >= 0, top_p in [0, 1], top_k >= 0")
+        if seq.token_from_previous_step and (len(seq.token_ids) != 1 or step.previous_step_id is None):
+            raise InvalidStep(f"seqs[{i}].token_from_previous_step",
+                              "needs exactly one (placeholder) token and the step's previous_step_id")
 
 
 def _validate_tables(a: StepArrays, context: np.ndarray, limits: Limits) -> None:

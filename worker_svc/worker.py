@@ -16,10 +16,12 @@ from worker_svc.kv_cache import KVCachePool, PagedKVCache, make_kv_cache
 from worker_svc.model_runner import ModelRunner, StepOutput
 from worker_svc.models import DecoderModel
 from worker_svc.sampler import Sampler
-from worker_svc.step_input import Limits, StepInput, validate
+from worker_svc.step_input import Limits, StaleStep, StepInput, validate
 
 log = structlog.get_logger(__name__)
 
+# How long a step planned ahead waits for the step it names (sent just before it).
+PREVIOUS_STEP_WAIT_S = 5.0
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
                    "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -113,8 +115,10 @@ class Worker:
             kv_scale_bytes_per_block=self.cache.scale_block_bytes, kv_dtype_requested=config.kv_dtype,
             kv_layout=config.kv_layout, max_batch=num_ids if contiguous else 0,
         )
-        # One step at a time: steps mutate the shared cache.
-        self._step_lock = threading.Lock()
+        # One step at a time (steps mutate the shared cache), and a step planned
+        # ahead only right after the step it names.
+        self._step_done = threading.Condition()
+        self._last_step: tuple[int, bool] | None = None  # (step id, succeeded) of the step run last
 
     def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int) -> int:
         """Blocks (or contiguous slots of max_seq_len tokens) that fit in
@@ -125,10 +129,28 @@ class Worker:
         return max(1, self.config.kv_cache_memory_mb * 2**20 // per_id)
 
     def step(self, step: StepInput) -> StepOutput:
-        """Validates first (raising InvalidStep before anything is touched), then runs."""
+        """Validates first (raising InvalidStep before anything is touched), then runs.
+        A step planned ahead waits (briefly) for the step it names to run first,
+        since gRPC may hand the two calls to threads in either order; StaleStep
+        if that step is not the one run last."""
         validate(step, self.limits)
-        with self._step_lock:
-            return self.runner.execute(step)
+        with self._step_done:
+            if step.previous_step_id is not None:
+                self._await_previous(step.previous_step_id)
+            ok = False
+            try:
+                out = self.runner.execute(step)
+                ok = True
+                return out
+            finally:
+                self._last_step = (step.step_id, ok)
+                self._step_done.notify_all()
+
+    def _await_previous(self, previous: int) -> None:
+        ran = lambda: self._last_step is not None and self._last_step[0] == previous  # noqa: E731
+        if not self._step_done.wait_for(ran, timeout=PREVIOUS_STEP_WAIT_S) or not self._last_step[1]:
+            raise StaleStep(f"previous_step_id: step {previous} is not the step this worker ran last "
+                            f"({self._last_step}); it restarted or that step failed")
 
 
 def _describe(device: torch.device) -> str:

@@ -13,7 +13,7 @@ import structlog
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.engine.engine import Engine, EngineStats
 from scheduler_svc.api.status import DOMAIN_ERRORS, abort_with
-from scheduler_svc.engine.streams import StreamEvent
+from scheduler_svc.engine.streams import StreamEvent, coalesce
 from scheduler_svc.engine.pinning import pin_on_core
 from scheduler_svc.planning.validation import (SEED_SPACE, RequestRejected, check_num_samples, check_prompt_ids,
                                                check_sampling)
@@ -109,11 +109,15 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
         try:
             remaining = stream.num_samples
             while remaining:
-                event = await stream.events.get()
+                event, error = await stream.events.get(), None
+                if stream.num_samples == 1:
+                    event, error = coalesce(stream.events, event)
                 if event.error_code:
                     await context.abort(grpc.StatusCode[event.error_code], event.error_message)
                 yield event_to_proto(event, req.request_id)
                 remaining -= event.finished
+                if error is not None:  # after the tokens that came before it
+                    await context.abort(grpc.StatusCode[error.error_code], error.error_message)
         finally:
             # Runs on normal end, client cancel and deadline alike: a request whose
             # client is gone is aborted and its blocks freed within one step.

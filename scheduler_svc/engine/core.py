@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_strea
 from scheduler_svc.planning.planner import Planner, StepPlan
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.text.tokenizer import ModelTokenizer
-from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +59,14 @@ class CoreCounters:
 class CoreOptions:
     worker_timeout_s: float = 30.0
     health_interval_s: float = 1.0
+    async_scheduling: bool = True  # plan and send step N+1 while step N runs
+
+
+@dataclass(frozen=True, slots=True)
+class _SentStep:
+    plan: StepPlan
+    started: float  # perf_counter when it was sent
+    call: asyncio.Task[StepResult]
 
 
 # Called by a core that lost its worker, with itself: moves its live requests to
@@ -187,7 +196,7 @@ class EngineCore:
                     # Nothing fits right now (e.g. blocks held by ending requests): wait for a change.
                     await self._wait_for_wakeup(0.01)
                 else:
-                    await self._execute(plan)
+                    await self._run_steps(plan)
 
     async def _wait_for_wakeup(self, timeout_s: float) -> bool:
         """True if woken (new work, an abort), False on timeout."""
@@ -202,25 +211,58 @@ class EngineCore:
         except TimeoutError:
             return False
 
-    async def _execute(self, plan: StepPlan) -> None:
-        step_log = log.bind(step_id=plan.step_id, worker=self.info.address)
-        started = time.perf_counter()
+    async def _run_steps(self, first: StepPlan) -> None:
+        """Run `first`; with overlapped scheduling, plan and send step N+1 while step
+        N runs on the worker (planning, encoding and the RPC hide behind N's
+        forward), as long as the planner can plan ahead."""
+        in_flight = deque([await self._send(first)])
         try:
-            result = await self.client.step(plan)
+            while in_flight:
+                if self.options.async_scheduling and self.planner.can_plan_ahead and self.planner.has_work():
+                    ahead = self.planner.schedule()
+                    if not ahead.is_empty:
+                        in_flight.append(await self._send(ahead))
+                if not await self._complete(in_flight.popleft()):
+                    break  # the worker failed or refused: the planner dropped the later steps
+        finally:
+            await self._abandon(in_flight)
+
+    async def _send(self, plan: StepPlan) -> _SentStep:
+        sent = _SentStep(plan, time.perf_counter(), asyncio.create_task(self.client.step(plan)))
+        await asyncio.sleep(0)  # let the call encode and go out before the next step is planned
+        return sent
+
+    @staticmethod
+    async def _abandon(steps: deque[_SentStep]) -> None:
+        """Wait out steps whose results no longer count: the worker runs a step only
+        right after the one it names, so none of them can land after a new plan."""
+        for step in steps:
+            if not step.call.done():
+                step.call.cancel()
+        await asyncio.gather(*(step.call for step in steps), return_exceptions=True)
+        steps.clear()
+
+    async def _complete(self, step: _SentStep) -> bool:
+        """Apply a step's result and stream it; False if the steps after it are void."""
+        plan = step.plan
+        step_log = log.bind(step_id=plan.step_id, worker=self.info.address)
+        try:
+            result = await step.call
         except WorkerCallFailed as err:
             if err.transient:
                 self._lose(f"step failed: {err}", step_id=plan.step_id)
             else:
                 step_log.error("worker rejected step", code=err.reason, details=err.details)
                 self._fail_plan(plan, err)
-            return
+            return False
         if result.instance_id != self.info.instance_id:
             # The worker restarted between two steps: its cache is empty, so this
             # result was computed over garbage. Forget it and recompute.
             step_log.warning("worker restarted", old=self.info.instance_id, new=result.instance_id)
             self.planner.requeue_all(reset_prefix_cache=True)
             self._lose("restarted between steps", step_id=plan.step_id)
-            return
+            return False
+        started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
         updates = self.planner.update(plan, result.sampled)
@@ -229,8 +271,9 @@ class EngineCore:
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
         step_log.debug("step", seqs=len(plan.seqs), tokens=plan.num_tokens, forward_ms=round(result.forward_ms, 2),
                        step_ms=round(self.counters.last_step_ms, 2), preempted=plan.preempted,
-                       request_ids=[s.request_id for s in plan.seqs])
+                       planned_ahead=plan.previous_step_id is not None, request_ids=[s.request_id for s in plan.seqs])
         self._dispatch(updates)
+        return True
 
     def _dispatch(self, updates) -> None:
         for update in updates:

@@ -394,7 +394,8 @@ def _request_ids(request: Request) -> list[str]:
 
 
 def _core_options(config: SchedulerConfig) -> CoreOptions:
-    return CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s)
+    return CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s,
+                       async_scheduling=config.async_scheduling)
 
 
 def _worker_client(address: str, config: SchedulerConfig) -> WorkerClient:

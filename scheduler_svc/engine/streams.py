@@ -33,6 +33,31 @@ class StreamEvent:
     error_message: str = ""
     index: int = 0  # which of a request's n samples
 
+    def absorb(self, later: StreamEvent) -> None:
+        """Append a later event of the same sample, so one message carries both."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        self.logprobs = self.logprobs + later.logprobs
+        self.progress = later.progress or self.progress
+        if later.finished:
+            self.finished, self.finish_reason, self.usage = True, later.finish_reason, later.usage
+
+
+def coalesce(events: asyncio.Queue[StreamEvent], first: StreamEvent) -> tuple[StreamEvent, StreamEvent | None]:
+    """`first` with the token events already queued behind it, as one event: a
+    client slower than the steps gets every token it missed in one message
+    rather than one message per token. Returns (merged, an error event taken off
+    the queue that must follow it, or None). Only for one-sample requests, whose
+    events all belong to the same stream."""
+    error = None
+    while not (first.finished or first.error_code or events.empty()):
+        later = events.get_nowait()
+        if later.error_code:
+            error = later
+            break
+        first.absorb(later)
+    return first, error
+
 
 @dataclass
 class StreamHandle:

@@ -13,8 +13,9 @@ from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 
 
 # Codes after which the worker may come back: reconnect and recompute.
+# ABORTED: a step named a previous step whose samples the worker no longer holds (it restarted).
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                        grpc.StatusCode.UNKNOWN})
+                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED})
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,11 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
         sampling = worker_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
         seqs.append(worker_pb2.SequenceStep(
             seq_id=s.seq_id, token_ids=s.token_ids, start_pos=s.start_pos, block_table=s.block_table,
-            slot_mapping=s.slot_mapping, sample=s.sample, sampling=sampling))
+            slot_mapping=s.slot_mapping, sample=s.sample, sampling=sampling,
+            token_from_previous_step=s.token_from_previous_step))
     copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
-    return worker_pb2.StepRequest(step_id=plan.step_id, copies=copies, seqs=seqs)
+    return worker_pb2.StepRequest(step_id=plan.step_id, copies=copies, seqs=seqs,
+                                  previous_step_id=plan.previous_step_id)
 
 
 def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:

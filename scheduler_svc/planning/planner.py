@@ -3,12 +3,23 @@
 vLLM-v1 style: a request has num_computed_tokens and a step schedules tokens,
 not phases. A prefill chunk, a resumed (recomputed) request and a decode are the
 same thing: the tokens in [num_computed_tokens, num_tokens) that fit the budget.
+num_computed_tokens advances when a step is planned: it counts the tokens whose
+KV is written or being written, so the next plan starts after them.
 
-Protocol (one plan in flight at a time):
+Protocol:
     plan = planner.schedule()      # retire -> free -> admit already happened
     sampled = worker.step(plan)    # {seq_id: (token_id, logprob)}
     updates = planner.update(plan, sampled)
 If a step is lost (worker error/restart), call requeue_all() instead of update().
+
+Overlapped scheduling: while one plan is in flight, schedule() may plan the
+next one ahead of its result. A request whose in-flight step samples a token
+then decodes that token without knowing it (`token_from_previous_step`: the
+worker takes it from its own last step). Such a plan never preempts; if
+something does not fit it sets `deferred` and the caller lets the pipeline
+drain, so preemption only happens with nothing in flight. A request that ends
+in the earlier step (EOS, stop string, abort) has its speculative token
+discarded by update() and its blocks freed once no step in flight holds it.
 """
 
 from __future__ import annotations
@@ -87,6 +98,9 @@ class ScheduledSeq:
     slot_mapping: list[int]  # block * block_size + offset, one per token
     sample: bool  # the chunk reaches the last known token: sample the next one
     sampling: SamplingOptions
+    # The one input token is the one this sequence samples in the step in
+    # flight before this one (token_ids then holds a placeholder).
+    token_from_previous_step: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +121,8 @@ class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
     prefill_progress: list[PrefillProgress] = field(default_factory=list)  # first prefill only
     preempted: list[str] = field(default_factory=list)  # request ids preempted while planning
+    previous_step_id: int | None = None  # planned ahead of this step's result (overlapped scheduling)
+    deferred: bool = False  # planned ahead, something did not fit: drain the pipeline before the next plan
 
     @property
     def num_tokens(self) -> int:
@@ -133,13 +149,21 @@ def _prompt_total(request: Request) -> int:
     return request.num_prompt_tokens + (1 if request.prefill_only else 0)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    plan: StepPlan
+    requests: dict[str, Request]  # the requests it was planned for, by id
+
+
 class _StepBudget:
     """Tokens and sequence slots left in the step being planned, and what got them."""
 
-    def __init__(self, max_tokens: int, max_seqs: int) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, ahead: bool = False) -> None:
         self.tokens_left = max_tokens
         self.seqs_left = max_seqs
         self.scheduled: dict[str, tuple[Request, int]] = {}  # insertion order = plan order
+        self.ahead = ahead  # planned while a step is in flight: no preemption
+        self.deferred = False  # ahead, and something did not fit
 
     def has_room(self) -> bool:
         return self.tokens_left > 0 and self.seqs_left > 0
@@ -168,9 +192,11 @@ class Planner:
         self.recomputed_tokens = 0  # tokens of preempted requests computed again
         self._next_step_id = 0
         self._next_arrival = 0
-        self._in_flight: StepPlan | None = None
-        self._in_flight_requests: dict[str, Request] = {}
+        # Steps sent and not yet applied, oldest first (at most two: one planned ahead).
+        self._in_flight: deque[_InFlight] = deque()
         self._free_after_step: list[Request] = []  # ended while in flight: blocks freed on update()
+        # Request id -> in-flight steps that sample it: its last token is not known yet.
+        self._pending_samples: dict[str, int] = {}
         self._pending_forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prefill
 
     # ---- queue ----------------------------------------------------------
@@ -189,7 +215,7 @@ class Planner:
     def idle(self) -> bool:
         """No live request, no step in flight, no ended request still holding blocks
         until its step comes back: nothing left for this worker to do (draining)."""
-        return not (self.waiting or self.running or self._in_flight is not None or self._free_after_step)
+        return not (self.waiting or self.running or self._in_flight or self._free_after_step)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -233,7 +259,7 @@ class Planner:
             self.requests.pop(child.request_id, None)
             child.status, child.finish_reason = RequestStatus.FINISHED, reason
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        if self._in_flight_requests.get(request_id) is request:
+        if self._is_in_flight(request):
             self._free_after_step.append(request)
         else:
             self.kv.free(request)
@@ -253,9 +279,11 @@ class Planner:
 
     # ---- planning -------------------------------------------------------
     def schedule(self) -> StepPlan:
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} is in flight: update() or requeue_all() first")
-        budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        """The next step. With a step in flight, planned ahead of its result (see the module doc)."""
+        if len(self._in_flight) > 1:
+            raise RuntimeError("two steps are in flight: update() the oldest before planning another")
+        ahead = bool(self._in_flight)
+        budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs, ahead)
         preempted: list[str] = []
         self._schedule_running(budget, preempted, decodes=True)
         self._schedule_running(budget, preempted, decodes=False)
@@ -265,13 +293,18 @@ class Planner:
             self._admit_waiting(budget)
         return self._build_plan(budget, preempted)
 
+    @property
+    def can_plan_ahead(self) -> bool:
+        """One step is in flight and the next may be planned before its result."""
+        return len(self._in_flight) == 1 and not self._in_flight[0].plan.deferred
+
     def _schedule_running(self, budget: _StepBudget, preempted: list[str], decodes: bool) -> None:
         """Decodes (one token left) of running requests, or else their next prefill chunks; oldest first."""
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.request_id in budget.scheduled:
                 continue  # preempted earlier in this loop, or already has its tokens
-            remaining = request.num_tokens - request.num_computed_tokens
-            if (remaining == 1) != decodes:
+            remaining = self._known_end(request) - request.num_computed_tokens
+            if remaining == 0 or (remaining == 1) != decodes or self._ends_in_flight(request):
                 continue
             if not budget.has_room():
                 return
@@ -279,6 +312,18 @@ class Planner:
             granted = self._reserve_slots(request, want, budget, preempted)
             if granted:
                 budget.add(request, granted)
+
+    def _known_end(self, request: Request) -> int:
+        """Tokens of the request once the steps in flight are applied: its own, plus
+        one per in-flight step that samples it."""
+        return request.num_tokens + self._pending_samples.get(request.request_id, 0)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The token sampled in flight will reach max_tokens or the length limit:
+        planning past it would only be discarded."""
+        pending = self._pending_samples.get(request.request_id, 0)
+        return pending > 0 and (request.num_output_tokens + pending >= request.sampling.max_tokens
+                                or request.num_tokens + pending >= self.max_len)
 
     def _reserve_slots(self, request: Request, want: int, budget: _StepBudget, preempted: list[str]) -> int:
         """Slots for up to `want` tokens: a smaller chunk if that is all that fits,
@@ -288,6 +333,9 @@ class Planner:
             num_tokens = min(want, self.kv.num_tokens_fitting(request))
             if num_tokens > 0 and self.kv.allocate_slots(request, num_tokens) is not None:
                 return num_tokens
+            if budget.ahead:  # a victim may be in flight: preempt only with nothing in flight
+                budget.deferred = True
+                return 0
             victim = next(r for r in reversed(self.running) if r.request_id not in budget.scheduled)
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -302,6 +350,7 @@ class Planner:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             want = min(request.num_tokens - num_hit_tokens, self._chunk_limit(), budget.tokens_left)
             if self.kv.allocate_slots(request, want, hits) is None:
+                budget.deferred = budget.deferred or budget.ahead
                 return
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
@@ -339,28 +388,40 @@ class Planner:
         )
 
     def _build_plan(self, budget: _StepBudget, preempted: list[str]) -> StepPlan:
-        plan = StepPlan(step_id=self._next_step_id, preempted=preempted, copies=self.kv.take_copies())
+        # A plan made ahead runs on the worker only right after the step in flight
+        # (and its decodes take their input from that step's samples).
+        previous = self._in_flight[-1].plan.step_id if budget.ahead else None
+        plan = StepPlan(step_id=self._next_step_id, preempted=preempted, copies=self.kv.take_copies(),
+                        previous_step_id=previous, deferred=budget.deferred)
         self._next_step_id += 1
         for request, num_tokens in budget.scheduled.values():
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+            from_previous = start == request.num_tokens  # its input is sampled by the step in flight
+            sample = end == self._known_end(request) and not request.prefill_only
             plan.seqs.append(
                 ScheduledSeq(
                     request_id=request.request_id,
                     seq_id=request.seq_id,
-                    token_ids=request.all_token_ids[start:end],
+                    token_ids=[0] if from_previous else request.all_token_ids[start:end],
                     start_pos=start,
                     block_table=self.kv.block_table(request.request_id),
                     slot_mapping=self.kv.slot_mapping(request, start, end),
-                    sample=end == request.num_tokens and not request.prefill_only,
+                    sample=sample,
                     sampling=request.sampling,
+                    token_from_previous_step=from_previous,
                 )
             )
+            request.num_computed_tokens = end
+            if sample:
+                self._pending_samples[request.request_id] = self._pending_samples.get(request.request_id, 0) + 1
             if not request.output_token_ids:
                 plan.prefill_progress.append(PrefillProgress(request.request_id, end, _prompt_total(request)))
         if plan.seqs:
-            self._in_flight = plan
-            self._in_flight_requests = {r.request_id: r for r, _ in budget.scheduled.values()}
+            self._in_flight.append(_InFlight(plan, {r.request_id: r for r, _ in budget.scheduled.values()}))
         return plan
+
+    def _is_in_flight(self, request: Request) -> bool:
+        return any(step.requests.get(request.request_id) is request for step in self._in_flight)
 
     # ---- results --------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[int, tuple[int, float]]) -> list[RequestUpdate]:
@@ -369,29 +430,38 @@ class Planner:
         Finished requests are retired and their blocks freed here, so the next
         schedule() can hand those blocks to new requests.
         """
-        if not plan.seqs and plan is not self._in_flight:
+        if not plan.seqs:
             return []  # an empty plan was never in flight
-        if plan is not self._in_flight:
-            raise RuntimeError(f"update() got step {plan.step_id}, which is not the step in flight")
-        live = [(self._in_flight_requests[s.request_id], s) for s in plan.seqs]
+        if not self._in_flight or plan is not self._in_flight[0].plan:
+            raise RuntimeError(f"update() got step {plan.step_id}, which is not the oldest step in flight")
+        requests = self._in_flight[0].requests
+        live = [(requests[s.request_id], s) for s in plan.seqs]
         live = [(r, s) for r, s in live if r.status is RequestStatus.RUNNING]
         if missing := [s.seq_id for _, s in live if s.sample and s.seq_id not in sampled]:
             raise ValueError(f"step {plan.step_id}: no sampled token for seq_ids {missing}")
-        self._in_flight, self._in_flight_requests = None, {}
+        self._in_flight.popleft()
+        for seq in plan.seqs:
+            if seq.sample:
+                self._drop_pending_sample(seq.request_id)
         updates = [self._apply(request, seq, sampled) for request, seq in live]
         self._free_ended_in_flight()
         return updates
 
+    def _drop_pending_sample(self, request_id: str) -> None:
+        left = self._pending_samples.pop(request_id, 0) - 1
+        if left > 0:
+            self._pending_samples[request_id] = left
+
     def _apply(self, request: Request, seq: ScheduledSeq, sampled: dict[int, tuple[int, float]]) -> RequestUpdate:
-        request.num_computed_tokens += len(seq.token_ids)
-        self.kv.cache_full_blocks(request, request.num_computed_tokens)
-        if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+        computed = seq.start_pos + len(seq.token_ids)  # this step's KV is written; later steps' may not be
+        self.kv.cache_full_blocks(request, computed)
+        if request.prefill_only and computed == request.num_tokens:
             self._fork(request)
             return RequestUpdate(request.request_id, forked=True)
         if not seq.sample:
             progress = None
             if not request.output_token_ids:
-                progress = (request.num_computed_tokens, _prompt_total(request))
+                progress = (computed, _prompt_total(request))
             return RequestUpdate(request.request_id, prefill_progress=progress)
         token_id, logprob = sampled[seq.seq_id]
         # The first token also closes the prompt's progress: (total, total).
@@ -421,16 +491,20 @@ class Planner:
         return None
 
     def _free_ended_in_flight(self) -> None:
+        """Free the ended requests that no step in flight holds any more."""
+        still = [r for r in self._free_after_step if self._is_in_flight(r)]
         for request in self._free_after_step:
-            self.kv.free(request)
-        self._free_after_step.clear()
+            if request not in still:
+                self.kv.free(request)
+        self._free_after_step = still
 
     # ---- recovery and checks --------------------------------------------
     def requeue_all(self, reset_prefix_cache: bool = True) -> None:
         """The worker's cache cannot be trusted (a step was lost, it restarted):
         drop the step in flight, send every running request back to the front of
         the queue (oldest first) and, by default, forget all cached blocks."""
-        self._in_flight, self._in_flight_requests = None, {}
+        self._in_flight.clear()
+        self._pending_samples.clear()
         self._free_ended_in_flight()
         for request in reversed(self.running):
             self.kv.free(request)
@@ -459,8 +533,7 @@ class Planner:
         problems = [f"waiting {r.request_id} holds blocks" for r in self.waiting if self.kv.block_table(r.request_id)]
         for request in self.running:
             have = len(self.kv.block_table(request.request_id))
-            in_flight = self._in_flight_requests.get(request.request_id) is request
-            if not in_flight and have != math.ceil(request.num_computed_tokens / self.kv.block_size):
+            if have != math.ceil(request.num_computed_tokens / self.kv.block_size):
                 problems.append(f"running {request.request_id}: {have} blocks for {request.num_computed_tokens} tokens")
         if problems:
             raise LeakError("planner audit failed:\n  " + "\n  ".join(problems))

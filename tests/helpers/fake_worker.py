@@ -20,10 +20,14 @@ class FakeWorker:
         self.vocab_size = vocab_size
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
         self.steps: list[StepPlan] = []
+        # The last step's samples, for decodes that take their input from it (overlapped scheduling).
+        self.last_step_id: int | None = None
+        self.last_sampled: dict[int, tuple[int, float]] = {}
 
     def restart(self) -> None:
         """Lose the whole cache, as a restarted worker would."""
         self.slots.clear()
+        self.last_step_id, self.last_sampled = None, {}
 
     def next_token(self, context: list[int]) -> int:
         """Order-sensitive, so a block with the right tokens in the wrong place is caught."""
@@ -40,20 +44,30 @@ class FakeWorker:
         assert len(seq_ids) == len(set(seq_ids)), f"step {plan.step_id}: a seq scheduled twice"
         for seq in plan.seqs:
             self._check_shape(seq)
+        inputs = {seq.seq_id: self._inputs(plan, seq) for seq in plan.seqs}
         written = [slot for seq in plan.seqs for slot in seq.slot_mapping]
         written_now = set(written)
         assert len(written) == len(written_now), f"step {plan.step_id}: a slot written twice"
         # No sequence may read (as cached context) a slot that this step writes.
-        contexts = [self._read(seq.block_table, seq.start_pos, written_now) + list(seq.token_ids) for seq in plan.seqs]
+        contexts = [self._read(seq.block_table, seq.start_pos, written_now) + inputs[seq.seq_id] for seq in plan.seqs]
         for seq in plan.seqs:
             for i, slot in enumerate(seq.slot_mapping):
-                self.slots[slot] = (seq.start_pos + i, seq.token_ids[i])
+                self.slots[slot] = (seq.start_pos + i, inputs[seq.seq_id][i])
         sampled = {}
         for seq, context in zip(plan.seqs, contexts):
             if seq.sample:
                 token = self.next_token(context)
                 sampled[seq.seq_id] = (token, -float(token) / self.vocab_size)
+        self.last_step_id, self.last_sampled = plan.step_id, sampled
         return sampled
+
+    def _inputs(self, plan: StepPlan, seq) -> list[int]:
+        if not seq.token_from_previous_step:
+            return list(seq.token_ids)
+        assert plan.previous_step_id == self.last_step_id, (
+            f"step {plan.step_id} names step {plan.previous_step_id}'s samples; the last step run was {self.last_step_id}")
+        assert seq.seq_id in self.last_sampled, f"seq {seq.seq_id}: sampled nothing in step {self.last_step_id}"
+        return [self.last_sampled[seq.seq_id][0]]
 
     def _check_shape(self, seq) -> None:
         bs, end = self.block_size, seq.start_pos + len(seq.token_ids)

@@ -23,8 +23,9 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info
 
     async def Step(self, request, context):
+        previous = request.previous_step_id if request.HasField("previous_step_id") else None
         plan = SimpleNamespace(step_id=request.step_id, copies=[(c.src, c.dst) for c in request.copies],
-                               seqs=request.seqs)
+                               seqs=request.seqs, previous_step_id=previous)
         sampled = self.fake.execute(plan)
         return worker_pb2.StepResponse(
             step_id=request.step_id, instance_id=self.info.instance_id,

@@ -424,10 +424,14 @@ def test_finish_for_stop_string():
 # ---- protocol misuse --------------------------------------------------------------------------
 def test_update_protocol_is_enforced():
     planner, worker = make()
-    planner.add(req("a", range(10)))
+    planner.add(req("a", range(10), max_tokens=5))
     plan = planner.schedule()
+    ahead = planner.schedule()  # one step may be planned ahead of the result of the one in flight...
+    assert ahead.previous_step_id == plan.step_id and ahead.seqs[0].token_from_previous_step
     with pytest.raises(RuntimeError, match="in flight"):
-        planner.schedule()
+        planner.schedule()  # ...but not two
+    with pytest.raises(RuntimeError, match="oldest step in flight"):
+        planner.update(ahead, worker.execute(plan))  # results apply in order
     with pytest.raises(ValueError, match="no sampled token"):
         planner.update(plan, {})
     planner.update(plan, worker.execute(plan))  # the failed update changed nothing
