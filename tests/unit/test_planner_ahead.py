@@ -13,10 +13,7 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
 from scheduler_svc.request import FinishReason, Request, SamplingOptions
 
-try:
-    from fake_worker import FakeWorker
-except ImportError:  # tests/unit collected as a package
-    from .fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker
 
 BS, VOCAB = 16, 1000
 
