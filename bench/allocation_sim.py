@@ -5,7 +5,7 @@ generated one token per step) arrive in one burst and go through four KV
 allocators over one pool of the same size (65,536 token positions):
 
 * naive contiguous: every sequence reserves a max_seq_len (4,096) slot -- the
-  scheduler's SlotManager (scheduler_svc/slot_manager.py), which accounts a
+  scheduler's SlotManager (scheduler_svc/kv/slot_manager.py), which accounts a
   contiguous worker;
 * dynamic: one variable-size contiguous extent per sequence, sized to its whole
   length (prompt + max_tokens), placed first-fit in a linear address space with

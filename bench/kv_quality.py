@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from bench.common import markdown_table, write_result
 from svc_common.processes import REPO
-from worker_svc.attention import PagedAttention
+from worker_svc.attention import CacheAttention
 from worker_svc.config import WorkerConfig
 from worker_svc.forward_batch import build_forward_batch
 from worker_svc.kv_cache import PagedKVCache
@@ -75,7 +75,7 @@ class Variant:
         """fp32 logits [len(tokens), vocab] of a prefill chunk at positions start..."""
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
         batch = build_forward_batch(StepInput(0, [], [SeqInput(1, tokens, start, table, slots)]), self.model.device)
-        attention = PagedAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
+        attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
         return self.model.logits(self.model.forward(batch.input_ids, batch.positions, attention))
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -45,4 +45,3 @@ class CacheAttention:
         return self.cache.attend(self.ops, layer, q, self.batch, self.scale, window)
 
 
-PagedAttention = CacheAttention  # the name bench/kv_quality.py imports

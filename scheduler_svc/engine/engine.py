@@ -1,7 +1,7 @@
 """The scheduler's engine: one EngineCore per worker, request routing
-(scheduler_svc/router.py), stats, moving a lost worker's requests to the others
+(scheduler_svc/engine/router.py), stats, moving a lost worker's requests to the others
 (handover), workers joining and leaving at run time (add_worker, drain_worker:
-the admin.v1 service, scheduler_svc/admin.py), and draining for a graceful
+the admin.v1 service, scheduler_svc/api/admin.py), and draining for a graceful
 shutdown."""
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ class KVCacheManager:
         self._num_table_tokens[child.request_id] = self._num_table_tokens[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
-    # ---- capacity (the KVManager protocol, scheduler_svc/kv_pool.py) --------
+    # ---- capacity (the KVManager protocol, scheduler_svc/kv/interface.py) --------
     @property
     def max_request_tokens(self) -> int:
         """Most tokens one request can hold: the whole pool."""

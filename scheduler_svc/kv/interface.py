@@ -4,10 +4,10 @@ The planner (and the router, engine and admin services through `planner.kv`)
 depend only on this protocol. Two implementations, picked from the worker's
 Info.kv_layout by engine._planner():
 
-* KVCacheManager (scheduler_svc/kv_cache_manager.py) over a BlockPool: the paged
+* KVCacheManager (scheduler_svc/kv/block_manager.py) over a BlockPool: the paged
   layout -- blocks of block_size tokens allocated as tokens are scheduled, prefix
   sharing with ref counts, copy-on-write, eviction.
-* SlotManager (scheduler_svc/slot_manager.py): the contiguous layout -- one slot
+* SlotManager (scheduler_svc/kv/slot_manager.py): the contiguous layout -- one slot
   of max_seq_len tokens held by a sequence for its whole life; no prefix sharing.
 
 Both speak in "blocks": a contiguous slot is a block of max_seq_len tokens, so a

@@ -5,7 +5,7 @@ The worker's cache is [layers, max_batch, kv_heads, max_seq_len, head_dim]; a
 sequence holds one whole slot of max_seq_len positions from admission to the
 end, however few tokens it has. So admission needs a free slot, a running
 sequence never needs more memory, and there is no prefix sharing. It speaks the
-same KVManager protocol as KVCacheManager (scheduler_svc/kv_pool.py): a slot is a
+same KVManager protocol as KVCacheManager (scheduler_svc/kv/interface.py): a slot is a
 block of max_seq_len tokens, a block table is [slot], a position's slot is
 slot * max_seq_len + position.
 

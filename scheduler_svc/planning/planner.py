@@ -177,7 +177,7 @@ class _StepBudget:
 class Planner:
     def __init__(self, config: PlannerConfig, kv_cache_manager: KVManager) -> None:
         """kv_cache_manager: the worker's KV memory as the KVManager protocol
-        (scheduler_svc/kv_pool.py): paged blocks or contiguous slots."""
+        (scheduler_svc/kv/interface.py): paged blocks or contiguous slots."""
         self.config = config.validate()
         if config.block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {config.block_size} != KV cache block size {kv_cache_manager.block_size}")
