@@ -35,6 +35,7 @@ Plus the seed's static snapshot: all 100 sequences at full length at once.
 
 Writes bench/results/allocation_sim.md and allocation_sim.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,10 +51,10 @@ import structlog
 from tqdm import tqdm
 
 from bench.common import RESULTS, markdown_table, write_result
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager
-from scheduler_svc.request import Request, SamplingOptions
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.slot_manager import SlotManager
+from scheduler_svc.request import Request, SamplingOptions
 
 BLOCK = 16
 MAX_SEQ_LEN = 4096
@@ -357,11 +358,22 @@ def snapshot(cases) -> list[list]:
         unique_tokens += length - len(prompt)
     shared = kv.pool.num_used_blocks * BLOCK
     usage = kv.usage()
-    for name, used, holds in (("naive contiguous", naive, total_tokens), ("dynamic (first fit)", dynamic, total_tokens),
-                              ("paged", paged, total_tokens),
-                              ("paged + prefix sharing", shared, usage.allocated_slots - usage.unused_slots)):
-        rows.append([name, f"{used:,}", f"{used * BYTES_PER_TOKEN / 2**20:,.0f}", f"{holds / used:.1%}",
-                     f"{1 - holds / used:.1%}", f"{used / naive:.1%}"])
+    for name, used, holds in (
+        ("naive contiguous", naive, total_tokens),
+        ("dynamic (first fit)", dynamic, total_tokens),
+        ("paged", paged, total_tokens),
+        ("paged + prefix sharing", shared, usage.allocated_slots - usage.unused_slots),
+    ):
+        rows.append(
+            [
+                name,
+                f"{used:,}",
+                f"{used * BYTES_PER_TOKEN / 2**20:,.0f}",
+                f"{holds / used:.1%}",
+                f"{1 - holds / used:.1%}",
+                f"{used / naive:.1%}",
+            ]
+        )
     return rows
 
 
@@ -372,8 +384,12 @@ def plot(traces: list[Trace], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    panels = [("running", "sequences running"), ("utilization", "utilization: live KV / allocated"),
-              ("live", "live KV / pool capacity"), ("external", "external fragmentation: 1 - largest hole / free")]
+    panels = [
+        ("running", "sequences running"),
+        ("utilization", "utilization: live KV / allocated"),
+        ("live", "live KV / pool capacity"),
+        ("external", "external fragmentation: 1 - largest hole / free"),
+    ]
     for ax, (attr, title) in zip(axes.flat, panels):
         for trace in traces:
             ax.plot(trace.steps, getattr(trace, attr), label=trace.name, linewidth=1.2)
@@ -408,18 +424,53 @@ def main() -> None:
         # Means while requests were waiting: the pool is what holds them back.
         busy = [i for i, w in enumerate(t.waiting) if w]
         util = mean([t.utilization[i] for i in busy])
-        rows.append([t.name, t.total_steps, t.peak_running, f"{mean([t.running[i] for i in busy]):.1f}",
-                     f"{util:.1%}", f"{1 - util:.1%}", f"{mean([t.external[i] for i in busy]):.1%}",
-                     t.blocked_by_fragmentation, f"{mean([t.occupancy[i] for i in busy]):.1%}",
-                     f"{mean([t.live[i] for i in busy]):.1%}", t.preemptions,
-                     f"{statistics.median(t.latencies):.0f}", f"{t.alloc_seconds / t.alloc_calls * 1e6:.1f}"])
+        rows.append(
+            [
+                t.name,
+                t.total_steps,
+                t.peak_running,
+                f"{mean([t.running[i] for i in busy]):.1f}",
+                f"{util:.1%}",
+                f"{1 - util:.1%}",
+                f"{mean([t.external[i] for i in busy]):.1%}",
+                t.blocked_by_fragmentation,
+                f"{mean([t.occupancy[i] for i in busy]):.1%}",
+                f"{mean([t.live[i] for i in busy]):.1%}",
+                t.preemptions,
+                f"{statistics.median(t.latencies):.0f}",
+                f"{t.alloc_seconds / t.alloc_calls * 1e6:.1f}",
+            ]
+        )
     table = markdown_table(
-        ["allocator", "steps to finish all", "peak running", "mean running", "utilization (live / allocated)",
-         "internal fragmentation", "external fragmentation", "steps blocked by fragmentation",
-         "pool allocated", "pool holding live KV", "preemptions", "median finish step", "us per alloc call"], rows)
+        [
+            "allocator",
+            "steps to finish all",
+            "peak running",
+            "mean running",
+            "utilization (live / allocated)",
+            "internal fragmentation",
+            "external fragmentation",
+            "steps blocked by fragmentation",
+            "pool allocated",
+            "pool holding live KV",
+            "preemptions",
+            "median finish step",
+            "us per alloc call",
+        ],
+        rows,
+    )
     snap = snapshot(cases)
-    snap_table = markdown_table(["allocator", "token positions", "MiB (SmolLM2-135M, bf16)", "utilization",
-                                 "internal fragmentation", "memory vs naive"], snap)
+    snap_table = markdown_table(
+        [
+            "allocator",
+            "token positions",
+            "MiB (SmolLM2-135M, bf16)",
+            "utilization",
+            "internal fragmentation",
+            "memory vs naive",
+        ],
+        snap,
+    )
     RESULTS.mkdir(exist_ok=True)
     png = RESULTS / "allocation_sim.png"
     plot(traces, png)
@@ -458,8 +509,7 @@ unfilled part of each sequence's last block.
 
 Script time: {elapsed:.1f} s. Plot: `allocation_sim.png`.
 """
-    path = write_result("allocation_sim", "Allocation simulation: naive, dynamic, paged, paged + sharing", "",
-                        notes)
+    path = write_result("allocation_sim", "Allocation simulation: naive, dynamic, paged, paged + sharing", "", notes)
     print(f"wrote {path} and {png} in {elapsed:.1f} s")
 
 

@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks (beside bench/common.py): plots, percentiles,
 process memory, worker Info, prompt text, progress bars and timed token streams.
 Not a benchmark itself (bench/run_all.py knows it is a helper)."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,8 @@ from pathlib import Path
 import grpc
 
 from bench.common import RESULTS
-from svc_common import defaults
 from proto import worker_pb2, worker_pb2_grpc
+from svc_common import defaults
 from svc_common.processes import REPO
 
 DEFAULT_MODEL = REPO / defaults.DEFAULT_MODEL
@@ -117,7 +118,7 @@ def word_prompts(n: int, min_words: int = 20, max_words: int = 120, seed: int = 
     for _ in range(n):
         length = rng.randint(min_words, max_words)
         start = rng.randrange(0, len(words) - length)
-        prompts.append(" ".join(words[start:start + length]))
+        prompts.append(" ".join(words[start : start + length]))
     return prompts
 
 
@@ -142,10 +143,11 @@ class TimedStream:
     _thread: threading.Thread | None = None
     _cancelled: bool = False
 
-    def start(self) -> "TimedStream":
+    def start(self) -> TimedStream:
         self.started_at = time.perf_counter()
-        self._call = self.client.stream(prompt_token_ids=self.token_ids, max_tokens=self.max_tokens,
-                                        temperature=0.0, ignore_eos=True, timeout=3600)
+        self._call = self.client.stream(
+            prompt_token_ids=self.token_ids, max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True, timeout=3600
+        )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         return self
@@ -183,8 +185,9 @@ class TimedStream:
         return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:]) if start < b <= end]
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.01, what: str = "condition",
-               streams: list[TimedStream] = ()) -> None:
+def wait_until(
+    predicate, timeout_s: float, interval_s: float = 0.01, what: str = "condition", streams: list[TimedStream] = ()
+) -> None:
     """Poll predicate(); raise if it is still false after timeout_s, or at once if
     one of `streams` failed."""
     deadline = time.monotonic() + timeout_s

@@ -18,6 +18,7 @@ sequence) vs the paged one, through real processes (worker + scheduler, gRPC).
 
 Writes bench/results/capacity.md and capacity.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,11 +104,13 @@ def run_burst(address: str, cases: list[tuple[list[int], int]], desc: str) -> tu
     run = Run(desc)
     bar = tqdm(total=sum(n for _, n in cases), desc=desc, unit="tok", leave=False)
     with SchedulerClient(address) as client:
+
         def one(case):
             ids, n = case
             got = 0
-            for reply in client.stream(prompt_token_ids=ids, max_tokens=n, temperature=0.0, ignore_eos=True,
-                                       timeout=900):
+            for reply in client.stream(
+                prompt_token_ids=ids, max_tokens=n, temperature=0.0, ignore_eos=True, timeout=900
+            ):
                 got += len(reply.token_ids)
                 bar.update(len(reply.token_ids))
             return got
@@ -127,8 +130,16 @@ def run_burst(address: str, cases: list[tuple[list[int], int]], desc: str) -> tu
 def layout_args(layout: str, model_len: int = MAX_SEQ_LEN) -> list[str]:
     if layout == "contiguous":
         return ["--kv-layout", "contiguous", "--max-batch", str(CONTIGUOUS_BATCH), "--max-model-len", str(model_len)]
-    return ["--kv-layout", "paged", "--num-blocks", str(model_len * CONTIGUOUS_BATCH // BLOCK_SIZE),
-            "--block-size", str(BLOCK_SIZE), "--max-model-len", str(model_len)]
+    return [
+        "--kv-layout",
+        "paged",
+        "--num-blocks",
+        str(model_len * CONTIGUOUS_BATCH // BLOCK_SIZE),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        str(model_len),
+    ]
 
 
 def check_equal_memory(address_by_layout: dict[str, str]) -> dict[str, int]:
@@ -163,8 +174,11 @@ def part_workload(args) -> tuple[list[Run], dict[str, int]]:
             run, _ = run_burst(cluster.address, cases, name)
         run.name = name
         runs.append(run)
-        print(f"  {name}: max running {run.max_running}, {run.tokens_per_s:.1f} output tok/s, "
-              f"{run.elapsed_s:.1f} s, {run.preemptions} preemptions", flush=True)
+        print(
+            f"  {name}: max running {run.max_running}, {run.tokens_per_s:.1f} output tok/s, "
+            f"{run.elapsed_s:.1f} s, {run.preemptions} preemptions",
+            flush=True,
+        )
     return runs, memory
 
 
@@ -183,9 +197,11 @@ def measure_capacity(address: str, length: int, count: int, vocab: int, seed: in
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(length - GENERATED)] for _ in range(count)]
     with SchedulerClient(address) as client:
+
         def one(ids):
-            return client.generate(prompt_token_ids=ids, max_tokens=GENERATED, ignore_eos=True,
-                                   timeout=900).completion_tokens
+            return client.generate(
+                prompt_token_ids=ids, max_tokens=GENERATED, ignore_eos=True, timeout=900
+            ).completion_tokens
 
         with RunningSampler(client, period_s=0.005) as sampler, ThreadPoolExecutor(min(count, 256)) as pool:
             assert sum(pool.map(one, prompts)) == count * GENERATED
@@ -204,8 +220,17 @@ def part_capacity(args) -> list[list]:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     # A step may hold every admitted prompt whole: admission then allocates a
     # sequence's whole prompt, and only a full pool stops it.
-    scheduler_args = ["--max-num-seqs", "1024", "--max-num-batched-tokens", str(4 * TOKENS),
-                      "--chunk-size", str(MAX_SEQ_LEN), "--max-waiting", "4096", "--no-prefix-caching"]
+    scheduler_args = [
+        "--max-num-seqs",
+        "1024",
+        "--max-num-batched-tokens",
+        str(4 * TOKENS),
+        "--chunk-size",
+        str(MAX_SEQ_LEN),
+        "--max-waiting",
+        "4096",
+        "--no-prefix-caching",
+    ]
     measured: dict[tuple[str, int], int] = {}
     bar = tqdm(total=2 * len(CAPACITY_LENGTHS), desc="capacity table", leave=False)
     for layout in ("contiguous", "paged"):
@@ -213,8 +238,7 @@ def part_capacity(args) -> list[list]:
             for length in CAPACITY_LENGTHS:
                 expected = TOKENS // length if layout == "paged" else CONTIGUOUS_BATCH
                 count = expected + max(4, expected // 4)  # more than fit: the surplus waits
-                measured[layout, length], full = measure_capacity(cluster.address, length, count, vocab,
-                                                                  seed=length)
+                measured[layout, length], full = measure_capacity(cluster.address, length, count, vocab, seed=length)
                 if not full:
                     print(f"  note: {layout} at {length}: nothing was waiting at the peak (arrival-bound)")
                 bar.update()
@@ -262,9 +286,12 @@ def main() -> None:
     parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--output-scale", type=float, default=0.5,
-                        help="multiply the seed's 128-256 output tokens by this (prompts unchanged); 1 = the "
-                             "seed's lengths")
+    parser.add_argument(
+        "--output-scale",
+        type=float,
+        default=0.5,
+        help="multiply the seed's 128-256 output tokens by this (prompts unchanged); 1 = the seed's lengths",
+    )
     parser.add_argument("--paged-batch", type=int, nargs="+", default=[24, 48])
     parser.add_argument("--skip-workload", action="store_true", help="only the capacity table")
     args = parser.parse_args()
@@ -273,8 +300,15 @@ def main() -> None:
     print("capacity table (tiny llama_long, 32,768 KV positions per layout) ...", flush=True)
     capacity_rows = part_capacity(args)
     capacity_table = markdown_table(
-        ["sequence length", "contiguous (8 slots)", "paged (2,048 blocks)", "paged, computed 32,768 / length",
-         "improvement"], capacity_rows)
+        [
+            "sequence length",
+            "contiguous (8 slots)",
+            "paged (2,048 blocks)",
+            "paged, computed 32,768 / length",
+            "improvement",
+        ],
+        capacity_rows,
+    )
     print(capacity_table, flush=True)
 
     runs, memory = [], {}
@@ -282,12 +316,30 @@ def main() -> None:
         print(f"seed workload: {args.requests} requests, {Path(args.model).name} {args.dtype} ...", flush=True)
         runs, memory = part_workload(args)
     base = runs[0] if runs else None
-    workload_rows = [[r.name, r.max_running, f"{r.max_running / base.max_running:.1f}x", f"{r.tokens_per_s:.1f}",
-                      f"{(r.tokens_per_s / base.tokens_per_s - 1) * 100:+.0f}%", f"{r.elapsed_s:.1f}", r.preemptions]
-                     for r in runs]
-    workload_table = markdown_table(["backend", "max concurrent sequences", "vs contiguous", "output tok/s",
-                                     "throughput vs contiguous", "burst wall time (s)", "preemptions"],
-                                    workload_rows)
+    workload_rows = [
+        [
+            r.name,
+            r.max_running,
+            f"{r.max_running / base.max_running:.1f}x",
+            f"{r.tokens_per_s:.1f}",
+            f"{(r.tokens_per_s / base.tokens_per_s - 1) * 100:+.0f}%",
+            f"{r.elapsed_s:.1f}",
+            r.preemptions,
+        ]
+        for r in runs
+    ]
+    workload_table = markdown_table(
+        [
+            "backend",
+            "max concurrent sequences",
+            "vs contiguous",
+            "output tok/s",
+            "throughput vs contiguous",
+            "burst wall time (s)",
+            "preemptions",
+        ],
+        workload_rows,
+    )
     print(workload_table, flush=True)
     RESULTS.mkdir(exist_ok=True)
     png = RESULTS / "capacity.png"
@@ -300,11 +352,13 @@ def main() -> None:
         ratio = paged.max_running / base.max_running
         best_tput = max(runs[1:], key=lambda r: r.tokens_per_s)
         gain = (best_tput.tokens_per_s / base.tokens_per_s - 1) * 100
-        goals = (f"* concurrency: paged reaches **{ratio:.1f}x** the contiguous backend's concurrent sequences "
-                 f"({paged.name}: {paged.max_running} vs {base.max_running}); goal >= 3x: "
-                 f"**{'met' if ratio >= 3 else 'missed'}**.\n"
-                 f"* throughput: best paged ({best_tput.name}) **{gain:+.0f}%** output tok/s over contiguous; "
-                 f"goal at least the seed's +12-32%: **{'met' if gain >= 12 else 'missed'}**.\n")
+        goals = (
+            f"* concurrency: paged reaches **{ratio:.1f}x** the contiguous backend's concurrent sequences "
+            f"({paged.name}: {paged.max_running} vs {base.max_running}); goal >= 3x: "
+            f"**{'met' if ratio >= 3 else 'missed'}**.\n"
+            f"* throughput: best paged ({best_tput.name}) **{gain:+.0f}%** output tok/s over contiguous; "
+            f"goal at least the seed's +12-32%: **{'met' if gain >= 12 else 'missed'}**.\n"
+        )
     mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in memory.items())
     outputs = "128-256" if args.output_scale == 1 else f"128-256 x {args.output_scale:g}"
     notes = f"""## 1. Seed 002 workload at equal KV memory
@@ -314,7 +368,7 @@ def main() -> None:
 {goals}
 Setup: {args.requests} requests sent at once, prompts 128-384 random tokens, outputs
 {outputs} tokens (greedy, ignore_eos), max_seq_len 4,096. KV memory per worker from
-its Info ({mem or 'n/a'}): contiguous `--kv-layout contiguous --max-batch 8` = 8 slots x
+its Info ({mem or "n/a"}): contiguous `--kv-layout contiguous --max-batch 8` = 8 slots x
 4,096 positions; paged `--num-blocks 2048` x 16 = the same 32,768 positions, scheduler
 `--max-num-seqs` as listed (24 is the seed's protocol; 48 lets the whole burst run at
 once: 48 x at most 640 tokens fit in 32,768). "max concurrent sequences" is the peak of

@@ -23,6 +23,7 @@ split; the model's limit is 8192 tokens) and a budget of all long prompts + 8,
 so the whole burst is one step. Chunk 8192 differs from it because the burst
 (3 x 3,000 tokens) is more than one 8,192-token step. Prefix caching is off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,20 @@ import random
 import time
 from pathlib import Path
 
-from bench.bench_util import (DEFAULT_MODEL, TimedStream, fmt, load_average, percentile, progress, pyplot,
-                              random_token_ids, require_model, save_plot, wait_until, worker_info)
+from bench.bench_util import (
+    DEFAULT_MODEL,
+    TimedStream,
+    fmt,
+    load_average,
+    percentile,
+    progress,
+    pyplot,
+    random_token_ids,
+    require_model,
+    save_plot,
+    wait_until,
+    worker_info,
+)
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
 from svc_common.processes import ServiceProcess
@@ -45,21 +58,34 @@ def scheduler_args(model: Path, worker: str, chunk: int | None, long_total: int,
         chunk_size, budget = max_len, long_total + NUM_DECODES
     else:
         chunk_size, budget = chunk, chunk + NUM_DECODES
-    return ["--model", str(model), "--workers", worker, "--chunk-size", str(chunk_size),
-            "--max-num-batched-tokens", str(budget), "--no-prefix-caching"]
+    return [
+        "--model",
+        str(model),
+        "--workers",
+        worker,
+        "--chunk-size",
+        str(chunk_size),
+        "--max-num-batched-tokens",
+        str(budget),
+        "--no-prefix-caching",
+    ]
 
 
 def trial(address: str, decode_prompts: list[list[int]], long_prompts: list[list[int]]) -> dict:
     with SchedulerClient(address) as client:
         decodes = [TimedStream(client, ids, 4000).start() for ids in decode_prompts]
         try:
-            wait_until(lambda: all(len(s.times) >= 12 for s in decodes), 300, what="decode streams to start",
-                       streams=decodes)
+            wait_until(
+                lambda: all(len(s.times) >= 12 for s in decodes), 300, what="decode streams to start", streams=decodes
+            )
             steps_before = client.stats().steps_run
             t0 = time.perf_counter()
             longs = [TimedStream(client, ids, 1).start() for ids in long_prompts]
-            wait_until(lambda: all(s.first_token_at is not None or s.error for s in longs), 1800,
-                       what="long prompts' first tokens")
+            wait_until(
+                lambda: all(s.first_token_at is not None or s.error for s in longs),
+                1800,
+                what="long prompts' first tokens",
+            )
             t1 = max(s.first_token_at for s in longs)
             steps = client.stats().steps_run - steps_before
             time.sleep(0.05)
@@ -73,15 +99,21 @@ def trial(address: str, decode_prompts: list[list[int]], long_prompts: list[list
     during = [g for s in decodes for g in s.gaps_ms(t0, t1 + 0.02)]
     baseline_start = min(s.times[4] for s in decodes)
     before = [g for s in decodes for g in s.gaps_ms(baseline_start, t0)]
-    return {"during": during, "before": before, "ttft": [(s.first_token_at - t0) * 1e3 for s in longs],
-            "window_s": t1 - t0, "steps": steps}
+    return {
+        "during": during,
+        "before": before,
+        "ttft": [(s.first_token_at - t0) * 1e3 for s in longs],
+        "window_s": t1 - t0,
+        "steps": steps,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
-    parser.add_argument("--chunks", default="512,2048,8192,unchunked",
-                        help="comma-separated chunk sizes; 'unchunked' for none")
+    parser.add_argument(
+        "--chunks", default="512,2048,8192,unchunked", help="comma-separated chunk sizes; 'unchunked' for none"
+    )
     parser.add_argument("--long-prompts", type=int, default=3)
     parser.add_argument("--long-tokens", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=2)
@@ -90,15 +122,16 @@ def main() -> None:
     args = parser.parse_args()
     model = require_model(args.model)
     configs = [None if c.strip() == "unchunked" else int(c) for c in args.chunks.split(",")]
-    label = lambda c: "unchunked" if c is None else str(c)  # noqa: E731
+    label = lambda c: "unchunked" if c is None else str(c)
     started, load_before = time.perf_counter(), load_average()
     rng = random.Random(0)
     decode_prompts = [random_token_ids(32, rng) for _ in range(NUM_DECODES)]
     long_prompts = [random_token_ids(args.long_tokens, rng) for _ in range(args.long_prompts)]
     long_total = args.long_prompts * args.long_tokens
     results = {label(c): [] for c in configs}
-    worker = ServiceProcess("worker_svc", ["--model", str(model), "--dtype", args.dtype,
-                                           "--num-blocks", str(args.num_blocks)])
+    worker = ServiceProcess(
+        "worker_svc", ["--model", str(model), "--dtype", args.dtype, "--num-blocks", str(args.num_blocks)]
+    )
     with worker:
         max_len = worker_info(worker.address).max_model_len
         if args.long_tokens >= max_len:
@@ -108,10 +141,11 @@ def main() -> None:
             trial(s.address, decode_prompts[:2], [long_prompts[0][:600]])
         with progress(len(configs) * args.repeats, NAME) as bar:
             for repeat in range(args.repeats):
-                order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
+                order = configs[repeat % len(configs) :] + configs[: repeat % len(configs)]
                 for chunk in order:
-                    with ServiceProcess("scheduler_svc",
-                                        scheduler_args(model, worker.address, chunk, long_total, max_len)) as s:
+                    with ServiceProcess(
+                        "scheduler_svc", scheduler_args(model, worker.address, chunk, long_total, max_len)
+                    ) as s:
                         results[label(chunk)].append(trial(s.address, decode_prompts, long_prompts))
                     bar.update(1)
 
@@ -122,17 +156,46 @@ def main() -> None:
         during = [g for r in runs for g in r["during"]]
         before = [g for r in runs for g in r["before"]]
         ttft = [t for r in runs for t in r["ttft"]]
-        summary[name] = dict(p50=percentile(during, 50), p99=percentile(during, 99), max=max(during),
-                             mean=sum(during) / len(during),
-                             base=percentile(before, 50), ttft=median(ttft), ttft_max=max(ttft))
-        rows.append([name, fmt(summary[name]["base"]), fmt(summary[name]["p50"]), fmt(summary[name]["mean"]),
-                     fmt(summary[name]["p99"]),
-                     fmt(summary[name]["max"]), len(during), f"{median([r['steps'] for r in runs]):.0f}",
-                     fmt(summary[name]["ttft"], 0), fmt(summary[name]["ttft_max"], 0),
-                     " / ".join(f"{percentile(r['during'], 99):.0f}" for r in runs)])
-    table = markdown_table(["chunk size", "ITL p50 decode only (ms)", "ITL p50 during prefill (ms)",
-                            "ITL mean during prefill (ms)", "ITL p99 during prefill (ms)", "ITL max (ms)", "gaps measured", "steps (median)",
-                            "long-prompt TTFT median (ms)", "long-prompt TTFT max (ms)", "p99 per repeat (ms)"], rows)
+        summary[name] = dict(
+            p50=percentile(during, 50),
+            p99=percentile(during, 99),
+            max=max(during),
+            mean=sum(during) / len(during),
+            base=percentile(before, 50),
+            ttft=median(ttft),
+            ttft_max=max(ttft),
+        )
+        rows.append(
+            [
+                name,
+                fmt(summary[name]["base"]),
+                fmt(summary[name]["p50"]),
+                fmt(summary[name]["mean"]),
+                fmt(summary[name]["p99"]),
+                fmt(summary[name]["max"]),
+                len(during),
+                f"{median([r['steps'] for r in runs]):.0f}",
+                fmt(summary[name]["ttft"], 0),
+                fmt(summary[name]["ttft_max"], 0),
+                " / ".join(f"{percentile(r['during'], 99):.0f}" for r in runs),
+            ]
+        )
+    table = markdown_table(
+        [
+            "chunk size",
+            "ITL p50 decode only (ms)",
+            "ITL p50 during prefill (ms)",
+            "ITL mean during prefill (ms)",
+            "ITL p99 during prefill (ms)",
+            "ITL max (ms)",
+            "gaps measured",
+            "steps (median)",
+            "long-prompt TTFT median (ms)",
+            "long-prompt TTFT max (ms)",
+            "p99 per repeat (ms)",
+        ],
+        rows,
+    )
     notes = (
         f"Default model `{model.name}`, {args.dtype}; {NUM_DECODES} decode streams running while "
         f"{args.long_prompts} prompts of {args.long_tokens} tokens arrive at once; {args.repeats} repeats per "
@@ -146,7 +209,9 @@ def main() -> None:
     )
     print(table + "\n\n" + notes)
     plot(summary, [label(c) for c in configs], args)
-    print(f"wrote {write_result(NAME, 'Chunked prefill: decode inter-token latency while long prompts arrive', table, notes)}")
+    print(
+        f"wrote {write_result(NAME, 'Chunked prefill: decode inter-token latency while long prompts arrive', table, notes)}"
+    )
 
 
 def plot(summary: dict, names: list[str], args) -> None:

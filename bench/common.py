@@ -1,4 +1,5 @@
 """Shared by the benchmarks: result files, machine description, median timing."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
         cpu = model
     except (OSError, StopIteration):
         pass
@@ -24,8 +25,12 @@ def machine() -> str:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=RESULTS.parent).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -40,8 +45,10 @@ def write_result(name: str, title: str, table: str, notes: str = "") -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
     command = " ".join([Path(sys.executable).name, "-m", f"bench.{name}", *sys.argv[1:]])
-    path.write_text(f"# {title}\n\nmachine: {machine()}  \ncommit: {commit()}  \ncommand: `{command}`  \n"
-                    f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{table}\n\n{notes}\n")
+    path.write_text(
+        f"# {title}\n\nmachine: {machine()}  \ncommit: {commit()}  \ncommand: `{command}`  \n"
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{table}\n\n{notes}\n"
+    )
     return path
 
 

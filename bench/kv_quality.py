@@ -16,6 +16,7 @@ paged cache per KV dtype, the same steps through each.
 * Memory: bytes per token (K + V, all layers, scales included) and how many
   16-token blocks fit in 512 MB (as --kv-cache-memory-mb 512 sizes the pool).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ class Variant:
         self.dtype = resolve_kv_dtype(name, torch.float32, worker.device)
         self.model = worker.model
         self.ops = worker.runner.ops
-        self.cache = PagedKVCache(spec.num_layers, num_blocks, spec.num_kv_heads, 16, spec.head_dim, self.dtype,
-                                  worker.device)
+        self.cache = PagedKVCache(
+            spec.num_layers, num_blocks, spec.num_kv_heads, 16, spec.head_dim, self.dtype, worker.device
+        )
         self.runner = ModelRunner(worker.model, self.cache, self.ops, Sampler(0))
 
     @torch.inference_mode()
@@ -102,8 +104,8 @@ def teacher_forced(variants: list[Variant], tokens: list[int]) -> dict[str, dict
     table = list(range(-(-len(tokens) // 16)))
     acc = {v.name: dict(nll=0.0, max_err=0.0, sum_err=0.0, top1=0, n=0) for v in variants}
     for start in range(0, len(tokens) - 1, CHUNK):
-        chunk = tokens[start:start + CHUNK]
-        targets = torch.tensor(tokens[start + 1:start + 1 + len(chunk)])
+        chunk = tokens[start : start + CHUNK]
+        targets = torch.tensor(tokens[start + 1 : start + 1 + len(chunk)])
         base = None
         for v in variants:
             logits = v.chunk_logits(chunk, start, table)[: len(targets)]
@@ -119,8 +121,15 @@ def teacher_forced(variants: list[Variant], tokens: list[int]) -> dict[str, dict
             a["sum_err"] += float(err.sum(dtype=torch.float64))
             a["top1"] += int((logits.argmax(-1) == base.argmax(-1)).sum())
     vocab = variants[0].model.spec.vocab_size
-    return {name: dict(ppl=math.exp(a["nll"] / a["n"]), max_err=a["max_err"], mean_err=a["sum_err"] / (a["n"] * vocab),
-                       top1=a["top1"] / a["n"]) for name, a in acc.items()}
+    return {
+        name: dict(
+            ppl=math.exp(a["nll"] / a["n"]),
+            max_err=a["max_err"],
+            mean_err=a["sum_err"] / (a["n"] * vocab),
+            top1=a["top1"] / a["n"],
+        )
+        for name, a in acc.items()
+    }
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[float, float]:
@@ -145,12 +154,17 @@ def main() -> None:
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     text = fixed_text_tokens(tokenizer, args.text_tokens)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in PROMPTS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for p in PROMPTS
+    ]
     assert all(len(p) + args.gen_tokens <= 256 for p in prompts), "greedy tables hold 256 positions per prompt"
     num_blocks = max(-(-args.text_tokens // 16), 16 * len(PROMPTS))
-    worker = Worker(WorkerConfig(model=args.model, dtype="float32", kv_dtype="fp32", num_blocks=1,
-                                 num_threads=args.num_threads))
+    worker = Worker(
+        WorkerConfig(model=args.model, dtype="float32", kv_dtype="fp32", num_blocks=1, num_threads=args.num_threads)
+    )
     spec = worker.model.spec
     variants = [Variant(name, worker, num_blocks) for name in KV_DTYPES]
 
@@ -165,24 +179,49 @@ def main() -> None:
         q = quality[v.name]
         block = v.cache.block_bytes
         agree, prefix = agreement(generated[v.name], generated[KV_DTYPES[0]])
-        rows.append([
-            f"{v.name} ({str(v.dtype).removeprefix('torch.')})", block // 16, v.cache.scale_block_bytes // 16,
-            f"{block / fp16_block:.1%}", POOL_MB * 2**20 // block,
-            f"{q['ppl']:.4f}", f"{(q['ppl'] / base_ppl - 1):+.3%}", f"{(q['ppl'] / fp16_ppl - 1):+.3%}",
-            f"{q['max_err']:.3f}", f"{q['mean_err']:.4f}", f"{q['top1']:.2%}", f"{agree:.1%}", f"{prefix:.1f}",
-        ])
-    headers = ["kv dtype", "bytes/token", "of which scales", "vs fp16", f"blocks in {POOL_MB} MB", "perplexity",
-               "Δppl vs fp32", "Δppl vs fp16", "max |Δlogit|", "mean |Δlogit|", "top-1 agree (text)",
-               f"greedy agree ({len(PROMPTS)}x{args.gen_tokens})", "common prefix"]
+        rows.append(
+            [
+                f"{v.name} ({str(v.dtype).removeprefix('torch.')})",
+                block // 16,
+                v.cache.scale_block_bytes // 16,
+                f"{block / fp16_block:.1%}",
+                POOL_MB * 2**20 // block,
+                f"{q['ppl']:.4f}",
+                f"{(q['ppl'] / base_ppl - 1):+.3%}",
+                f"{(q['ppl'] / fp16_ppl - 1):+.3%}",
+                f"{q['max_err']:.3f}",
+                f"{q['mean_err']:.4f}",
+                f"{q['top1']:.2%}",
+                f"{agree:.1%}",
+                f"{prefix:.1f}",
+            ]
+        )
+    headers = [
+        "kv dtype",
+        "bytes/token",
+        "of which scales",
+        "vs fp16",
+        f"blocks in {POOL_MB} MB",
+        "perplexity",
+        "Δppl vs fp32",
+        "Δppl vs fp16",
+        "max |Δlogit|",
+        "mean |Δlogit|",
+        "top-1 agree (text)",
+        f"greedy agree ({len(PROMPTS)}x{args.gen_tokens})",
+        "common prefix",
+    ]
     table = markdown_table(headers, rows)
-    notes = (f"Model {spec.model_type} `{worker.info.model_name}` ({spec.num_layers} layers, {spec.num_kv_heads} KV "
-             f"heads, head_dim {spec.head_dim}), fp32 weights and activations for every row, torch backend on "
-             f"{worker.info.device}. Baseline: the fp32 KV cache (first row); logit errors and agreements are "
-             f"against it. Text: {len(text)} tokens of CPython's pydoc_data.topics "
-             f"({', '.join(TEXT_TOPICS)}), teacher-forced in {CHUNK}-token chunks through the paged cache. Greedy: "
-             f"{len(PROMPTS)} chat prompts, {args.gen_tokens} tokens each, EOS ignored. bytes/token: K + V over all "
-             f"layers, per-token-per-head scales (fp32; int8 adds an int8 zero point) included. "
-             f"Run time {time.perf_counter() - started:.0f} s.")
+    notes = (
+        f"Model {spec.model_type} `{worker.info.model_name}` ({spec.num_layers} layers, {spec.num_kv_heads} KV "
+        f"heads, head_dim {spec.head_dim}), fp32 weights and activations for every row, torch backend on "
+        f"{worker.info.device}. Baseline: the fp32 KV cache (first row); logit errors and agreements are "
+        f"against it. Text: {len(text)} tokens of CPython's pydoc_data.topics "
+        f"({', '.join(TEXT_TOPICS)}), teacher-forced in {CHUNK}-token chunks through the paged cache. Greedy: "
+        f"{len(PROMPTS)} chat prompts, {args.gen_tokens} tokens each, EOS ignored. bytes/token: K + V over all "
+        f"layers, per-token-per-head scales (fp32; int8 adds an int8 zero point) included. "
+        f"Run time {time.perf_counter() - started:.0f} s."
+    )
     print(table, "\n\n" + notes)
     print(f"wrote {write_result('kv_quality', 'KV cache precision: quality and memory', table, notes)}")
 

@@ -33,6 +33,7 @@ memory chunked vs unchunked of the same prompt, and the chunking overhead
 --max-model-len 200000 holds ceil(100/16) blocks (memory follows tokens, not the
 limit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,20 @@ import math
 import random
 import time
 
-from bench.bench_util import (TimedStream, fmt, load_average, peak_rss_mb, percentile, progress, pyplot,
-                              random_token_ids, rss_mb, save_plot, wait_until, worker_info)
+from bench.bench_util import (
+    TimedStream,
+    fmt,
+    load_average,
+    peak_rss_mb,
+    percentile,
+    progress,
+    pyplot,
+    random_token_ids,
+    rss_mb,
+    save_plot,
+    wait_until,
+    worker_info,
+)
 from bench.common import markdown_table, write_result
 from scheduler_svc.client import SchedulerClient
 from svc_common.processes import Cluster
@@ -64,8 +77,14 @@ def run(model, args, prompt: list[int], chunk: int | None, check_short: bool = F
     chunk_size, budget = (n, n + NUM_DECODES) if chunk is None else (chunk, chunk + NUM_DECODES)
     num_blocks = math.ceil(args.max_model_len / 16) + 2048
     worker_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--num-blocks", str(num_blocks)]
-    scheduler_args = ["--max-model-len", str(args.max_model_len), "--chunk-size", str(chunk_size),
-                      "--max-num-batched-tokens", str(budget)]
+    scheduler_args = [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--chunk-size",
+        str(chunk_size),
+        "--max-num-batched-tokens",
+        str(budget),
+    ]
     rng = random.Random(1)
     out = {}
     with Cluster(model, worker_args, scheduler_args) as cluster, SchedulerClient(cluster.address) as client:
@@ -80,18 +99,26 @@ def run(model, args, prompt: list[int], chunk: int | None, check_short: bool = F
             short.cancel()
             short.join(30)
             wait_until(lambda: client.stats().running == 0, 60, what="the 100-token request to end")
-        decodes = [TimedStream(client, random_token_ids(16, rng, low=10, high=500), args.max_model_len // 2).start()
-                   for _ in range(NUM_DECODES)]
+        decodes = [
+            TimedStream(client, random_token_ids(16, rng, low=10, high=500), args.max_model_len // 2).start()
+            for _ in range(NUM_DECODES)
+        ]
         long = None
         try:
-            wait_until(lambda: all(len(s.times) >= 12 for s in decodes), 300, what="decode streams to start",
-                       streams=decodes)
+            wait_until(
+                lambda: all(len(s.times) >= 12 for s in decodes), 300, what="decode streams to start", streams=decodes
+            )
             out["base_rss_mb"] = rss_mb(pid)
             steps_before = client.stats().steps_run
             t0 = time.perf_counter()
             long = TimedStream(client, prompt, 64).start()
-            wait_until(lambda: long.first_token_at is not None or long.error is not None, 3600,
-                       interval_s=0.05, what="the long prompt's first token", streams=decodes)
+            wait_until(
+                lambda: long.first_token_at is not None or long.error is not None,
+                3600,
+                interval_s=0.05,
+                what="the long prompt's first token",
+                streams=decodes,
+            )
             if long.error:
                 raise RuntimeError(f"long prompt failed: {long.error}")
             t1 = long.first_token_at
@@ -101,6 +128,7 @@ def run(model, args, prompt: list[int], chunk: int | None, check_short: bool = F
                 s.cancel()
         out["during"] = [g for s in decodes for g in s.gaps_ms(t0, t1 + 0.02)]
         out["prefill_s"] = t1 - t0
+
         def alone() -> bool:
             if long.done:
                 raise RuntimeError("the long request ended before the decode streams did; raise --max-model-len")
@@ -130,12 +158,20 @@ def kv_columns(r: dict, args) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-tokens", type=int, default=199_936,
-                        help="the long prompt (default: 200,000 - 64, so its 64 output tokens fit the limit)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=199_936,
+        help="the long prompt (default: 200,000 - 64, so its 64 output tokens fit the limit)",
+    )
     parser.add_argument("--max-model-len", type=int, default=200_000)
     parser.add_argument("--chunks", default="2048", help="chunk sizes for the full prompt (512,2048,8192: ~10 min)")
-    parser.add_argument("--mem-prompt-tokens", type=int, default=32_768,
-                        help="prompt length for the chunked vs unchunked memory comparison (0: skip)")
+    parser.add_argument(
+        "--mem-prompt-tokens",
+        type=int,
+        default=32_768,
+        help="prompt length for the chunked vs unchunked memory comparison (0: skip)",
+    )
     parser.add_argument("--mem-chunks", default="512,2048,8192,unchunked")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(BYTES))
     args = parser.parse_args()
@@ -145,15 +181,15 @@ def main() -> None:
 
     model = ensure_checkpoint("llama_long")
     started, load_before = time.perf_counter(), load_average()
-    parse = lambda text: [None if c.strip() == "unchunked" else int(c) for c in text.split(",")]  # noqa: E731
-    label = lambda c: "unchunked" if c is None else str(c)  # noqa: E731
+    parse = lambda text: [None if c.strip() == "unchunked" else int(c) for c in text.split(",")]
+    label = lambda c: "unchunked" if c is None else str(c)
     chunks = parse(args.chunks)
     mem_chunks = parse(args.mem_chunks) if args.mem_prompt_tokens else []
     rng = random.Random(0)
     prompt = random_token_ids(args.prompt_tokens, rng, low=10, high=500)
-    mem_prompt = prompt[:args.mem_prompt_tokens]
+    mem_prompt = prompt[: args.mem_prompt_tokens]
     # One-shot prefill of the full prompt: the attention mask alone is P^2 bytes.
-    mask_gb = args.prompt_tokens ** 2 / 1e9
+    mask_gb = args.prompt_tokens**2 / 1e9
     full_unchunked = None in chunks
     if full_unchunked and mask_gb * 1e3 > 0.5 * mem_available_mb():
         chunks = [c for c in chunks if c is not None]
@@ -168,41 +204,75 @@ def main() -> None:
             full[label(chunk)] = run(model, args, prompt, chunk, check_short=i == 0)
             bar.update(1)
 
-    headers = ["chunk size", "prefill s", "steps", "ITL p50 (ms)", "ITL mean (ms)", "ITL p99 (ms)", "ITL max (ms)",
-               "worker RSS before (MB)", "worker peak RSS (MB)", "peak - before (MB)"]
-    kv_headers = ["tokens held", "blocks held", "KV bytes held", "formula bytes", "held - formula", "equal up to last block"]
+    headers = [
+        "chunk size",
+        "prefill s",
+        "steps",
+        "ITL p50 (ms)",
+        "ITL mean (ms)",
+        "ITL p99 (ms)",
+        "ITL max (ms)",
+        "worker RSS before (MB)",
+        "worker peak RSS (MB)",
+        "peak - before (MB)",
+    ]
+    kv_headers = [
+        "tokens held",
+        "blocks held",
+        "KV bytes held",
+        "formula bytes",
+        "held - formula",
+        "equal up to last block",
+    ]
 
     def rows_for(results: dict) -> list:
         rows = []
         for name, r in results.items():
-            rows.append([name, f"{r['prefill_s']:.1f}", r["steps"], fmt(percentile(r["during"], 50)),
-                         fmt(sum(r["during"]) / len(r["during"]) if r["during"] else math.nan),
-                         fmt(percentile(r["during"], 99)), fmt(max(r["during"], default=math.nan)),
-                         f"{r['base_rss_mb']:.0f}", f"{r['peak_rss_mb']:.0f}",
-                         f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f}"] + kv_columns(r, args))
+            rows.append(
+                [
+                    name,
+                    f"{r['prefill_s']:.1f}",
+                    r["steps"],
+                    fmt(percentile(r["during"], 50)),
+                    fmt(sum(r["during"]) / len(r["during"]) if r["during"] else math.nan),
+                    fmt(percentile(r["during"], 99)),
+                    fmt(max(r["during"], default=math.nan)),
+                    f"{r['base_rss_mb']:.0f}",
+                    f"{r['peak_rss_mb']:.0f}",
+                    f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f}",
+                ]
+                + kv_columns(r, args)
+            )
         return rows
 
     full_rows = rows_for(full)
     if not full_unchunked:
-        full_rows.append(["unchunked", "not run", "", "", "", "", "", "", f"> {mask_gb:,.1f} GB (est.)", "",
-                          "", "", "", "", "", ""])
+        full_rows.append(
+            ["unchunked", "not run", "", "", "", "", "", "", f"> {mask_gb:,.1f} GB (est.)", "", "", "", "", "", "", ""]
+        )
     table_a = markdown_table(headers + kv_headers, full_rows)
     table_b = markdown_table(headers + kv_headers, rows_for(small)) if small else ""
     first = next(iter(full.values()))
     info = first["info"]
     short_tokens, short_blocks = first.get("short", (0, 0))
-    tables = (f"### A. {args.prompt_tokens:,}-token prompt, --max-model-len {args.max_model_len:,}\n\n{table_a}\n\n"
-              + (f"### B. {args.mem_prompt_tokens:,}-token prompt (the first tokens of the same prompt): chunked vs "
-                 f"one-shot prefill\n\n{table_b}\n" if small else ""))
+    tables = f"### A. {args.prompt_tokens:,}-token prompt, --max-model-len {args.max_model_len:,}\n\n{table_a}\n\n" + (
+        f"### B. {args.mem_prompt_tokens:,}-token prompt (the first tokens of the same prompt): chunked vs "
+        f"one-shot prefill\n\n{table_b}\n"
+        if small
+        else ""
+    )
     overhead = ""
     if "unchunked" in small:
         one_shot = small["unchunked"]["prefill_s"]
         overhead = "Chunking overhead at {:,} tokens (prefill time / one-shot): {}. ".format(
             args.mem_prompt_tokens,
-            ", ".join(f"chunk {k}: {r['prefill_s'] / one_shot:.2f}x" for k, r in small.items() if k != "unchunked"))
+            ", ".join(f"chunk {k}: {r['prefill_s'] / one_shot:.2f}x" for k, r in small.items() if k != "unchunked"),
+        )
         mem_ratio = ", ".join(
             f"chunk {k}: {(r['peak_rss_mb'] - r['base_rss_mb']) / max(1.0, small['unchunked']['peak_rss_mb'] - small['unchunked']['base_rss_mb']):.2f}x"
-            for k, r in small.items() if k != "unchunked")
+            for k, r in small.items()
+            if k != "unchunked"
+        )
         overhead += f"Peak working memory (peak - before) relative to one-shot: {mem_ratio}. "
     notes = (
         f"Model `llama_long` ({info.num_layers} layer, {info.num_kv_heads} KV head, head_dim {info.head_dim}, "
@@ -223,13 +293,16 @@ def main() -> None:
     )
     print(tables + "\n" + notes)
     plot(full, small, args)
-    print(f"wrote {write_result(NAME, 'Long context: 200k-token prompt, chunked prefill, KV memory, decode ITL', tables, notes)}")
+    print(
+        f"wrote {write_result(NAME, 'Long context: 200k-token prompt, chunked prefill, KV memory, decode ITL', tables, notes)}"
+    )
 
 
 def plot(full: dict, small: dict, args) -> None:
     plt = pyplot()
-    panels = [(f"{args.prompt_tokens:,}-token prompt", full)] + ([(f"{args.mem_prompt_tokens:,}-token prompt", small)]
-                                                                  if small else [])
+    panels = [(f"{args.prompt_tokens:,}-token prompt", full)] + (
+        [(f"{args.mem_prompt_tokens:,}-token prompt", small)] if small else []
+    )
     fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7), squeeze=False)
     for col, (title, results) in enumerate(panels):
         names = list(results)

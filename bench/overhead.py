@@ -41,6 +41,7 @@ line). The client process reading the N streams shares the 2 cores.
 
 Goal (issue 10): scheduler + RPC overhead <= 10% of step time at 64 sequences.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,17 +54,26 @@ from pathlib import Path
 
 import grpc
 
-from svc_common.grpc_options import channel_options
-from bench.bench_util import (DEFAULT_MODEL, fmt, load_average, progress, pyplot, random_token_ids, require_model,
-                              save_plot, worker_info)
+from bench.bench_util import (
+    DEFAULT_MODEL,
+    fmt,
+    load_average,
+    progress,
+    pyplot,
+    random_token_ids,
+    require_model,
+    save_plot,
+    worker_info,
+)
 from bench.common import markdown_table, median, write_result
 from proto import worker_pb2
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.client import SchedulerClient
+from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
 from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
+from svc_common.grpc_options import channel_options
 from svc_common.processes import Cluster, ServiceProcess
 from worker_svc.config import WorkerConfig
 from worker_svc.server import step_from_proto, step_to_proto
@@ -88,9 +98,18 @@ def prompts_for(n: int, context: int, rng: random.Random) -> list[list[int]]:
 
 def step_input_of(plan: StepPlan) -> StepInput:
     """What the worker would get from the proto, built straight from the plan (the in-process path)."""
-    seqs = [SeqInput(s.seq_id, list(s.token_ids), s.start_pos, list(s.block_table), list(s.slot_mapping), s.sample,
-                     Sampling(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed))
-            for s in plan.seqs]
+    seqs = [
+        SeqInput(
+            s.seq_id,
+            list(s.token_ids),
+            s.start_pos,
+            list(s.block_table),
+            list(s.slot_mapping),
+            s.sample,
+            Sampling(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed),
+        )
+        for s in plan.seqs
+    ]
     return StepInput(plan.step_id, list(plan.copies), seqs)
 
 
@@ -105,9 +124,16 @@ class Harness:
         self.thread = ThreadPoolExecutor(1)
         pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=True)
         kv = KVCacheManager(pool, extra_keys=(info.model_name, info.model_type, info.dtype, info.kv_dtype))
-        self.planner = Planner(PlannerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs,
-                                             chunk_size=8192, max_model_len=info.max_model_len,
-                                             block_size=info.block_size), kv)
+        self.planner = Planner(
+            PlannerConfig(
+                max_num_batched_tokens=8192,
+                max_num_seqs=max_num_seqs,
+                chunk_size=8192,
+                max_model_len=info.max_model_len,
+                block_size=info.block_size,
+            ),
+            kv,
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -115,8 +141,14 @@ class Harness:
 
     def add(self, prompts: list[list[int]], first_id: int) -> None:
         for i, ids in enumerate(prompts):
-            self.planner.add(Request(request_id=f"r{first_id + i}", seq_id=first_id + i, prompt_token_ids=ids,
-                                     sampling=SamplingOptions(temperature=0.0, max_tokens=10_000, ignore_eos=True)))
+            self.planner.add(
+                Request(
+                    request_id=f"r{first_id + i}",
+                    seq_id=first_id + i,
+                    prompt_token_ids=ids,
+                    sampling=SamplingOptions(temperature=0.0, max_tokens=10_000, ignore_eos=True),
+                )
+            )
 
     def step(self, inproc_first: bool | None = None) -> dict:
         """One step through the RPC path (timed piece by piece); with inproc_first
@@ -178,8 +210,14 @@ class Harness:
                 groups["gather"] += ms
             elif "scaled_dot_product" in event.key:
                 groups["sdpa"] += ms
-            elif event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-                               "mkldnn::_linear_pointwise"):  # bf16 weights packed for oneDNN (models/linear.py)
+            elif event.key in (
+                "aten::mm",
+                "aten::addmm",
+                "aten::bmm",
+                "aten::matmul",
+                "aten::linear",
+                "mkldnn::_linear_pointwise",
+            ):  # bf16 weights packed for oneDNN (models/linear.py)
                 groups["matmul"] += ms
             else:
                 groups["other"] += ms
@@ -195,8 +233,12 @@ class Harness:
     def _reply_cost(reply: worker_pb2.StepResponse) -> float:
         from worker_svc.model_runner import SampledToken, StepOutput
 
-        out = StepOutput(reply.step_id, [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
-                         reply.num_tokens, {"total_ms": reply.timings.total_ms})
+        out = StepOutput(
+            reply.step_id,
+            [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
+            reply.num_tokens,
+            {"total_ms": reply.timings.total_ms},
+        )
         start = time.perf_counter()
         step_to_proto(out, reply.instance_id).SerializeToString()
         return _ms(start)
@@ -209,8 +251,9 @@ class Harness:
 
 
 def part_a(args, model: Path, bar) -> dict:
-    worker = ServiceProcess("worker_svc", ["--model", str(model), "--dtype", args.dtype,
-                                           "--num-blocks", str(args.num_blocks)])
+    worker = ServiceProcess(
+        "worker_svc", ["--model", str(model), "--dtype", args.dtype, "--num-blocks", str(args.num_blocks)]
+    )
     inproc = Worker(WorkerConfig(model=str(model), dtype=args.dtype, num_blocks=args.num_blocks))
     results, profiles = {}, {}
     with worker:
@@ -259,16 +302,24 @@ def part_b(args, model: Path, seqs: list[int], bar) -> dict:
     log_args = ["--log-format", "json", "--log-level", "debug"]
     worker_args = ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks), *log_args]
     results = {}
-    with Cluster(model, worker_args, [*log_args, "--max-num-seqs", str(max(seqs))]) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(model, worker_args, [*log_args, "--max-num-seqs", str(max(seqs))]) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         max_tokens = args.warmup + args.steps + 2
         for n in seqs:
             prompts = prompts_for(n, args.context, random.Random(n))
             client.generate(prompt_token_ids=prompts[0], max_tokens=1, temperature=0.0, timeout=600)  # cache prefix
             seen = len(_events(cluster.scheduler.log_path, "step"))
             with ThreadPoolExecutor(n) as pool:
-                list(pool.map(lambda ids: client.generate(prompt_token_ids=ids, max_tokens=max_tokens,
-                                                          temperature=0.0, ignore_eos=True, timeout=1200), prompts))
+                list(
+                    pool.map(
+                        lambda ids: client.generate(
+                            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=1200
+                        ),
+                        prompts,
+                    )
+                )
             steps = _events(cluster.scheduler.log_path, "step")[seen:]
             worker_steps = {e["step_id"]: e for e in _events(cluster.workers[0].log_path, "step done")}
             full = []
@@ -277,10 +328,15 @@ def part_b(args, model: Path, seqs: list[int], bar) -> dict:
                     continue
                 if cur["step_id"] not in worker_steps:
                     continue
-                period = (datetime.fromisoformat(cur["timestamp"]) - datetime.fromisoformat(prev["timestamp"]))
-                full.append({"period": period.total_seconds() * 1e3, "worker": worker_steps[cur["step_id"]]["total_ms"],
-                             "step_ms": cur["step_ms"]})
-            results[n] = full[args.warmup:] or full
+                period = datetime.fromisoformat(cur["timestamp"]) - datetime.fromisoformat(prev["timestamp"])
+                full.append(
+                    {
+                        "period": period.total_seconds() * 1e3,
+                        "worker": worker_steps[cur["step_id"]]["total_ms"],
+                        "step_ms": cur["step_ms"],
+                    }
+                )
+            results[n] = full[args.warmup :] or full
             bar.update(1)
     return results
 
@@ -294,10 +350,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--num-blocks", type=int, default=1024)
-    parser.add_argument("--profile-seqs", type=int, nargs="*", default=[GOAL_SEQS],
-                        help="profile one extra in-process step (torch.profiler) at these sizes")
-    parser.add_argument("--e2e-seqs", type=int, nargs="*", default=None,
-                        help="sequence counts for part B (default: --seqs; none: skip part B)")
+    parser.add_argument(
+        "--profile-seqs",
+        type=int,
+        nargs="*",
+        default=[GOAL_SEQS],
+        help="profile one extra in-process step (torch.profiler) at these sizes",
+    )
+    parser.add_argument(
+        "--e2e-seqs",
+        type=int,
+        nargs="*",
+        default=None,
+        help="sequence counts for part B (default: --seqs; none: skip part B)",
+    )
     args = parser.parse_args()
     model = require_model(args.model)
     if args.context % BLOCK or args.context < 2 * BLOCK:
@@ -318,16 +384,47 @@ def main() -> None:
         sched = med["plan"] + med["to_proto"] + med["serialize"] + med["parse_reply"] + med["update"]
         overhead = median([sum(s[c] for c in cols) - s["worker_execute"] for s in steps])
         shares[n] = overhead / total
-        rows_a.append([n, f"{med['bytes'] / 1024:.0f}", fmt(med["plan"], 2), fmt(med["to_proto"] + med["serialize"], 2),
-                       fmt(med["worker_parse"] + med["worker_validate"], 2), fmt(med["worker_forward"]),
-                       fmt(execute), fmt(med["worker_reply"], 2), fmt(rpc_rest, 2), fmt(med["rpc"]),
-                       fmt(med["parse_reply"] + med["update"], 2), fmt(total), fmt(sched, 2),
-                       f"{100 * shares[n]:.1f}%", fmt(med["inproc"]), f"{total / med['inproc']:.2f}x"])
+        rows_a.append(
+            [
+                n,
+                f"{med['bytes'] / 1024:.0f}",
+                fmt(med["plan"], 2),
+                fmt(med["to_proto"] + med["serialize"], 2),
+                fmt(med["worker_parse"] + med["worker_validate"], 2),
+                fmt(med["worker_forward"]),
+                fmt(execute),
+                fmt(med["worker_reply"], 2),
+                fmt(rpc_rest, 2),
+                fmt(med["rpc"]),
+                fmt(med["parse_reply"] + med["update"], 2),
+                fmt(total),
+                fmt(sched, 2),
+                f"{100 * shares[n]:.1f}%",
+                fmt(med["inproc"]),
+                f"{total / med['inproc']:.2f}x",
+            ]
+        )
     table_a = markdown_table(
-        ["seqs", "request KiB", "plan ms", "to proto + serialize ms", "worker parse + validate ms",
-         "worker forward ms", "worker execute ms", "worker reply ms", "gRPC transport + server ms", "RPC wall ms",
-         "parse reply + update ms", "step total ms", "scheduler-side ms", "overhead share", "in-process step ms",
-         "RPC path / in-process"], rows_a)
+        [
+            "seqs",
+            "request KiB",
+            "plan ms",
+            "to proto + serialize ms",
+            "worker parse + validate ms",
+            "worker forward ms",
+            "worker execute ms",
+            "worker reply ms",
+            "gRPC transport + server ms",
+            "RPC wall ms",
+            "parse reply + update ms",
+            "step total ms",
+            "scheduler-side ms",
+            "overhead share",
+            "in-process step ms",
+            "RPC path / in-process",
+        ],
+        rows_a,
+    )
     rows_b, shares_b = [], {}
     for n, steps in b.items():
         if not steps:
@@ -338,28 +435,64 @@ def main() -> None:
         share = median([1 - s["worker"] / s["period"] for s in steps])
         shares_b[n] = share
         rows_b.append([n, len(steps), fmt(period), fmt(worker), fmt(period - worker), f"{100 * share:.1f}%"])
-    table_b = markdown_table(["seqs", "decode steps", "scheduler step period ms", "worker execute ms",
-                              "everything else ms", "overhead share"], rows_b) if b else ""
+    table_b = (
+        markdown_table(
+            [
+                "seqs",
+                "decode steps",
+                "scheduler step period ms",
+                "worker execute ms",
+                "everything else ms",
+                "overhead share",
+            ],
+            rows_b,
+        )
+        if b
+        else ""
+    )
     goal = []
     if GOAL_SEQS in shares:
         s = shares[GOAL_SEQS]
-        goal.append(f"* part A (attribution), {GOAL_SEQS} sequences: {100 * s:.1f}% vs goal <= {100 * GOAL_SHARE:.0f}%: "
-                    + ("met" if s <= GOAL_SHARE else f"**missed** by {100 * (s - GOAL_SHARE):.1f} points"))
+        goal.append(
+            f"* part A (attribution), {GOAL_SEQS} sequences: {100 * s:.1f}% vs goal <= {100 * GOAL_SHARE:.0f}%: "
+            + ("met" if s <= GOAL_SHARE else f"**missed** by {100 * (s - GOAL_SHARE):.1f} points")
+        )
     if GOAL_SEQS in shares_b:
         s = shares_b[GOAL_SEQS]
-        goal.append(f"* part B (real services, end to end), {GOAL_SEQS} sequences: {100 * s:.1f}% vs goal <= "
-                    f"{100 * GOAL_SHARE:.0f}%: " + ("met" if s <= GOAL_SHARE
-                                                     else f"**missed** by {100 * (s - GOAL_SHARE):.1f} points"))
+        goal.append(
+            f"* part B (real services, end to end), {GOAL_SEQS} sequences: {100 * s:.1f}% vs goal <= "
+            f"{100 * GOAL_SHARE:.0f}%: "
+            + ("met" if s <= GOAL_SHARE else f"**missed** by {100 * (s - GOAL_SHARE):.1f} points")
+        )
     rows_p = []
     for n, g in profiles.items():
         total = sum(g.values())
         rows_p.append([n, fmt(total)] + [f"{100 * g[k] / total:.0f}%" for k in ("gather", "sdpa", "matmul", "other")])
-    table_p = markdown_table(["seqs", "profiled CPU ms", "aten::index / index_select + aten::copy_ (context gather, layout copies)",
-                              "SDPA kernel", "matmuls (aten::mm, mkldnn linear)", "everything else"], rows_p) if rows_p else ""
-    tables = (f"### A. One decode step, piece by piece (medians of {args.steps} steps)\n\n{table_a}\n\n"
-              + (f"Where the worker's execute time goes (one in-process step under torch.profiler, self CPU time "
-                 f"by op):\n\n{table_p}\n\n" if table_p else "")
-              + (f"### B. Real worker + scheduler processes, N concurrent streams\n\n{table_b}\n" if b else ""))
+    table_p = (
+        markdown_table(
+            [
+                "seqs",
+                "profiled CPU ms",
+                "aten::index / index_select + aten::copy_ (context gather, layout copies)",
+                "SDPA kernel",
+                "matmuls (aten::mm, mkldnn linear)",
+                "everything else",
+            ],
+            rows_p,
+        )
+        if rows_p
+        else ""
+    )
+    tables = (
+        f"### A. One decode step, piece by piece (medians of {args.steps} steps)\n\n{table_a}\n\n"
+        + (
+            f"Where the worker's execute time goes (one in-process step under torch.profiler, self CPU time "
+            f"by op):\n\n{table_p}\n\n"
+            if table_p
+            else ""
+        )
+        + (f"### B. Real worker + scheduler processes, N concurrent streams\n\n{table_b}\n" if b else "")
+    )
     notes = (
         f"Goal (issue 10): scheduler + RPC overhead <= {100 * GOAL_SHARE:.0f}% of step time at {GOAL_SEQS} sequences "
         f"on the default model.\n\n" + "\n".join(goal) + "\n\n"
@@ -385,10 +518,12 @@ def plot(a: dict, b: dict, args) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     names = [str(n) for n in a]
-    parts = [("plan + update", lambda m: m["plan"] + m["update"]),
-             ("proto + serialize + parse", lambda m: m["to_proto"] + m["serialize"] + m["parse_reply"]),
-             ("RPC minus worker execute", lambda m: m["rpc"] - m["worker_execute"]),
-             ("worker execute", lambda m: m["worker_execute"])]
+    parts = [
+        ("plan + update", lambda m: m["plan"] + m["update"]),
+        ("proto + serialize + parse", lambda m: m["to_proto"] + m["serialize"] + m["parse_reply"]),
+        ("RPC minus worker execute", lambda m: m["rpc"] - m["worker_execute"]),
+        ("worker execute", lambda m: m["worker_execute"]),
+    ]
     meds = [{k: median([s[k] for s in steps]) for k in steps[0]} for steps in a.values()]
     totals = [sum(fn(m) for _, fn in parts) for m in meds]
     bottom = [0.0] * len(meds)
@@ -406,8 +541,12 @@ def plot(a: dict, b: dict, args) -> None:
     right.bar([x - 0.2 for x in xs], totals, 0.4, label="RPC path (A step total)")
     right.bar([x + 0.2 for x in xs], [m["inproc"] for m in meds], 0.4, label="in-process Worker.step")
     if b:
-        right.plot([x for x, n in enumerate(a) if b.get(n)], [median([s["period"] for s in b[n]]) for n in a if b.get(n)],
-                   "ko-", label="real services: step period (B)")
+        right.plot(
+            [x for x, n in enumerate(a) if b.get(n)],
+            [median([s["period"] for s in b[n]]) for n in a if b.get(n)],
+            "ko-",
+            label="real services: step period (B)",
+        )
     right.set_xticks(list(xs), names)
     right.set_yscale("log")
     right.set_xlabel("sequences in the step")

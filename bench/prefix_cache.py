@@ -20,6 +20,7 @@ of the one that caches.
 * Memory: peak KV blocks in use during a burst (Stats.blocks_used, sampled every
   5 ms) x the worker's bytes per block (Info.kv_bytes_per_block).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.bench_util import (DEFAULT_MODEL, load_average, progress, pyplot, random_token_ids, require_model,
-                              save_plot, worker_info)
+from bench.bench_util import (
+    DEFAULT_MODEL,
+    load_average,
+    progress,
+    pyplot,
+    random_token_ids,
+    require_model,
+    save_plot,
+    worker_info,
+)
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
 from svc_common.processes import Cluster
@@ -44,8 +53,9 @@ def ttft_ms(client: SchedulerClient, ids: list[int], max_tokens: int = 2) -> tup
     start = time.perf_counter()
     first = None
     cached = -1
-    for reply in client.stream(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                               timeout=600):
+    for reply in client.stream(
+        prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600
+    ):
         if reply.token_ids and first is None:
             first = (time.perf_counter() - start) * 1e3
         if reply.finished:
@@ -73,8 +83,12 @@ def burst(client: SchedulerClient, prompts: list[list[int]], max_tokens: int) ->
     elapsed = time.perf_counter() - start
     done.set()
     watcher.join()
-    return {"tok_s": len(prompts) * max_tokens / elapsed, "ttft": median([r[0] for r in results]),
-            "wall_s": elapsed, "peak_blocks": peak}
+    return {
+        "tok_s": len(prompts) * max_tokens / elapsed,
+        "ttft": median([r[0] for r in results]),
+        "wall_s": elapsed,
+        "peak_blocks": peak,
+    }
 
 
 def main() -> None:
@@ -92,14 +106,18 @@ def main() -> None:
     started, load_before = time.perf_counter(), load_average()
     rng = random.Random(0)
     system = random_token_ids(args.prefix_tokens, rng)
-    question = lambda: random_token_ids(rng.randint(20, 40), rng)  # noqa: E731
+    question = lambda: random_token_ids(rng.randint(20, 40), rng)
     worker_args = ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks)]
     model = Path(args.model)
     ttft = {"on": [], "off": []}
     cached_tokens = {"on": [], "off": []}
     bursts = {"on": [], "off": []}
-    with Cluster(model, worker_args) as on_cluster, Cluster(model, worker_args, ["--no-prefix-caching"]) as off_cluster, \
-            SchedulerClient(on_cluster.address) as on, SchedulerClient(off_cluster.address) as off:
+    with (
+        Cluster(model, worker_args) as on_cluster,
+        Cluster(model, worker_args, ["--no-prefix-caching"]) as off_cluster,
+        SchedulerClient(on_cluster.address) as on,
+        SchedulerClient(off_cluster.address) as off,
+    ):
         clients = {"on": on, "off": off}
         info = worker_info(on_cluster.workers[0].address)
         for client in clients.values():  # warm-up; caches the system prompt where caching is on
@@ -109,22 +127,23 @@ def main() -> None:
         with progress(args.repeats + args.burst_repeats, NAME) as bar:
             for i in range(args.repeats):
                 ids = system + question()
-                for name in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
                     first, _, cached = ttft_ms(clients[name], ids)
                     ttft[name].append(first)
                     cached_tokens[name].append(cached)
                 bar.update(1)
             for i in range(args.burst_repeats):
                 prompts = [system + question() for _ in range(args.burst)]
-                for name in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
                     bursts[name].append(burst(clients[name], prompts, args.burst_max_tokens))
                 bar.update(1)
         after = on.stats()
         off_after = off.stats()
-    hit_rate = ((after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
-                / max(1, after.prefix_cache_query_tokens - before.prefix_cache_query_tokens))
+    hit_rate = (after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens) / max(
+        1, after.prefix_cache_query_tokens - before.prefix_cache_query_tokens
+    )
     per_block = info.kv_bytes_per_block
-    mib = lambda blocks: blocks * per_block / 2**20  # noqa: E731
+    mib = lambda blocks: blocks * per_block / 2**20
 
     def agg(name, key, fn=median):
         return fn([b[key] for b in bursts[name]])
@@ -132,30 +151,76 @@ def main() -> None:
     t_on, t_off = median(ttft["on"]), median(ttft["off"])
     fraction = t_on / t_off
     rows = [
-        ["TTFT, one request at a time (ms)", f"{t_on:.1f}", f"{t_off:.1f}", f"{fraction:.2f}",
-         " ".join(f"{v:.0f}" for v in ttft["on"]), " ".join(f"{v:.0f}" for v in ttft["off"])],
-        [f"burst of {args.burst}: output tok/s", f"{agg('on', 'tok_s'):.1f}", f"{agg('off', 'tok_s'):.1f}",
-         f"{agg('on', 'tok_s') / agg('off', 'tok_s'):.2f}",
-         " ".join(f"{b['tok_s']:.0f}" for b in bursts["on"]), " ".join(f"{b['tok_s']:.0f}" for b in bursts["off"])],
-        [f"burst of {args.burst}: median TTFT (ms)", f"{agg('on', 'ttft'):.0f}", f"{agg('off', 'ttft'):.0f}",
-         f"{agg('on', 'ttft') / agg('off', 'ttft'):.2f}",
-         " ".join(f"{b['ttft']:.0f}" for b in bursts["on"]), " ".join(f"{b['ttft']:.0f}" for b in bursts["off"])],
-        [f"burst of {args.burst}: wall time (s)", f"{agg('on', 'wall_s'):.2f}", f"{agg('off', 'wall_s'):.2f}",
-         f"{agg('on', 'wall_s') / agg('off', 'wall_s'):.2f}", "", ""],
-        [f"burst of {args.burst}: peak KV blocks in use", agg("on", "peak_blocks", max), agg("off", "peak_blocks", max),
-         f"{agg('on', 'peak_blocks', max) / agg('off', 'peak_blocks', max):.2f}",
-         " ".join(str(b["peak_blocks"]) for b in bursts["on"]), " ".join(str(b["peak_blocks"]) for b in bursts["off"])],
-        [f"burst of {args.burst}: peak KV MiB", f"{mib(agg('on', 'peak_blocks', max)):.1f}",
-         f"{mib(agg('off', 'peak_blocks', max)):.1f}", "", "", ""],
-        ["prompt tokens served from cache (Usage, TTFT requests)", f"{median(cached_tokens['on']):.0f}",
-         f"{median(cached_tokens['off']):.0f}", "", "", ""],
-        ["prefix-cache hit rate (Stats, measured requests)", f"{100 * hit_rate:.1f}%",
-         f"{100 * off_after.prefix_cache_hit_rate:.1f}%", "", "", ""],
+        [
+            "TTFT, one request at a time (ms)",
+            f"{t_on:.1f}",
+            f"{t_off:.1f}",
+            f"{fraction:.2f}",
+            " ".join(f"{v:.0f}" for v in ttft["on"]),
+            " ".join(f"{v:.0f}" for v in ttft["off"]),
+        ],
+        [
+            f"burst of {args.burst}: output tok/s",
+            f"{agg('on', 'tok_s'):.1f}",
+            f"{agg('off', 'tok_s'):.1f}",
+            f"{agg('on', 'tok_s') / agg('off', 'tok_s'):.2f}",
+            " ".join(f"{b['tok_s']:.0f}" for b in bursts["on"]),
+            " ".join(f"{b['tok_s']:.0f}" for b in bursts["off"]),
+        ],
+        [
+            f"burst of {args.burst}: median TTFT (ms)",
+            f"{agg('on', 'ttft'):.0f}",
+            f"{agg('off', 'ttft'):.0f}",
+            f"{agg('on', 'ttft') / agg('off', 'ttft'):.2f}",
+            " ".join(f"{b['ttft']:.0f}" for b in bursts["on"]),
+            " ".join(f"{b['ttft']:.0f}" for b in bursts["off"]),
+        ],
+        [
+            f"burst of {args.burst}: wall time (s)",
+            f"{agg('on', 'wall_s'):.2f}",
+            f"{agg('off', 'wall_s'):.2f}",
+            f"{agg('on', 'wall_s') / agg('off', 'wall_s'):.2f}",
+            "",
+            "",
+        ],
+        [
+            f"burst of {args.burst}: peak KV blocks in use",
+            agg("on", "peak_blocks", max),
+            agg("off", "peak_blocks", max),
+            f"{agg('on', 'peak_blocks', max) / agg('off', 'peak_blocks', max):.2f}",
+            " ".join(str(b["peak_blocks"]) for b in bursts["on"]),
+            " ".join(str(b["peak_blocks"]) for b in bursts["off"]),
+        ],
+        [
+            f"burst of {args.burst}: peak KV MiB",
+            f"{mib(agg('on', 'peak_blocks', max)):.1f}",
+            f"{mib(agg('off', 'peak_blocks', max)):.1f}",
+            "",
+            "",
+            "",
+        ],
+        [
+            "prompt tokens served from cache (Usage, TTFT requests)",
+            f"{median(cached_tokens['on']):.0f}",
+            f"{median(cached_tokens['off']):.0f}",
+            "",
+            "",
+            "",
+        ],
+        [
+            "prefix-cache hit rate (Stats, measured requests)",
+            f"{100 * hit_rate:.1f}%",
+            f"{100 * off_after.prefix_cache_hit_rate:.1f}%",
+            "",
+            "",
+            "",
+        ],
         ["cached free blocks at the end (Stats)", after.blocks_cached_free, off_after.blocks_cached_free, "", "", ""],
     ]
     table = markdown_table(["metric", "cache on", "cache off", "on / off", "runs, on", "runs, off"], rows)
-    verdict = ("met" if fraction <= GOAL_TTFT_FRACTION
-               else f"**missed** by {100 * (fraction - GOAL_TTFT_FRACTION):.1f} points")
+    verdict = (
+        "met" if fraction <= GOAL_TTFT_FRACTION else f"**missed** by {100 * (fraction - GOAL_TTFT_FRACTION):.1f} points"
+    )
     notes = (
         f"Goal (issue 10): with a cached {args.prefix_tokens}-token prefix, TTFT <= {100 * GOAL_TTFT_FRACTION:.0f}% of "
         f"uncached. Measured: **{100 * fraction:.1f}%** ({t_off / t_on:.1f}x faster): {verdict}.\n\n"
@@ -180,10 +245,18 @@ def plot(ttft, bursts, args, mib) -> None:
     labels, colors = ["cache on", "cache off"], ["tab:green", "tab:gray"]
     panels = [
         (axes[0], [median(ttft["on"]), median(ttft["off"])], "median TTFT (ms)", "TTFT, one request at a time"),
-        (axes[1], [median([b["tok_s"] for b in bursts[k]]) for k in ("on", "off")], "output tokens/s",
-         f"throughput, burst of {args.burst}"),
-        (axes[2], [mib(max(b["peak_blocks"] for b in bursts[k])) for k in ("on", "off")], "peak KV MiB",
-         f"KV memory, burst of {args.burst}"),
+        (
+            axes[1],
+            [median([b["tok_s"] for b in bursts[k]]) for k in ("on", "off")],
+            "output tokens/s",
+            f"throughput, burst of {args.burst}",
+        ),
+        (
+            axes[2],
+            [mib(max(b["peak_blocks"] for b in bursts[k])) for k in ("on", "off")],
+            "peak KV MiB",
+            f"KV memory, burst of {args.burst}",
+        ),
     ]
     for ax, values, ylabel, title in panels:
         ax.bar(labels, values, color=colors)

@@ -28,6 +28,7 @@ Reported per policy and arrival pattern, mean over seeds (min-max):
   both workers (from the scheduler's "request finished" log lines).
 * requests per worker (admin ListWorkers requests_routed), the less loaded first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,19 +74,35 @@ def workload(seed: int, system_tokens: int) -> list[tuple[str, int, list[int]]]:
     systems = [[rng.randrange(4, 700) for _ in range(system_tokens)] for _ in range(4)]
     order = [g for g in range(4) for _ in range(8)]
     rng.shuffle(order)
-    return [(f"s{seed}-{n}-p{g}", g, systems[g] + [rng.randrange(4, 700) for _ in range(rng.randrange(3, 12))])
-            for n, g in enumerate(order)]
+    return [
+        (f"s{seed}-{n}-p{g}", g, systems[g] + [rng.randrange(4, 700) for _ in range(rng.randrange(3, 12))])
+        for n, g in enumerate(order)
+    ]
 
 
 def one_run(model: str, workers: list[ServiceProcess], policy: str, arrival: str, seed: int, args) -> Run:
     cases = workload(seed, args.system_tokens)
-    sched_args = ["--model", model, "--workers", ",".join(w.address for w in workers), "--routing", policy,
-                  "--admin-port", "0", "--log-format", "json", "--max-num-batched-tokens", str(args.step_tokens)]
+    sched_args = [
+        "--model",
+        model,
+        "--workers",
+        ",".join(w.address for w in workers),
+        "--routing",
+        policy,
+        "--admin-port",
+        "0",
+        "--log-format",
+        "json",
+        "--max-num-batched-tokens",
+        str(args.step_tokens),
+    ]
     with ServiceProcess("scheduler_svc", sched_args) as sched, SchedulerClient(sched.address) as client:
+
         def send(case):
             rid, _, ids = case
-            return client.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True,
-                                   request_id=rid, timeout=300)
+            return client.generate(
+                prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True, request_id=rid, timeout=300
+            )
 
         start = time.perf_counter()
         with ThreadPoolExecutor(len(cases)) as pool:
@@ -109,9 +126,18 @@ def one_run(model: str, workers: list[ServiceProcess], policy: str, arrival: str
     assert all(r.completion_tokens == 8 for r in results), "a request did not complete"
     full = args.system_tokens // 16 * 16  # full blocks of a system prompt (the tails never fill one)
     ideal = 28 * full / sum(len(ids) for _, _, ids in cases)
-    return Run(policy, arrival, seed, stats.prefix_cache_hit_rate, stats.prefix_cache_hit_tokens,
-               stats.prompt_tokens_total, ideal, sum(len(w) == 2 for w in placed.values()),
-               tuple(sorted(w.requests_routed for w in listed.workers)), wall)
+    return Run(
+        policy,
+        arrival,
+        seed,
+        stats.prefix_cache_hit_rate,
+        stats.prefix_cache_hit_tokens,
+        stats.prompt_tokens_total,
+        ideal,
+        sum(len(w) == 2 for w in placed.values()),
+        tuple(sorted(w.requests_routed for w in listed.workers)),
+        wall,
+    )
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -145,8 +171,11 @@ def main() -> None:
                 for policy in POLICIES:
                     run = one_run(args.model, workers, policy, arrival, seed, args)
                     runs.append(run)
-                    print(f"seed {seed} {arrival:<5} {policy:<12} hit rate {run.hit_rate:.3f}  "
-                          f"both workers {run.both_workers}/4  per worker {run.per_worker}", flush=True)
+                    print(
+                        f"seed {seed} {arrival:<5} {policy:<12} hit rate {run.hit_rate:.3f}  "
+                        f"both workers {run.both_workers}/4  per worker {run.per_worker}",
+                        flush=True,
+                    )
     finally:
         for w in workers:
             w.stop()
@@ -158,35 +187,53 @@ def main() -> None:
     for arrival in ARRIVALS:
         for policy in POLICIES:
             rs = by_key[(arrival, policy)]
-            rows.append([arrival, policy, spread([r.hit_rate for r in rs], ".3f"),
-                         spread([r.ideal for r in rs], ".3f"),
-                         spread([r.prompt_tokens - r.hit_tokens for r in rs], ".0f"),
-                         spread([r.both_workers for r in rs], ".1f"),
-                         ", ".join("/".join(map(str, r.per_worker)) for r in rs),
-                         spread([r.wall_s for r in rs], ".2f")])
-    table = markdown_table(["arrival", "routing", "prefix cache hit rate", "ideal", "prefill tokens computed",
-                            "system prompts on both workers (of 4)", "requests per worker, per seed",
-                            "wall s"], rows)
+            rows.append(
+                [
+                    arrival,
+                    policy,
+                    spread([r.hit_rate for r in rs], ".3f"),
+                    spread([r.ideal for r in rs], ".3f"),
+                    spread([r.prompt_tokens - r.hit_tokens for r in rs], ".0f"),
+                    spread([r.both_workers for r in rs], ".1f"),
+                    ", ".join("/".join(map(str, r.per_worker)) for r in rs),
+                    spread([r.wall_s for r in rs], ".2f"),
+                ]
+            )
+    table = markdown_table(
+        [
+            "arrival",
+            "routing",
+            "prefix cache hit rate",
+            "ideal",
+            "prefill tokens computed",
+            "system prompts on both workers (of 4)",
+            "requests per worker, per seed",
+            "wall s",
+        ],
+        rows,
+    )
     print(table)
     mean = {k: statistics.mean(r.hit_rate for r in rs) for k, rs in by_key.items()}
     computed = {k: statistics.mean(r.prompt_tokens - r.hit_tokens for r in rs) for k, rs in by_key.items()}
     both = {k: statistics.mean(r.both_workers for r in rs) for k, rs in by_key.items()}
-    notes = (f"Two workers ({Path(args.model).name}, {args.dtype}, 512 blocks of 16 tokens each), "
-             f"{args.seeds} seeds, scheduler step budget {args.step_tokens} tokens, paced gap {args.gap_ms:g} ms, "
-             f"system prompts of {args.system_tokens} tokens; {elapsed:.0f} s in all, load average "
-             f"{load_average():.1f} at the end (wall times are indicative only: 2 shared cores).\n\n"
-             f"Prefix-aware routing vs round-robin, hit rate: burst {mean[('burst', 'prefix')]:.3f} vs "
-             f"{mean[('burst', 'round-robin')]:.3f}; paced {mean[('paced', 'prefix')]:.3f} vs "
-             f"{mean[('paced', 'round-robin')]:.3f} (least-loaded: {mean[('burst', 'least-loaded')]:.3f}, "
-             f"{mean[('paced', 'least-loaded')]:.3f}); prefill tokens computed: burst "
-             f"{computed[('burst', 'prefix')]:.0f} vs {computed[('burst', 'round-robin')]:.0f}, paced "
-             f"{computed[('paced', 'prefix')]:.0f} vs {computed[('paced', 'round-robin')]:.0f}. "
-             f"System prompts computed on both workers (of 4): prefix {both[('burst', 'prefix')]:.1f} / "
-             f"{both[('paced', 'prefix')]:.1f}, round-robin {both[('burst', 'round-robin')]:.1f} / "
-             f"{both[('paced', 'round-robin')]:.1f}. Prefix routing keeps each system prompt on one worker, so "
-             f"it is computed once, plus by those of its requests admitted in the same step as the first "
-             f"(burst); round-robin and least-loaded send every prompt to both workers, which both compute "
-             f"it. With more workers the gap grows: round-robin computes each prompt on every worker.\n")
+    notes = (
+        f"Two workers ({Path(args.model).name}, {args.dtype}, 512 blocks of 16 tokens each), "
+        f"{args.seeds} seeds, scheduler step budget {args.step_tokens} tokens, paced gap {args.gap_ms:g} ms, "
+        f"system prompts of {args.system_tokens} tokens; {elapsed:.0f} s in all, load average "
+        f"{load_average():.1f} at the end (wall times are indicative only: 2 shared cores).\n\n"
+        f"Prefix-aware routing vs round-robin, hit rate: burst {mean[('burst', 'prefix')]:.3f} vs "
+        f"{mean[('burst', 'round-robin')]:.3f}; paced {mean[('paced', 'prefix')]:.3f} vs "
+        f"{mean[('paced', 'round-robin')]:.3f} (least-loaded: {mean[('burst', 'least-loaded')]:.3f}, "
+        f"{mean[('paced', 'least-loaded')]:.3f}); prefill tokens computed: burst "
+        f"{computed[('burst', 'prefix')]:.0f} vs {computed[('burst', 'round-robin')]:.0f}, paced "
+        f"{computed[('paced', 'prefix')]:.0f} vs {computed[('paced', 'round-robin')]:.0f}. "
+        f"System prompts computed on both workers (of 4): prefix {both[('burst', 'prefix')]:.1f} / "
+        f"{both[('paced', 'prefix')]:.1f}, round-robin {both[('burst', 'round-robin')]:.1f} / "
+        f"{both[('paced', 'round-robin')]:.1f}. Prefix routing keeps each system prompt on one worker, so "
+        f"it is computed once, plus by those of its requests admitted in the same step as the first "
+        f"(burst); round-robin and least-loaded send every prompt to both workers, which both compute "
+        f"it. With more workers the gap grows: round-robin computes each prompt on every worker.\n"
+    )
     print(f"wrote {write_result(NAME, 'Routing: prefix-aware vs round-robin on the 4-prompt workload', table, notes)}")
 
 

@@ -12,6 +12,7 @@ summary (bench/results/run_all.md) and makes the exit status non-zero; a
 bench/*.py that is neither listed here nor in HELPERS stops the run before it
 starts, so a new benchmark cannot be forgotten.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,32 @@ class Benchmark:
 BENCHMARKS = [
     Benchmark("capacity", (), "issue 10 §1: paged vs contiguous backend at equal KV memory"),
     Benchmark("vs_transformers", ("--repeats", "2"), "issue 10 §2: vs transformers generate, batch 1/8/32, fp32+bf16"),
-    Benchmark("prefix_cache", ("--repeats", "6", "--burst-repeats", "2"),
-              "issue 10 §3: 1,000-token shared system prompt, cache on vs off"),
+    Benchmark(
+        "prefix_cache",
+        ("--repeats", "6", "--burst-repeats", "2"),
+        "issue 10 §3: 1,000-token shared system prompt, cache on vs off",
+    ),
     Benchmark("chunked_prefill", (), "issue 10 §4: decode ITL while long prompts arrive, per chunk size"),
     Benchmark("allocation_sim", (), "issue 10 §5: naive / dynamic / paged / paged+sharing allocators"),
-    Benchmark("overhead", ("--steps", "2", "--warmup", "1", "--e2e-seqs", "1", "64"),
-              "issue 10 §6: planning, serialization, gRPC and forward per step"),
+    Benchmark(
+        "overhead",
+        ("--steps", "2", "--warmup", "1", "--e2e-seqs", "1", "64"),
+        "issue 10 §6: planning, serialization, gRPC and forward per step",
+    ),
     Benchmark("long_context", (), "issue 5: 200k-token prompt, KV bytes vs formula, memory, ITL per chunk"),
-    Benchmark("kv_quality", ("--text-tokens", "1536", "--gen-tokens", "64"), "KV precision: fp32/fp16/bf16/fp8/int8",
-              plot=False),
+    Benchmark(
+        "kv_quality",
+        ("--text-tokens", "1536", "--gen-tokens", "64"),
+        "KV precision: fp32/fp16/bf16/fp8/int8",
+        plot=False,
+    ),
     Benchmark("gateway_overhead", ("--requests", "10"), "HTTP gateway vs direct gRPC latency", plot=False),
     Benchmark("routing", ("--seeds", "2"), "prefix-aware routing vs round-robin, two workers", plot=False),
-    Benchmark("loop", ("--max-tokens", "64", "--repeats", "1"),
-              "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)"),
+    Benchmark(
+        "loop",
+        ("--max-tokens", "64", "--repeats", "1"),
+        "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",
+    ),
 ]
 # Modules in bench/ that are not benchmarks.
 HELPERS = {"__init__", "common", "bench_util", "run_all"}
@@ -66,7 +80,7 @@ def unlisted() -> list[str]:
 def run(bench: Benchmark) -> tuple[str, float]:
     module = BENCH / f"{bench.name}.py"
     if not module.exists():
-        return "MISSING (bench/%s.py does not exist)" % bench.name, 0.0
+        return f"MISSING (bench/{bench.name}.py does not exist)", 0.0
     cmd = [sys.executable, "-m", f"bench.{bench.name}", *bench.args]
     print(f"\n=== {bench.name}: {bench.what}\n$ {' '.join(cmd[1:])}", flush=True)
     start = time.time()
@@ -74,8 +88,11 @@ def run(bench: Benchmark) -> tuple[str, float]:
     elapsed = time.time() - start
     if rc != 0:
         return f"FAILED (exit status {rc})", elapsed
-    stale = [f"{bench.name}{ext}" for ext in ((".md", ".png") if bench.plot else (".md",))
-             if not (RESULTS / f"{bench.name}{ext}").exists() or (RESULTS / f"{bench.name}{ext}").stat().st_mtime < start]
+    stale = [
+        f"{bench.name}{ext}"
+        for ext in ((".md", ".png") if bench.plot else (".md",))
+        if not (RESULTS / f"{bench.name}{ext}").exists() or (RESULTS / f"{bench.name}{ext}").stat().st_mtime < start
+    ]
     if stale:
         return f"FAILED (no fresh {', '.join(stale)})", elapsed
     return "ok" if bench.plot else "ok (writes no plot)", elapsed
@@ -93,8 +110,11 @@ def main() -> int:
             print(f"{b.name:18} {' '.join(b.args):40} {b.what}{plot}{present}")
         return 0
     if extra := unlisted():
-        print(f"error: bench/{{{','.join(extra)}}}.py not listed in bench/run_all.py BENCHMARKS (nor HELPERS); "
-              "add them so that `make bench` runs them", file=sys.stderr)
+        print(
+            f"error: bench/{{{','.join(extra)}}}.py not listed in bench/run_all.py BENCHMARKS (nor HELPERS); "
+            "add them so that `make bench` runs them",
+            file=sys.stderr,
+        )
         return 2
     chosen = BENCHMARKS
     if args.only:
@@ -108,14 +128,25 @@ def main() -> int:
     for bench in chosen:
         status, elapsed = run(bench)
         failed += not status.startswith("ok")
-        rows.append([bench.name, status, f"{elapsed:.0f}", f"`python -m bench.{bench.name} {' '.join(bench.args)}`".replace(" `", "`"),
-                     f"[{bench.name}.md]({bench.name}.md)", f"[{bench.name}.png]({bench.name}.png)" if bench.plot else "none"])
+        rows.append(
+            [
+                bench.name,
+                status,
+                f"{elapsed:.0f}",
+                f"`python -m bench.{bench.name} {' '.join(bench.args)}`".replace(" `", "`"),
+                f"[{bench.name}.md]({bench.name}.md)",
+                f"[{bench.name}.png]({bench.name}.png)" if bench.plot else "none",
+            ]
+        )
         print(f"=== {bench.name}: {status} in {elapsed:.0f} s (total so far {time.time() - started:.0f} s)", flush=True)
     total = time.time() - started
     table = markdown_table(["benchmark", "status", "seconds", "command", "results", "plot"], rows)
-    notes = (f"Total {total:.0f} s ({total / 60:.1f} min; budget {BUDGET_S // 60} min"
-             + (", **over budget**" if total > BUDGET_S else "") + f"); {failed} failed or missing. "
-             f"1-minute load average {load_before:.1f} before, {load_average():.1f} after (2 cores, shared).")
+    notes = (
+        f"Total {total:.0f} s ({total / 60:.1f} min; budget {BUDGET_S // 60} min"
+        + (", **over budget**" if total > BUDGET_S else "")
+        + f"); {failed} failed or missing. "
+        f"1-minute load average {load_before:.1f} before, {load_average():.1f} after (2 cores, shared)."
+    )
     print("\n" + table + "\n\n" + notes)
     if not args.only:
         print(f"wrote {write_result('run_all', 'All benchmarks (make bench)', table, notes)}")

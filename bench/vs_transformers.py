@@ -28,6 +28,7 @@ fp32 and bf16 weights, on the same prompts, in the same run.
   under cProfile, 5 steps; cumulative time of the attention path's functions
   (kernels/reference.py) and of the linear layers, as a share of the step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,11 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 def run_system(target: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     with SchedulerClient(target) as client:
+
         def one(ids):
-            return client.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                   timeout=900)
+            return client.generate(
+                prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=900
+            )
 
         start = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -68,16 +71,23 @@ def run_system(target: str, prompts: list[list[int]], max_tokens: int) -> tuple[
     return elapsed, [r.token_ids for r in results]
 
 
-def run_transformers(model, pad_id: int, prompts: list[list[int]], max_tokens: int,
-                     thread: ThreadPoolExecutor) -> tuple[float, list[list[int]]]:
+def run_transformers(
+    model, pad_id: int, prompts: list[list[int]], max_tokens: int, thread: ThreadPoolExecutor
+) -> tuple[float, list[list[int]]]:
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
     def generate():
         with torch.inference_mode():
-            return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
-                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+            return model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
 
     start = time.perf_counter()
     out = thread.submit(generate).result()
@@ -112,8 +122,18 @@ def decode_profile(model: str, dtype: str, batch: int, context: int, num_blocks:
     per_seq = context // 16 + 1
     if batch * per_seq > num_blocks:
         raise ValueError(f"the profile needs {batch * per_seq} blocks, --num-blocks is {num_blocks}")
-    seqs = [SeqInput(i, [100], context, [i * per_seq + j for j in range(per_seq)],
-                     [(i * per_seq + context // 16) * 16 + context % 16], True, Sampling()) for i in range(batch)]
+    seqs = [
+        SeqInput(
+            i,
+            [100],
+            context,
+            [i * per_seq + j for j in range(per_seq)],
+            [(i * per_seq + context // 16) * 16 + context % 16],
+            True,
+            Sampling(),
+        )
+        for i in range(batch)
+    ]
     step = StepInput(1, [], seqs)
     steps = 5
 
@@ -136,7 +156,6 @@ def decode_profile(model: str, dtype: str, batch: int, context: int, num_blocks:
         cumulative[key] = cumulative.get(key, 0.0) + ct
     total = cumulative.get(("model_runner.py", "execute"), 0.0)
     shares = {label: cumulative.get(key, 0.0) / total if total else float("nan") for label, key in PROFILED.items()}
-    del worker
     return step_ms, shares
 
 
@@ -149,16 +168,20 @@ def measure(args, dtype: str, prompt_ids: list[list[int]], bar) -> dict:
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
     out = {b: {"pagedserve": [], "transformers": [], "agree": (0, 0)} for b in args.batches}
     worker_args = ["--dtype", dtype, "--num-blocks", str(args.num_blocks)]
-    with Cluster(Path(args.model), worker_args, ["--no-prefix-caching"]) as cluster, \
-            ThreadPoolExecutor(1) as thread:
+    with Cluster(Path(args.model), worker_args, ["--no-prefix-caching"]) as cluster, ThreadPoolExecutor(1) as thread:
         # Warm-up: first calls build kernels / allocate; not measured.
         run_system(cluster.address, prompt_ids[:2], 4)
         run_transformers(model, pad_id, prompt_ids[:2], 4, thread)
         for repeat in range(args.repeats):
             for batch in args.batches:
                 prompts = prompt_ids[:batch]
-                systems = [("pagedserve", lambda: run_system(cluster.address, prompts, args.max_tokens)),
-                           ("transformers", lambda: run_transformers(model, pad_id, prompts, args.max_tokens, thread))]
+                systems = [
+                    ("pagedserve", lambda prompts=prompts: run_system(cluster.address, prompts, args.max_tokens)),
+                    (
+                        "transformers",
+                        lambda prompts=prompts: run_transformers(model, pad_id, prompts, args.max_tokens, thread),
+                    ),
+                ]
                 if (repeat + args.batches.index(batch)) % 2:
                     systems.reverse()  # alternate who goes first: drift on this noisy machine hits both alike
                 tokens = {}
@@ -169,7 +192,6 @@ def measure(args, dtype: str, prompt_ids: list[list[int]], bar) -> dict:
                 if repeat == 0:
                     same = sum(a == b for a, b in zip(tokens["pagedserve"], tokens["transformers"]))
                     out[batch]["agree"] = (same, batch)
-    del model
     return out
 
 
@@ -206,24 +228,53 @@ def main() -> None:
             ours, theirs = median(r["pagedserve"]), median(r["transformers"])
             ratios[(dtype, batch)] = ours / theirs
             same, n = r["agree"]
-            rows.append([SHORT[dtype], batch, f"{ours:.1f}", f"{theirs:.1f}", f"**{ours / theirs:.2f}x**",
-                         " ".join(f"{v:.0f}" for v in r["pagedserve"]),
-                         " ".join(f"{v:.0f}" for v in r["transformers"]), f"{same}/{n}"])
-    table = markdown_table(["weights", "batch", "pagedserve tok/s (median)", "transformers tok/s (median)",
-                            "ratio", "pagedserve runs", "transformers runs", "same greedy tokens"], rows)
+            rows.append(
+                [
+                    SHORT[dtype],
+                    batch,
+                    f"{ours:.1f}",
+                    f"{theirs:.1f}",
+                    f"**{ours / theirs:.2f}x**",
+                    " ".join(f"{v:.0f}" for v in r["pagedserve"]),
+                    " ".join(f"{v:.0f}" for v in r["transformers"]),
+                    f"{same}/{n}",
+                ]
+            )
+    table = markdown_table(
+        [
+            "weights",
+            "batch",
+            "pagedserve tok/s (median)",
+            "transformers tok/s (median)",
+            "ratio",
+            "pagedserve runs",
+            "transformers runs",
+            "same greedy tokens",
+        ],
+        rows,
+    )
     goal_lines = []
     for dtype in args.dtypes:
         if (dtype, top) not in ratios:
             continue
         ratio = ratios[(dtype, top)]
         theirs = median(results[dtype][top]["transformers"])
-        verdict = "met" if ratio >= GOAL_RATIO else f"**missed** by {GOAL_RATIO - ratio:.2f}x ({100 * (1 - ratio / GOAL_RATIO):.0f}% short)"
-        ref = f"; transformers here {theirs:.0f} tok/s vs the issue's reference {REFERENCE[dtype]:.0f}" if top == 32 else ""
+        verdict = (
+            "met"
+            if ratio >= GOAL_RATIO
+            else f"**missed** by {GOAL_RATIO - ratio:.2f}x ({100 * (1 - ratio / GOAL_RATIO):.0f}% short)"
+        )
+        ref = (
+            f"; transformers here {theirs:.0f} tok/s vs the issue's reference {REFERENCE[dtype]:.0f}"
+            if top == 32
+            else ""
+        )
         goal_lines.append(f"* {SHORT[dtype]}, batch {top}: {ratio:.2f}x vs goal >= {GOAL_RATIO}x: {verdict}{ref}")
     seq_lens = [len(p) for p in prompt_ids]
     notes = (
         f"Goal (issue 10): >= {GOAL_RATIO}x transformers `generate` output tokens/s at batch 32, same weights dtype.\n\n"
-        + "\n".join(goal_lines) + "\n\n"
+        + "\n".join(goal_lines)
+        + "\n\n"
         f"Default model `{Path(args.model).name}`; {args.max_tokens} new tokens per sequence (greedy, EOS ignored); "
         f"prompts of 20-120 words = {min(seq_lens)}-{max(seq_lens)} tokens; {args.repeats} repeats, the two systems "
         f"alternating; rate = batch x new tokens / wall time, prefill included. pagedserve: one worker + one "
@@ -234,10 +285,15 @@ def main() -> None:
     )
     profile_rows = [[label] + [f"{100 * profiles[d][1][label]:.0f}%" for d in args.dtypes] for label in PROFILED]
     profile_rows.insert(0, ["worker decode step, in process (ms)"] + [f"{profiles[d][0]:.0f}" for d in args.dtypes])
-    profile_table = markdown_table([f"one decode step, batch {top}, {context}-token contexts"]
-                                   + [f"{SHORT[d]}: share of the step" for d in args.dtypes], profile_rows)
-    table += ("\n\nWhere the worker's decode step goes (cProfile cumulative time; the three kernels/reference.py "
-              "functions are part of the attention path):\n\n" + profile_table)
+    profile_table = markdown_table(
+        [f"one decode step, batch {top}, {context}-token contexts"]
+        + [f"{SHORT[d]}: share of the step" for d in args.dtypes],
+        profile_rows,
+    )
+    table += (
+        "\n\nWhere the worker's decode step goes (cProfile cumulative time; the three kernels/reference.py "
+        "functions are part of the attention path):\n\n" + profile_table
+    )
     print(table + "\n\n" + notes)
     plot(args, results, ratios)
     print(f"wrote {write_result(NAME, 'pagedserve vs transformers generate: output tokens/s', table, notes)}")

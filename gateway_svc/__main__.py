@@ -1,18 +1,22 @@
 """python -m gateway_svc --scheduler HOST:PORT --host 127.0.0.1 --port N [--model-dir DIR] [--ready-file PATH]"""
+
 from __future__ import annotations
 
 import asyncio
 import signal
 
+from gateway_svc.config import GatewayConfig
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
-from gateway_svc.config import GatewayConfig
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(GatewayConfig, "PAGEDSERVE_GATEWAY",
-                          "pagedserve gateway: OpenAI-compatible HTTP API over the scheduler's serving.v1 gRPC API",
-                          argv)
+    config = parse_config(
+        GatewayConfig,
+        "PAGEDSERVE_GATEWAY",
+        "pagedserve gateway: OpenAI-compatible HTTP API over the scheduler's serving.v1 gRPC API",
+        argv,
+    )
     configure_logging(config.log_format, config.log_level)
     from gateway_svc.server import GatewayServer  # FastAPI/uvicorn load after the CLI is validated
 

@@ -4,6 +4,7 @@ Routes parse and validate (openai_types), convert (convert), run the Generate
 calls (generation) and answer as JSON or server-sent events. Every error leaves
 as OpenAI error JSON with the matching HTTP status.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -97,8 +98,13 @@ def _key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
         given = _bearer_key(request) or ""
         # Constant-time compare: the key must not leak through response timing.
         if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise OpenAIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                              "authentication_error", None, "invalid_api_key")
+            raise OpenAIError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
 
     return require_key
 
@@ -114,8 +120,9 @@ def _forwarded_key(request: Request) -> str | None:
 # ---------------------------------------------------------------- generation
 
 
-async def _generate(client: SchedulerClient, request: Request, body: SamplingFields, shape: ResponseShape,
-                    samples: list[Sample]) -> Response:
+async def _generate(
+    client: SchedulerClient, request: Request, body: SamplingFields, shape: ResponseShape, samples: list[Sample]
+) -> Response:
     generation = Generation(client, samples, _forwarded_key(request))
     try:
         if body.stream:
@@ -177,8 +184,9 @@ def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _sse(generation: Generation, shape: ResponseShape, samples: list[Sample],
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    generation: Generation, shape: ResponseShape, samples: list[Sample], include_usage: bool
+) -> AsyncIterator[str]:
     """The event stream: OpenAI chunks, an error event if the scheduler fails
     mid-stream (the 200 is already sent), then [DONE]."""
     results = convert.Results(samples)
@@ -245,7 +253,9 @@ def _validation_to_openai(err: RequestValidationError) -> OpenAIError:
     first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
-    loc = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "list", "dict", "bool", "float")]
+    loc = [
+        p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "list", "dict", "bool", "float")
+    ]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return convert.bad_request(message, param)

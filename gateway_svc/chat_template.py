@@ -8,6 +8,7 @@ options (trim_blocks, lstrip_blocks) and helpers (raise_exception, tojson,
 strftime_now), and see every `*_token` of the tokenizer config (bos_token,
 eos_token, ...).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -53,7 +55,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template: {exc}") from exc
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "ChatTemplate | None":
+    def load(cls, model_dir: str | Path) -> ChatTemplate | None:
         """The template of a model directory, or None when it has none."""
         model_dir = Path(model_dir)
         tok_config = _read_json(model_dir / "tokenizer_config.json")

@@ -6,6 +6,7 @@
   and stream chunks (`ResponseShape`), with `usage` summed over the choices;
 * errors: gRPC status codes become OpenAI error JSON and an HTTP status.
 """
+
 from __future__ import annotations
 
 import time
@@ -58,8 +59,9 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
     return _samples(prompts, body, body.max_tokens, response_id, max_n)
 
 
-def chat_samples(body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int,
-                 default_max_tokens: int = 0) -> list[Sample]:
+def chat_samples(
+    body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int, default_max_tokens: int = 0
+) -> list[Sample]:
     """`default_max_tokens` applies when the body sets no limit; 0 = up to the model's context.
 
     OpenAI's chat API has no default output limit (an answer ends at its end or
@@ -74,14 +76,21 @@ def chat_samples(body: ChatCompletionRequest, prompt: str, response_id: str, max
     return _samples([{"prompt": prompt}], body, max_tokens, response_id, max_n)
 
 
-def _samples(prompts: list[dict], body: SamplingFields, max_tokens: int | None, response_id: str,
-             max_n: int) -> list[Sample]:
+def _samples(
+    prompts: list[dict], body: SamplingFields, max_tokens: int | None, response_id: str, max_n: int
+) -> list[Sample]:
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}", "n")
     # serving.v1's max_tokens and top_k are int32: a larger value means the same as
     # INT32_MAX there (the context length and the vocabulary are both far smaller).
-    params = {"max_tokens": _int32(max_tokens), "temperature": body.temperature, "top_p": body.top_p,
-              "top_k": _int32(body.top_k), "stop": body.stop_list, "ignore_eos": body.ignore_eos}
+    params = {
+        "max_tokens": _int32(max_tokens),
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": _int32(body.top_k),
+        "stop": body.stop_list,
+        "ignore_eos": body.ignore_eos,
+    }
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []
     for group, prompt in enumerate(prompts):
@@ -143,8 +152,12 @@ class Results:
         # what every one of them found cached.
         cached = sum(min(u.cached_prompt_tokens for u in us) for us in by_group.values())
         completion = sum(u.completion_tokens for us in by_group.values() for u in us)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
 
 class ResponseShape:

@@ -6,6 +6,7 @@ so the HTTP side sees them as a single ordered stream. `cancel()` cancels every
 call that is still running (a disconnect, an error in a sibling, or the end of
 the response) and wakes whoever is waiting on the stream.
 """
+
 from __future__ import annotations
 
 import asyncio

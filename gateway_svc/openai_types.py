@@ -5,9 +5,11 @@ that would change the answer and that we cannot honour (penalties, logprobs,
 echo, tools) are rejected with a 400 naming the field, instead of silently
 returning something the caller did not ask for.
 """
+
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
@@ -131,8 +133,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Annotated[bool | None, _only(lambda v: not v, "false")] = None
     top_logprobs: Annotated[int | None, _only(lambda v: v is None, "null")] = None
     tools: NoTools = None
-    response_format: Annotated[dict[str, Any] | None, _only(lambda v: v is None or v.get("type") == "text",
-                                                            "{'type': 'text'}")] = None
+    response_format: Annotated[
+        dict[str, Any] | None, _only(lambda v: v is None or v.get("type") == "text", "{'type': 'text'}")
+    ] = None
 
     @property
     def output_limit(self) -> int | None:

@@ -5,6 +5,7 @@ on the gateway's event loop: cancelling it is how a client's disconnect reaches
 the scheduler (which then frees the request's blocks). Create it inside the
 running event loop that will use it.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -29,8 +30,11 @@ class SchedulerClient:
     async def check_health(self, api_key: str | None = None) -> tuple[bool, str]:
         """(serving?, why not) from grpc.health.v1 Check of the whole server ("")."""
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self._health_timeout,
-                                             metadata=_auth_metadata(api_key))
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=self._health_timeout,
+                metadata=_auth_metadata(api_key),
+            )
         except grpc.aio.AioRpcError as err:
             return False, f"{err.code().name}: {err.details()}"
         serving = reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -4,6 +4,7 @@ Binding first is what makes `--port 0` usable: we learn the OS-picked port
 before uvicorn starts and publish it in the ready file (tests and scripts read
 it there). `GatewayServer` also runs in a background thread for tests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,9 @@ class GatewayServer:
         client = SchedulerClient(self.config.scheduler, self.config.request_timeout_s, self.config.health_timeout_s)
         try:
             app = create_app(client, self.config)
-            uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                       timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            uv_config = uvicorn.Config(
+                app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+            )
             self._server = uvicorn.Server(uv_config)
             self._server.should_exit = self._stop_requested
             serving = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -69,8 +71,14 @@ class GatewayServer:
         if not self._server.started:
             return
         write_ready_file(self.config.ready_file, self.config.host, self.port)  # no-op without --ready-file
-        log.info("gateway ready", host=self.config.host, port=self.port, scheduler=self.config.scheduler,
-                 model=self.config.model_id, api_key=bool(self.config.api_key))
+        log.info(
+            "gateway ready",
+            host=self.config.host,
+            port=self.port,
+            scheduler=self.config.scheduler,
+            model=self.config.model_id,
+            api_key=bool(self.config.api_key),
+        )
         self.ready.set()
 
     def stop(self) -> None:

@@ -1,4 +1,5 @@
 """Shared fixtures (the default model) and pytest hooks; plain helpers live in tests/helpers/."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """python -m worker_svc --model DIR --host 127.0.0.1 --port N ..."""
+
 from __future__ import annotations
 
 import signal
@@ -15,8 +16,9 @@ log = structlog.get_logger("worker_svc")
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(WorkerConfig, "PAGEDSERVE_WORKER", "pagedserve worker: model + paged KV cache, gRPC worker.v1",
-                          argv)
+    config = parse_config(
+        WorkerConfig, "PAGEDSERVE_WORKER", "pagedserve worker: model + paged KV cache, gRPC worker.v1", argv
+    )
     configure_logging(config.log_format, config.log_level)
     from worker_svc.allocator import keep_freed_memory
     from worker_svc.server import serve  # torch loads here, after the CLI is validated

@@ -13,6 +13,7 @@ threshold, and `generate` fell to 133 tokens/s.
 The cost is that the worker's RSS stays at its peak instead of shrinking between
 steps, which a serving process reaches anyway.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,9 +39,17 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):
         log.info("malloc tuning skipped: no glibc mallopt", libc=name)
         return False
-    settings = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-                (_M_TOP_PAD, TOP_PAD_BYTES))
+    settings = (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+        (_M_TOP_PAD, TOP_PAD_BYTES),
+    )
     applied = all(mallopt(option, value) == 1 for option, value in settings)
-    log.debug("malloc tuned", mmap_threshold=MMAP_THRESHOLD_BYTES, trim_threshold=TRIM_THRESHOLD_BYTES,
-              top_pad=TOP_PAD_BYTES, applied=applied)
+    log.debug(
+        "malloc tuned",
+        mmap_threshold=MMAP_THRESHOLD_BYTES,
+        trim_threshold=TRIM_THRESHOLD_BYTES,
+        top_pad=TOP_PAD_BYTES,
+        applied=applied,
+    )
     return applied

@@ -1,4 +1,5 @@
 """Worker configuration: flags, env vars (PAGEDSERVE_WORKER_*), validation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,24 +16,51 @@ KV_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "int8")
 class WorkerConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF checkpoint directory"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = field(default=50061, metadata={"help": "port to bind; 0 lets the OS pick (printed in the 'worker ready' log line)"})
+    port: int = field(
+        default=50061, metadata={"help": "port to bind; 0 lets the OS pick (printed in the 'worker ready' log line)"}
+    )
     num_blocks: int = field(default=0, metadata={"help": "KV blocks to allocate; 0 = size from --kv-cache-memory-mb"})
     kv_cache_memory_mb: int = field(default=512, metadata={"help": "KV pool size when --num-blocks is 0"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_layout: str = field(default="paged", metadata={"help": "paged = blocks of --block-size tokens shared on demand; contiguous = the baseline: one max-model-len slot per sequence, [layers, max_batch, kv_heads, max_seq_len, head_dim]", "choices": ("paged", "contiguous")})
-    max_batch: int = field(default=0, metadata={"help": "contiguous layout: slots (sequences at once); 0 = as many as fit in --kv-cache-memory-mb"})
+    kv_layout: str = field(
+        default="paged",
+        metadata={
+            "help": "paged = blocks of --block-size tokens shared on demand; contiguous = the baseline: one max-model-len slot per sequence, [layers, max_batch, kv_heads, max_seq_len, head_dim]",
+            "choices": ("paged", "contiguous"),
+        },
+    )
+    max_batch: int = field(
+        default=0,
+        metadata={"help": "contiguous layout: slots (sequences at once); 0 = as many as fit in --kv-cache-memory-mb"},
+    )
     dtype: str = field(default="bfloat16", metadata={"help": "weights/activations dtype", "choices": DTYPES})
-    kv_dtype: str = field(default="auto", metadata={"help": "KV cache dtype, independent of --dtype (auto = --dtype); fp8 = e4m3 and int8 = scale + zero point, per token and KV head (~half an fp16 pool plus scales); fp8 falls back to int8 on CUDA below compute capability 8.9", "choices": KV_DTYPES})
+    kv_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV cache dtype, independent of --dtype (auto = --dtype); fp8 = e4m3 and int8 = scale + zero point, per token and KV head (~half an fp16 pool plus scales); fp8 falls back to int8 on CUDA below compute capability 8.9",
+            "choices": KV_DTYPES,
+        },
+    )
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto = triton on CUDA, torch on CPU", "choices": ("auto", "torch", "triton")})
-    max_model_len: int = field(default=0, metadata={"help": "longest sequence served; 0 = the model's max_position_embeddings"})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto = triton on CUDA, torch on CPU", "choices": ("auto", "torch", "triton")}
+    )
+    max_model_len: int = field(
+        default=0, metadata={"help": "longest sequence served; 0 = the model's max_position_embeddings"}
+    )
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit (send and receive)"})
     seed: int = field(default=-1, metadata={"help": "seed of the generator for unseeded sampling; -1 = random"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch default"})
-    drain_timeout_s: float = field(default=30.0, metadata={"help": "after SIGTERM: how long the step in flight may take to finish"})
-    tls_cert: str = field(default="", metadata={"help": "PEM certificate: serve TLS (with --tls-key); default plaintext"})
+    drain_timeout_s: float = field(
+        default=30.0, metadata={"help": "after SIGTERM: how long the step in flight may take to finish"}
+    )
+    tls_cert: str = field(
+        default="", metadata={"help": "PEM certificate: serve TLS (with --tls-key); default plaintext"}
+    )
     tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
-    tls_client_ca: str = field(default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"})
+    tls_client_ca: str = field(
+        default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"}
+    )
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
@@ -52,8 +80,9 @@ class WorkerConfig:
             (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),
-            *file_checks({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key,
-                          "--tls-client-ca": self.tls_client_ca}),
+            *file_checks(
+                {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-client-ca": self.tls_client_ca}
+            ),
         ]
         for ok, flag, valid in checks:
             if not ok:

@@ -5,6 +5,7 @@ chunks, so each layer runs the decode op on one slice and the prefill op on the
 other without gathering. Everything is built from the step's flat arrays with
 numpy and crosses to the device in one copy per tensor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,21 +22,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class AttentionGroup:
-    block_tables: torch.Tensor      # [S, max_blocks] int32, padded with block 0
-    context_lens: torch.Tensor      # [S] int32: cached + new tokens
-    cu_query_lens: torch.Tensor     # [S + 1] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [S] int32: cached + new tokens
+    cu_query_lens: torch.Tensor  # [S + 1] int32
     num_tokens: int
 
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor         # [T]
-    positions: torch.Tensor         # [T]
-    slot_mapping: torch.Tensor      # [T] int64
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] int64
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
-    seqs: list[SeqInput]            # in token order
-    sample_rows: torch.Tensor       # row in [T] of the last token of each sampling sequence
+    seqs: list[SeqInput]  # in token order
+    sample_rows: torch.Tensor  # row in [T] of the last token of each sampling sequence
     sample_seqs: list[SeqInput]
 
 
@@ -51,7 +52,7 @@ def build_forward_batch(step: StepInput, device: torch.device, previous: LastSam
     samples = np.array([s.sample for s in seqs], dtype=bool)
     last_rows = np.cumsum(a.seq_lens[order]) - 1
     num_decodes = int(is_decode.sum())
-    as_tensor = lambda values: torch.from_numpy(np.ascontiguousarray(values)).to(device)  # noqa: E731
+    as_tensor = lambda values: torch.from_numpy(np.ascontiguousarray(values)).to(device)
     input_ids = as_tensor(a.token_ids[rows])
     referring = [k for k, seq in enumerate(seqs) if seq.token_from_previous_step]
     if referring and previous is not None:
@@ -81,7 +82,7 @@ def _group(a: StepArrays, members: np.ndarray, device: torch.device) -> Attentio
     tables[row_of, ranges(np.zeros_like(table_lens), table_lens)] = a.block_tables[ranges(table_starts, table_lens)]
     query_lens = a.seq_lens[members]
     cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    to = lambda values: torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device)  # noqa: E731
+    to = lambda values: torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device)
     return AttentionGroup(
         block_tables=to(tables),
         context_lens=to(a.context_lens[members]),
@@ -96,5 +97,7 @@ def check_references(step: StepInput, previous: LastSamples | None) -> None:
         if not seq.token_from_previous_step:
             continue
         if previous is None or previous.step_id != step.previous_step_id or seq.seq_id not in previous.rows:
-            raise InvalidStep(f"seqs[{i}].token_from_previous_step",
-                              f"seq_id {seq.seq_id} sampled nothing in step {step.previous_step_id}")
+            raise InvalidStep(
+                f"seqs[{i}].token_from_previous_step",
+                f"seq_id {seq.seq_id} sampled nothing in step {step.previous_step_id}",
+            )

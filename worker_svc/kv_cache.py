@@ -22,6 +22,7 @@ per-KV-head scales (fp32) and, for INT8, zero points (int8), shaped like the
 values without head_dim: written with their token by write_kv, read by the
 attention ops, copied with their block (or slot) by copy_blocks.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -60,8 +61,9 @@ class KVCachePool(Protocol):
     def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V [T, kv_heads, d] of one layer at their slots."""
 
-    def attend(self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float,
-               sliding_window: int) -> torch.Tensor:
+    def attend(
+        self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int
+    ) -> torch.Tensor:
         """Attention of the batch's query rows [T, q_heads, d] over their contexts
         (decodes first, then prefill chunks, as the batch orders them)."""
 
@@ -75,8 +77,16 @@ class _KVTensors:
 
     layout = ""
 
-    def __init__(self, num_layers: int, num_ids: int, num_kv_heads: int, tokens_per_id: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        num_ids: int,
+        num_kv_heads: int,
+        tokens_per_id: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (num_layers, num_ids, num_kv_heads, tokens_per_id, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -139,7 +149,7 @@ class _KVTensors:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if src:
-            index = lambda ids: torch.tensor(ids, dtype=torch.long, device=self.k.device)  # noqa: E731
+            index = lambda ids: torch.tensor(ids, dtype=torch.long, device=self.k.device)
             reference.copy_blocks(self.k, self.v, index(src), index(dst), **self.scale_tensors())
 
     def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -147,8 +157,9 @@ class _KVTensors:
         k_cache, v_cache = self.layer(layer)
         ops.write_kv(key, value, k_cache, v_cache, slot_mapping, **self.layer_scales(layer))
 
-    def attend(self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float,
-               sliding_window: int) -> torch.Tensor:
+    def attend(
+        self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int
+    ) -> torch.Tensor:
         parts = []
         split = batch.decode.num_tokens if batch.decode else 0
         if batch.decode:
@@ -170,19 +181,37 @@ class PagedKVCache(_KVTensors):
 
     layout = "paged"
 
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         super().__init__(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
 
     def _decode(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
-        return ops.paged_decode_attention(query, k_cache, v_cache, group.block_tables, group.context_lens, scale,
-                                          window, **self.layer_scales(layer))
+        return ops.paged_decode_attention(
+            query, k_cache, v_cache, group.block_tables, group.context_lens, scale, window, **self.layer_scales(layer)
+        )
 
     def _prefill(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
-        return ops.paged_prefill_attention(query, k_cache, v_cache, group.block_tables, group.cu_query_lens,
-                                           group.context_lens, scale, window, **self.layer_scales(layer))
+        return ops.paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            group.block_tables,
+            group.cu_query_lens,
+            group.context_lens,
+            scale,
+            window,
+            **self.layer_scales(layer),
+        )
 
 
 class ContiguousKVCache(_KVTensors):
@@ -192,8 +221,16 @@ class ContiguousKVCache(_KVTensors):
 
     layout = "contiguous"
 
-    def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        max_batch: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         super().__init__(num_layers, max_batch, num_kv_heads, max_seq_len, head_dim, dtype, device)
 
     @property
@@ -206,18 +243,42 @@ class ContiguousKVCache(_KVTensors):
 
     def _decode(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
-        return ops.contiguous_decode_attention(query, k_cache, v_cache, group.block_tables[:, 0],
-                                               group.context_lens, scale, window, **self.layer_scales(layer))
+        return ops.contiguous_decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            group.block_tables[:, 0],
+            group.context_lens,
+            scale,
+            window,
+            **self.layer_scales(layer),
+        )
 
     def _prefill(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
-        return ops.contiguous_prefill_attention(query, k_cache, v_cache, group.block_tables[:, 0],
-                                                group.cu_query_lens, group.context_lens, scale, window,
-                                                **self.layer_scales(layer))
+        return ops.contiguous_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            group.block_tables[:, 0],
+            group.cu_query_lens,
+            group.context_lens,
+            scale,
+            window,
+            **self.layer_scales(layer),
+        )
 
 
-def make_kv_cache(layout: str, num_layers: int, num_ids: int, num_kv_heads: int, tokens_per_id: int, head_dim: int,
-                  dtype: torch.dtype, device: torch.device) -> KVCachePool:
+def make_kv_cache(
+    layout: str,
+    num_layers: int,
+    num_ids: int,
+    num_kv_heads: int,
+    tokens_per_id: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCachePool:
     """num_ids blocks of tokens_per_id tokens (paged), or num_ids slots of
     tokens_per_id = max_seq_len positions (contiguous)."""
     classes = {"paged": PagedKVCache, "contiguous": ContiguousKVCache}

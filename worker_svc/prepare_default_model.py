@@ -3,6 +3,7 @@ plain Hugging Face checkpoint directory (config.json, model.safetensors, tokeniz
 
 Runs once (`make model`); the result lives under models/ (git-ignored).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,6 @@
 """worker.v1 gRPC server. The only place that converts worker protos to and from
 plain data."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from svc_common.grpc_options import server_options
 from proto import worker_pb2, worker_pb2_grpc
+from svc_common.grpc_options import server_options
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
@@ -40,15 +41,29 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         slot_lens.append(len(s.slot_mapping))
         table_lens.append(len(s.block_table))
         starts.append(s.start_pos)
-    i64 = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    arrays = StepArrays(i64(tokens), i64(seq_lens), i64(starts), i64(slots), i64(slot_lens), i64(tables),
-                        i64(table_lens))
-    views = zip(np.split(arrays.token_ids, np.cumsum(arrays.seq_lens)[:-1]),
-                np.split(arrays.block_tables, np.cumsum(arrays.table_lens)[:-1]),
-                np.split(arrays.slot_mapping, np.cumsum(arrays.slot_lens)[:-1]))
-    seqs = [SeqInput(s.seq_id, token_ids, s.start_pos, table, slot_mapping, s.sample, _sampling(s.sampling),
-                     s.return_logits, s.token_from_previous_step)
-            for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)]
+    i64 = lambda values: np.array(values, dtype=np.int64)
+    arrays = StepArrays(
+        i64(tokens), i64(seq_lens), i64(starts), i64(slots), i64(slot_lens), i64(tables), i64(table_lens)
+    )
+    views = zip(
+        np.split(arrays.token_ids, np.cumsum(arrays.seq_lens)[:-1]),
+        np.split(arrays.block_tables, np.cumsum(arrays.table_lens)[:-1]),
+        np.split(arrays.slot_mapping, np.cumsum(arrays.slot_lens)[:-1]),
+    )
+    seqs = [
+        SeqInput(
+            s.seq_id,
+            token_ids,
+            s.start_pos,
+            table,
+            slot_mapping,
+            s.sample,
+            _sampling(s.sampling),
+            s.return_logits,
+            s.token_from_previous_step,
+        )
+        for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)
+    ]
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
     return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs, arrays, previous)
 
@@ -60,16 +75,23 @@ def _sampling(sp: worker_pb2.SamplingParams) -> Sampling:
 def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
     sampled = [
         worker_pb2.SampledToken(
-            seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
+            seq_id=t.seq_id,
+            token_id=t.token_id,
+            logprob=t.logprob,
             logits=t.logits.float().numpy().astype("<f4").tobytes() if t.logits is not None else b"",
         )
         for t in out.sampled
     ]
     t = out.timings_ms
-    timings = worker_pb2.StepTimings(prepare_ms=t.get("prepare_ms", 0.0), forward_ms=t.get("forward_ms", 0.0),
-                                     sample_ms=t.get("sample_ms", 0.0), total_ms=t.get("total_ms", 0.0))
-    return worker_pb2.StepResponse(step_id=out.step_id, sampled=sampled, timings=timings, instance_id=instance_id,
-                                   num_tokens=out.num_tokens)
+    timings = worker_pb2.StepTimings(
+        prepare_ms=t.get("prepare_ms", 0.0),
+        forward_ms=t.get("forward_ms", 0.0),
+        sample_ms=t.get("sample_ms", 0.0),
+        total_ms=t.get("total_ms", 0.0),
+    )
+    return worker_pb2.StepResponse(
+        step_id=out.step_id, sampled=sampled, timings=timings, instance_id=instance_id, num_tokens=out.num_tokens
+    )
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -122,10 +144,17 @@ def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
     if bound == 0:
         raise OSError(f"cannot bind {address}")
     server.start()
-    log.info("worker ready", host=config.host, port=bound, tls=bool(credentials), mutual_tls=bool(config.tls_client_ca),
-             **dataclasses.asdict(worker.info))
+    log.info(
+        "worker ready",
+        host=config.host,
+        port=bound,
+        tls=bool(credentials),
+        mutual_tls=bool(config.tls_client_ca),
+        **dataclasses.asdict(worker.info),
+    )
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.tls_client_ca:
-        log.warning("listening beyond loopback without mutual TLS: anyone who can connect can run steps",
-                    host=config.host)
+        log.warning(
+            "listening beyond loopback without mutual TLS: anyone who can connect can run steps", host=config.host
+        )
     write_ready_file(config.ready_file, config.host, bound)
     return WorkerServer(server, health_servicer, bound)

@@ -5,6 +5,7 @@ A step's numbers also live as flat arrays (`StepArrays`: every sequence's
 tokens, slots and block table end to end), so validation and batch building
 are a few numpy operations per step, not Python loops over tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,13 +44,13 @@ class SeqInput:
 class StepArrays:
     """The step's sequences end to end, in step order (all int64)."""
 
-    token_ids: np.ndarray     # [T]
-    seq_lens: np.ndarray      # [S] tokens per sequence
-    start_pos: np.ndarray     # [S]
+    token_ids: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [S] tokens per sequence
+    start_pos: np.ndarray  # [S]
     slot_mapping: np.ndarray  # [sum(slot_lens)]
-    slot_lens: np.ndarray     # [S] (validated to equal seq_lens)
+    slot_lens: np.ndarray  # [S] (validated to equal seq_lens)
     block_tables: np.ndarray  # [sum(table_lens)]
-    table_lens: np.ndarray    # [S]
+    table_lens: np.ndarray  # [S]
 
     @classmethod
     def from_seqs(cls, seqs: Sequence[SeqInput]) -> StepArrays:
@@ -175,11 +176,15 @@ def _validate_seqs(step: StepInput, limits: Limits) -> None:
         raise InvalidStep(f"seqs[{i}].start_pos", f"negative ({a.start_pos[i]})")
     context = a.context_lens
     if (i := _first(context > limits.max_model_len)) is not None:
-        raise InvalidStep(f"seqs[{i}].start_pos", f"start_pos + len(token_ids) = {context[i]} exceeds max model "
-                                                  f"length {limits.max_model_len}")
+        raise InvalidStep(
+            f"seqs[{i}].start_pos",
+            f"start_pos + len(token_ids) = {context[i]} exceeds max model length {limits.max_model_len}",
+        )
     if (t := _first((a.token_ids < 0) | (a.token_ids >= limits.vocab_size))) is not None:
-        raise InvalidStep(f"seqs[{_seq_of(t, a.seq_lens)}].token_ids",
-                          f"token id {a.token_ids[t]} outside the vocabulary [0, {limits.vocab_size})")
+        raise InvalidStep(
+            f"seqs[{_seq_of(t, a.seq_lens)}].token_ids",
+            f"token id {a.token_ids[t]} outside the vocabulary [0, {limits.vocab_size})",
+        )
     _validate_tables(a, context, limits)
     if (i := _first(a.slot_lens != a.seq_lens)) is not None:
         raise InvalidStep(f"seqs[{i}].slot_mapping", f"{a.slot_lens[i]} slots for {a.seq_lens[i]} tokens")
@@ -189,21 +194,28 @@ def _validate_seqs(step: StepInput, limits: Limits) -> None:
         if seq.sample and (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0):
             raise InvalidStep(f"seqs[{i}].sampling", "need temperature >= 0, top_p in [0, 1], top_k >= 0")
         if seq.token_from_previous_step and (len(seq.token_ids) != 1 or step.previous_step_id is None):
-            raise InvalidStep(f"seqs[{i}].token_from_previous_step",
-                              "needs exactly one (placeholder) token and the step's previous_step_id")
+            raise InvalidStep(
+                f"seqs[{i}].token_from_previous_step",
+                "needs exactly one (placeholder) token and the step's previous_step_id",
+            )
 
 
 def _validate_tables(a: StepArrays, context: np.ndarray, limits: Limits) -> None:
     if limits.kv_layout == "contiguous" and (i := _first(a.table_lens != 1)) is not None:
-        raise InvalidStep(f"seqs[{i}].block_table", f"a contiguous cache takes exactly one slot per sequence "
-                                                    f"([slot]), got {a.table_lens[i]} entries")
+        raise InvalidStep(
+            f"seqs[{i}].block_table",
+            f"a contiguous cache takes exactly one slot per sequence ([slot]), got {a.table_lens[i]} entries",
+        )
     needed = -(-context // limits.block_size)
     if (i := _first(a.table_lens < needed)) is not None:
-        raise InvalidStep(f"seqs[{i}].block_table",
-                          f"{a.table_lens[i]} blocks cannot hold {context[i]} tokens (need {needed[i]})")
+        raise InvalidStep(
+            f"seqs[{i}].block_table", f"{a.table_lens[i]} blocks cannot hold {context[i]} tokens (need {needed[i]})"
+        )
     if (b := _first((a.block_tables < 0) | (a.block_tables >= limits.num_blocks))) is not None:
-        raise InvalidStep(f"seqs[{_seq_of(b, a.table_lens)}].block_table",
-                          f"block {a.block_tables[b]} outside [0, {limits.num_blocks})")
+        raise InvalidStep(
+            f"seqs[{_seq_of(b, a.table_lens)}].block_table",
+            f"block {a.block_tables[b]} outside [0, {limits.num_blocks})",
+        )
 
 
 def _validate_slots(a: StepArrays, block_size: int) -> None:
@@ -215,5 +227,7 @@ def _validate_slots(a: StepArrays, block_size: int) -> None:
     blocks = a.block_tables[np.repeat(table_starts, a.seq_lens) + positions // block_size]
     expected = blocks * block_size + positions % block_size
     if (t := _first((a.slot_mapping >= 0) & (a.slot_mapping != expected))) is not None:
-        raise InvalidStep(f"seqs[{_seq_of(t, a.seq_lens)}].slot_mapping",
-                          f"slot {a.slot_mapping[t]} for position {positions[t]} does not match block_table")
+        raise InvalidStep(
+            f"seqs[{_seq_of(t, a.seq_lens)}].slot_mapping",
+            f"slot {a.slot_mapping[t]} for position {positions[t]} does not match block_table",
+        )

@@ -17,6 +17,7 @@ deterministic: two builds produce byte-identical files.
 `PAGEDSERVE_TINY_CKPT_DIR` overrides the cache root. Bump VERSION whenever the output
 changes, so stale cached checkpoints are rebuilt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 VERSION = "1"
 MARKER = ".tiny_checkpoint_version"
@@ -107,6 +108,7 @@ Unicode text also appears: café, naïve, über, señor, 東京, 你好, При�
 
 # --- tokenizer -----------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     return train_tokenizer_json()
@@ -138,7 +140,11 @@ def build_tokenizer():
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-        unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=512,
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=512,
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -147,8 +153,12 @@ def build_tokenizer():
 # --- model configs -------------------------------------------------------------
 
 _COMMON = dict(
-    hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=512,
-    rms_norm_eps=1e-6, attention_bias=False,
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    attention_bias=False,
 )
 
 
@@ -158,8 +168,15 @@ def _llama_long(ids: dict):
     from transformers import LlamaConfig
 
     common = {**_COMMON, "max_position_embeddings": 262144}
-    return LlamaConfig(**common, **ids, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True)
+    return LlamaConfig(
+        **common,
+        **ids,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+    )
 
 
 def _llama(ids: dict, num_kv_heads: int, llama3_rope: bool):
@@ -170,13 +187,21 @@ def _llama(ids: dict, num_kv_heads: int, llama3_rope: bool):
         # original_max_position_embeddings=64 puts the head_dim-16 wavelengths in all
         # three llama3 regimes (kept, smoothed, divided by factor).
         rope = {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
     return LlamaConfig(
-        **_COMMON, **ids, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=num_kv_heads, rope_parameters=rope, tie_word_embeddings=llama3_rope,
+        **_COMMON,
+        **ids,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        rope_parameters=rope,
+        tie_word_embeddings=llama3_rope,
     )
 
 
@@ -185,8 +210,12 @@ def _qwen3(ids: dict, num_kv_heads: int):
 
     # 8 heads x head_dim 16 = 128 != hidden 64, as in real Qwen3 (head_dim is not hidden/heads).
     return Qwen3Config(
-        **_COMMON, **ids, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=num_kv_heads, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        **_COMMON,
+        **ids,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=num_kv_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=False,
     )
 
@@ -195,7 +224,11 @@ def _gemma3(ids: dict, num_kv_heads: int):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
-        **_COMMON, **ids, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+        **_COMMON,
+        **ids,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
         # A window of 8 is far below the ~40-token prompts used in tests, so the
         # sliding layers really drop context; HF semantics: key k is visible to query q
         # iff q - 8 < k <= q.
@@ -208,7 +241,9 @@ def _gemma3(ids: dict, num_kv_heads: int):
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
         },
         hidden_activation="gelu_pytorch_tanh",
-        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
     )
 
 
@@ -227,8 +262,10 @@ def make_config(family: str, tokenizer=None):
     """The transformers config of `family`, with vocab and special ids from the tokenizer."""
     tok = tokenizer or build_tokenizer()
     ids = dict(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     return FAMILIES[family](ids)
 
@@ -278,7 +315,8 @@ def build_checkpoint(family: str, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, family)
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
     out_dir = Path(out_dir)
@@ -348,7 +386,7 @@ def verify_checkpoint(path: Path, prompt: str = "The weather today is") -> list[
     inputs = tok(prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
     if len(set(new)) < 3:
         raise AssertionError(f"{path}: degenerate greedy generation {new}")
     return new
@@ -357,8 +395,9 @@ def verify_checkpoint(path: Path, prompt: str = "The weather today is") -> list[
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write tiny random-weight HF checkpoints.")
     parser.add_argument("--out", type=Path, required=True, help="root directory; each family goes to OUT/NAME")
-    parser.add_argument("--family", action="append", choices=sorted(FAMILIES),
-                        help="family to build (repeatable; default: all)")
+    parser.add_argument(
+        "--family", action="append", choices=sorted(FAMILIES), help="family to build (repeatable; default: all)"
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the transformers load/generate check")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging

@@ -65,7 +65,9 @@ class FakeWorker:
         if not seq.token_from_previous_step:
             return list(seq.token_ids)
         assert plan.previous_step_id == self.last_step_id, (
-            f"step {plan.step_id} names step {plan.previous_step_id}'s samples; the last step run was {self.last_step_id}")
+            f"step {plan.step_id} names step {plan.previous_step_id}'s samples; "
+            f"the last step run was {self.last_step_id}"
+        )
         assert seq.seq_id in self.last_sampled, f"seq {seq.seq_id}: sampled nothing in step {self.last_step_id}"
         return [self.last_sampled[seq.seq_id][0]]
 

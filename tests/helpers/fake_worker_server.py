@@ -1,5 +1,6 @@
 """worker.v1 served by the pure-Python FakeWorker (no torch): lets scheduler
 tests run real gRPC without a model."""
+
 from __future__ import annotations
 
 import uuid
@@ -15,21 +16,39 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, num_blocks: int, vocab_size: int, block_size: int = 16, max_model_len: int = 4096):
         self.fake = FakeWorker(num_blocks, block_size, vocab_size)
         self.info = worker_pb2.InfoResponse(
-            model_name="fake", model_type="llama", num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=16,
-            vocab_size=vocab_size, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            kv_dtype="float32", dtype="float32", device="cpu", instance_id=uuid.uuid4().hex)
+            model_name="fake",
+            model_type="llama",
+            num_layers=1,
+            num_q_heads=1,
+            num_kv_heads=1,
+            head_dim=16,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_dtype="float32",
+            dtype="float32",
+            device="cpu",
+            instance_id=uuid.uuid4().hex,
+        )
 
     async def Info(self, request, context):
         return self.info
 
     async def Step(self, request, context):
         previous = request.previous_step_id if request.HasField("previous_step_id") else None
-        plan = SimpleNamespace(step_id=request.step_id, copies=[(c.src, c.dst) for c in request.copies],
-                               seqs=request.seqs, previous_step_id=previous)
+        plan = SimpleNamespace(
+            step_id=request.step_id,
+            copies=[(c.src, c.dst) for c in request.copies],
+            seqs=request.seqs,
+            previous_step_id=previous,
+        )
         sampled = self.fake.execute(plan)
         return worker_pb2.StepResponse(
-            step_id=request.step_id, instance_id=self.info.instance_id,
-            sampled=[worker_pb2.SampledToken(seq_id=s, token_id=t, logprob=lp) for s, (t, lp) in sampled.items()])
+            step_id=request.step_id,
+            instance_id=self.info.instance_id,
+            sampled=[worker_pb2.SampledToken(seq_id=s, token_id=t, logprob=lp) for s, (t, lp) in sampled.items()],
+        )
 
 
 async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grpc.aio.Server, str, FakeWorkerServicer]:

@@ -1,5 +1,6 @@
 """Chunked prefill computes what one-shot prefill computes: causal masking and
 Gemma3's sliding window hold across chunk boundaries, for every tiny family."""
+
 from __future__ import annotations
 
 import random
@@ -27,28 +28,37 @@ def run_sequence(worker: Worker, prompt: list[int], chunk: int, table: list[int]
     while pos < len(prompt):
         end = min(pos + chunk, len(prompt))
         sample = end == len(prompt)
-        out = worker.step(StepInput(step_id, [], [SeqInput(seq_id, prompt[pos:end], pos, table, slots(table, pos, end),
-                                                           sample, return_logits=sample)]))
+        out = worker.step(
+            StepInput(
+                step_id,
+                [],
+                [SeqInput(seq_id, prompt[pos:end], pos, table, slots(table, pos, end), sample, return_logits=sample)],
+            )
+        )
         step_id, pos = step_id + 1, end
     for _ in range(DECODE_STEPS):
         token = out.sampled[0]
         logits.append(token.logits)
         tokens.append(token.token_id)
-        out = worker.step(StepInput(step_id, [], [SeqInput(seq_id, [token.token_id], pos, table,
-                                                           slots(table, pos, pos + 1), True, return_logits=True)]))
+        out = worker.step(
+            StepInput(
+                step_id,
+                [],
+                [SeqInput(seq_id, [token.token_id], pos, table, slots(table, pos, pos + 1), True, return_logits=True)],
+            )
+        )
         step_id, pos = step_id + 1, pos + 1
     return logits, tokens
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_chunked_equals_one_shot_prefill(family):
-    worker = Worker(WorkerConfig(model=str(tiny_checkpoint(family)), dtype="float32", num_blocks=64,
-                                 num_threads=2))
+    worker = Worker(WorkerConfig(model=str(tiny_checkpoint(family)), dtype="float32", num_blocks=64, num_threads=2))
     prompt = [random.Random(1).randrange(4, worker.info.vocab_size) for _ in range(PROMPT_LEN)]
     blocks = random.Random(2).sample(range(64), 64)
     full_logits, full_tokens = run_sequence(worker, prompt, PROMPT_LEN, blocks[:8], seq_id=1)
     for i, chunk in enumerate(CHUNKS[:-1]):
-        table = blocks[8 * (i + 1): 8 * (i + 2)]
+        table = blocks[8 * (i + 1) : 8 * (i + 2)]
         logits, tokens = run_sequence(worker, prompt, chunk, table, seq_id=2 + i)
         assert tokens == full_tokens, f"chunk {chunk}"
         for ours, ref in zip(logits, full_logits):

@@ -3,6 +3,7 @@
 sequence, block_table = [slot], slot_mapping = slot * max_seq_len + position.
 Prefill in one step and in chunks, decodes, mixed batches and slot copies must
 give transformers' logits; malformed contiguous steps are rejected."""
+
 from __future__ import annotations
 
 import random
@@ -24,18 +25,28 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module", params=("llama", "qwen3_mqa", "gemma3"))
 def worker(request):
-    w = WorkerUnderTest(tiny_checkpoint(request.param), ATOL, ("--kv-layout", "contiguous", "--max-batch",
-                                                                str(MAX_BATCH), "--max-model-len", str(MAX_LEN)))
+    w = WorkerUnderTest(
+        tiny_checkpoint(request.param),
+        ATOL,
+        ("--kv-layout", "contiguous", "--max-batch", str(MAX_BATCH), "--max-model-len", str(MAX_LEN)),
+    )
     yield w
     w.close()
 
 
-def slot_step(seq_id: int, token_ids: list[int], start_pos: int, slot: int, *, sample: bool = True,
-              logits: bool = True) -> worker_pb2.SequenceStep:
+def slot_step(
+    seq_id: int, token_ids: list[int], start_pos: int, slot: int, *, sample: bool = True, logits: bool = True
+) -> worker_pb2.SequenceStep:
     return worker_pb2.SequenceStep(
-        seq_id=seq_id, token_ids=token_ids, start_pos=start_pos, block_table=[slot],
-        slot_mapping=[slot * MAX_LEN + p for p in range(start_pos, start_pos + len(token_ids))], sample=sample,
-        sampling=worker_pb2.SamplingParams(temperature=0.0), return_logits=logits)
+        seq_id=seq_id,
+        token_ids=token_ids,
+        start_pos=start_pos,
+        block_table=[slot],
+        slot_mapping=[slot * MAX_LEN + p for p in range(start_pos, start_pos + len(token_ids))],
+        sample=sample,
+        sampling=worker_pb2.SamplingParams(temperature=0.0),
+        return_logits=logits,
+    )
 
 
 def prompt_for(worker, n: int, seed: int = 0) -> list[int]:
@@ -51,8 +62,12 @@ def assert_close(ours: np.ndarray, ref: np.ndarray):
 
 def test_info_reports_the_contiguous_layout(worker):
     info = worker.info
-    assert (info.kv_layout, info.max_batch, info.num_blocks, info.block_size) == ("contiguous", MAX_BATCH,
-                                                                                  MAX_BATCH, MAX_LEN)
+    assert (info.kv_layout, info.max_batch, info.num_blocks, info.block_size) == (
+        "contiguous",
+        MAX_BATCH,
+        MAX_BATCH,
+        MAX_LEN,
+    )
     assert info.max_model_len == MAX_LEN
     assert info.kv_bytes_per_block == info.kv_bytes_per_token * MAX_LEN  # a "block" is a whole slot
 
@@ -65,7 +80,7 @@ def test_prefill_chunks_and_decode_match_transformers(worker):
 
     pos = 0
     for chunk in (5, 16, 11, 8):
-        out = by_seq(worker.step([slot_step(2, prompt[pos:pos + chunk], pos, 1)]))[2]
+        out = by_seq(worker.step([slot_step(2, prompt[pos : pos + chunk], pos, 1)]))[2]
         pos += chunk
         assert_close(logits_of(out), ref[pos - 1])
     tokens, next_token = list(prompt), out.token_id
@@ -83,8 +98,16 @@ def test_mixed_step_of_decodes_and_prefills_matches_transformers(worker):
     prompts = [prompt_for(worker, n, seed=20 + n) for n in (3, 17, 33, 20)]
     first = by_seq(worker.step([slot_step(10 + i, p, 0, i) for i, p in enumerate(prompts[:2])]))
     # One step: two decodes (slots 0, 1), a whole prompt (slot 2), a 12-token chunk (slot 3).
-    out = by_seq(worker.step([slot_step(10, [first[10].token_id], 3, 0), slot_step(11, [first[11].token_id], 17, 1),
-                              slot_step(12, prompts[2], 0, 2), slot_step(13, prompts[3][:12], 0, 3)]))
+    out = by_seq(
+        worker.step(
+            [
+                slot_step(10, [first[10].token_id], 3, 0),
+                slot_step(11, [first[11].token_id], 17, 1),
+                slot_step(12, prompts[2], 0, 2),
+                slot_step(13, prompts[3][:12], 0, 3),
+            ]
+        )
+    )
     assert_close(logits_of(out[10]), worker.ref_logits(prompts[0] + [first[10].token_id])[-1])
     assert_close(logits_of(out[11]), worker.ref_logits(prompts[1] + [first[11].token_id])[-1])
     assert_close(logits_of(out[12]), worker.ref_logits(prompts[2])[-1])
@@ -107,13 +130,16 @@ def test_slot_copy_then_decode_from_the_copy(worker):
     np.testing.assert_array_equal(logits_of(from_copy), logits_of(from_src))
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(block_table=[0, 1]), "block_table"),                       # two slots for one sequence
-    (dict(block_table=[MAX_BATCH]), "block_table"),                  # no such slot
-    (dict(slot_mapping=[1 * MAX_LEN + p for p in range(4)]), "slot_mapping"),  # another slot's positions
-    (dict(slot_mapping=[p * 16 for p in range(4)]), "slot_mapping"),  # paged-style slots
-    (dict(start_pos=MAX_LEN - 2), "start_pos"),                      # past max_seq_len
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(block_table=[0, 1]), "block_table"),  # two slots for one sequence
+        (dict(block_table=[MAX_BATCH]), "block_table"),  # no such slot
+        (dict(slot_mapping=[1 * MAX_LEN + p for p in range(4)]), "slot_mapping"),  # another slot's positions
+        (dict(slot_mapping=[p * 16 for p in range(4)]), "slot_mapping"),  # paged-style slots
+        (dict(start_pos=MAX_LEN - 2), "start_pos"),  # past max_seq_len
+    ],
+)
 def test_malformed_contiguous_steps_are_rejected(worker, bad, field):
     seq = slot_step(50, [5, 6, 7, 8], 0, 0)
     for name, value in bad.items():

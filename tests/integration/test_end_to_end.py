@@ -1,5 +1,6 @@
 """Scheduler + worker as real processes: concurrent greedy streams are
 token-exact with transformers even when the pool forces chunking and preemption."""
+
 from __future__ import annotations
 
 import random
@@ -28,13 +29,17 @@ KV_LAYOUTS = {
 def test_concurrent_greedy_streams_match_transformers_under_chunking_and_preemption(layout):
     model_dir = tiny_checkpoint("llama")
     # A 48-token budget with 32-token chunks splits every longer prompt.
-    cluster = Cluster(model_dir, ["--dtype", "float32", *KV_LAYOUTS[layout]],
-                      ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8"])
+    cluster = Cluster(
+        model_dir,
+        ["--dtype", "float32", *KV_LAYOUTS[layout]],
+        ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8"],
+    )
     rng = random.Random(0)
     cases = [([rng.randrange(4, 700) for _ in range(rng.randrange(3, 70))], rng.randrange(4, 24)) for _ in range(16)]
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     expected = [hf_greedy(ref, ids, n) for ids, n in cases]
     with cluster, SchedulerClient(cluster.address) as client:
+
         def run(case):
             ids, n = case
             return client.generate(prompt_token_ids=ids, max_tokens=n, temperature=0.0, timeout=120)
@@ -62,7 +67,7 @@ def test_default_model_streams_the_transformers_greedy_text(default_model):
     want_ids = hf_greedy(ref, tokenizer(prompt).input_ids, 24)
     with Cluster(default_model, ["--dtype", "float32", "--num-blocks", "64"]) as cluster:
         with SchedulerClient(cluster.address) as client:
-            pieces = [r for r in client.stream(prompt, max_tokens=24, temperature=0.0, timeout=120)]
+            pieces = list(client.stream(prompt, max_tokens=24, temperature=0.0, timeout=120))
     assert [t for r in pieces for t in r.token_ids] == want_ids
     assert "".join(r.text for r in pieces) == tokenizer.decode(want_ids, skip_special_tokens=True)
     assert pieces[-1].finished and pieces[-1].usage.prompt_tokens == 5

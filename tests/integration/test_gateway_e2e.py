@@ -6,6 +6,7 @@ scheduler's own gRPC API (SchedulerClient) on the same processes. After every
 test the scheduler must be idle with no block in use (no leak, nothing left
 running for a client that went away).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,9 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    with Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "96"], ["--max-model-len", str(MAX_MODEL_LEN)],
-                 gateway=True) as c:
+    with Cluster(
+        model_dir, ["--dtype", "float32", "--num-blocks", "96"], ["--max-model-len", str(MAX_MODEL_LEN)], gateway=True
+    ) as c:
         yield c
 
 
@@ -81,8 +83,9 @@ def chat_prompt(model_dir, messages) -> str:
     """The prompt text transformers renders from the checkpoint's chat template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False,
-                                                                        add_generation_prompt=True)
+    return AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def sse_events(response: httpx.Response) -> list[tuple[float, str]]:
@@ -93,7 +96,7 @@ def sse_events(response: httpx.Response) -> list[tuple[float, str]]:
         while "\n\n" in buffer:
             event, buffer = buffer.split("\n\n", 1)
             assert event.startswith("data: "), event
-            events.append((time.monotonic(), event[len("data: "):]))
+            events.append((time.monotonic(), event[len("data: ") :]))
     assert buffer == "", f"stream ended inside an event: {buffer!r}"
     return events
 
@@ -114,8 +117,10 @@ def test_completion_greedy_equals_grpc(oai, grpc_client):
     assert choice.finish_reason == want.finish_reason
     assert done.usage.prompt_tokens == want.prompt_tokens and done.usage.completion_tokens == want.completion_tokens
     # Streamed: the same text, in more than one piece.
-    pieces = [c.choices[0].text for c in oai.completions.create(model="any", prompt=PROMPT, max_tokens=24,
-                                                                  temperature=0, stream=True)]
+    pieces = [
+        c.choices[0].text
+        for c in oai.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    ]
     assert "".join(pieces) == want.text
     assert sum(1 for p in pieces if p) > 1
 
@@ -130,18 +135,28 @@ def test_completion_token_id_prompt_and_cached_tokens(oai, grpc_client):
 
 
 def test_chat_greedy_equals_grpc_on_the_rendered_template(oai, grpc_client, model_dir):
-    want = grpc_client.generate(chat_prompt(model_dir, MESSAGES), max_tokens=20, temperature=0.0, ignore_eos=True,
-                                timeout=WAIT_S)
-    done = oai.chat.completions.create(model="any", messages=MESSAGES, max_tokens=20, temperature=0,
-                                       extra_body=IGNORE_EOS)
+    want = grpc_client.generate(
+        chat_prompt(model_dir, MESSAGES), max_tokens=20, temperature=0.0, ignore_eos=True, timeout=WAIT_S
+    )
+    done = oai.chat.completions.create(
+        model="any", messages=MESSAGES, max_tokens=20, temperature=0, extra_body=IGNORE_EOS
+    )
     [choice] = done.choices
     assert choice.message.role == "assistant" and choice.message.content == want.text
     assert choice.finish_reason == "length" and done.usage.completion_tokens == 20
     assert done.usage.prompt_tokens == want.prompt_tokens
     # Streamed with usage: role first, then the same text, then a usage chunk.
-    chunks = list(oai.chat.completions.create(model="any", messages=MESSAGES, max_completion_tokens=20, temperature=0,
-                                              stream=True, stream_options={"include_usage": True},
-                                              extra_body=IGNORE_EOS))
+    chunks = list(
+        oai.chat.completions.create(
+            model="any",
+            messages=MESSAGES,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -157,8 +172,9 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(oai):
 
 def test_seeded_sampling_is_reproducible_and_n_choices(oai):
     def run():
-        return oai.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=3,
-                                      extra_body=IGNORE_EOS)
+        return oai.completions.create(
+            model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=3, extra_body=IGNORE_EOS
+        )
 
     first, second = run(), run()
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
@@ -201,7 +217,7 @@ def test_disconnect_mid_stream_frees_the_blocks(cluster, http, grpc_client, path
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
-                got.append(json.loads(line[len("data: "):]))
+                got.append(json.loads(line[len("data: ") :]))
             if len(got) == 4:
                 during = grpc_client.stats()
                 break  # abandoning the stream closes the connection (httpcore drops it), mid-stream
@@ -241,13 +257,16 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
-    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+    ],
+)
 def test_bad_parameters_are_400_before_reaching_the_scheduler(http, grpc_client, path, body, param, stream):
     before = grpc_client.stats().requests_finished
     error = assert_openai_error(http.post(path, json={**body, "stream": stream}), 400)
@@ -273,8 +292,9 @@ def test_token_id_outside_the_vocabulary_is_400_with_the_schedulers_message(http
 
 
 def test_huge_max_tokens_and_top_k_mean_no_limit(oai):
-    done = oai.completions.create(model="any", prompt=PROMPT, max_tokens=2**40, temperature=0,
-                                  extra_body={"top_k": 2**40, **IGNORE_EOS})
+    done = oai.completions.create(
+        model="any", prompt=PROMPT, max_tokens=2**40, temperature=0, extra_body={"top_k": 2**40, **IGNORE_EOS}
+    )
     assert done.choices[0].finish_reason == "length"
     assert done.usage.prompt_tokens + done.usage.completion_tokens == MAX_MODEL_LEN
 

@@ -1,6 +1,7 @@
 """A 20,000-token prompt prefilled in chunks while 8 streams decode: the decodes
 never stall, progress arrives in order up to the total, the answer equals
 transformers; cancelling a long prefill frees its blocks."""
+
 from __future__ import annotations
 
 import json
@@ -36,14 +37,34 @@ def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
     model_dir = tiny_checkpoint("llama_long")
     rng = random.Random(3)
     long_prompt = [rng.randrange(4, 700) for _ in range(LONG)]
-    with Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "1400"],
-                 ["--max-num-batched-tokens", str(BUDGET), "--max-model-len", "32768", "--log-level", "debug",
-                  "--log-format", "json"]) as cluster, SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(
+            model_dir,
+            ["--dtype", "float32", "--num-blocks", "1400"],
+            [
+                "--max-num-batched-tokens",
+                str(BUDGET),
+                "--max-model-len",
+                "32768",
+                "--log-level",
+                "debug",
+                "--log-format",
+                "json",
+            ],
+        ) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         decodes, results = [], {}
 
         def decode(i):
-            results[i] = client.generate(prompt_token_ids=[10 + i] * 8, max_tokens=60, temperature=0.0,
-                                         ignore_eos=True, request_id=f"d{i}", timeout=120)
+            results[i] = client.generate(
+                prompt_token_ids=[10 + i] * 8,
+                max_tokens=60,
+                temperature=0.0,
+                ignore_eos=True,
+                request_id=f"d{i}",
+                timeout=120,
+            )
 
         for i in range(8):
             decodes.append(threading.Thread(target=decode, args=(i,)))
@@ -51,8 +72,9 @@ def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
         deadline = time.monotonic() + 30
         while client.stats().running < 8 and time.monotonic() < deadline:
             time.sleep(0.01)
-        long = client.generate(prompt_token_ids=long_prompt, max_tokens=3, temperature=0.0, request_id="long",
-                               timeout=120)
+        long = client.generate(
+            prompt_token_ids=long_prompt, max_tokens=3, temperature=0.0, request_id="long", timeout=120
+        )
         for t in decodes:
             t.join(120)
         stats = wait_idle(client)
@@ -68,7 +90,7 @@ def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
     steps = steps_from_log(log)
     with_long = [i for i, ids in enumerate(steps) if "long" in ids]
     assert len(with_long) >= LONG // BUDGET
-    window = steps[with_long[0]: with_long[-1] + 1]
+    window = steps[with_long[0] : with_long[-1] + 1]
     for i in range(8):
         rid = f"d{i}"
         running = [rid in ids for ids in window]
@@ -81,9 +103,14 @@ def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
 def test_cancelling_a_long_prefill_frees_its_blocks_and_service_goes_on():
     rng = random.Random(5)
     prompt = [rng.randrange(4, 700) for _ in range(LONG)]
-    with Cluster(tiny_checkpoint("llama_long"), ["--dtype", "float32", "--num-blocks", "1400"],
-                 ["--max-num-batched-tokens", "1024", "--max-model-len", "32768"]) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(
+            tiny_checkpoint("llama_long"),
+            ["--dtype", "float32", "--num-blocks", "1400"],
+            ["--max-num-batched-tokens", "1024", "--max-model-len", "32768"],
+        ) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         stream = client.stream(prompt_token_ids=prompt, max_tokens=2, timeout=120)
         first = next(stream)  # a progress message: the prefill is under way
         assert first.prefill_progress.total_tokens == LONG and first.prefill_progress.processed_tokens < LONG

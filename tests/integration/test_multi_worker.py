@@ -3,6 +3,7 @@ prefix-aware routing keeps each shared system prompt on one worker while distinc
 prompts spread over both, a worker added at run time (admin.v1 AddWorker) takes
 requests, a worker drained while requests run (DrainWorker) finishes them and is
 removed, and every greedy stream equals transformers' tokens throughout."""
+
 from __future__ import annotations
 
 import collections
@@ -26,8 +27,11 @@ from tests.helpers.recorder import Recorder, join, wait_for
 MODEL = tiny_checkpoint("llama")
 NUM_BLOCKS = 512
 WORKER_ARGS = ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", str(NUM_BLOCKS)]
-SERVING, DRAINING, REMOVED = (admin_pb2.WORKER_STATE_SERVING, admin_pb2.WORKER_STATE_DRAINING,
-                              admin_pb2.WORKER_STATE_REMOVED)
+SERVING, DRAINING, REMOVED = (
+    admin_pb2.WORKER_STATE_SERVING,
+    admin_pb2.WORKER_STATE_DRAINING,
+    admin_pb2.WORKER_STATE_REMOVED,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +57,10 @@ def scheduler(workers: list[ServiceProcess], *args: str):
     """A scheduler with JSON logs and an OS-picked admin port: (process, client, admin stub).
     On the way out its log must show no internal error."""
     addresses = ",".join(w.address for w in workers)
-    with ServiceProcess("scheduler_svc", ["--model", str(MODEL), "--workers", addresses, "--admin-port", "0",
-                                          "--log-format", "json", *args]) as proc:
+    with ServiceProcess(
+        "scheduler_svc",
+        ["--model", str(MODEL), "--workers", addresses, "--admin-port", "0", "--log-format", "json", *args],
+    ) as proc:
         with SchedulerClient(proc.address) as client, grpc.insecure_channel(proc.admin_address) as channel:
             yield proc, client, admin_pb2_grpc.AdminStub(channel)
         log = proc.log_path.read_text(errors="replace")
@@ -84,10 +90,12 @@ def test_shared_system_prompts_stay_on_one_worker_and_distinct_prompts_spread(wo
     # A 64-token step budget admits about one new prompt per step, as a busy server
     # would: later requests find the system prompt computed, if they land where it is.
     with scheduler(workers[:2], "--max-num-batched-tokens", "64") as (proc, client, admin):
+
         def run(case):
             rid, _, ids, max_tokens = case
-            return client.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, request_id=rid,
-                                   timeout=120)
+            return client.generate(
+                prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, request_id=rid, timeout=120
+            )
 
         with ThreadPoolExecutor(len(cases)) as pool:  # all 32 in flight at once
             results = dict(zip((c[0] for c in cases), pool.map(run, cases)))
@@ -95,7 +103,7 @@ def test_shared_system_prompts_stay_on_one_worker_and_distinct_prompts_spread(wo
         listed = list_workers(admin)
         records = finished_records(proc)
 
-    for rid, _, ids, max_tokens in cases:
+    for rid, _, _ids, max_tokens in cases:
         got, want = results[rid], expected[rid]
         assert got.token_ids == want, rid
         assert got.finish_reason == ("length" if len(want) == max_tokens else "stop")
@@ -129,8 +137,10 @@ def test_shared_system_prompts_stay_on_one_worker_and_distinct_prompts_spread(wo
 
 def start_streams(client: SchedulerClient, count: int, max_tokens: int, seed: int) -> list[Recorder]:
     rng = random.Random(seed)
-    recorders = [Recorder(client, [rng.randrange(4, 700) for _ in range(rng.randrange(12, 40))], max_tokens)
-                 for _ in range(count)]
+    recorders = [
+        Recorder(client, [rng.randrange(4, 700) for _ in range(rng.randrange(12, 40))], max_tokens)
+        for _ in range(count)
+    ]
     for r in recorders:
         r.start()
     return recorders
@@ -150,8 +160,12 @@ def test_add_a_worker_and_drain_one_while_requests_run(workers, reference):
         wait_for(lambda: list_workers(admin)[w0.address].running > 0, 30, "w0 to run requests")
 
         added = admin.AddWorker(admin_pb2.AddWorkerRequest(address=w2.address), timeout=30).worker
-        assert (added.address, added.state, added.blocks_total, added.blocks_used) == (w2.address, SERVING,
-                                                                                      NUM_BLOCKS, 0)
+        assert (added.address, added.state, added.blocks_total, added.blocks_used) == (
+            w2.address,
+            SERVING,
+            NUM_BLOCKS,
+            0,
+        )
         second = start_streams(client, 6, 24, seed=12)  # the new worker is the least loaded: most go there
 
         draining = admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w0.address), timeout=10).worker

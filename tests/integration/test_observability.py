@@ -3,6 +3,7 @@
 with every documented name (per-worker labels), agreeing with the Stats RPC;
 every log line is JSON and request/step lines carry their ids; `top --once`
 renders a frame."""
+
 from __future__ import annotations
 
 import json
@@ -35,13 +36,23 @@ def free_port() -> int:
 def cluster():
     port = free_port()
     logs = ["--log-format", "json", "--log-level", "debug"]
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), *logs],
-                 ["--metrics-port", str(port), "--chunk-size", "16", *logs], num_workers=2) as c:
+    with Cluster(
+        tiny_checkpoint("llama"),
+        ["--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), *logs],
+        ["--metrics-port", str(port), "--chunk-size", "16", *logs],
+        num_workers=2,
+    ) as c:
         c.metrics_url = f"http://127.0.0.1:{port}/metrics"
         with SchedulerClient(c.address) as client:
+
             def run(i):
-                return client.generate(prompt_token_ids=[5 + i, *range(40, 40 + 10 * i)], max_tokens=6,
-                                       temperature=0.0, ignore_eos=True, timeout=120)
+                return client.generate(
+                    prompt_token_ids=[5 + i, *range(40, 40 + 10 * i)],
+                    max_tokens=6,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    timeout=120,
+                )
 
             with ThreadPoolExecutor(NUM_REQUESTS) as pool:
                 c.results = list(pool.map(run, range(NUM_REQUESTS)))
@@ -58,8 +69,12 @@ def scrape(url: str) -> dict[str, object]:
 
 def value(families, name, **labels) -> float:
     """Sum of the samples called `name` (e.g. a histogram's _count, a counter's _total) matching `labels`."""
-    hits = [s.value for family in families.values() for s in family.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    hits = [
+        s.value
+        for family in families.values()
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert hits, f"no sample {name} {labels}"
     return sum(hits)
 
@@ -71,8 +86,10 @@ def test_prometheus_endpoint_serves_every_documented_name_per_worker(cluster):
     workers = [w.address for w in cluster.workers]
     for worker in workers:
         assert value(families, "pagedserve_kv_cache_capacity_blocks", worker=worker) == NUM_BLOCKS
-        states = [value(families, "pagedserve_kv_cache_blocks", worker=worker, state=s)
-                  for s in ("in_use", "cached_free", "free")]
+        states = [
+            value(families, "pagedserve_kv_cache_blocks", worker=worker, state=s)
+            for s in ("in_use", "cached_free", "free")
+        ]
         assert sum(states) == NUM_BLOCKS and states[0] == 0  # idle: nothing in use
         assert value(families, "pagedserve_worker_info", worker=worker) == 1
         assert value(families, "pagedserve_worker_kv_cache_bytes_per_token", worker=worker) > 0
@@ -103,15 +120,15 @@ def test_stats_agrees_with_the_endpoint(cluster):
     assert stats.prefix_cache_hit_tokens == value(families, "pagedserve_prefix_cache_hit_tokens_total")
     assert (stats.block_utilization, stats.fragmentation, stats.kv_slots_allocated) == (0.0, 0.0, 0)
     assert [w.address for w in stats.workers] == [w.address for w in cluster.workers]
-    assert all(w.device == "cpu" and w.blocks_total == NUM_BLOCKS and w.kv_bytes_per_token > 0
-               for w in stats.workers)
+    assert all(w.device == "cpu" and w.blocks_total == NUM_BLOCKS and w.kv_bytes_per_token > 0 for w in stats.workers)
     assert stats.ttft_ms_p50 > 0 and stats.ttft_ms_p95 >= stats.ttft_ms_p50 and stats.e2e_ms_p50 > 0
 
 
 def test_stats_while_a_request_runs(cluster):
     with SchedulerClient(cluster.address) as client:
-        stream = client.stream(prompt_token_ids=list(range(100, 120)), max_tokens=400, temperature=0.0,
-                               ignore_eos=True, timeout=120)
+        stream = client.stream(
+            prompt_token_ids=list(range(100, 120)), max_tokens=400, temperature=0.0, ignore_eos=True, timeout=120
+        )
         next(stream)
         stats = client.stats()
         stream.cancel()
@@ -160,14 +177,49 @@ def test_json_logs_carry_request_and_step_ids(cluster):
 
 
 def test_top_once_renders_a_frame(cluster):
-    out = subprocess.run([sys.executable, "-m", "scheduler_svc.observability.top", "--target", cluster.address, "--once",
-                          "--width", "120"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc.observability.top",
+            "--target",
+            cluster.address,
+            "--once",
+            "--width",
+            "120",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     frame = out.stdout
     assert "KV blocks [" in frame and f"{2 * NUM_BLOCKS} total" in frame
-    for needle in ("utilization", "fragmentation", "hit rate", "running 0", "waiting 0", "tokens/s",
-                   *(w.address for w in cluster.workers)):
+    for needle in (
+        "utilization",
+        "fragmentation",
+        "hit rate",
+        "running 0",
+        "waiting 0",
+        "tokens/s",
+        *(w.address for w in cluster.workers),
+    ):
         assert needle in frame, needle
-    bad = subprocess.run([sys.executable, "-m", "scheduler_svc.observability.top", "--target", "127.0.0.1:1", "--once",
-                          "--timeout", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc.observability.top",
+            "--target",
+            "127.0.0.1:1",
+            "--once",
+            "--timeout",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "UNAVAILABLE" in bad.stdout

@@ -1,5 +1,6 @@
 """Prefix caching, parallel samples and pinning through real processes, with
 greedy tokens checked against transformers."""
+
 from __future__ import annotations
 
 import random
@@ -41,8 +42,10 @@ def run_all(client, cases, concurrent=True):
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
 def test_greedy_tokens_with_and_without_prefix_caching_equal_transformers(caching, reference):
     flags = [] if caching else ["--no-prefix-caching"]
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "64"], flags) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "64"], flags) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         first = run_all(client, CASES[:2], concurrent=False)  # computes both system prompts
         rest = run_all(client, CASES[2:])
         stats = wait_idle(client)
@@ -56,8 +59,10 @@ def test_greedy_tokens_with_and_without_prefix_caching_equal_transformers(cachin
 
 def test_parallel_greedy_samples_fork_from_a_shared_partial_block(reference):
     prompt = SYSTEMS[0][:21]  # the fork parent computes 20 tokens: one full block and 4 in a shared one
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"]) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"]) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         replies = list(client.stream(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, n=4, timeout=60))
         stats = wait_idle(client)
     want = reference(prompt, 8)
@@ -72,11 +77,21 @@ def test_parallel_greedy_samples_fork_from_a_shared_partial_block(reference):
 
 
 def test_seeded_parallel_samples_are_distinct_and_reproducible():
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"]) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"]) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
+
         def samples():
-            replies = client.stream(prompt_token_ids=SYSTEMS[1][:30], max_tokens=10, temperature=1.0, seed=11, n=3,
-                                    ignore_eos=True, timeout=60)
+            replies = client.stream(
+                prompt_token_ids=SYSTEMS[1][:30],
+                max_tokens=10,
+                temperature=1.0,
+                seed=11,
+                n=3,
+                ignore_eos=True,
+                timeout=60,
+            )
             by_index = {}
             for r in replies:
                 by_index.setdefault(r.index, []).extend(r.token_ids)
@@ -89,9 +104,14 @@ def test_seeded_parallel_samples_are_distinct_and_reproducible():
 
 def test_tight_pool_with_shared_prefixes_evicts_preempts_and_stays_exact(reference):
     cases = [(SYSTEMS[i % 2] + [rng.randrange(4, 700) for _ in range(5 + 3 * i)], 10 + 2 * i) for i in range(10)]
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "14"],
-                 ["--max-num-batched-tokens", "64", "--chunk-size", "32"]) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(
+            tiny_checkpoint("llama"),
+            ["--dtype", "float32", "--num-blocks", "14"],
+            ["--max-num-batched-tokens", "64", "--chunk-size", "32"],
+        ) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         results = run_all(client, cases)
         stats = wait_idle(client)
     for (ids, n), got in zip(cases, results):
@@ -102,8 +122,10 @@ def test_tight_pool_with_shared_prefixes_evicts_preempts_and_stays_exact(referen
 
 def test_cached_1000_token_prefix_sends_only_the_tail():
     prefix = [rng.randrange(4, 700) for _ in range(1000)]
-    with Cluster(tiny_checkpoint("llama_long"), ["--dtype", "float32", "--num-blocks", "256"]) as cluster, \
-            SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(tiny_checkpoint("llama_long"), ["--dtype", "float32", "--num-blocks", "256"]) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         client.generate(prompt_token_ids=prefix + [5, 6, 7], max_tokens=1, temperature=0.0)
         before = client.stats().tokens_computed
         second = client.generate(prompt_token_ids=prefix + [8, 9, 10, 11], max_tokens=1, temperature=0.0)
@@ -114,8 +136,12 @@ def test_cached_1000_token_prefix_sends_only_the_tail():
 
 def test_pinned_prefix_is_never_evicted_and_pins_are_capped():
     system = SYSTEMS[0]  # 40 tokens: 2 full blocks get pinned
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "12"],
-                 ["--max-pinned-blocks", "3"]) as cluster, SchedulerClient(cluster.address) as client:
+    with (
+        Cluster(
+            tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "12"], ["--max-pinned-blocks", "3"]
+        ) as cluster,
+        SchedulerClient(cluster.address) as client,
+    ):
         pin = client.stub.PinPrefix(serving_pb2.PinPrefixRequest(prompt_token_ids=system))
         assert (pin.pinned_tokens, pin.workers) == (32, 1)
         # Fill the pool with unrelated prompts over and over: every unpinned cached block is evicted.

@@ -2,6 +2,7 @@
 port, or with a second worker taking over), a worker that does not come back,
 and graceful shutdown (SIGTERM) of the scheduler and of a worker. Greedy streams
 that survive a fault must still equal transformers' tokens, none repeated."""
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,9 @@ def worker(shared_worker):
 @contextlib.contextmanager
 def scheduler(workers: list[ServiceProcess], *args: str):
     """A scheduler process; on the way out, its log must show no internal error."""
-    with ServiceProcess("scheduler_svc", ["--model", str(MODEL), "--workers", ",".join(w.address for w in workers),
-                                          *args]) as proc:
+    with ServiceProcess(
+        "scheduler_svc", ["--model", str(MODEL), "--workers", ",".join(w.address for w in workers), *args]
+    ) as proc:
         with SchedulerClient(proc.address) as client:
             yield proc, client
         log = full_log(proc)
@@ -61,8 +63,10 @@ def scheduler(workers: list[ServiceProcess], *args: str):
 
 def start_streams(client: SchedulerClient, count: int, max_tokens: int, seed: int) -> list[Recorder]:
     rng = random.Random(seed)
-    recorders = [Recorder(client, [rng.randrange(4, 700) for _ in range(rng.randrange(12, 40))], max_tokens)
-                 for _ in range(count)]
+    recorders = [
+        Recorder(client, [rng.randrange(4, 700) for _ in range(rng.randrange(12, 40))], max_tokens)
+        for _ in range(count)
+    ]
     for r in recorders:
         r.start()
     return recorders
@@ -161,17 +165,24 @@ def test_worker_not_back_within_timeout_ends_streams_unavailable_then_recovers(w
             assert r.error is not None and r.error.code() == grpc.StatusCode.UNAVAILABLE
             assert "did not come back within 1.5s" in r.error.details()
             assert 1.5 <= r.ended_at - killed_at < 6
-        wait_for(lambda: health_status(proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 5,
-                 "health NOT_SERVING with no worker")
+        wait_for(
+            lambda: health_status(proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
+            5,
+            "health NOT_SERVING with no worker",
+        )
         with pytest.raises(grpc.RpcError) as err:
             client.generate("no worker", max_tokens=2, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         worker.restart()
-        wait_for(lambda: health_status(proc.address) == health_pb2.HealthCheckResponse.SERVING, 15,
-                 "the scheduler to reconnect")
+        wait_for(
+            lambda: health_status(proc.address) == health_pb2.HealthCheckResponse.SERVING,
+            15,
+            "the scheduler to reconnect",
+        )
         prompt = list(range(200, 230))
-        assert client.generate(prompt_token_ids=prompt, max_tokens=12, temperature=0.0).token_ids == \
-            hf_greedy(reference, prompt, 12)
+        assert client.generate(prompt_token_ids=prompt, max_tokens=12, temperature=0.0).token_ids == hf_greedy(
+            reference, prompt, 12
+        )
         assert proc.proc.poll() is None
         assert_idle_and_clean(client)
 
@@ -182,8 +193,9 @@ def test_scheduler_sigterm_drains_running_and_queued_requests_then_exits_0(worke
         recorders = start_streams(client, count=4, max_tokens=120, seed=4)  # two run, two queue
         wait_for(lambda: queue_is(client, running=2, waiting=2), 30, "two streams running and two queued")
         proc.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: health_status(proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 5,
-                 "health NOT_SERVING")
+        wait_for(
+            lambda: health_status(proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 5, "health NOT_SERVING"
+        )
         with pytest.raises(grpc.RpcError) as err:
             client.generate("too late", max_tokens=2, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
@@ -211,8 +223,10 @@ def test_scheduler_sigterm_past_drain_timeout_ends_streams_unavailable(worker):
 
 
 def test_worker_sigterm_finishes_the_step_in_flight(worker):
-    seqs = [seq_step(i, [(i * 7 + j) % 700 + 4 for j in range(400)], 0, list(range(i * 25, (i + 1) * 25)),
-                     logits=False) for i in range(128)]  # 51k tokens: ~1-2 s for the tiny model on 2 cores
+    seqs = [
+        seq_step(i, [(i * 7 + j) % 700 + 4 for j in range(400)], 0, list(range(i * 25, (i + 1) * 25)), logits=False)
+        for i in range(128)
+    ]  # 51k tokens: ~1-2 s for the tiny model on 2 cores
     limit = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     with grpc.insecure_channel(worker.address, options=limit) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)

@@ -1,5 +1,6 @@
 """The scheduler's client surface over real processes: bad input, queue limits,
 cancellation and deadlines, start-up errors, health and reflection."""
+
 from __future__ import annotations
 
 import math
@@ -27,9 +28,22 @@ INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 @pytest.fixture(scope="module")
 def cluster():
     # chunk-size 8: a prompt takes several steps to prefill, so cancellation can land mid-prefill.
-    with Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"],
-                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2", "--max-waiting", "2",
-                  "--max-message-mb", str(MAX_MESSAGE_MB), "--chunk-size", "8"]) as c:
+    with Cluster(
+        tiny_checkpoint("llama"),
+        ["--dtype", "float32", "--num-blocks", "32"],
+        [
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            "2",
+            "--max-waiting",
+            "2",
+            "--max-message-mb",
+            str(MAX_MESSAGE_MB),
+            "--chunk-size",
+            "8",
+        ],
+    ) as c:
         yield c
 
 
@@ -106,25 +120,40 @@ _GOOD = serving_pb2.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString
 RAW_REQUESTS = [
     # (case, serialized GenerateRequest, status, text in the details). The generated
     # client would refuse to build these, so they go out as raw bytes.
-    ("stop with invalid UTF-8", _GOOD + _len_delimited(9, b"\xff\xfe"), grpc.StatusCode.INVALID_ARGUMENT,
-     "malformed request"),
-    ("prompt with invalid UTF-8", _len_delimited(2, b"ok \xc3\x28"), grpc.StatusCode.INVALID_ARGUMENT,
-     "malformed request"),
+    (
+        "stop with invalid UTF-8",
+        _GOOD + _len_delimited(9, b"\xff\xfe"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "malformed request",
+    ),
+    (
+        "prompt with invalid UTF-8",
+        _len_delimited(2, b"ok \xc3\x28"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "malformed request",
+    ),
     ("truncated message", _len_delimited(2, b"hello")[:-2], grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
     ("garbage bytes", b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
     # A known field with the wrong wire type is kept as an unknown field by protobuf,
     # so max_tokens stays unset and the request then misses a prompt.
     ("max_tokens sent as a string", _len_delimited(4, b"10"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
     ("unknown field only", _field(15, 0, b"\x01"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    ("message over the size limit", serving_pb2.GenerateRequest(prompt="x" * (MAX_MESSAGE_MB * 2**20 + 1))
-     .SerializeToString(), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+    (
+        "message over the size limit",
+        serving_pb2.GenerateRequest(prompt="x" * (MAX_MESSAGE_MB * 2**20 + 1)).SerializeToString(),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "larger than max",
+    ),
 ]
 
 
 @pytest.mark.parametrize("case,raw,code,text", RAW_REQUESTS, ids=[c[0] for c in RAW_REQUESTS])
 def test_malformed_request_bytes_get_a_clear_status(client, case, raw, code, text):
-    call = client.channel.unary_stream("/serving.v1.Scheduler/Generate", request_serializer=lambda b: b,
-                                       response_deserializer=serving_pb2.GenerateResponse.FromString)
+    call = client.channel.unary_stream(
+        "/serving.v1.Scheduler/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=serving_pb2.GenerateResponse.FromString,
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(call(raw, timeout=30))
     assert err.value.code() == code, err.value.details()
@@ -159,16 +188,16 @@ def test_extreme_but_valid_values_are_served(client, case, fields):
 
 def test_huge_max_tokens_is_clamped_by_max_model_len(client):
     prompt = list(range(10, 30))
-    out = client.generate(prompt_token_ids=prompt, max_tokens=INT32_MAX, temperature=0.0, ignore_eos=True,
-                          timeout=60)
+    out = client.generate(prompt_token_ids=prompt, max_tokens=INT32_MAX, temperature=0.0, ignore_eos=True, timeout=60)
     assert out.finish_reason == "length"
     assert out.completion_tokens == MAX_MODEL_LEN - len(prompt)
     assert_still_serving(client)
 
 
 def test_request_id_in_use_is_invalid_argument(client):
-    first = client.stream(prompt_token_ids=[11] * 5, max_tokens=100, temperature=0.0, ignore_eos=True,
-                          request_id="dup", timeout=60)
+    first = client.stream(
+        prompt_token_ids=[11] * 5, max_tokens=100, temperature=0.0, ignore_eos=True, request_id="dup", timeout=60
+    )
     next(first)
     with pytest.raises(grpc.RpcError) as err:
         list(client.stream("again", max_tokens=2, request_id="dup", timeout=30))
@@ -180,8 +209,9 @@ def test_request_id_in_use_is_invalid_argument(client):
 def test_full_queue_is_resource_exhausted(client):
     # max-num-seqs 2 and max-waiting 2: two run, two wait, the fifth is refused.
     def open_stream(i):
-        return client.stream(prompt_token_ids=[10 + i] * 5, max_tokens=100, temperature=0.0, ignore_eos=True,
-                             timeout=60)
+        return client.stream(
+            prompt_token_ids=[10 + i] * 5, max_tokens=100, temperature=0.0, ignore_eos=True, timeout=60
+        )
 
     running = [open_stream(i) for i in range(2)]
     for s in running:
@@ -201,8 +231,9 @@ def test_full_queue_is_resource_exhausted(client):
 
 
 def test_cancel_mid_stream_frees_blocks(client):
-    stream = client.stream(prompt_token_ids=list(range(20, 60)), max_tokens=80, temperature=0.0, ignore_eos=True,
-                           timeout=60)
+    stream = client.stream(
+        prompt_token_ids=list(range(20, 60)), max_tokens=80, temperature=0.0, ignore_eos=True, timeout=60
+    )
     got = [next(stream) for _ in range(3)]
     assert client.stats().blocks_used > 0 and got
     stream.cancel()
@@ -212,8 +243,14 @@ def test_cancel_mid_stream_frees_blocks(client):
 
 def test_cancel_mid_prefill_frees_blocks(cluster, client):
     # 120 prompt tokens in chunks of 8: the first message is prefill progress, not a token.
-    stream = client.stream(prompt_token_ids=list(range(20, 140)), max_tokens=8, temperature=0.0, ignore_eos=True,
-                           request_id="cancel-mid-prefill", timeout=60)
+    stream = client.stream(
+        prompt_token_ids=list(range(20, 140)),
+        max_tokens=8,
+        temperature=0.0,
+        ignore_eos=True,
+        request_id="cancel-mid-prefill",
+        timeout=60,
+    )
     first = next(stream)
     assert first.HasField("prefill_progress") and not first.token_ids
     assert first.prefill_progress.processed_tokens < first.prefill_progress.total_tokens == 120
@@ -226,8 +263,11 @@ def test_cancel_mid_prefill_frees_blocks(cluster, client):
 def test_deadline_while_decoding_frees_blocks(client):
     # 88 tokens take ~0.3 s on the tiny model; the deadline hits mid-decode.
     with pytest.raises(grpc.RpcError) as err:
-        list(client.stream(prompt_token_ids=list(range(20, 60)), max_tokens=88, temperature=0.0, ignore_eos=True,
-                           timeout=0.1))
+        list(
+            client.stream(
+                prompt_token_ids=list(range(20, 60)), max_tokens=88, temperature=0.0, ignore_eos=True, timeout=0.1
+            )
+        )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stats = wait_idle(client)
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
@@ -235,8 +275,10 @@ def test_deadline_while_decoding_frees_blocks(client):
 
 def test_deadline_while_queued_drops_the_request(client):
     # max-num-seqs 2: two long streams hold the running slots, the third waits.
-    holders = [client.stream(prompt_token_ids=[40 + i] * 5, max_tokens=120, temperature=0.0, ignore_eos=True,
-                             timeout=60) for i in range(2)]
+    holders = [
+        client.stream(prompt_token_ids=[40 + i] * 5, max_tokens=120, temperature=0.0, ignore_eos=True, timeout=60)
+        for i in range(2)
+    ]
     for h in holders:
         next(h)
     with pytest.raises(grpc.RpcError) as err:
@@ -256,15 +298,18 @@ def test_stop_string_ends_the_stream_without_the_stop_text(client):
     full = client.generate(prompt_token_ids=list(range(30, 45)), max_tokens=24, temperature=0.0, ignore_eos=True)
     assert len(full.text) > 6
     stop = full.text[3:6]
-    cut = client.generate(prompt_token_ids=list(range(30, 45)), max_tokens=24, temperature=0.0, ignore_eos=True,
-                          stop=[stop])
+    cut = client.generate(
+        prompt_token_ids=list(range(30, 45)), max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]
+    )
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
 
 
 def test_seeded_sampling_reproducible_through_the_service(client):
-    runs = [client.generate("Once upon", max_tokens=12, temperature=1.0, seed=42, ignore_eos=True).token_ids
-            for _ in range(2)]
+    runs = [
+        client.generate("Once upon", max_tokens=12, temperature=1.0, seed=42, ignore_eos=True).token_ids
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -278,15 +323,35 @@ def test_health_and_reflection(cluster):
 def test_unknown_worker_address_is_a_clear_startup_error():
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "--workers", "127.0.0.1:1", "--model", str(tiny_checkpoint("llama")),
-         "--port", "0", "--connect-timeout-s", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "--workers",
+            "127.0.0.1:1",
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--port",
+            "0",
+            "--connect-timeout-s",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "127.0.0.1:1" in result.stderr and "start-up failed" in result.stderr
     assert time.monotonic() - started < 30
 
 
 def test_bad_flag_is_a_clear_error_naming_it():
-    result = subprocess.run([sys.executable, "-m", "scheduler_svc", "--chunk-size", "0"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc", "--chunk-size", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--chunk-size" in result.stderr and ">= 1" in result.stderr

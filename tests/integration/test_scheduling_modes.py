@@ -1,6 +1,7 @@
 """Overlapped (async) scheduling and strict alternation give the same tokens as
 transformers: every tiny family, chunked prefill, prefix-cache hits, preemption,
 n > 1 forks, two workers and the Triton path (under the interpreter)."""
+
 from __future__ import annotations
 
 import random
@@ -31,6 +32,7 @@ def _check(cluster: Cluster, family: str, expect_preemption: bool) -> None:
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cases = _cases(len(family))
     with cluster, SchedulerClient(cluster.address) as client:
+
         def run(case: tuple[list[int], int]):
             ids, n = case
             return client.generate(prompt_token_ids=ids, max_tokens=n, temperature=0.0, timeout=120)
@@ -64,14 +66,18 @@ def test_every_family_is_token_exact_in_both_modes(family, mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_two_workers_in_both_modes(mode):
-    cluster = Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "64"], SCHEDULER + MODES[mode],
-                      num_workers=2)
+    cluster = Cluster(
+        tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "64"], SCHEDULER + MODES[mode], num_workers=2
+    )
     _check(cluster, "llama", expect_preemption=False)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_triton_path_under_the_interpreter_in_both_modes(mode, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the workers inherit it
-    cluster = Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "20",
-                                                 "--attention-backend", "triton"], SCHEDULER + MODES[mode])
+    cluster = Cluster(
+        tiny_checkpoint("llama"),
+        ["--dtype", "float32", "--num-blocks", "20", "--attention-backend", "triton"],
+        SCHEDULER + MODES[mode],
+    )
     _check(cluster, "llama", expect_preemption=True)

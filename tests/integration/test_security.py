@@ -2,6 +2,7 @@
 127.0.0.1 by default; TLS on the client API; mutual TLS between scheduler and
 worker; API keys on the scheduler (health stays open). Every check that a
 client without the right credentials is refused is a real gRPC call."""
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,9 @@ def _name(cn: str) -> x509.Name:
 def _write(directory: Path, stem: str, key, cert: x509.Certificate) -> Pem:
     pem = Pem(directory / f"{stem}.crt", directory / f"{stem}.key")
     pem.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pem.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    pem.key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return pem
 
 
@@ -55,29 +57,42 @@ class CertificateAuthority:
     def __init__(self, directory: Path, name: str):
         self.directory = directory
         self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
-        self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
-                     .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
-                     .not_valid_before(now - datetime.timedelta(minutes=5))
-                     .not_valid_after(now + datetime.timedelta(days=1))
-                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                     .sign(self.key, hashes.SHA256()))
+        now = datetime.datetime.now(datetime.UTC)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(_name(name))
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
         self.pem = _write(directory, name, self.key, self.cert)
 
     def issue(self, name: str, server: bool) -> Pem:
         """A leaf for 127.0.0.1/localhost: a server certificate, or a client one."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(self.cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-                .sign(self.key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
         return _write(self.directory, name, key, cert)
 
 
@@ -98,23 +113,58 @@ def pki(tmp_path_factory) -> Pki:
     ca, rogue = CertificateAuthority(d, "test-ca"), CertificateAuthority(d, "rogue-ca")
     keys_file = d / "api_keys"
     keys_file.write_text(f"# one key per line\n\n{FILE_KEY}\n")
-    return Pki(ca, rogue, ca.issue("worker", server=True), ca.issue("scheduler", server=True),
-               ca.issue("scheduler-client", server=False), rogue.issue("intruder", server=False), keys_file)
+    return Pki(
+        ca,
+        rogue,
+        ca.issue("worker", server=True),
+        ca.issue("scheduler", server=True),
+        ca.issue("scheduler-client", server=False),
+        rogue.issue("intruder", server=False),
+        keys_file,
+    )
 
 
 @pytest.fixture(scope="module")
 def secure(pki):
     """A worker that demands client certificates from test-ca, and a scheduler with
     TLS on its API, API keys (env + file), and mutual TLS to the worker."""
-    worker = ServiceProcess("worker_svc", ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "64",
-                                           "--tls-cert", str(pki.worker.cert), "--tls-key", str(pki.worker.key),
-                                           "--tls-client-ca", str(pki.ca.pem.cert)])
+    worker = ServiceProcess(
+        "worker_svc",
+        [
+            "--model",
+            str(MODEL),
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            "64",
+            "--tls-cert",
+            str(pki.worker.cert),
+            "--tls-key",
+            str(pki.worker.key),
+            "--tls-client-ca",
+            str(pki.ca.pem.cert),
+        ],
+    )
     scheduler = ServiceProcess(
         "scheduler_svc",
-        ["--model", str(MODEL), "--tls-cert", str(pki.scheduler.cert), "--tls-key", str(pki.scheduler.key),
-         "--api-keys-file", str(pki.keys_file), "--worker-tls-ca", str(pki.ca.pem.cert),
-         "--worker-tls-cert", str(pki.scheduler_client.cert), "--worker-tls-key", str(pki.scheduler_client.key)],
-        env={"PAGEDSERVE_SCHEDULER_API_KEYS": ",".join(ENV_KEYS)})
+        [
+            "--model",
+            str(MODEL),
+            "--tls-cert",
+            str(pki.scheduler.cert),
+            "--tls-key",
+            str(pki.scheduler.key),
+            "--api-keys-file",
+            str(pki.keys_file),
+            "--worker-tls-ca",
+            str(pki.ca.pem.cert),
+            "--worker-tls-cert",
+            str(pki.scheduler_client.cert),
+            "--worker-tls-key",
+            str(pki.scheduler_client.key),
+        ],
+        env={"PAGEDSERVE_SCHEDULER_API_KEYS": ",".join(ENV_KEYS)},
+    )
     with worker:
         scheduler.args += ["--workers", worker.address]
         with scheduler:
@@ -122,9 +172,11 @@ def secure(pki):
 
 
 def tls_channel(address: str, ca: Path, client: Pem | None = None) -> grpc.Channel:
-    creds = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes(),
-                                         private_key=client.key.read_bytes() if client else None,
-                                         certificate_chain=client.cert.read_bytes() if client else None)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes(),
+        private_key=client.key.read_bytes() if client else None,
+        certificate_chain=client.cert.read_bytes() if client else None,
+    )
     return grpc.secure_channel(address, creds)
 
 
@@ -160,29 +212,38 @@ def test_tls_client_with_a_valid_key_is_served_through_mutual_tls_to_the_worker(
     assert stats.num_workers == 1
 
 
-@pytest.mark.parametrize("metadata", [
-    None,
-    bearer("not-a-key"),
-    bearer(ENV_KEYS[0] + "x"),
-    (("authorization", f"Basic {ENV_KEYS[0]}"),),
-    (("authorization", "Bearer "),),
-    (("x-api-key", ENV_KEYS[0]),),
-], ids=["no key", "wrong key", "key prefix", "basic scheme", "empty bearer", "other header"])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        None,
+        bearer("not-a-key"),
+        bearer(ENV_KEYS[0] + "x"),
+        (("authorization", f"Basic {ENV_KEYS[0]}"),),
+        (("authorization", "Bearer "),),
+        (("x-api-key", ENV_KEYS[0]),),
+    ],
+    ids=["no key", "wrong key", "key prefix", "basic scheme", "empty bearer", "other header"],
+)
 def test_missing_or_wrong_api_key_is_unauthenticated(secure, pki, metadata):
     _, scheduler = secure
     with tls_channel(scheduler.address, pki.ca.pem.cert) as channel:
         assert refused(lambda: generate(channel, metadata)) == grpc.StatusCode.UNAUTHENTICATED
         stub = serving_pb2_grpc.SchedulerStub(channel)
-        assert refused(lambda: stub.Stats(serving_pb2.StatsRequest(), metadata=metadata, timeout=10)) \
+        assert (
+            refused(lambda: stub.Stats(serving_pb2.StatsRequest(), metadata=metadata, timeout=10))
             == grpc.StatusCode.UNAUTHENTICATED
+        )
 
 
 def test_unauthenticated_payload_is_not_even_parsed(secure, pki):
     _, scheduler = secure
     garbage = b"\x4a\x02\xff\xfe"  # stop = invalid UTF-8: a parse error if it were parsed
     with tls_channel(scheduler.address, pki.ca.pem.cert) as channel:
-        call = channel.unary_stream("/serving.v1.Scheduler/Generate", request_serializer=lambda b: b,
-                                    response_deserializer=serving_pb2.GenerateResponse.FromString)
+        call = channel.unary_stream(
+            "/serving.v1.Scheduler/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=serving_pb2.GenerateResponse.FromString,
+        )
         assert refused(lambda: list(call(garbage, timeout=10))) == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -219,10 +280,11 @@ def test_worker_serves_a_client_with_a_certificate_from_its_ca(secure, pki):
 @pytest.mark.parametrize("case", ["plaintext", "no client certificate", "certificate from another CA"])
 def test_worker_refuses_clients_without_the_right_certificate(secure, pki, case):
     worker, _ = secure
-    channel = {"plaintext": lambda: grpc.insecure_channel(worker.address),
-               "no client certificate": lambda: tls_channel(worker.address, pki.ca.pem.cert),
-               "certificate from another CA": lambda: tls_channel(worker.address, pki.ca.pem.cert,
-                                                                  pki.rogue_client)}[case]()
+    channel = {
+        "plaintext": lambda: grpc.insecure_channel(worker.address),
+        "no client certificate": lambda: tls_channel(worker.address, pki.ca.pem.cert),
+        "certificate from another CA": lambda: tls_channel(worker.address, pki.ca.pem.cert, pki.rogue_client),
+    }[case]()
     with channel:
         assert refused(lambda: _info(channel)) == grpc.StatusCode.UNAVAILABLE
 
@@ -230,26 +292,45 @@ def test_worker_refuses_clients_without_the_right_certificate(secure, pki, case)
 def test_scheduler_without_a_client_certificate_cannot_use_the_worker(secure, pki):
     worker, _ = secure
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "--model", str(MODEL), "--workers", worker.address, "--port", "0",
-         "--worker-tls-ca", str(pki.ca.pem.cert), "--connect-timeout-s", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "--model",
+            str(MODEL),
+            "--workers",
+            worker.address,
+            "--port",
+            "0",
+            "--worker-tls-ca",
+            str(pki.ca.pem.cert),
+            "--connect-timeout-s",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "start-up failed" in result.stderr and worker.address in result.stderr
 
 
 # ---- configuration errors -----------------------------------------------------------
-@pytest.mark.parametrize("module,args,flag", [
-    ("scheduler_svc", ["--tls-cert", "{cert}"], "--tls-cert"),
-    ("scheduler_svc", ["--tls-cert", "/nonexistent.crt", "--tls-key", "{key}"], "--tls-cert"),
-    ("scheduler_svc", ["--api-keys-file", "/nonexistent"], "--api-keys-file"),
-    ("scheduler_svc", ["--worker-tls-cert", "{cert}", "--worker-tls-key", "{key}"], "--worker-tls-cert"),
-    ("worker_svc", ["--tls-client-ca", "{cert}"], "--tls-client-ca"),
-    ("worker_svc", ["--tls-key", "{key}"], "--tls-cert"),
-])
+@pytest.mark.parametrize(
+    "module,args,flag",
+    [
+        ("scheduler_svc", ["--tls-cert", "{cert}"], "--tls-cert"),
+        ("scheduler_svc", ["--tls-cert", "/nonexistent.crt", "--tls-key", "{key}"], "--tls-cert"),
+        ("scheduler_svc", ["--api-keys-file", "/nonexistent"], "--api-keys-file"),
+        ("scheduler_svc", ["--worker-tls-cert", "{cert}", "--worker-tls-key", "{key}"], "--worker-tls-cert"),
+        ("worker_svc", ["--tls-client-ca", "{cert}"], "--tls-client-ca"),
+        ("worker_svc", ["--tls-key", "{key}"], "--tls-cert"),
+    ],
+)
 def test_bad_tls_flags_are_clear_errors_naming_the_flag(pki, module, args, flag):
     args = [a.format(cert=pki.worker.cert, key=pki.worker.key) for a in args]
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and flag in result.stderr, result.stderr[-2000:]
 
 

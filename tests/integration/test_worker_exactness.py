@@ -4,6 +4,7 @@ Every family runs: a one-step prefill, the same prompt in uneven chunks that
 cross block boundaries, then greedy decode steps, all on random non-contiguous
 block tables; logits at every sampled position must match transformers' forward.
 """
+
 from __future__ import annotations
 
 import random
@@ -59,7 +60,7 @@ def test_prefill_chunks_and_decode_match_transformers(worker):
     table = random_table(6, 2)
     pos = 0
     for chunk in (5, 16, 11, 8):
-        out = by_seq(worker.step([seq_step(2, prompt[pos:pos + chunk], pos, table)]))[2]
+        out = by_seq(worker.step([seq_step(2, prompt[pos : pos + chunk], pos, table)]))[2]
         pos += chunk
         assert_close(logits_of(out), ref[pos - 1], worker.atol)
 
@@ -80,23 +81,28 @@ def test_mixed_step_equals_each_sequence_alone(worker):
     prompts = [prompt_for(worker, n, seed=10 + n) for n in (3, 17, 33, 20)]
     # Disjoint blocks per run, so the two runs cannot see each other's cache.
     blocks = random_table(32, 100)
-    alone_tables = [blocks[4 * i:4 * i + 4] for i in range(4)]
-    mixed_tables = [blocks[16 + 4 * i:16 + 4 * i + 4] for i in range(4)]
+    alone_tables = [blocks[4 * i : 4 * i + 4] for i in range(4)]
+    mixed_tables = [blocks[16 + 4 * i : 16 + 4 * i + 4] for i in range(4)]
 
     def run(tbls, together: bool, id_base: int):
         # Phase 1: seq 0 and 1 fully prefilled; seq 2 gets its first 16 tokens.
-        phase1 = [seq_step(id_base + 0, prompts[0], 0, tbls[0]), seq_step(id_base + 1, prompts[1], 0, tbls[1]),
-                  seq_step(id_base + 2, prompts[2][:16], 0, tbls[2], sample=False, logits=False)]
+        phase1 = [
+            seq_step(id_base + 0, prompts[0], 0, tbls[0]),
+            seq_step(id_base + 1, prompts[1], 0, tbls[1]),
+            seq_step(id_base + 2, prompts[2][:16], 0, tbls[2], sample=False, logits=False),
+        ]
         results = {}
-        for group in ([phase1] if together else [[s] for s in phase1]):
+        for group in [phase1] if together else [[s] for s in phase1]:
             results.update(by_seq(worker.step(group)))
         # Phase 2, one step: decodes of 0 and 1, seq 2's remaining chunk, seq 3's whole prompt.
-        phase2 = [seq_step(id_base + 0, [results[id_base + 0].token_id], 3, tbls[0]),
-                  seq_step(id_base + 1, [results[id_base + 1].token_id], 17, tbls[1]),
-                  seq_step(id_base + 2, prompts[2][16:], 16, tbls[2]),
-                  seq_step(id_base + 3, prompts[3], 0, tbls[3])]
+        phase2 = [
+            seq_step(id_base + 0, [results[id_base + 0].token_id], 3, tbls[0]),
+            seq_step(id_base + 1, [results[id_base + 1].token_id], 17, tbls[1]),
+            seq_step(id_base + 2, prompts[2][16:], 16, tbls[2]),
+            seq_step(id_base + 3, prompts[3], 0, tbls[3]),
+        ]
         out = {}
-        for group in ([phase2] if together else [[s] for s in phase2]):
+        for group in [phase2] if together else [[s] for s in phase2]:
             out.update(by_seq(worker.step(group)))
         return [out[id_base + i] for i in range(4)]
 
@@ -125,6 +131,8 @@ def test_seeded_sampling_is_reproducible(worker):
         out = by_seq(worker.step([seq_step(seq_id, prompt, 0, table, temperature=1.0, seed=1234, logits=False)]))
         draws.append(out[seq_id].token_id)
     assert draws[0] == draws[1]
-    unseeded_differs = {by_seq(worker.step([seq_step(22, prompt, 0, [52], temperature=5.0, logits=False)]))[22].token_id
-                        for _ in range(8)}
+    unseeded_differs = {
+        by_seq(worker.step([seq_step(22, prompt, 0, [52], temperature=5.0, logits=False)]))[22].token_id
+        for _ in range(8)
+    }
     assert len(unseeded_differs) > 1

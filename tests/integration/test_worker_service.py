@@ -1,4 +1,5 @@
 """Worker service surface: bad steps are rejected whole, health, reflection."""
+
 from __future__ import annotations
 
 import grpc
@@ -18,8 +19,19 @@ VICTIM_TABLE = [30, 31]
 
 @pytest.fixture(scope="module")
 def stub():
-    with ServiceProcess("worker_svc", ["--model", str(tiny_checkpoint("llama")), "--dtype", "float32",
-                                       "--num-blocks", str(NUM_BLOCKS), "--max-model-len", "256"]) as proc:
+    with ServiceProcess(
+        "worker_svc",
+        [
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--max-model-len",
+            "256",
+        ],
+    ) as proc:
         with grpc.insecure_channel(proc.address) as channel:
             yield worker_pb2_grpc.WorkerStub(channel), channel
 
@@ -69,14 +81,17 @@ def test_bad_steps_are_rejected_whole_and_write_nothing(stub):
     worker, _ = stub
     prompt = list(range(10, 30))
     first = by_seq(worker.Step(worker_pb2.StepRequest(step_id=1, seqs=[seq_step(9, prompt, 0, VICTIM_TABLE)])))[9]
-    before = by_seq(worker.Step(worker_pb2.StepRequest(step_id=2, seqs=[seq_step(9, [first.token_id], 20, VICTIM_TABLE)])))[9]
+    before = by_seq(
+        worker.Step(worker_pb2.StepRequest(step_id=2, seqs=[seq_step(9, [first.token_id], 20, VICTIM_TABLE)]))
+    )[9]
 
     for i, (case, seqs, copies, field) in enumerate(BAD_STEPS):
         # A well-formed sequence that would overwrite the victim's blocks rides
         # along: if the step were partly applied, the victim's logits change.
         clobber = seq_step(99, list(range(40, 60)), 0, VICTIM_TABLE)
-        request = worker_pb2.StepRequest(step_id=100 + i, seqs=[clobber, *seqs],
-                                         copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies])
+        request = worker_pb2.StepRequest(
+            step_id=100 + i, seqs=[clobber, *seqs], copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies]
+        )
         if case == "empty step":
             request = worker_pb2.StepRequest(step_id=100 + i)
         with pytest.raises(grpc.RpcError) as err:
@@ -84,7 +99,9 @@ def test_bad_steps_are_rejected_whole_and_write_nothing(stub):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
         assert field in err.value.details(), (case, err.value.details())
 
-    after = by_seq(worker.Step(worker_pb2.StepRequest(step_id=3, seqs=[seq_step(9, [first.token_id], 20, VICTIM_TABLE)])))[9]
+    after = by_seq(
+        worker.Step(worker_pb2.StepRequest(step_id=3, seqs=[seq_step(9, [first.token_id], 20, VICTIM_TABLE)]))
+    )[9]
     np.testing.assert_array_equal(logits_of(after), logits_of(before))
 
 

@@ -1,4 +1,5 @@
 """Shared by the load scripts: percentiles, tables, the tiny default model."""
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ latency (p50/p99, client side), and errors, which must be 0.
 
     python -m tests.load.scheduler_streams [--streams 1,16,64,256,512] [--max-tokens 32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ class StreamResult:
 async def one_stream(stub, prompt_ids: list[int], max_tokens: int, timeout_s: float) -> StreamResult:
     result, sent = StreamResult(), time.perf_counter()
     last = sent
-    request = serving_pb2.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=max_tokens, temperature=0.0,
-                                          ignore_eos=True)
+    request = serving_pb2.GenerateRequest(
+        prompt_token_ids=prompt_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+    )
     try:
         async for reply in stub.Generate(request, timeout=timeout_s):
             if not reply.token_ids:
@@ -65,8 +67,17 @@ async def run_level(address: str, n: int, args, rng: random.Random) -> list:
     errors = [r.error for r in results if r.error]
     if errors:
         print(f"N={n}: {len(errors)} errors, first: {errors[0]}")
-    return [n, wall, tokens, tokens / wall, percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50),
-            percentile(gaps, 99), len(errors)]
+    return [
+        n,
+        wall,
+        tokens,
+        tokens / wall,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(gaps, 50),
+        percentile(gaps, 99),
+        len(errors),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,17 +92,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     levels = [int(n) for n in args.streams.split(",")]
     rng = random.Random(0)
-    with Cluster(args.model or default_model(), ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks)],
-                 ["--max-waiting", str(max(levels))]) as cluster:
+    with Cluster(
+        args.model or default_model(),
+        ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks)],
+        ["--max-waiting", str(max(levels))],
+    ) as cluster:
         rows = [asyncio.run(run_level(cluster.address, n, args, rng)) for n in levels]
         with SchedulerClient(cluster.address) as client:
             stats = client.stats()
-    print_table(f"scheduler: N concurrent Generate streams ({args.prompt_tokens} prompt + {args.max_tokens} "
-                f"generated tokens each, greedy, 1 worker, {args.dtype}, max_num_seqs 256)",
-                ["N", "wall s", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                 "errors"], rows)
-    print(f"\nafter the run: running={stats.running} waiting={stats.waiting} blocks_used={stats.blocks_used} "
-          f"steps={stats.steps_run} preemptions={stats.preemptions}")
+    print_table(
+        f"scheduler: N concurrent Generate streams ({args.prompt_tokens} prompt + {args.max_tokens} "
+        f"generated tokens each, greedy, 1 worker, {args.dtype}, max_num_seqs 256)",
+        ["N", "wall s", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "errors"],
+        rows,
+    )
+    print(
+        f"\nafter the run: running={stats.running} waiting={stats.waiting} blocks_used={stats.blocks_used} "
+        f"steps={stats.steps_run} preemptions={stats.preemptions}"
+    )
     if any(row[-1] for row in rows):
         fail("some streams ended with an error")
     if (stats.running, stats.waiting, stats.blocks_used) != (0, 0, 0):

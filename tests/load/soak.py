@@ -9,6 +9,7 @@ scheduler's idle-time audits must never have failed, and its shutdown audit
 
     python -m tests.load.soak [--minutes 1] [--concurrency 32] [--workers 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ EXPECTED_ENDINGS = {"finished", "cancelled", "deadline"}
 @dataclass
 class Plan:
     """One request of the mix and how the client will end it."""
+
     request: serving_pb2.GenerateRequest
     cancel_after: int | None  # messages read before cancelling
     deadline_s: float
@@ -44,8 +46,10 @@ class Traffic:
         self.rng = rng
         self.n_fraction = n_fraction
         self.prefixes = [[rng.randrange(4, vocab) for _ in range(rng.choice((48, 64, 96)))] for _ in range(4)]
-        self.greedy = [(rng.choice(self.prefixes) + [rng.randrange(4, vocab) for _ in range(5)],
-                        rng.randrange(4, 24)) for _ in range(GREEDY_PROMPTS)]
+        self.greedy = [
+            (rng.choice(self.prefixes) + [rng.randrange(4, vocab) for _ in range(5)], rng.randrange(4, 24))
+            for _ in range(GREEDY_PROMPTS)
+        ]
         self.vocab = vocab
 
     def next(self) -> Plan:
@@ -53,13 +57,21 @@ class Traffic:
         if r.random() < 0.25:
             key = r.randrange(GREEDY_PROMPTS)
             ids, max_tokens = self.greedy[key]
-            return Plan(serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0),
-                        None, 120.0, key)
+            return Plan(
+                serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0),
+                None,
+                120.0,
+                key,
+            )
         suffix = [r.randrange(4, self.vocab) for _ in range(r.randrange(1, 40))]
         ids = (r.choice(self.prefixes) if r.random() < 0.7 else []) + suffix
-        request = serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=r.randrange(1, 64),
-                                              temperature=r.choice((0.0, 0.7, 1.0)), top_k=r.choice((0, 0, 20)),
-                                              ignore_eos=r.random() < 0.5)
+        request = serving_pb2.GenerateRequest(
+            prompt_token_ids=ids,
+            max_tokens=r.randrange(1, 64),
+            temperature=r.choice((0.0, 0.7, 1.0)),
+            top_k=r.choice((0, 0, 20)),
+            ignore_eos=r.random() < 0.5,
+        )
         if r.random() < 0.3:
             request.seed = r.randrange(2**32)
         if r.random() < self.n_fraction and len(ids) >= 2:  # samples fork after the second-to-last prompt token
@@ -120,8 +132,7 @@ def _check_greedy(plan: Plan, tokens: list[int], tally: Tally) -> None:
         tally.greedy_mismatches += 1
 
 
-async def drive(address: str, seconds: float, concurrency: int, seed: int,
-                n_fraction: float) -> tuple[Tally, float]:
+async def drive(address: str, seconds: float, concurrency: int, seed: int, n_fraction: float) -> tuple[Tally, float]:
     traffic, tally = Traffic(random.Random(seed), n_fraction), Tally()
     deadline = time.monotonic() + seconds
     async with grpc.aio.insecure_channel(address) as channel:
@@ -133,8 +144,9 @@ async def drive(address: str, seconds: float, concurrency: int, seed: int,
                 in_flight.add(asyncio.create_task(run_one(stub, traffic.next(), tally)))
                 tally.started += 1
             tally.peak_in_flight = max(tally.peak_in_flight, len(in_flight))
-            done, in_flight = await asyncio.wait(in_flight, timeout=max(0.0, deadline - time.monotonic()),
-                                                 return_when=asyncio.FIRST_COMPLETED)
+            done, in_flight = await asyncio.wait(
+                in_flight, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
         await asyncio.wait_for(asyncio.gather(*in_flight), timeout=180)
         return tally, time.monotonic() - started
 
@@ -167,17 +179,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--num-blocks", type=int, default=40, help="per worker: small, to force eviction and "
-                                                                   "preemption")
+    parser.add_argument(
+        "--num-blocks", type=int, default=40, help="per worker: small, to force eviction and preemption"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n-fraction", type=float, default=0.1, help="share of requests with n = 2..3 samples")
     args = parser.parse_args(argv)
     worker_args = ["--dtype", "float32", "--num-blocks", str(args.num_blocks)]
-    scheduler_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--chunk-size", "64",
-                      "--health-interval-s", "0.5"]
+    scheduler_args = [
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        "512",
+        "--chunk-size",
+        "64",
+        "--health-interval-s",
+        "0.5",
+    ]
     with Cluster(args.model or default_model(), worker_args, scheduler_args, num_workers=args.workers) as cluster:
-        tally, wall = asyncio.run(drive(cluster.address, args.minutes * 60, args.concurrency, args.seed,
-                                        args.n_fraction))
+        tally, wall = asyncio.run(
+            drive(cluster.address, args.minutes * 60, args.concurrency, args.seed, args.n_fraction)
+        )
         with SchedulerClient(cluster.address) as client:
             stats = wait_idle(client)
         audit, audit_failures = shutdown_audit(cluster)
@@ -195,18 +217,63 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(args, tally: Tally, wall: float, stats, audit: str) -> None:
     e = tally.endings
-    print_table(f"soak: {args.minutes:g} min, {args.workers} workers x {args.num_blocks} blocks, "
-                f"{args.concurrency} streams in flight",
-                ["requests", "finished", "cancelled", "deadline", "errors", "tokens", "req/s", "tok/s",
-                 "greedy checked", "greedy mismatches"],
-                [[tally.started, e["finished"], e["cancelled"], e["deadline"],
-                  sum(v for k, v in e.items() if k not in EXPECTED_ENDINGS), tally.tokens, tally.started / wall,
-                  tally.tokens / wall, tally.greedy_checked, tally.greedy_mismatches]])
-    print_table("soak: scheduler at the end (idle)",
-                ["running", "waiting", "blocks used", "blocks total", "preemptions", "evictions",
-                 "prefix hit rate", "steps", "audit"],
-                [[stats.running, stats.waiting, stats.blocks_used, stats.blocks_total, stats.preemptions,
-                  stats.evictions, stats.prefix_cache_hit_rate, stats.steps_run, audit]])
+    print_table(
+        f"soak: {args.minutes:g} min, {args.workers} workers x {args.num_blocks} blocks, "
+        f"{args.concurrency} streams in flight",
+        [
+            "requests",
+            "finished",
+            "cancelled",
+            "deadline",
+            "errors",
+            "tokens",
+            "req/s",
+            "tok/s",
+            "greedy checked",
+            "greedy mismatches",
+        ],
+        [
+            [
+                tally.started,
+                e["finished"],
+                e["cancelled"],
+                e["deadline"],
+                sum(v for k, v in e.items() if k not in EXPECTED_ENDINGS),
+                tally.tokens,
+                tally.started / wall,
+                tally.tokens / wall,
+                tally.greedy_checked,
+                tally.greedy_mismatches,
+            ]
+        ],
+    )
+    print_table(
+        "soak: scheduler at the end (idle)",
+        [
+            "running",
+            "waiting",
+            "blocks used",
+            "blocks total",
+            "preemptions",
+            "evictions",
+            "prefix hit rate",
+            "steps",
+            "audit",
+        ],
+        [
+            [
+                stats.running,
+                stats.waiting,
+                stats.blocks_used,
+                stats.blocks_total,
+                stats.preemptions,
+                stats.evictions,
+                stats.prefix_cache_hit_rate,
+                stats.steps_run,
+                audit,
+            ]
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ worker reports.
 
     python -m tests.load.worker_step [--model DIR] [--dtype bfloat16] [--batches 1,2,4,...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,15 @@ LIMIT = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message
 def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int]) -> worker_pb2.SequenceStep:
     end = start + len(tokens)
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-    return worker_pb2.SequenceStep(seq_id=seq_id, token_ids=tokens, start_pos=start,
-                                   block_table=table[:-(-end // BLOCK)], slot_mapping=slots, sample=True,
-                                   sampling=worker_pb2.SamplingParams(temperature=0.0))
+    return worker_pb2.SequenceStep(
+        seq_id=seq_id,
+        token_ids=tokens,
+        start_pos=start,
+        block_table=table[: -(-end // BLOCK)],
+        slot_mapping=slots,
+        sample=True,
+        sampling=worker_pb2.SamplingParams(temperature=0.0),
+    )
 
 
 def run_batch(stub, batch: int, context: int, decode_steps: int, budget_s: float, vocab: int) -> list:
@@ -34,8 +41,10 @@ def run_batch(stub, batch: int, context: int, decode_steps: int, budget_s: float
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     prompts = [[(7 * i + j) % (vocab - 4) + 4 for j in range(context)] for i in range(batch)]
     started = time.perf_counter()
-    reply = stub.Step(worker_pb2.StepRequest(step_id=0, seqs=[seq_step(i, prompts[i], 0, tables[i])
-                                                             for i in range(batch)]), timeout=600)
+    reply = stub.Step(
+        worker_pb2.StepRequest(step_id=0, seqs=[seq_step(i, prompts[i], 0, tables[i]) for i in range(batch)]),
+        timeout=600,
+    )
     prefill_ms = (time.perf_counter() - started) * 1e3
     last = {t.seq_id: t.token_id for t in reply.sampled}
     latencies, forwards, request_bytes = [], [], 0
@@ -43,8 +52,9 @@ def run_batch(stub, batch: int, context: int, decode_steps: int, budget_s: float
     for step in range(decode_steps):
         if time.monotonic() > deadline:
             break
-        request = worker_pb2.StepRequest(step_id=step + 1, seqs=[seq_step(i, [last[i]], context + step, tables[i])
-                                                                 for i in range(batch)])
+        request = worker_pb2.StepRequest(
+            step_id=step + 1, seqs=[seq_step(i, [last[i]], context + step, tables[i]) for i in range(batch)]
+        )
         request_bytes = request.ByteSize()
         started = time.perf_counter()
         reply = stub.Step(request, timeout=120)
@@ -54,9 +64,17 @@ def run_batch(stub, batch: int, context: int, decode_steps: int, budget_s: float
             fail(f"batch {batch}: {len(reply.sampled)} sampled tokens")
         last = {t.seq_id: t.token_id for t in reply.sampled}
     total_s = sum(latencies) / 1e3
-    return [batch, len(latencies), percentile(latencies, 50), percentile(latencies, 99),
-            percentile(forwards, 50), batch * len(latencies) / total_s, prefill_ms,
-            batch * context / (prefill_ms / 1e3), request_bytes]
+    return [
+        batch,
+        len(latencies),
+        percentile(latencies, 50),
+        percentile(latencies, 99),
+        percentile(forwards, 50),
+        batch * len(latencies) / total_s,
+        prefill_ms,
+        batch * context / (prefill_ms / 1e3),
+        request_bytes,
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,12 +94,26 @@ def main(argv: list[str] | None = None) -> None:
             stub = worker_pb2_grpc.WorkerStub(channel)
             info = stub.Info(worker_pb2.InfoRequest(), timeout=30)
             run_batch(stub, 4, args.context, 4, args.seconds_per_batch, info.vocab_size)  # warm-up, not reported
-            rows = [run_batch(stub, b, args.context, args.decode_steps, args.seconds_per_batch, info.vocab_size)
-                    for b in batches]
-    print_table(f"worker Step: {info.model_name} ({info.model_type}, {args.dtype}, {info.device}), "
-                f"context {args.context}, decode steps of B x 1 token",
-                ["batch", "steps", "p50 ms", "p99 ms", "forward p50 ms", "decode tok/s", "prefill ms",
-                 "prefill tok/s", "step bytes"], rows)
+            rows = [
+                run_batch(stub, b, args.context, args.decode_steps, args.seconds_per_batch, info.vocab_size)
+                for b in batches
+            ]
+    print_table(
+        f"worker Step: {info.model_name} ({info.model_type}, {args.dtype}, {info.device}), "
+        f"context {args.context}, decode steps of B x 1 token",
+        [
+            "batch",
+            "steps",
+            "p50 ms",
+            "p99 ms",
+            "forward p50 ms",
+            "decode tok/s",
+            "prefill ms",
+            "prefill tok/s",
+            "step bytes",
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """admin.v1 servicer over a real gRPC server on 127.0.0.1, against a fake engine."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.api.admin import start_admin_server
 from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
+from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.engine.worker_status import WorkerStatus
 from svc_common.addresses import host_port_problem as check_address
-from scheduler_svc.engine.router import WorkerState
 
 
 class FakeEngine:
@@ -29,10 +30,21 @@ class FakeEngine:
 
     def status(self, address: str, state: WorkerState | None = None) -> WorkerStatus:
         w = self.workers.get(address, {"state": WorkerState.REMOVED, "running": 0})
-        return WorkerStatus(address=address, state=state or w["state"], running=w["running"], blocks_total=64,
-                            blocks_free=64 - w["running"], blocks_used=w["running"], prefix_hit_tokens=32,
-                            prompt_tokens=100, requests_routed=5, requests_finished=4, model="m", device="cpu",
-                            kv_dtype="bf16")
+        return WorkerStatus(
+            address=address,
+            state=state or w["state"],
+            running=w["running"],
+            blocks_total=64,
+            blocks_free=64 - w["running"],
+            blocks_used=w["running"],
+            prefix_hit_tokens=32,
+            prompt_tokens=100,
+            requests_routed=5,
+            requests_finished=4,
+            model="m",
+            device="cpu",
+            kv_dtype="bf16",
+        )
 
     async def add_worker(self, address: str) -> WorkerStatus:
         if self.explode:
@@ -104,24 +116,47 @@ def test_add_list_and_errors():
         assert [w.address for w in listed.workers] == ["127.0.0.1:50061", "127.0.0.1:50062"]
         assert listed.routing == "prefix"
         w = listed.workers[0]
-        assert (w.blocks_total, w.blocks_free, w.prefix_hit_tokens, w.prompt_tokens, w.requests_routed,
-                w.requests_finished, w.model, w.device, w.kv_dtype) == (64, 64, 32, 100, 5, 4, "m", "cpu", "bf16")
-        await expect_error(stub.AddWorker(admin_pb2.AddWorkerRequest(address="127.0.0.1:50062")),
-                           grpc.StatusCode.ALREADY_EXISTS, "already known")
+        assert (
+            w.blocks_total,
+            w.blocks_free,
+            w.prefix_hit_tokens,
+            w.prompt_tokens,
+            w.requests_routed,
+            w.requests_finished,
+            w.model,
+            w.device,
+            w.kv_dtype,
+        ) == (64, 64, 32, 100, 5, 4, "m", "cpu", "bf16")
+        await expect_error(
+            stub.AddWorker(admin_pb2.AddWorkerRequest(address="127.0.0.1:50062")),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "already known",
+        )
         engine.unreachable.add("10.0.0.9:1")
-        await expect_error(stub.AddWorker(admin_pb2.AddWorkerRequest(address="10.0.0.9:1")),
-                           grpc.StatusCode.UNAVAILABLE, "did not answer")
+        await expect_error(
+            stub.AddWorker(admin_pb2.AddWorkerRequest(address="10.0.0.9:1")),
+            grpc.StatusCode.UNAVAILABLE,
+            "did not answer",
+        )
         engine.incompatible.add("10.0.0.9:2")
-        await expect_error(stub.AddWorker(admin_pb2.AddWorkerRequest(address="10.0.0.9:2")),
-                           grpc.StatusCode.FAILED_PRECONDITION, "another model")
+        await expect_error(
+            stub.AddWorker(admin_pb2.AddWorkerRequest(address="10.0.0.9:2")),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "another model",
+        )
         for bad in ("", "nohost", ":50061", "h:0", "h:70000", "h:p", "a:1,b:2", " h:1"):
-            await expect_error(stub.AddWorker(admin_pb2.AddWorkerRequest(address=bad)),
-                               grpc.StatusCode.INVALID_ARGUMENT, "address")
-            await expect_error(stub.DrainWorker(admin_pb2.DrainWorkerRequest(address=bad)),
-                               grpc.StatusCode.INVALID_ARGUMENT, "address")
+            await expect_error(
+                stub.AddWorker(admin_pb2.AddWorkerRequest(address=bad)), grpc.StatusCode.INVALID_ARGUMENT, "address"
+            )
+            await expect_error(
+                stub.DrainWorker(admin_pb2.DrainWorkerRequest(address=bad)), grpc.StatusCode.INVALID_ARGUMENT, "address"
+            )
         engine.explode = True
-        details = await expect_error(stub.AddWorker(admin_pb2.AddWorkerRequest(address="127.0.0.1:50070")),
-                                     grpc.StatusCode.INTERNAL, "add worker failed")
+        details = await expect_error(
+            stub.AddWorker(admin_pb2.AddWorkerRequest(address="127.0.0.1:50070")),
+            grpc.StatusCode.INTERNAL,
+            "add worker failed",
+        )
         assert "secret" not in details and "Traceback" not in details
         # Health and the admin service name are served on the admin listener.
         health = health_pb2_grpc.HealthStub(channel)
@@ -140,24 +175,34 @@ def test_drain_waits_for_running_requests_then_removes():
         reply = await stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061"))
         assert reply.worker.state == admin_pb2.WORKER_STATE_DRAINING and reply.worker.running == 3
         # Draining twice is fine; with wait it returns once the worker is gone.
-        waiting = asyncio.ensure_future(stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061",
-                                                                                      wait=True)))
+        waiting = asyncio.ensure_future(
+            stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061", wait=True))
+        )
         await asyncio.sleep(0.2)
         assert not waiting.done()
         listed = await stub.ListWorkers(admin_pb2.ListWorkersRequest())
         assert {w.address: w.state for w in listed.workers} == {
-            "127.0.0.1:50061": admin_pb2.WORKER_STATE_DRAINING, "127.0.0.1:50062": admin_pb2.WORKER_STATE_SERVING}
+            "127.0.0.1:50061": admin_pb2.WORKER_STATE_DRAINING,
+            "127.0.0.1:50062": admin_pb2.WORKER_STATE_SERVING,
+        }
         engine.finish_all("127.0.0.1:50061")
         reply = await asyncio.wait_for(waiting, 5)
         assert reply.worker.state == admin_pb2.WORKER_STATE_REMOVED
         listed = await stub.ListWorkers(admin_pb2.ListWorkersRequest())
         assert [w.address for w in listed.workers] == ["127.0.0.1:50062"]
-        await expect_error(stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061")),
-                           grpc.StatusCode.NOT_FOUND, "no worker")
-        await expect_error(stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50062")),
-                           grpc.StatusCode.FAILED_PRECONDITION, "last serving worker")
-        reply = await stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50062", allow_last=True,
-                                                                    wait=True), timeout=5)
+        await expect_error(
+            stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061")),
+            grpc.StatusCode.NOT_FOUND,
+            "no worker",
+        )
+        await expect_error(
+            stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50062")),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "last serving worker",
+        )
+        reply = await stub.DrainWorker(
+            admin_pb2.DrainWorkerRequest(address="127.0.0.1:50062", allow_last=True, wait=True), timeout=5
+        )
         assert reply.worker.state == admin_pb2.WORKER_STATE_REMOVED
 
     run(engine, scenario)
@@ -168,8 +213,10 @@ def test_drain_wait_deadline_does_not_undo_the_drain():
     engine.workers["127.0.0.1:50061"]["running"] = 1
 
     async def scenario(stub, channel):
-        await expect_error(stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061", wait=True),
-                                            timeout=0.3), grpc.StatusCode.DEADLINE_EXCEEDED)
+        await expect_error(
+            stub.DrainWorker(admin_pb2.DrainWorkerRequest(address="127.0.0.1:50061", wait=True), timeout=0.3),
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
         listed = await stub.ListWorkers(admin_pb2.ListWorkersRequest())
         assert listed.workers[0].state == admin_pb2.WORKER_STATE_DRAINING
 
@@ -177,8 +224,8 @@ def test_drain_wait_deadline_does_not_undo_the_drain():
 
 
 def test_worker_status_from_core():
-    from scheduler_svc.kv.block_pool import BlockPool
     from scheduler_svc.kv.block_manager import KVCacheManager
+    from scheduler_svc.kv.block_pool import BlockPool
 
     class Core:
         class info:
@@ -192,9 +239,19 @@ def test_worker_status_from_core():
             prompt_tokens, requests_finished = 50, 7
 
     s = WorkerStatus.from_core(Core, WorkerState.DRAINING, prefix_hit_tokens=16, requests_routed=9)
-    assert (s.address, s.state, s.running, s.waiting, s.blocks_total, s.blocks_free, s.prefix_hit_tokens,
-            s.prompt_tokens, s.requests_routed, s.requests_finished, s.device) == (
-        "h:1", WorkerState.DRAINING, 2, 1, 10, 10, 16, 50, 9, 7, "cuda:0")
+    assert (
+        s.address,
+        s.state,
+        s.running,
+        s.waiting,
+        s.blocks_total,
+        s.blocks_free,
+        s.prefix_hit_tokens,
+        s.prompt_tokens,
+        s.requests_routed,
+        s.requests_finished,
+        s.device,
+    ) == ("h:1", WorkerState.DRAINING, 2, 1, 10, 10, 16, 50, 9, 7, "cuda:0")
 
 
 def test_check_address():

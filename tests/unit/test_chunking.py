@@ -1,11 +1,12 @@
 """Chunked prefill policy: dynamic chunk sizes, fairness between long prompts,
 decodes never starved, resume through the prefix index after preemption."""
+
 from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
 from tests.helpers.fake_worker import FakeWorker
@@ -21,8 +22,9 @@ def make(num_blocks, **config):
 
 
 def request(rid, n_tokens, max_tokens=4, start=0):
-    return Request(rid, next(_ids), [(start + i) % 900 + 5 for i in range(n_tokens)],
-                   SamplingOptions(max_tokens=max_tokens))
+    return Request(
+        rid, next(_ids), [(start + i) % 900 + 5 for i in range(n_tokens)], SamplingOptions(max_tokens=max_tokens)
+    )
 
 
 def test_dynamic_chunk_size_follows_free_blocks():
@@ -32,11 +34,15 @@ def test_dynamic_chunk_size_follows_free_blocks():
     assert PlannerConfig(chunk_size=300).chunk_limit(0.0) == 300  # off: the fixed chunk size
 
 
-@pytest.mark.parametrize("kwargs,flag", [
-    ({"chunk_size": 0}, "--chunk-size"), ({"chunk_size": -5}, "--chunk-size"),
-    ({"dynamic_chunk_min": 4096, "dynamic_chunk_max": 1024}, "--dynamic-chunk-min"),
-    ({"dynamic_chunk_min": 0}, "--dynamic-chunk-min"),
-])
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"chunk_size": 0}, "--chunk-size"),
+        ({"chunk_size": -5}, "--chunk-size"),
+        ({"dynamic_chunk_min": 4096, "dynamic_chunk_max": 1024}, "--dynamic-chunk-min"),
+        ({"dynamic_chunk_min": 0}, "--dynamic-chunk-min"),
+    ],
+)
 def test_bad_chunk_settings_name_the_flag_and_the_valid_range(kwargs, flag):
     with pytest.raises(ValueError, match="valid range") as err:
         PlannerConfig(**kwargs).validate()

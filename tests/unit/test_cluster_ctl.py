@@ -1,5 +1,6 @@
 """`make down` (svc_common.cluster_ctl): stops the whole process group of each
 service it started, and never signals a process a stale pid file points at."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,8 +24,9 @@ time.sleep(120)
 
 def fake_service(run_dir: Path, name: str, module: str, mode: str = "polite") -> tuple[subprocess.Popen, int]:
     marker = run_dir / f"{name}.child"
-    proc = subprocess.Popen([sys.executable, "-c", FAKE, mode, module, "--ready-file", str(marker)],
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE, mode, module, "--ready-file", str(marker)], start_new_session=True
+    )
     (run_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + 20
     while not marker.exists() or not marker.read_text():

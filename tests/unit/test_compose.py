@@ -3,6 +3,7 @@ env-var configuration, the model volume, slim images -- checked without a Docker
 engine (none runs here). `docker-compose config -q` runs when the binary exists
 (.ci/run installs Debian's package); otherwise the structure checks below are
 the fallback."""
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,11 @@ from worker_svc.config import WorkerConfig
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 DOCKER = REPO / "docker"
-CONFIGS = {"worker": (WorkerConfig, "PAGEDSERVE_WORKER"), "scheduler": (SchedulerConfig, "PAGEDSERVE_SCHEDULER"),
-           "gateway": (GatewayConfig, "PAGEDSERVE_GATEWAY")}
+CONFIGS = {
+    "worker": (WorkerConfig, "PAGEDSERVE_WORKER"),
+    "scheduler": (SchedulerConfig, "PAGEDSERVE_SCHEDULER"),
+    "gateway": (GatewayConfig, "PAGEDSERVE_GATEWAY"),
+}
 MODEL_MOUNT = "/models/model"
 
 
@@ -71,14 +75,17 @@ def test_topology_one_scheduler_two_workers_one_gateway(compose):
     for name, service in compose["services"].items():
         assert (REPO / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
         assert service["image"].startswith(f"pagedserve-{kind(name, service)}:")
-    (sched_name, scheduler), = services_of(compose, "scheduler").items()
+    ((sched_name, scheduler),) = services_of(compose, "scheduler").items()
     workers = services_of(compose, "worker")
     targets = env_of(scheduler)["PAGEDSERVE_SCHEDULER_WORKERS"].split(",")
     assert sorted(targets) == sorted(f"{n}:{env_of(w)['PAGEDSERVE_WORKER_PORT']}" for n, w in workers.items())
     assert set(scheduler["depends_on"]) == set(workers)
     assert all(d["condition"] == "service_healthy" for d in scheduler["depends_on"].values())
-    (gw_name, gateway), = services_of(compose, "gateway").items()
-    assert env_of(gateway)["PAGEDSERVE_GATEWAY_SCHEDULER"] == f"{sched_name}:{env_of(scheduler)['PAGEDSERVE_SCHEDULER_PORT']}"
+    ((gw_name, gateway),) = services_of(compose, "gateway").items()
+    assert (
+        env_of(gateway)["PAGEDSERVE_GATEWAY_SCHEDULER"]
+        == f"{sched_name}:{env_of(scheduler)['PAGEDSERVE_SCHEDULER_PORT']}"
+    )
     assert gateway["depends_on"][sched_name]["condition"] == "service_healthy"
 
 
@@ -147,8 +154,9 @@ def test_docker_compose_config_accepts_the_file():
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose not installed (.ci/run installs it); the structure checks above ran instead")
-    result = subprocess.run([binary, "-f", str(COMPOSE), "config", "-q"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config", "-q"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -176,7 +184,7 @@ def test_image_requirements_match_the_project_pins(image):
     if image == "worker":
         assert f"torch=={project['torch']}" in text
     else:
-        instructions = "\n".join(l for l in text.lower().splitlines() if not l.lstrip().startswith("#"))
+        instructions = "\n".join(line for line in text.lower().splitlines() if not line.lstrip().startswith("#"))
         assert "torch" not in mine and "triton" not in mine
         assert "torch" not in instructions and "triton" not in instructions
         assert "python:3.11-slim" in text
@@ -212,14 +220,34 @@ def third_party_imports(packages: list[str]) -> set[str]:
 
 # Import name -> the distribution in that image that provides it.
 SLIM_IMAGES = {
-    "scheduler": (["scheduler_svc", "svc_common", "proto"],
-                  {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
-                   "google": "protobuf", "structlog": "structlog", "tokenizers": "tokenizers",
-                   "prometheus_client": "prometheus_client", "uvicorn": "uvicorn", "rich": "rich"}),
-    "gateway": (["gateway_svc", "svc_common", "proto"],
-                {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google": "protobuf",
-                 "structlog": "structlog", "fastapi": "fastapi", "starlette": "fastapi", "pydantic": "fastapi",
-                 "uvicorn": "uvicorn", "jinja2": "jinja2"}),
+    "scheduler": (
+        ["scheduler_svc", "svc_common", "proto"],
+        {
+            "grpc": "grpcio",
+            "grpc_health": "grpcio-health-checking",
+            "grpc_reflection": "grpcio-reflection",
+            "google": "protobuf",
+            "structlog": "structlog",
+            "tokenizers": "tokenizers",
+            "prometheus_client": "prometheus_client",
+            "uvicorn": "uvicorn",
+            "rich": "rich",
+        },
+    ),
+    "gateway": (
+        ["gateway_svc", "svc_common", "proto"],
+        {
+            "grpc": "grpcio",
+            "grpc_health": "grpcio-health-checking",
+            "google": "protobuf",
+            "structlog": "structlog",
+            "fastapi": "fastapi",
+            "starlette": "fastapi",
+            "pydantic": "fastapi",
+            "uvicorn": "uvicorn",
+            "jinja2": "jinja2",
+        },
+    ),
 }
 
 
@@ -237,8 +265,9 @@ def test_slim_images_install_everything_their_code_imports(image):
 
 # ---- the health-check script the images run -----------------------------------------
 def run_healthcheck(*args: str) -> int:
-    return subprocess.run([sys.executable, str(DOCKER / "healthcheck.py"), *args], capture_output=True,
-                          timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, str(DOCKER / "healthcheck.py"), *args], capture_output=True, timeout=30
+    ).returncode
 
 
 def test_healthcheck_script_speaks_grpc_health():
@@ -261,9 +290,17 @@ def test_healthcheck_script_speaks_grpc_health():
 
 
 def test_worker_image_installs_everything_its_code_imports():
-    provided = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
-                "google": "protobuf", "structlog": "structlog", "transformers": "transformers",
-                "safetensors": "safetensors", "tokenizers": "tokenizers", "numpy": "numpy"}
+    provided = {
+        "grpc": "grpcio",
+        "grpc_health": "grpcio-health-checking",
+        "grpc_reflection": "grpcio-reflection",
+        "google": "protobuf",
+        "structlog": "structlog",
+        "transformers": "transformers",
+        "safetensors": "safetensors",
+        "tokenizers": "tokenizers",
+        "numpy": "numpy",
+    }
     imports = third_party_imports(["worker_svc", "kernels", "svc_common", "proto"])
     # torch comes from its own index in the Dockerfile; triton with the CUDA torch (GPU builds only).
     assert imports - {"torch", "triton"} <= set(provided), imports
@@ -272,28 +309,68 @@ def test_worker_image_installs_everything_its_code_imports():
 
 def make_certs(d: Path) -> None:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, with openssl."""
+
     def ssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
 
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca", "-keyout", "ca.key",
-        "-out", "ca.pem")
+    ssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
     for name in ("server", "client"):
-        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr")
+        ssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
         (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
-            "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+        )
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
 def test_healthcheck_script_speaks_mutual_tls(tmp_path):
     make_certs(tmp_path)
-    read = lambda name: (tmp_path / name).read_bytes()  # noqa: E731
+    read = lambda name: (tmp_path / name).read_bytes()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    credentials = grpc.ssl_server_credentials([(read("server.key"), read("server.pem"))],
-                                              root_certificates=read("ca.pem"), require_client_auth=True)
+    credentials = grpc.ssl_server_credentials(
+        [(read("server.key"), read("server.pem"))], root_certificates=read("ca.pem"), require_client_auth=True
+    )
     port = server.add_secure_port("127.0.0.1:0", credentials)
     server.start()
     env = {**os.environ, "PAGEDSERVE_HEALTHCHECK_CA": str(tmp_path / "ca.pem")}
@@ -302,8 +379,10 @@ def test_healthcheck_script_speaks_mutual_tls(tmp_path):
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         assert subprocess.run(check, capture_output=True, timeout=30).returncode == 1  # plaintext: refused
         assert subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 1  # no client cert
-        env.update(PAGEDSERVE_HEALTHCHECK_CERT=str(tmp_path / "client.pem"),
-                   PAGEDSERVE_HEALTHCHECK_KEY=str(tmp_path / "client.key"))
+        env.update(
+            PAGEDSERVE_HEALTHCHECK_CERT=str(tmp_path / "client.pem"),
+            PAGEDSERVE_HEALTHCHECK_KEY=str(tmp_path / "client.key"),
+        )
         result = subprocess.run(check, env=env, capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr
     finally:

@@ -1,4 +1,5 @@
 """Start-up checks name the flag and the value at fault."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,9 @@ from scheduler_svc.config import SchedulerConfig
 from worker_svc.config import WorkerConfig
 
 
-@pytest.mark.parametrize("make", [lambda p: WorkerConfig(model=p), lambda p: SchedulerConfig(model=p)],
-                         ids=["worker", "scheduler"])
+@pytest.mark.parametrize(
+    "make", [lambda p: WorkerConfig(model=p), lambda p: SchedulerConfig(model=p)], ids=["worker", "scheduler"]
+)
 def test_a_missing_model_path_names_the_flag_and_the_path(make, tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError) as err:

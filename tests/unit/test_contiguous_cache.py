@@ -1,6 +1,7 @@
 """The contiguous KV layout on the worker side: its reference attention ops give
 the paged ops' results on the same K/V (unquantized, FP8, INT8, sliding window,
 GQA), the Triton kernels read it too, and both caches are KVCachePools."""
+
 from __future__ import annotations
 
 import os
@@ -10,10 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from kernels import reference  # noqa: E402
-from worker_svc.kv_cache import ContiguousKVCache, KVCachePool, PagedKVCache, make_kv_cache  # noqa: E402
+from kernels import reference
+from worker_svc.kv_cache import ContiguousKVCache, KVCachePool, PagedKVCache, make_kv_cache
 
 BS = 16
 L = 64  # max_seq_len of the contiguous slots
@@ -48,15 +49,17 @@ def test_contiguous_ops_equal_the_paged_ops(dtype, window):
     cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     ctx = torch.tensor(context_lens, dtype=torch.int32)
     k, v = contiguous.layer(0)
-    ours = reference.contiguous_prefill_attention(query, k, v, slots, cu, ctx, SCALE, window,
-                                                  **contiguous.layer_scales(0))
+    ours = reference.contiguous_prefill_attention(
+        query, k, v, slots, cu, ctx, SCALE, window, **contiguous.layer_scales(0)
+    )
     pk, pv = paged.layer(0)
     want = reference.paged_prefill_attention(query, pk, pv, blocks, cu, ctx, SCALE, window, **paged.layer_scales(0))
     torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
 
     decode_q = torch.randn(len(context_lens), HEADS, D, generator=torch.Generator().manual_seed(3))
-    ours = reference.contiguous_decode_attention(decode_q, k, v, slots, ctx, SCALE, window,
-                                                 **contiguous.layer_scales(0))
+    ours = reference.contiguous_decode_attention(
+        decode_q, k, v, slots, ctx, SCALE, window, **contiguous.layer_scales(0)
+    )
     want = reference.paged_decode_attention(decode_q, pk, pv, blocks, ctx, SCALE, window, **paged.layer_scales(0))
     torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
 
@@ -92,8 +95,9 @@ def test_triton_kernels_read_the_contiguous_layout():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     decode_q = query[: len(context_lens)].contiguous()
     got = triton_ops.contiguous_decode_attention(decode_q, k, v, slots, ctx, SCALE)
-    torch.testing.assert_close(got, reference.contiguous_decode_attention(decode_q, k, v, slots, ctx, SCALE),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, reference.contiguous_decode_attention(decode_q, k, v, slots, ctx, SCALE), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_both_caches_are_kv_cache_pools_with_the_same_memory_formula():

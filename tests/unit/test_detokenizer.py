@@ -1,4 +1,5 @@
 """Incremental detokenization: UTF-8 never split, stop strings held back and cut."""
+
 from __future__ import annotations
 
 import pytest

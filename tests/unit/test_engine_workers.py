@@ -2,6 +2,7 @@
 in-process: the real engine and serving.v1 server over gRPC against fake workers
 (no torch, no model), each step slowed down a little so requests are still
 running when a worker is drained."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,11 @@ import grpc
 import pytest
 
 from proto import serving_pb2, serving_pb2_grpc
-from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.api.server import start_server
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
@@ -43,8 +44,9 @@ def run(scenario, num_workers: int = 2, **config):
         servers = []
 
         async def start_worker(**kw):
-            server, address, _ = await start_fake_worker(num_blocks=kw.pop("num_blocks", 64),
-                                                         vocab_size=tokenizer.vocab_size, **kw)
+            server, address, _ = await start_fake_worker(
+                num_blocks=kw.pop("num_blocks", 64), vocab_size=tokenizer.vocab_size, **kw
+            )
             servers.append(server)
             return address
 
@@ -55,7 +57,8 @@ def run(scenario, num_workers: int = 2, **config):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 # Bounded: a hang becomes a failure with a traceback, not a stuck suite.
                 await asyncio.wait_for(
-                    scenario(engine, serving_pb2_grpc.SchedulerStub(channel), tokenizer, start_worker), 60)
+                    scenario(engine, serving_pb2_grpc.SchedulerStub(channel), tokenizer, start_worker), 60
+                )
         finally:
             await server.stop(None)
             await engine.stop()
@@ -67,8 +70,13 @@ def run(scenario, num_workers: int = 2, **config):
 
 
 async def generate(stub, ids: list[int], max_tokens: int) -> serving_pb2.GenerateResponse:
-    replies = [r async for r in stub.Generate(serving_pb2.GenerateRequest(
-        prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=30)]
+    replies = [
+        r
+        async for r in stub.Generate(
+            serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            timeout=30,
+        )
+    ]
     assert replies[-1].finished
     return replies[-1]
 

@@ -5,6 +5,7 @@ metadata and whether its call was cancelled. Gateways run as real uvicorn
 servers on 127.0.0.1 port 0 (in a thread, or as a `python -m gateway_svc`
 process for the CLI); clients are httpx and the official `openai` package.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,7 @@ MODEL_NAME = "tiny-chat-model"
 # A small template in tokenizer_config.json that uses bos/eos and raise_exception.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
-    "{% if loop.first and m['role'] == 'assistant' %}{{ raise_exception('conversation must not start with assistant') }}{% endif %}"
+    "{% if loop.first and m['role'] == 'assistant' %}{{ raise_exception('conversation must not start with assistant') }}{% endif %}"  # noqa: E501
     "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -81,9 +82,10 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
             if not self._wait(context, self.first_delay_s):
                 return
             # A progress-only message first: the gateway must not turn it into output.
-            yield serving_pb2.GenerateResponse(request_id=request.request_id,
-                                               prefill_progress=serving_pb2.PrefillProgress(processed_tokens=5,
-                                                                                            total_tokens=5))
+            yield serving_pb2.GenerateResponse(
+                request_id=request.request_id,
+                prefill_progress=serving_pb2.PrefillProgress(processed_tokens=5, total_tokens=5),
+            )
             for i, text in enumerate(self.deltas):
                 if not self._wait(context, self.delay_s):
                     return
@@ -91,8 +93,9 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
                     completed = True  # an error, not a cancellation
                     context.abort(*self.abort)
                 yield serving_pb2.GenerateResponse(request_id=request.request_id, text=text, token_ids=[i])
-            yield serving_pb2.GenerateResponse(request_id=request.request_id, finished=True,
-                                               finish_reason=self.finish_reason, usage=USAGE)
+            yield serving_pb2.GenerateResponse(
+                request_id=request.request_id, finished=True, finish_reason=self.finish_reason, usage=USAGE
+            )
             completed = True
         finally:
             if not completed:
@@ -137,8 +140,9 @@ def _fresh_fake(request):
 def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("models") / MODEL_NAME
     directory.mkdir()
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}})
+    )
     return directory
 
 
@@ -191,22 +195,33 @@ def sse_payloads(response: httpx.Response) -> list[str]:
     assert text.endswith("data: [DONE]\n\n"), text[-200:]
     events = text.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 # ---------------------------------------------------------------- completions
 
 
 def test_completion_maps_parameters_exactly(http, fake_scheduler):
-    body = {"model": MODEL_NAME, "prompt": "Say hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.25,
-            "seed": 42, "stop": ["\n", "END"]}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Say hi",
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.25,
+        "seed": 42,
+        "stop": ["\n", "END"],
+    }
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "text_completion" and out["model"] == MODEL_NAME and out["id"].startswith("cmpl-")
     assert out["choices"] == [{"index": 0, "text": "Hello, world", "logprobs": None, "finish_reason": "length"}]
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                            "prompt_tokens_details": {"cached_tokens": 4}}
+    assert out["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     [req] = fake_scheduler.requests
     assert req.prompt == "Say hi" and not req.prompt_token_ids
     assert (req.max_tokens, req.temperature, req.top_p, req.seed) == (7, 0.5, 0.25, 42)
@@ -251,8 +266,12 @@ def test_n_samples_run_concurrently_with_derived_seeds(http, fake_scheduler):
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["text"] == "Hello, world" for c in out["choices"])
     # The prompt counts once, both samples' output counts.
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
-                            "prompt_tokens_details": {"cached_tokens": 4}}
+    assert out["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 6,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert sorted(req.seed for req in fake_scheduler.requests) == [7, 8]
     assert len({req.request_id for req in fake_scheduler.requests}) == 2
 
@@ -285,15 +304,25 @@ def test_n_samples_streaming_chat_indexes_choices(http, fake_scheduler):
 
 
 def test_chat_applies_template_and_max_completion_tokens(http, fake_scheduler):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
-    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 9,
-                                                "max_completion_tokens": 4, "temperature": 0})
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+    ]
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 9, "max_completion_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
-    assert out["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello, world"},
-                               "logprobs": None, "finish_reason": "length"}]
+    assert out["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello, world"},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
     [req] = fake_scheduler.requests
     assert req.prompt == "<s><|system|>Be brief.</s>\n<|user|>Hi there</s>\n<|assistant|>"
@@ -332,14 +361,17 @@ def test_chat_template_sources(tmp_path):
 # ---------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("code,status", [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-    (grpc.StatusCode.UNAVAILABLE, 503),
-    (grpc.StatusCode.UNAUTHENTICATED, 401),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    (grpc.StatusCode.INTERNAL, 500),
-])
+@pytest.mark.parametrize(
+    "code,status",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.UNAUTHENTICATED, 401),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_grpc_errors_map_to_http(http, fake_scheduler, code, status, stream):
     fake_scheduler.abort = (code, f"scheduler says {code.name}: prompt of 9000 tokens exceeds the limit 2048")
@@ -359,21 +391,27 @@ def test_error_mid_stream_is_an_error_event(http, fake_scheduler):
     assert payloads[-1]["error"]["message"] == "worker lost" and payloads[-1]["error"]["code"] == "unavailable"
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "x", "temperature": 5}, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": "x", "n": 5}, "n"),  # over --max-n 4
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
-     "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": 5}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 5}, "n"),  # over --max-n 4
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+            "max_completion_tokens",
+        ),
+    ],
+)
 def test_bad_parameters_are_openai_400(http, fake_scheduler, path, body, param):
     error = assert_openai_error(http.post(path, json=body), 400)
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
@@ -390,8 +428,10 @@ def test_unknown_route_is_openai_404(http):
 
 
 def test_api_key_required_and_forwarded(fake_scheduler, model_dir):
-    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), api_key="sekret") as url, \
-            httpx.Client(base_url=url, timeout=WAIT_S) as http:
+    with (
+        running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), api_key="sekret") as url,
+        httpx.Client(base_url=url, timeout=WAIT_S) as http,
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
             assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
             assert_openai_error(http.get("/v1/models", headers=headers), 401)
@@ -431,13 +471,16 @@ def test_health_follows_scheduler_health(http, fake_scheduler):
 
 
 def test_scheduler_down_is_503():
-    with running_gateway(scheduler=f"127.0.0.1:{free_port()}", model_dir="", health_timeout_s=1.0) as url, \
-            httpx.Client(base_url=url, timeout=WAIT_S) as http:
+    with (
+        running_gateway(scheduler=f"127.0.0.1:{free_port()}", model_dir="", health_timeout_s=1.0) as url,
+        httpx.Client(base_url=url, timeout=WAIT_S) as http,
+    ):
         assert http.get("/health").status_code == 503
         assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 503)
         # No chat template without a model dir: a clear 400, not a crash.
-        assert_openai_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
-                            400)
+        assert_openai_error(
+            http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 400
+        )
         assert http.get("/v1/models").json()["data"][0]["id"] == "pagedserve"
 
 
@@ -479,8 +522,12 @@ def test_openai_client_streamed_and_not(gateway, fake_scheduler):
         assert done.usage.prompt_tokens_details.cached_tokens == 4
         stream = client.completions.create(model=MODEL_NAME, prompt="Say hi", max_tokens=3, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream) == "Hello, world"
-        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                              stream=True, stream_options={"include_usage": True})
+        chat = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(chat)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello, world"
         assert chunks[-1].usage.completion_tokens == 3
@@ -493,8 +540,12 @@ def test_openai_client_streamed_and_not(gateway, fake_scheduler):
 
 
 def test_cli_process_with_ready_file_and_env(fake_scheduler, model_dir):
-    gateway = ServiceProcess("gateway_svc", ["--scheduler", fake_scheduler.address, "--model-dir", str(model_dir)],
-                             env={"PAGEDSERVE_GATEWAY_MODEL_NAME": "from-env"}, timeout_s=30)
+    gateway = ServiceProcess(
+        "gateway_svc",
+        ["--scheduler", fake_scheduler.address, "--model-dir", str(model_dir)],
+        env={"PAGEDSERVE_GATEWAY_MODEL_NAME": "from-env"},
+        timeout_s=30,
+    )
     with gateway:
         client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
         try:
@@ -520,7 +571,9 @@ def test_cli_rejects_bad_flags(capsys):
 
 def test_gateway_never_imports_torch_or_transformers():
     # A fresh interpreter: this one has torch loaded by conftest.
-    code = ("import sys, gateway_svc.__main__, gateway_svc.server, gateway_svc.app; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, gateway_svc.__main__, gateway_svc.server, gateway_svc.app; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -6,6 +6,7 @@ workers' headless Service, probes hit ports the containers expose, PDBs and
 NetworkPolicies select the pods they mean. The mtls/ overlay is rendered here with
 the small part of kustomize it uses (strategic-merge patches); when kubectl is
 installed, `kubectl kustomize` must render the same."""
+
 from __future__ import annotations
 
 import copy
@@ -33,14 +34,20 @@ OVERLAYS = ("base", "mtls")
 # probes: GA in 1.27; PDB unhealthyPodEvictionPolicy: GA in 1.31).
 KUBERNETES_VERSION = "1.32"
 
-CONFIGS = {"worker": (WorkerConfig, "PAGEDSERVE_WORKER"), "scheduler": (SchedulerConfig, "PAGEDSERVE_SCHEDULER"),
-           "gateway": (GatewayConfig, "PAGEDSERVE_GATEWAY")}
+CONFIGS = {
+    "worker": (WorkerConfig, "PAGEDSERVE_WORKER"),
+    "scheduler": (SchedulerConfig, "PAGEDSERVE_SCHEDULER"),
+    "gateway": (GatewayConfig, "PAGEDSERVE_GATEWAY"),
+}
 # Settings of features being built elsewhere, allowed in the manifests before their
 # config field exists (test_pending_settings_exist reports them as xfail until then).
 PENDING = {"scheduler": {"worker_discovery_interval_s"}}
 # Env vars that are not service settings, and why they may appear.
-OTHER_ENV = {"POD_NAMESPACE",  # downward API, for $(POD_NAMESPACE) in DNS names
-             "HOME", "HF_HUB_OFFLINE"}  # the worker's read-only root filesystem and local model
+OTHER_ENV = {
+    "POD_NAMESPACE",  # downward API, for $(POD_NAMESPACE) in DNS names
+    "HOME",
+    "HF_HUB_OFFLINE",
+}  # the worker's read-only root filesystem and local model
 MODEL_MOUNT = "/models/model"
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
 HEALTHCHECK_IN_IMAGE = "/usr/local/bin/pagedserve-healthcheck"
@@ -49,8 +56,14 @@ HEALTH_SERVICES = {  # the grpc.health.v1 service names the services register
     "scheduler": serving_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
     "scheduler-admin": admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
 }
-EXPECTED_KINDS = {"StatefulSet": 1, "Deployment": 2, "Service": 3, "PodDisruptionBudget": 2,
-                  "PersistentVolumeClaim": 1, "NetworkPolicy": 2}
+EXPECTED_KINDS = {
+    "StatefulSet": 1,
+    "Deployment": 2,
+    "Service": 3,
+    "PodDisruptionBudget": 2,
+    "PersistentVolumeClaim": 1,
+    "NetworkPolicy": 2,
+}
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
@@ -102,8 +115,11 @@ def render(directory: Path) -> list[dict]:
         docs += render(path) if path.is_dir() else load_yaml(path)
     for entry in config.get("patches", []):
         for patch in load_yaml(directory / entry["path"]):
-            (i,) = [i for i, d in enumerate(docs)
-                    if (d["kind"], d["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])]
+            (i,) = [
+                i
+                for i, d in enumerate(docs)
+                if (d["kind"], d["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])
+            ]
             docs[i] = strategic_merge(docs[i], patch)
     return docs
 
@@ -171,8 +187,11 @@ def test_layout_and_kinds():
             assert d["metadata"]["labels"]["app.kubernetes.io/name"] == "pagedserve"
 
 
-@pytest.mark.parametrize("overlay,index", [(o, i) for o in OVERLAYS for i in range(len(RENDERED[o]))],
-                         ids=[f"{o}-{d['kind']}-{d['metadata']['name']}" for o in OVERLAYS for d in RENDERED[o]])
+@pytest.mark.parametrize(
+    "overlay,index",
+    [(o, i) for o in OVERLAYS for i in range(len(RENDERED[o]))],
+    ids=[f"{o}-{d['kind']}-{d['metadata']['name']}" for o in OVERLAYS for d in RENDERED[o]],
+)
 def test_manifest_matches_the_kubernetes_schema(overlay, index):
     kubernetes_validate.validate(RENDERED[overlay][index], KUBERNETES_VERSION, strict=True)
 
@@ -194,7 +213,7 @@ def test_strict_validation_catches_unknown_fields():
 def test_kubectl_kustomize_renders_the_same(overlay):
     result = subprocess.run(["kubectl", "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    key = lambda d: (d["kind"], d["metadata"]["name"])
     assert sorted(yaml.safe_load_all(result.stdout), key=key) == sorted(RENDERED[overlay], key=key)
 
 
@@ -215,7 +234,7 @@ def test_settings_are_config_fields(overlay):
         for e in env_list(c):
             name = e["name"]
             if name.startswith(prefix + "_"):
-                assert name[len(prefix) + 1:].lower() in fields, f"{component}: {name} is no {cls.__name__} field"
+                assert name[len(prefix) + 1 :].lower() in fields, f"{component}: {name} is no {cls.__name__} field"
                 checked += 1
             elif name.startswith("PAGEDSERVE_HEALTHCHECK_"):
                 assert name in healthcheck_vars, f"{component}: docker/healthcheck.py does not read {name}"
@@ -318,12 +337,15 @@ def test_services_expose_the_configured_ports(overlay):
     assert env["PAGEDSERVE_SCHEDULER_ADMIN_HOST"] == "0.0.0.0"  # probed by the kubelet on the pod IP
 
     gateway = container(loads["gateway"])
-    assert env_values(gateway)["PAGEDSERVE_GATEWAY_SCHEDULER"] == \
-        f"{svc['metadata']['name']}:{service_port(svc, 'grpc')['port']}"
+    assert (
+        env_values(gateway)["PAGEDSERVE_GATEWAY_SCHEDULER"]
+        == f"{svc['metadata']['name']}:{service_port(svc, 'grpc')['port']}"
+    )
     gw_svc = service(docs, "pagedserve-gateway")
     assert selects({"matchLabels": gw_svc["spec"]["selector"]}, pod_labels["gateway"])
-    assert container_port(gateway, service_port(gw_svc, "http")["targetPort"]) == \
-        int(env_values(gateway)["PAGEDSERVE_GATEWAY_PORT"])
+    assert container_port(gateway, service_port(gw_svc, "http")["targetPort"]) == int(
+        env_values(gateway)["PAGEDSERVE_GATEWAY_PORT"]
+    )
 
 
 def probe_target(c: dict, probe: dict) -> tuple[str, int, str]:
@@ -361,7 +383,8 @@ def test_probes_hit_exposed_ports_and_registered_health_services(overlay):
     assert targets["scheduler"] == {
         "readinessProbe": ("grpc", sched_port, HEALTH_SERVICES["scheduler"]),
         "startupProbe": ("grpc", admin_port, HEALTH_SERVICES["scheduler-admin"]),
-        "livenessProbe": ("grpc", admin_port, HEALTH_SERVICES["scheduler-admin"])}
+        "livenessProbe": ("grpc", admin_port, HEALTH_SERVICES["scheduler-admin"]),
+    }
     gw_port = int(env_values(container(loads["gateway"]))["PAGEDSERVE_GATEWAY_PORT"])
     assert targets["gateway"] == {"readinessProbe": ("http", gw_port, "/health"), "livenessProbe": ("tcp", gw_port, "")}
     assert '@app.get("/health")' in (REPO / "gateway_svc" / "app.py").read_text()
@@ -380,8 +403,10 @@ def test_disruption_budgets_and_network_policies_select_pods(overlay):
         return [c for c, pod_labels in labels.items() if selects(selector, pod_labels)]
 
     # One scheduler only: a PDB would block every node drain.
-    assert sorted(c for pdb in of_kind(docs, "PodDisruptionBudget") for c in selected(pdb["spec"]["selector"])) == \
-        ["gateway", "worker"]
+    assert sorted(c for pdb in of_kind(docs, "PodDisruptionBudget") for c in selected(pdb["spec"]["selector"])) == [
+        "gateway",
+        "worker",
+    ]
     assert all(len(selected(pdb["spec"]["selector"])) == 1 for pdb in of_kind(docs, "PodDisruptionBudget"))
     policies = {tuple(selected(p["spec"]["podSelector"])): p for p in of_kind(docs, "NetworkPolicy")}
     assert set(policies) == {("worker",), ("scheduler",)}
@@ -426,8 +451,10 @@ def test_images_gpus_model_volume_and_security_context():
 
 def test_mtls_overlay_reads_its_files_from_secret_volumes():
     loads = workloads(RENDERED["mtls"])
-    expected = {"worker": {"tls_cert", "tls_key", "tls_client_ca"},
-                "scheduler": {"worker_tls_ca", "worker_tls_cert", "worker_tls_key"}}
+    expected = {
+        "worker": {"tls_cert", "tls_key", "tls_client_ca"},
+        "scheduler": {"worker_tls_ca", "worker_tls_cert", "worker_tls_key"},
+    }
     for component, settings in expected.items():
         c = container(loads[component])
         pod = loads[component]["spec"]["template"]["spec"]
@@ -436,8 +463,11 @@ def test_mtls_overlay_reads_its_files_from_secret_volumes():
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"] if m["name"] in secrets}
         assert secrets and mounts, component
         files = {s: env[env_name(CONFIGS[component][1], s)] for s in settings}
-        files |= {k: v for k, v in env.items()
-                  if k.startswith("PAGEDSERVE_HEALTHCHECK_") and k != "PAGEDSERVE_HEALTHCHECK_SERVER_NAME"}
+        files |= {
+            k: v
+            for k, v in env.items()
+            if k.startswith("PAGEDSERVE_HEALTHCHECK_") and k != "PAGEDSERVE_HEALTHCHECK_SERVER_NAME"
+        }
         for setting, path in files.items():
             directory, name = path.rsplit("/", 1)
             assert directory in mounts, f"{component}: {setting}={path} is not in a secret volume"
@@ -446,5 +476,7 @@ def test_mtls_overlay_reads_its_files_from_secret_volumes():
     worker_env = env_values(container(loads["worker"]))
     svc = service(RENDERED["mtls"], "pagedserve-worker")
     # The name the health check expects in the worker's certificate: the one the scheduler dials.
-    assert worker_env["PAGEDSERVE_HEALTHCHECK_SERVER_NAME"] == \
-        worker_dns_target(svc).removeprefix("dns:///").rsplit(":", 1)[0]
+    assert (
+        worker_env["PAGEDSERVE_HEALTHCHECK_SERVER_NAME"]
+        == worker_dns_target(svc).removeprefix("dns:///").rsplit(":", 1)[0]
+    )

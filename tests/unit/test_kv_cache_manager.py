@@ -2,8 +2,8 @@
 
 import pytest
 
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.request import Request
 
 BS = 16

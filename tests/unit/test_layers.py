@@ -1,5 +1,6 @@
 """The scheduler's packages form layers: imports point one way only, and no
 module imports itself back through others (docs/design.md, "Layout")."""
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,9 @@ ALLOWED: dict[str, set[str]] = {
 
 
 def _modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in PACKAGE.rglob("*.py")}
+    return {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")
+    }
 
 
 def _imports(path: Path, runtime_only: bool) -> set[str]:
@@ -84,7 +86,7 @@ def test_no_import_cycles():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = path[path.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt, path + [nxt])

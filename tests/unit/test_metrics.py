@@ -1,6 +1,7 @@
 """Metrics: exact values on scripted planner/KV scenarios, the Prometheus
 exposition (names, parseability, values), the Stats fields, rate windows,
 request timings, the live view's rendering and JSON log lines."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,19 +18,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from proto import serving_pb2
+from scheduler_svc.engine.core import CoreCounters
 from scheduler_svc.engine.timing import RequestTiming
+from scheduler_svc.engine.worker_client import StepResult, WorkerInfo
+from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.observability.accounting import RateWindow, core_metrics, split_step_tokens
 from scheduler_svc.observability.exposition import start_metrics_server
 from scheduler_svc.observability.metrics import SchedulerMetrics, observe_step
 from scheduler_svc.observability.names import METRIC_NAMES
 from scheduler_svc.observability.stats import stats_fields
-from scheduler_svc.kv.block_pool import BlockPool
-from scheduler_svc.engine.core import CoreCounters
-from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.observability.top import pool_bar, render, split_cells
 from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.engine.worker_client import StepResult, WorkerInfo
-from scheduler_svc.observability.top import pool_bar, render, split_cells
 from tests.helpers.fake_worker import FakeWorker
 
 BS = 16
@@ -55,15 +56,27 @@ def req(rid, prompt, max_tokens=1):
 
 
 def info(address="127.0.0.1:7001", num_blocks=16, device="cpu"):
-    return WorkerInfo(address=address, model_name="tiny", model_type="llama", vocab_size=1000, max_model_len=4096,
-                      block_size=BS, num_blocks=num_blocks, kv_dtype="fp16", dtype="float32", device=device,
-                      instance_id="i1", kv_bytes_per_block=BS * 2048)
+    return WorkerInfo(
+        address=address,
+        model_name="tiny",
+        model_type="llama",
+        vocab_size=1000,
+        max_model_len=4096,
+        block_size=BS,
+        num_blocks=num_blocks,
+        kv_dtype="fp16",
+        dtype="float32",
+        device=device,
+        instance_id="i1",
+        kv_bytes_per_block=BS * 2048,
+    )
 
 
 def fake_core(planner, address="127.0.0.1:7001", device="cpu"):
     """What the collector and the Stats fields read of an EngineCore."""
-    return SimpleNamespace(info=info(address, planner.kv.pool.num_blocks, device), planner=planner,
-                           counters=CoreCounters(), healthy=True)
+    return SimpleNamespace(
+        info=info(address, planner.kv.pool.num_blocks, device), planner=planner, counters=CoreCounters(), healthy=True
+    )
 
 
 def run_step(core, worker, metrics=None, forward_ms=2.0):
@@ -232,8 +245,7 @@ def test_preemption_and_prefill_decode_split():
         run_step(core, worker)
     assert planner.num_preemptions > 0
     cm = core_metrics(core)
-    assert cm.decode_tokens + cm.prefill_tokens == sum(len(seq.token_ids) for plan in worker.steps
-                                                       for seq in plan.seqs)
+    assert cm.decode_tokens + cm.prefill_tokens == sum(len(seq.token_ids) for plan in worker.steps for seq in plan.seqs)
     assert cm.prefill_tokens > 48  # both prompts, plus recomputation after preemptions
     got = scrape(SimpleNamespace(cores=[core]))
     assert got[("pagedserve_preemptions_total", W)] == planner.num_preemptions
@@ -289,8 +301,11 @@ def test_request_timing_observes_ttft_itl_and_e2e():
     assert g("pagedserve_inter_token_latency_seconds_sum") == pytest.approx(0.08)
     assert g("pagedserve_e2e_request_latency_seconds_sum") == pytest.approx(0.6)
     assert g("pagedserve_requests_finished_total", {"finish_reason": "length"}) == 1
-    assert timing.ttft_s == 0.5 and timing.log_fields() == {"ttft_ms": 500.0, "e2e_ms": 600.0,
-                                                            "itl_ms_mean": pytest.approx(26.67, abs=0.01)}
+    assert timing.ttft_s == 0.5 and timing.log_fields() == {
+        "ttft_ms": 500.0,
+        "e2e_ms": 600.0,
+        "itl_ms_mean": pytest.approx(26.67, abs=0.01),
+    }
     aborted = RequestTiming(arrival=100.0, observer=metrics)
     aborted.finish("abort")  # counted, but an abort's duration is not service latency
     assert g("pagedserve_requests_finished_total", {"finish_reason": "abort"}) == 1
@@ -317,8 +332,9 @@ def test_request_stream_drives_its_timing():
         clock.t = t
         request.append_output(token, -1.0)
         last = token == 44
-        stream.on_update(RequestUpdate("s", [token], [-1.0], finished=last,
-                                       finish_reason=FinishReason.LENGTH if last else None))
+        stream.on_update(
+            RequestUpdate("s", [token], [-1.0], finished=last, finish_reason=FinishReason.LENGTH if last else None)
+        )
     g = metrics.registry.get_sample_value
     assert g("pagedserve_time_to_first_token_seconds_sum") == 1.0
     assert g("pagedserve_inter_token_latency_seconds_count") == 2
@@ -365,8 +381,9 @@ def test_stats_fields_and_proto():
     (w,) = fields["workers"]
     assert (w["address"], w["blocks_used"], w["blocks_total"], w["device"]) == ("127.0.0.1:7001", 6, 16, "cpu")
     extra = {k: v for k, v in fields.items() if k != "workers"}
-    reply = serving_pb2.StatsResponse(blocks_total=16, blocks_used=6, blocks_free=10, workers=fields["workers"],
-                                      **extra)
+    reply = serving_pb2.StatsResponse(
+        blocks_total=16, blocks_used=6, blocks_free=10, workers=fields["workers"], **extra
+    )
     assert reply.workers[0].fragmentation == 27 / 96 and reply.kv_slots_unused == 27
     for number in (f.number for f in serving_pb2.StatsResponse.DESCRIPTOR.fields if f.name in fields):
         assert number >= 30
@@ -447,16 +464,37 @@ def test_split_cells_is_exact_and_keeps_small_parts_visible():
 
 def test_top_renders_a_frame():
     stats = serving_pb2.StatsResponse(
-        num_workers=1, blocks_total=16, blocks_used=6, blocks_cached_free=4, blocks_free=10, running=3,
-        block_utilization=6 / 16, fragmentation=27 / 96, kv_slots_unused=27, kv_slots_allocated=96,
-        prefix_cache_hit_rate=0.25, tokens_per_s=123.4, ttft_ms_p50=45.0,
-        workers=[dict(address="127.0.0.1:7001", device="cpu", model="tiny")])
+        num_workers=1,
+        blocks_total=16,
+        blocks_used=6,
+        blocks_cached_free=4,
+        blocks_free=10,
+        running=3,
+        block_utilization=6 / 16,
+        fragmentation=27 / 96,
+        kv_slots_unused=27,
+        kv_slots_allocated=96,
+        prefix_cache_hit_rate=0.25,
+        tokens_per_s=123.4,
+        ttft_ms_p50=45.0,
+        workers=[dict(address="127.0.0.1:7001", device="cpu", model="tiny")],
+    )
     out = io.StringIO()
     Console(file=out, width=120, color_system=None).print(render(stats, "127.0.0.1:50051"))
     text = out.getvalue()
     assert "[" + "█" * 19 + "▒" * 12 + "░" * 19 + "]" in text
-    for needle in ("utilization 37.5%", "fragmentation 28.1% (27/96 slots unused)", "hit rate 25.0%",
-                   "running 3", "waiting 0", "computed 123.4", "TTFT p50 45.0 ms", "in use 6", "cached 4", "free 6"):
+    for needle in (
+        "utilization 37.5%",
+        "fragmentation 28.1% (27/96 slots unused)",
+        "hit rate 25.0%",
+        "running 3",
+        "waiting 0",
+        "computed 123.4",
+        "TTFT p50 45.0 ms",
+        "in use 6",
+        "cached 4",
+        "free 6",
+    ):
         assert needle in text, needle
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import FinishReason, RequestStatus
@@ -26,8 +26,16 @@ def test_config_defaults_and_validation():
     cfg = PlannerConfig()
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunk_size, cfg.block_size) == (8192, 256, 8192, 16)
     assert cfg.validate() is cfg
-    for bad in ({"chunk_size": 0}, {"chunk_size": -5}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 0},
-                {"max_model_len": 1}, {"max_waiting": 0}, {"block_size": 0}, {"chunk_size": True}):
+    for bad in (
+        {"chunk_size": 0},
+        {"chunk_size": -5},
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 0},
+        {"max_model_len": 1},
+        {"max_waiting": 0},
+        {"block_size": 0},
+        {"chunk_size": True},
+    ):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=rf"{name} \(--{name.replace('_', '-')}\).*valid range"):
             PlannerConfig(**bad).validate()
@@ -59,16 +67,19 @@ def test_largest_prompt_that_fits_gets_one_token():
     assert r.finish_reason is FinishReason.LENGTH
 
 
-@pytest.mark.parametrize(("field", "kwargs", "prompt"), [
-    ("prompt", {}, []),
-    ("prompt", {}, [1, -2]),
-    ("max_tokens", {"max_tokens": 0}, [1]),
-    ("temperature", {"temperature": -1.0}, [1]),
-    ("temperature", {"temperature": float("nan")}, [1]),
-    ("top_p", {"top_p": 1.5}, [1]),
-    ("top_k", {"top_k": -1}, [1]),
-    ("seed", {"seed": -1}, [1]),
-])
+@pytest.mark.parametrize(
+    ("field", "kwargs", "prompt"),
+    [
+        ("prompt", {}, []),
+        ("prompt", {}, [1, -2]),
+        ("max_tokens", {"max_tokens": 0}, [1]),
+        ("temperature", {"temperature": -1.0}, [1]),
+        ("temperature", {"temperature": float("nan")}, [1]),
+        ("top_p", {"top_p": 1.5}, [1]),
+        ("top_k", {"top_k": -1}, [1]),
+        ("seed", {"seed": -1}, [1]),
+    ],
+)
 def test_bad_arguments_are_rejected(field, kwargs, prompt):
     planner, _ = make()
     kwargs.setdefault("max_tokens", 4)
@@ -100,11 +111,14 @@ def test_single_request_matches_reference():
     assert len(plans) == 12 and [len(p.seqs[0].token_ids) for p in plans] == [39] + [1] * 11
 
 
-@pytest.mark.parametrize(("prompt_len", "tables"), [
-    (15, [[0], [0], [0, 1]]),  # positions 15 (block 0) then 16 (block 1)
-    (16, [[0], [0, 1], [0, 1]]),
-    (17, [[0, 1], [0, 1], [0, 1]]),
-])
+@pytest.mark.parametrize(
+    ("prompt_len", "tables"),
+    [
+        (15, [[0], [0], [0, 1]]),  # positions 15 (block 0) then 16 (block 1)
+        (16, [[0], [0, 1], [0, 1]]),
+        (17, [[0, 1], [0, 1], [0, 1]]),
+    ],
+)
 def test_block_boundaries_through_decode(prompt_len, tables):
     planner, worker = make()
     planner.add(req("a", range(prompt_len), max_tokens=3))
@@ -472,8 +486,12 @@ def test_drain_hands_requests_to_another_planner():
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workload_with_aborts(seed):
     rng = random.Random(seed)
-    planner, worker = make(num_blocks=rng.choice([10, 16, 40]), max_num_seqs=rng.choice([2, 5, 64]),
-                           max_num_batched_tokens=rng.choice([16, 64, 512]), chunk_size=rng.choice([8, 32, 512]))
+    planner, worker = make(
+        num_blocks=rng.choice([10, 16, 40]),
+        max_num_seqs=rng.choice([2, 5, 64]),
+        max_num_batched_tokens=rng.choice([16, 64, 512]),
+        chunk_size=rng.choice([8, 32, 512]),
+    )
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 48))] for _ in range(3)]
     pending = []
     for i in range(30):

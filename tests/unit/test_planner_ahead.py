@@ -1,6 +1,7 @@
 """Planning one step ahead of the step in flight (overlapped scheduling) against
 the fake worker, which resolves token_from_previous_step from its own last
 step: same outputs as strict alternation, exact block accounting throughout."""
+
 from __future__ import annotations
 
 import random
@@ -12,7 +13,6 @@ from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
 from scheduler_svc.request import FinishReason, Request, SamplingOptions
-
 from tests.helpers.fake_worker import FakeWorker
 
 BS, VOCAB = 16, 1000
@@ -29,10 +29,10 @@ def requests(seed: int, count: int, eos: frozenset[int] = frozenset()) -> list[R
     shared = [rng.randrange(VOCAB) for _ in range(40)]
     out = []
     for i in range(count):
-        prompt = (shared[: rng.randrange(0, 40)] if i % 3 == 0 else []) + [rng.randrange(VOCAB)
-                                                                        for _ in range(rng.randrange(1, 60))]
-        out.append(Request(f"r{i}", i + 1, prompt, SamplingOptions(max_tokens=rng.randrange(1, 30)),
-                           eos_token_ids=eos))
+        prompt = (shared[: rng.randrange(0, 40)] if i % 3 == 0 else []) + [
+            rng.randrange(VOCAB) for _ in range(rng.randrange(1, 60))
+        ]
+        out.append(Request(f"r{i}", i + 1, prompt, SamplingOptions(max_tokens=rng.randrange(1, 30)), eos_token_ids=eos))
     return out
 
 

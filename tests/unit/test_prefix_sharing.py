@@ -1,13 +1,14 @@
 """Sharing blocks: forks of n samples with copy-on-write, pinning, eviction
 policies, memory exactness, and random-operation invariants (hypothesis)."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.block_manager import KVCacheManager, PinLimitExceeded
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
 from tests.helpers.fake_worker import FakeWorker
@@ -148,8 +149,10 @@ def test_priority_policy_evicts_unshared_blocks_before_shared_prefixes(policy, f
     # Ask for all but one free block: exactly one cached block survives.
     uncached = kv.pool.num_free_blocks - kv.pool.num_cached_free_blocks
     kv.pool.free(kv.pool.allocate(uncached + 1))
-    survivors = {kv.pool.get_cached_block(kv._block_hashes(Request("x", 0, shared + [0]), 1)[0]),
-                 kv.pool.get_cached_block(kv._block_hashes(Request("y", 0, tail + [0]), 1)[0])}
+    survivors = {
+        kv.pool.get_cached_block(kv._block_hashes(Request("x", 0, shared + [0]), 1)[0]),
+        kv.pool.get_cached_block(kv._block_hashes(Request("y", 0, tail + [0]), 1)[0]),
+    }
     evicted = "shared" if shared_block not in survivors else "tail"
     assert evicted == first_evicted
 
@@ -160,8 +163,9 @@ def test_eight_requests_sharing_a_512_token_prefix_use_prefix_plus_unique_blocks
     first = Request("r0", next(_ids), prefix + [5] * 20, SamplingOptions(max_tokens=50))
     planner.add(first)
     step(planner, worker)  # r0 computes the prefix; the others will hit it
-    requests = [Request(f"r{i}", next(_ids), prefix + [5 + i] * (20 + i), SamplingOptions(max_tokens=50))
-                for i in range(1, 8)]
+    requests = [
+        Request(f"r{i}", next(_ids), prefix + [5 + i] * (20 + i), SamplingOptions(max_tokens=50)) for i in range(1, 8)
+    ]
     for r in requests:
         planner.add(r)
     step(planner, worker)
@@ -174,13 +178,23 @@ def test_eight_requests_sharing_a_512_token_prefix_use_prefix_plus_unique_blocks
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from(["add", "fork", "step", "abort", "pin", "unpin"]),
-                          st.integers(0, 3), st.integers(1, 40), st.integers(1, 12)),
-                min_size=20, max_size=120),
-       st.sampled_from(["lru", "priority"]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "fork", "step", "abort", "pin", "unpin"]),
+            st.integers(0, 3),
+            st.integers(1, 40),
+            st.integers(1, 12),
+        ),
+        min_size=20,
+        max_size=120,
+    ),
+    st.sampled_from(["lru", "priority"]),
+)
 def test_random_operations_keep_every_invariant(ops, policy):
-    planner, worker = make(num_blocks=14, policy=policy, max_num_batched_tokens=40, chunk_size=24,
-                           max_model_len=200, max_pinned=4)
+    planner, worker = make(
+        num_blocks=14, policy=policy, max_num_batched_tokens=40, chunk_size=24, max_model_len=200, max_pinned=4
+    )
     prefixes = [list(range(2000 + 100 * i, 2000 + 100 * i + 32)) for i in range(4)]
     live: list[str] = []
     expected: dict[str, tuple[list[int], int, Request]] = {}

@@ -1,4 +1,5 @@
 """Routing policies against real BlockPool/KVCacheManager objects and fake worker descriptors."""
+
 from __future__ import annotations
 
 import itertools
@@ -6,9 +7,6 @@ import random
 
 import pytest
 
-from scheduler_svc.kv.block_pool import BlockPool
-from scheduler_svc.kv.block_manager import KVCacheManager
-from scheduler_svc.request import Request
 from scheduler_svc.engine.router import (
     ROUTING_POLICIES,
     Candidate,
@@ -20,6 +18,9 @@ from scheduler_svc.engine.router import (
     WorkerState,
     make_router,
 )
+from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.request import Request
 
 BS = 16
 _ids = itertools.count(1)
@@ -359,8 +360,10 @@ def test_four_prompt_workload_prefix_vs_round_robin(burst, seed):
     assert prefix_rate == pytest.approx(28 * 5 * BS / (32 * (5 * BS + 23)))
     assert any(len(a) == 2 for a in rr_placed.values())  # round-robin computes prompts on both workers
     assert prefix_rate > rr_rate and prefix_rate >= ll_rate
-    print(f"\n{'burst' if burst else 'one-by-one'} seed {seed}: prefix hit rate prefix {prefix_rate:.3f}, "
-          f"round-robin {rr_rate:.3f}, least-loaded {ll_rate:.3f}; requests per worker {per_worker}")
+    print(
+        f"\n{'burst' if burst else 'one-by-one'} seed {seed}: prefix hit rate prefix {prefix_rate:.3f}, "
+        f"round-robin {rr_rate:.3f}, least-loaded {ll_rate:.3f}; requests per worker {per_worker}"
+    )
 
 
 def test_counters_per_worker():
@@ -373,5 +376,9 @@ def test_counters_per_worker():
     route(router, workers, req(system + [10]))
     a = router.counters["a:1"]
     assert (a.routed, a.by_reason, a.cached_tokens, a.prompt_tokens) == (
-        5, {"load": 1, "affinity": 3, "prefix": 1}, 3 * BS, 5 * (3 * BS + 1))
+        5,
+        {"load": 1, "affinity": 3, "prefix": 1},
+        3 * BS,
+        5 * (3 * BS + 1),
+    )
     assert "b:1" not in router.counters

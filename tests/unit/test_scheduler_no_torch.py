@@ -1,6 +1,7 @@
 """The scheduler never imports torch: every scheduler module is imported and a
 request runs through the real server and engine against a fake worker, in a
 fresh interpreter, and torch must still be absent."""
+
 from __future__ import annotations
 
 import subprocess
@@ -48,7 +49,13 @@ SCRIPT = textwrap.dedent("""
 
 def test_scheduler_runs_a_request_without_importing_torch():
     model_dir = tiny_checkpoint("llama")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir)], cwd=REPO, capture_output=True, text=True,
-                            timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("no torch")

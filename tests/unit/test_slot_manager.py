@@ -1,17 +1,18 @@
 """The contiguous layout on the scheduler side: SlotManager under the real
 planner against the fake worker (a slot is a block of max_seq_len tokens), with
 audit() after every step; and both managers satisfy the KVManager protocol."""
+
 import random
 
 import pytest
 
-from scheduler_svc.kv.block_pool import BlockPool, DoubleFreeError
 from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.kv.block_pool import BlockPool, DoubleFreeError
 from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.kv.slot_manager import SlotManager, SlotPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request, SamplingOptions
-from scheduler_svc.kv.slot_manager import SlotManager, SlotPool
 from tests.helpers.fake_worker import FakeWorker
 from tests.helpers.planner_sim import reference, req, step
 
@@ -65,8 +66,9 @@ def test_a_sequence_holds_one_whole_slot_for_its_life():
 def test_admission_waits_for_a_free_slot_and_concurrency_is_the_slot_count():
     planner, worker = make(num_slots=3, max_num_seqs=64)
     rng = random.Random(1)
-    cases = {f"r{i}": ([rng.randrange(VOCAB) for _ in range(rng.randrange(2, 60))], rng.randrange(1, 20))
-             for i in range(12)}
+    cases = {
+        f"r{i}": ([rng.randrange(VOCAB) for _ in range(rng.randrange(2, 60))], rng.randrange(1, 20)) for i in range(12)
+    }
     requests = [req(rid, p, max_tokens=n) for rid, (p, n) in cases.items()]
     for r in requests:
         planner.add(r)

@@ -1,5 +1,6 @@
 """A slow client's queued token events go out as one message, in order, and an
 error or the finish is never merged past."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +17,13 @@ def queue_of(*events: StreamEvent) -> asyncio.Queue[StreamEvent]:
 
 def test_queued_tokens_merge_into_one_event_up_to_the_finish():
     usage = Usage(5, 4, 0)
-    queue = queue_of(StreamEvent("b", [2], [-0.2]), StreamEvent("", [], [], progress=(5, 5)),
-                     StreamEvent("c", [3], [-0.3]), StreamEvent("d", [4], [-0.4], finished=True, finish_reason="length",
-                                                                usage=usage),
-                     StreamEvent("never", [9]))
+    queue = queue_of(
+        StreamEvent("b", [2], [-0.2]),
+        StreamEvent("", [], [], progress=(5, 5)),
+        StreamEvent("c", [3], [-0.3]),
+        StreamEvent("d", [4], [-0.4], finished=True, finish_reason="length", usage=usage),
+        StreamEvent("never", [9]),
+    )
     merged, error = coalesce(queue, StreamEvent("a", [1], [-0.1]))
     assert (merged.text, merged.token_ids, merged.logprobs) == ("abcd", [1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4])
     assert merged.finished and merged.finish_reason == "length" and merged.usage == usage
@@ -28,8 +32,11 @@ def test_queued_tokens_merge_into_one_event_up_to_the_finish():
 
 
 def test_an_error_stops_the_merge_and_is_handed_back():
-    queue = queue_of(StreamEvent("b", [2], [-0.2]), StreamEvent(error_code="UNAVAILABLE", error_message="gone"),
-                     StreamEvent("c", [3]))
+    queue = queue_of(
+        StreamEvent("b", [2], [-0.2]),
+        StreamEvent(error_code="UNAVAILABLE", error_message="gone"),
+        StreamEvent("c", [3]),
+    )
     merged, error = coalesce(queue, StreamEvent("a", [1], [-0.1]))
     assert merged.token_ids == [1, 2] and not merged.finished
     assert error is not None and error.error_code == "UNAVAILABLE" and queue.qsize() == 1

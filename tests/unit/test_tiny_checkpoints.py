@@ -1,5 +1,6 @@
 """The tiny checkpoints load in transformers as the architecture they claim, are
 deterministic, and behave like a (random) language model rather than a constant."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,10 @@ def test_loads_generates_and_matches_config(builds, family):
     tok = AutoTokenizer.from_pretrained(path)
     assert config.vocab_size == len(tok)
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     # verify_checkpoint asserts no missing/unexpected keys, the unicode round-trip
     # and a non-degenerate greedy continuation.
     tokens = tc.verify_checkpoint(path)
