@@ -186,7 +186,10 @@ def test_add_worker_errors_and_draining_the_last_worker():
 def test_shared_prefix_colocates_and_handover_skips_draining_workers():
     async def scenario(engine, stub, tokenizer, start_worker):
         system = list(range(10, 58))  # 3 full blocks
-        await asyncio.gather(*(generate(stub, system + [100 + i], 4) for i in range(6)))
+        # The first request computes the prefix; the five after it must find it cached
+        # (sent together with it, all six could be admitted before any block is cached).
+        await generate(stub, system + [100], 4)
+        await asyncio.gather(*(generate(stub, system + [100 + i], 4) for i in range(1, 6)))
         routed = {w.address: w.requests_routed for w in engine.list_workers()}
         assert sorted(routed.values()) == [0, 6]  # one worker for the shared prompt
         owner = next(a for a, n in routed.items() if n == 6)
