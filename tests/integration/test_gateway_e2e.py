@@ -21,6 +21,7 @@ import pytest
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import wait_idle
 from tests.helpers.procs import Cluster
 
 MAX_MODEL_LEN = 256  # the scheduler's --max-model-len (the tiny model allows 512)
@@ -60,16 +61,6 @@ def oai(cluster):
 def http(cluster):
     with httpx.Client(base_url=cluster.gateway_url, timeout=WAIT_S) as client:
         yield client
-
-
-def wait_idle(client: SchedulerClient, timeout_s: float = 10.0):
-    """Poll Stats until nothing runs, waits or holds a block (or the time is up)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.stats()
-        if (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)
