@@ -1,4 +1,5 @@
 """python -m scheduler_svc --workers HOST:PORT[,...] --host 127.0.0.1 --port N --model DIR ..."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,10 +10,10 @@ import structlog
 
 from scheduler_svc.api.admin import start_admin_server
 from scheduler_svc.api.auth import load_api_keys
+from scheduler_svc.api.server import SchedulerServer, start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.errors import StartupError
-from scheduler_svc.api.server import SchedulerServer, start_server
 from scheduler_svc.observability.exposition import start_metrics_server
 from scheduler_svc.observability.metrics import METRICS, engine_hooks
 from scheduler_svc.observability.stats import stats_fields
@@ -31,25 +32,43 @@ async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
     api_keys = load_api_keys(config.api_keys, config.api_keys_file)
     engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))
-    server, port = await start_server(engine, config.host, config.port, config.max_message_mb,
-                                      config.default_max_tokens,
-                                      credentials=server_credentials(config.tls_cert, config.tls_key),
-                                      api_keys=api_keys, extra_stats=lambda: stats_fields(engine, METRICS))
+    server, port = await start_server(
+        engine,
+        config.host,
+        config.port,
+        config.max_message_mb,
+        config.default_max_tokens,
+        credentials=server_credentials(config.tls_cert, config.tls_key),
+        api_keys=api_keys,
+        extra_stats=lambda: stats_fields(engine, METRICS),
+    )
     # admin.v1 (AddWorker, DrainWorker, ListWorkers) on its own listener; --admin-port -1: none.
-    admin, admin_port = (await start_admin_server(engine, config.admin_host, config.admin_bind_port)
-                         if config.admin_port >= 0 else (None, -1))
+    admin, admin_port = (
+        await start_admin_server(engine, config.admin_host, config.admin_bind_port)
+        if config.admin_port >= 0
+        else (None, -1)
+    )
     # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py).
     metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
-    log.info("scheduler ready", serving=f"{config.host}:{port}", workers=config.worker_addresses,
-             max_model_len=engine.max_model_len, tls=bool(config.tls_cert), api_keys=len(api_keys),
-             worker_tls=bool(config.worker_tls_ca), routing=engine.routing,
-             admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off",
-             metrics=f"http://{config.host}:{metrics.port}/metrics" if metrics is not None else "off")
+    log.info(
+        "scheduler ready",
+        serving=f"{config.host}:{port}",
+        workers=config.worker_addresses,
+        max_model_len=engine.max_model_len,
+        tls=bool(config.tls_cert),
+        api_keys=len(api_keys),
+        worker_tls=bool(config.worker_tls_ca),
+        routing=engine.routing,
+        admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off",
+        metrics=f"http://{config.host}:{metrics.port}/metrics" if metrics is not None else "off",
+    )
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and api_keys):
         log.warning("listening beyond loopback without TLS and API keys", host=config.host)
     if admin is not None and config.admin_host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("admin service listening beyond loopback: whoever reaches it can add and drain workers",
-                    admin_host=config.admin_host)
+        log.warning(
+            "admin service listening beyond loopback: whoever reaches it can add and drain workers",
+            admin_host=config.admin_host,
+        )
     write_ready_file(config.ready_file, config.host, port, admin_port=admin_port)
     signals = _signal_events()
     await signals.get()
@@ -60,16 +79,18 @@ async def serve(config: SchedulerConfig) -> None:
         metrics.close()
 
 
-def _signal_events() -> asyncio.Queue:
+def _signal_events() -> asyncio.Queue[int]:
     """Each SIGINT/SIGTERM puts an item: the first starts the drain, a second cuts it short."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, queue.put_nowait, sig)
     return queue
 
 
-async def shutdown(engine: Engine, server: SchedulerServer, drain_timeout_s: float, signals: asyncio.Queue) -> None:
+async def shutdown(
+    engine: Engine, server: SchedulerServer, drain_timeout_s: float, signals: asyncio.Queue[int]
+) -> None:
     """Health NOT_SERVING and no new admissions; accepted requests get drain_timeout_s
     to finish (a second signal ends the wait); those left end with UNAVAILABLE."""
     log.info("scheduler draining", live_requests=engine.num_live, drain_timeout_s=drain_timeout_s)
@@ -91,8 +112,12 @@ async def shutdown(engine: Engine, server: SchedulerServer, drain_timeout_s: flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER",
-                          "pagedserve scheduler: queues, KV block manager, step planner; serving.v1 gRPC", argv)
+    config = parse_config(
+        SchedulerConfig,
+        "PAGEDSERVE_SCHEDULER",
+        "pagedserve scheduler: queues, KV block manager, step planner; serving.v1 gRPC",
+        argv,
+    )
     configure_logging(config.log_format, config.log_level)
     try:
         asyncio.run(serve(config))

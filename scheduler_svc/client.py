@@ -3,17 +3,19 @@ completion to stdout:
 
     python -m scheduler_svc.client --target 127.0.0.1:50051 --max-tokens 32 "The capital of France is"
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 from proto import serving_pb2, serving_pb2_grpc
+from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 
 
 @dataclass
@@ -33,14 +35,25 @@ class SchedulerClient:
         self.channel = grpc.insecure_channel(target, options=channel_options(max_message_mb))
         self.stub = serving_pb2_grpc.SchedulerStub(self.channel)
 
-    def stream(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-               timeout: float | None = None, **params) -> Iterator[serving_pb2.GenerateResponse]:
+    def stream(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Iterator[serving_pb2.GenerateResponse]:
         """Stream raw responses. params: max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, request_id."""
         request = serving_pb2.GenerateRequest(prompt=prompt or "", prompt_token_ids=prompt_token_ids or [], **params)
-        return self.stub.Generate(request, timeout=timeout)
+        stream: Iterator[serving_pb2.GenerateResponse] = self.stub.Generate(request, timeout=timeout)
+        return stream
 
-    def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                 timeout: float | None = None, **params) -> Completion:
+    def generate(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Completion:
         """Run one request to the end and collect it."""
         out = Completion()
         for reply in self.stream(prompt, prompt_token_ids, timeout, **params):
@@ -53,19 +66,23 @@ class SchedulerClient:
                 out.finish_reason = reply.finish_reason
                 u = reply.usage
                 out.prompt_tokens, out.completion_tokens, out.cached_prompt_tokens = (
-                    u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+                    u.prompt_tokens,
+                    u.completion_tokens,
+                    u.cached_prompt_tokens,
+                )
         return out
 
     def stats(self) -> serving_pb2.StatsResponse:
-        return self.stub.Stats(serving_pb2.StatsRequest())
+        stats: serving_pb2.StatsResponse = self.stub.Stats(serving_pb2.StatsRequest())
+        return stats
 
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "SchedulerClient":
+    def __enter__(self) -> SchedulerClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -81,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  stop=args.stop)
+    params = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, stop=args.stop
+    )
     if args.seed is not None:
         params["seed"] = args.seed
     with SchedulerClient(args.target) as client:
@@ -92,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
                 if reply.finished:
                     u = reply.usage
-                    print(f"\n[{reply.finish_reason}: {u.prompt_tokens} prompt tokens "
-                          f"({u.cached_prompt_tokens} cached), {u.completion_tokens} generated]", file=sys.stderr)
+                    print(
+                        f"\n[{reply.finish_reason}: {u.prompt_tokens} prompt tokens "
+                        f"({u.cached_prompt_tokens} cached), {u.completion_tokens} generated]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as err:
             print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

@@ -1,4 +1,5 @@
 """Scheduler configuration: flags, env vars (PAGEDSERVE_SCHEDULER_*), validation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,36 +25,103 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step / running at once"})
     chunk_size: int = field(default=8192, metadata={"help": "largest prefill chunk of one request per step"})
-    dynamic_chunking: bool = field(default=False, metadata={"help": "shrink prefill chunks from --dynamic-chunk-max to --dynamic-chunk-min as free KV blocks run out"})
+    dynamic_chunking: bool = field(
+        default=False,
+        metadata={
+            "help": "shrink prefill chunks from --dynamic-chunk-max to --dynamic-chunk-min as free KV blocks run out"
+        },
+    )
     dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
-    prefix_caching: bool = field(default=True, metadata={"help": "share full prompt blocks through the prefix hash index"})
-    eviction_policy: str = field(default="lru", metadata={"help": "which free cached block is reused first: lru, or priority (shared prefixes and pins outlive the rest)", "choices": EVICTION_POLICIES})
-    async_scheduling: bool = field(default=True, metadata={"help": "plan and send step N+1 while step N runs on the worker (overlapped scheduling); --no-async-scheduling: strict alternation"})
-    max_pinned_blocks: int = field(default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"})
+    prefix_caching: bool = field(
+        default=True, metadata={"help": "share full prompt blocks through the prefix hash index"}
+    )
+    eviction_policy: str = field(
+        default="lru",
+        metadata={
+            "help": "which free cached block is reused first: lru, or priority (shared prefixes and pins outlive the rest)",
+            "choices": EVICTION_POLICIES,
+        },
+    )
+    async_scheduling: bool = field(
+        default=True,
+        metadata={
+            "help": "plan and send step N+1 while step N runs on the worker (overlapped scheduling); --no-async-scheduling: strict alternation"
+        },
+    )
+    max_pinned_blocks: int = field(
+        default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
+    )
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request leaves it unset"})
     connect_timeout_s: float = field(default=30.0, metadata={"help": "how long to wait for each worker at start-up"})
-    worker_timeout_s: float = field(default=30.0, metadata={"help": "how long a lost worker may stay away before its requests fail with UNAVAILABLE"})
-    health_interval_s: float = field(default=1.0, metadata={"help": "how often an idle scheduler probes each worker, to notice one that died or restarted"})
-    drain_timeout_s: float = field(default=30.0, metadata={"help": "after SIGTERM: how long accepted requests may take to finish before they end with UNAVAILABLE"})
+    worker_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "how long a lost worker may stay away before its requests fail with UNAVAILABLE"},
+    )
+    health_interval_s: float = field(
+        default=1.0,
+        metadata={"help": "how often an idle scheduler probes each worker, to notice one that died or restarted"},
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "after SIGTERM: how long accepted requests may take to finish before they end with UNAVAILABLE"
+        },
+    )
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit"})
-    tls_cert: str = field(default="", metadata={"help": "PEM certificate for TLS on the client API (with --tls-key); default plaintext"})
+    tls_cert: str = field(
+        default="", metadata={"help": "PEM certificate for TLS on the client API (with --tls-key); default plaintext"}
+    )
     tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
-    api_keys: str = field(default="", metadata={"help": "comma-separated API keys; clients send 'authorization: Bearer KEY' (health stays open). Prefer the env var or --api-keys-file: flags show in ps"})
-    api_keys_file: str = field(default="", metadata={"help": "file with one API key per line (# comments); adds to --api-keys"})
-    worker_tls_ca: str = field(default="", metadata={"help": "PEM CA that signed the workers' certificates: talk TLS to workers"})
-    worker_tls_cert: str = field(default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"})
+    api_keys: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated API keys; clients send 'authorization: Bearer KEY' (health stays open). Prefer the env var or --api-keys-file: flags show in ps"
+        },
+    )
+    api_keys_file: str = field(
+        default="", metadata={"help": "file with one API key per line (# comments); adds to --api-keys"}
+    )
+    worker_tls_ca: str = field(
+        default="", metadata={"help": "PEM CA that signed the workers' certificates: talk TLS to workers"}
+    )
+    worker_tls_cert: str = field(
+        default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"}
+    )
     worker_tls_key: str = field(default="", metadata={"help": "PEM private key for --worker-tls-cert"})
-    routing: str = field(default="prefix", metadata={"help": "which worker gets a new request: prefix (longest cached prompt prefix, then load), round-robin, or least-loaded", "choices": ROUTING_POLICIES})
-    routing_affinity_ttl_s: float = field(default=10.0, metadata={"help": "prefix routing: how long a prompt prefix routed to a worker keeps drawing requests with the same prefix there before that worker has computed it; 0 = off"})
-    admin_host: str = field(default="127.0.0.1", metadata={"help": "address to bind the admin.v1 service (AddWorker, DrainWorker, ListWorkers)"})
-    admin_port: int = field(default=0, metadata={"help": "port of the admin.v1 service; 0 = --port + 1 (the OS picks when --port is 0), so schedulers on different ports never collide; -1 = no admin service"})
-    metrics_port: int = field(default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"})
+    routing: str = field(
+        default="prefix",
+        metadata={
+            "help": "which worker gets a new request: prefix (longest cached prompt prefix, then load), round-robin, or least-loaded",
+            "choices": ROUTING_POLICIES,
+        },
+    )
+    routing_affinity_ttl_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "prefix routing: how long a prompt prefix routed to a worker keeps drawing requests with the same prefix there before that worker has computed it; 0 = off"
+        },
+    )
+    admin_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address to bind the admin.v1 service (AddWorker, DrainWorker, ListWorkers)"},
+    )
+    admin_port: int = field(
+        default=0,
+        metadata={
+            "help": "port of the admin.v1 service; 0 = --port + 1 (the OS picks when --port is 0), so schedulers on different ports never collide; -1 = no admin service"
+        },
+    )
+    metrics_port: int = field(
+        default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"}
+    )
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
-    ready_file: str = field(default="", metadata={"help": "write {host, port, pid, admin_port} as JSON here once serving"})
+    ready_file: str = field(
+        default="", metadata={"help": "write {host, port, pid, admin_port} as JSON here once serving"}
+    )
 
     @property
     def worker_addresses(self) -> list[str]:
@@ -73,11 +141,23 @@ class SchedulerConfig:
     def validate(self) -> None:
         checks = [
             (bool(self.worker_addresses), "--workers", "at least one HOST:PORT"),
-            (all(host_port_problem(a) is None for a in self.worker_addresses), "--workers", "a comma-separated list of HOST:PORT"),
+            (
+                all(host_port_problem(a) is None for a in self.worker_addresses),
+                "--workers",
+                "a comma-separated list of HOST:PORT",
+            ),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
-            (-1 <= self.admin_port <= 65535, "--admin-port", "in 1..65535, 0 for --port + 1, or -1 for no admin service"),
-            (self.admin_port != 0 or self.port < 65535, "--admin-port", "set when --port is 65535 (--port + 1 is no port)"),
+            (
+                -1 <= self.admin_port <= 65535,
+                "--admin-port",
+                "in 1..65535, 0 for --port + 1, or -1 for no admin service",
+            ),
+            (
+                self.admin_port != 0 or self.port < 65535,
+                "--admin-port",
+                "set when --port is 65535 (--port + 1 is no port)",
+            ),
             (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
@@ -91,9 +171,16 @@ class SchedulerConfig:
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             pair_check(self.worker_tls_cert, self.worker_tls_key, "--worker-tls-cert", "--worker-tls-key"),
             (not self.worker_tls_cert or bool(self.worker_tls_ca), "--worker-tls-cert", "used with --worker-tls-ca"),
-            *file_checks({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--api-keys-file": self.api_keys_file,
-                         "--worker-tls-ca": self.worker_tls_ca, "--worker-tls-cert": self.worker_tls_cert,
-                         "--worker-tls-key": self.worker_tls_key}),
+            *file_checks(
+                {
+                    "--tls-cert": self.tls_cert,
+                    "--tls-key": self.tls_key,
+                    "--api-keys-file": self.api_keys_file,
+                    "--worker-tls-ca": self.worker_tls_ca,
+                    "--worker-tls-cert": self.worker_tls_cert,
+                    "--worker-tls-key": self.worker_tls_key,
+                }
+            ),
         ]
         for ok, flag, valid in checks:
             if not ok:
@@ -103,8 +190,14 @@ class SchedulerConfig:
 
     def planner_config(self, max_model_len: int, block_size: int) -> PlannerConfig:
         """The planner's options for a worker holding `max_model_len` tokens per request in `block_size` blocks."""
-        return PlannerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                             chunk_size=self.chunk_size, max_model_len=max_model_len, max_waiting=self.max_waiting,
-                             block_size=block_size, dynamic_chunking=self.dynamic_chunking,
-                             dynamic_chunk_min=self.dynamic_chunk_min, dynamic_chunk_max=self.dynamic_chunk_max)
-
+        return PlannerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            chunk_size=self.chunk_size,
+            max_model_len=max_model_len,
+            max_waiting=self.max_waiting,
+            block_size=block_size,
+            dynamic_chunking=self.dynamic_chunking,
+            dynamic_chunk_min=self.dynamic_chunk_min,
+            dynamic_chunk_max=self.dynamic_chunk_max,
+        )

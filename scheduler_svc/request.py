@@ -58,7 +58,7 @@ class Request:
     # every block; each child computes the last prompt token itself (copying the
     # shared partial block first) and samples on its own.
     prefill_only: bool = False
-    children: list["Request"] = field(default_factory=list, repr=False)
+    children: list[Request] = field(default_factory=list, repr=False)
     sample_index: int = 0
     # Content hashes of this request's full blocks, filled lazily by the
     # KVCacheManager so a long prompt is hashed once, not on every admission try.

@@ -1,4 +1,5 @@
 """HOST:PORT addresses: the one check every flag and RPC that takes one uses."""
+
 from __future__ import annotations
 
 

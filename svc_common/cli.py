@@ -5,12 +5,14 @@ wins over the env var, which wins over the default. Help text comes from
 `field(metadata={"help": ...})`. After parsing, `config.validate()` runs and a
 ValueError there becomes a clean argparse error naming the flag.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -33,7 +35,7 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-def _converter(tp: Any):
+def _converter(tp: Any) -> Callable[[str], Any]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -43,20 +45,27 @@ def _converter(tp: Any):
     return tp if tp in (int, float, str) else str
 
 
-def build_parser(cls: type, prefix: str, description: str) -> argparse.ArgumentParser:
+def build_parser(cls: type[Any], prefix: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         env = env_name(prefix, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         help_text = f"{f.metadata.get('help', '')} (env {env})"
         choices = f.metadata.get("choices")
         if hints[f.name] is bool:
-            parser.add_argument(flag_name(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                                help=help_text)
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
+            )
         else:
-            parser.add_argument(flag_name(f.name), dest=f.name, default=None, type=_converter(hints[f.name]),
-                                choices=choices, help=help_text + f" [default: {default}]")
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                default=None,
+                type=_converter(hints[f.name]),
+                choices=choices,
+                help=help_text + f" [default: {default}]",
+            )
     return parser
 
 
@@ -65,7 +74,7 @@ def parse_config(cls: type[T], prefix: str, description: str, argv: list[str] | 
     args = parser.parse_args(argv)
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # T is a dataclass: every caller passes one
         value = getattr(args, f.name)
         env = os.environ.get(env_name(prefix, f.name))
         if value is None and env is not None:

@@ -13,6 +13,7 @@ nothing is left behind; a pid is only signalled if /proc says it is still the
 process we started (its command line names this run dir), so a stale pid file
 never kills an unrelated process that reused the pid.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,27 +82,45 @@ def _module_of(name: str) -> str:
 
 
 # ---- up -----------------------------------------------------------------------------
-def start(service: Service, run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+def start(service: Service, run_dir: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     pid_file, log_file, ready = service.paths(run_dir)
     ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", service.module, *service.args, "--host", service.host, "--port", str(service.port),
-           "--ready-file", str(ready)]
+    cmd = [
+        sys.executable,
+        "-m",
+        service.module,
+        *service.args,
+        "--host",
+        service.host,
+        "--port",
+        str(service.port),
+        "--ready-file",
+        str(ready),
+    ]
     with open(log_file, "ab") as log:
         log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     pid_file.write_text(f"{proc.pid}\n")
     return proc
 
 
-def wait_ready(service: Service, proc: subprocess.Popen, run_dir: Path, deadline: float) -> str:
+def wait_ready(service: Service, proc: subprocess.Popen[bytes], run_dir: Path, deadline: float) -> str:
     """HOST:PORT once the service wrote its ready file; raises with its log if it died or timed out."""
     _, log_file, ready = service.paths(run_dir)
     while not ready.exists():
         if proc.poll() is not None:
-            raise RuntimeError(f"{service.name} exited with {proc.returncode}; its log ({log_file}):\n"
-                               f"{_tail(log_file)}")
+            raise RuntimeError(
+                f"{service.name} exited with {proc.returncode}; its log ({log_file}):\n{_tail(log_file)}"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{service.name} not ready in time; its log ({log_file}):\n{_tail(log_file)}")
         time.sleep(0.1)
@@ -113,8 +132,11 @@ def up(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if alive := _alive_pids(run_dir):
-        print(f"a cluster is already running from {run_dir} ({', '.join(f'{n} pid {p}' for n, p in alive.items())});"
-              f" stop it first with `make down`", file=sys.stderr)
+        print(
+            f"a cluster is already running from {run_dir} ({', '.join(f'{n} pid {p}' for n, p in alive.items())});"
+            f" stop it first with `make down`",
+            file=sys.stderr,
+        )
         return 1
     for stale in run_dir.glob("*.pid"):
         stale.unlink()
@@ -126,15 +148,33 @@ def up(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     addresses: dict[str, str] = {}
     try:
-        workers = [Service(f"worker-{i}", "worker_svc", worker_args, args.host,
-                           args.worker_base_port + i if args.worker_base_port else 0) for i in range(args.workers)]
+        workers = [
+            Service(
+                f"worker-{i}",
+                "worker_svc",
+                worker_args,
+                args.host,
+                args.worker_base_port + i if args.worker_base_port else 0,
+            )
+            for i in range(args.workers)
+        ]
         procs = [start(w, run_dir, env) for w in workers]  # they load the model in parallel
         for w, p in zip(workers, procs):
             addresses[w.name] = wait_ready(w, p, run_dir, deadline)
             print(f"{w.name:<10} ready on {addresses[w.name]}  (pid {p.pid}, log {w.paths(run_dir)[1]})", flush=True)
-        scheduler = Service("scheduler", "scheduler_svc",
-                            ["--model", model, "--workers", ",".join(addresses[w.name] for w in workers),
-                             *shlex.split(args.scheduler_args)], args.host, args.port)
+        scheduler = Service(
+            "scheduler",
+            "scheduler_svc",
+            [
+                "--model",
+                model,
+                "--workers",
+                ",".join(addresses[w.name] for w in workers),
+                *shlex.split(args.scheduler_args),
+            ],
+            args.host,
+            args.port,
+        )
         p = start(scheduler, run_dir, env)
         addresses["scheduler"] = wait_ready(scheduler, p, run_dir, deadline)
         print(f"{'scheduler':<10} ready on {addresses['scheduler']}  (pid {p.pid})", flush=True)
@@ -142,8 +182,13 @@ def up(args: argparse.Namespace) -> int:
         if admin_port >= 0:  # admin.v1: AddWorker, DrainWorker, ListWorkers (loopback by default)
             addresses["admin"] = f"127.0.0.1:{admin_port}"
         if args.gateway_port >= 0:
-            gateway = Service("gateway", "gateway_svc", ["--scheduler", addresses["scheduler"], "--model-dir", model,
-                                                         *shlex.split(args.gateway_args)], args.host, args.gateway_port)
+            gateway = Service(
+                "gateway",
+                "gateway_svc",
+                ["--scheduler", addresses["scheduler"], "--model-dir", model, *shlex.split(args.gateway_args)],
+                args.host,
+                args.gateway_port,
+            )
             p = start(gateway, run_dir, env)
             addresses["gateway"] = wait_ready(gateway, p, run_dir, deadline)
             print(f"{'gateway':<10} ready on http://{addresses['gateway']}  (pid {p.pid})", flush=True)
@@ -157,18 +202,22 @@ def up(args: argparse.Namespace) -> int:
         return 1
     (run_dir / "cluster.json").write_text(json.dumps(addresses, indent=2) + "\n")
     target = addresses["scheduler"]
-    lines = [f"\npagedserve cluster up: {args.workers} worker(s), scheduler {target}"
-             + (f", gateway http://{addresses['gateway']}" if "gateway" in addresses else ""),
-             "",
-             f"  stream a completion:  .venv/bin/python -m scheduler_svc.client --target {target} --max-tokens 16 "
-             f"\"The capital of France is\"",
-             f"  stats:                grpcurl -plaintext {target} serving.v1.Scheduler/Stats"]
+    lines = [
+        f"\npagedserve cluster up: {args.workers} worker(s), scheduler {target}"
+        + (f", gateway http://{addresses['gateway']}" if "gateway" in addresses else ""),
+        "",
+        f"  stream a completion:  .venv/bin/python -m scheduler_svc.client --target {target} --max-tokens 16 "
+        f'"The capital of France is"',
+        f"  stats:                grpcurl -plaintext {target} serving.v1.Scheduler/Stats",
+    ]
     if "admin" in addresses:
         lines.append(f"  workers (admin.v1):   grpcurl -plaintext {addresses['admin']} admin.v1.Admin/ListWorkers")
     if "gateway" in addresses:
-        lines.append(f"  HTTP (OpenAI API):    curl http://{addresses['gateway']}/v1/completions "
-                     f"-H 'Content-Type: application/json' -d '{{\"prompt\": \"The capital of France is\", "
-                     f"\"max_tokens\": 16, \"temperature\": 0}}'")
+        lines.append(
+            f"  HTTP (OpenAI API):    curl http://{addresses['gateway']}/v1/completions "
+            f'-H \'Content-Type: application/json\' -d \'{{"prompt": "The capital of France is", '
+            f'"max_tokens": 16, "temperature": 0}}\''
+        )
     lines += [f"  logs:                 {run_dir}/*.log", "  stop:                 make down", ""]
     print("\n".join(lines), flush=True)
     return 0
@@ -258,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--workers", type=int, default=2)
     p_up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p_up.add_argument("--port", type=int, default=50051, help="scheduler port")
-    p_up.add_argument("--worker-base-port", type=int, default=0,
-                      help="worker i binds this + i; 0 = ports picked by the OS")
+    p_up.add_argument(
+        "--worker-base-port", type=int, default=0, help="worker i binds this + i; 0 = ports picked by the OS"
+    )
     p_up.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1 = no gateway")
     p_up.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--dtype bfloat16 --num-blocks 2048'")
     p_up.add_argument("--scheduler-args", default="", help="extra scheduler flags")

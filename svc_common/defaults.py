@@ -1,4 +1,5 @@
 """Defaults that several services and tools share."""
+
 from __future__ import annotations
 
 from pathlib import Path

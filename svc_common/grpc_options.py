@@ -1,4 +1,5 @@
 """gRPC channel and server options: the one place they are built."""
+
 from __future__ import annotations
 
 GrpcOptions = list[tuple[str, int]]
@@ -8,8 +9,11 @@ GrpcOptions = list[tuple[str, int]]
 DEFAULT_MAX_MESSAGE_MB = 256
 
 # Reconnect fast after a peer restarts: gRPC's default backoff grows to 120 s.
-_FAST_RECONNECT: GrpcOptions = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                                ("grpc.max_reconnect_backoff_ms", 1000)]
+_FAST_RECONNECT: GrpcOptions = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def message_limits(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> GrpcOptions:

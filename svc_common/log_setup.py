@@ -6,6 +6,7 @@ about a request carries `request_id`, every line about an engine step
 ones libraries log through the standard `logging` module (grpc, asyncio,
 transformers) and Python warnings, which are routed through the same renderer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ import structlog
 LOG_FORMATS = ("console", "json")
 
 
-def _renderer(fmt: str):
+def _renderer(fmt: str) -> structlog.types.Processor:
     if fmt == "json":
         return structlog.processors.JSONRenderer()
     return structlog.dev.ConsoleRenderer(colors=False)
@@ -28,7 +29,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     numeric_level = logging.getLevelName(level.upper())
     if not isinstance(numeric_level, int):
         raise ValueError(f"log level must be debug, info, warning or error, got {level!r}")
-    shared = [
+    shared: list[structlog.types.Processor] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso"),
     ]
@@ -45,14 +46,16 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     )
     # Standard-library logging (libraries) goes through the same renderer.
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared, structlog.processors.format_exc_info],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _renderer(fmt)],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared, structlog.processors.format_exc_info],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _renderer(fmt)],
+        )
+    )
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_pagedserve", False)]:
         root.removeHandler(old)
-    handler._pagedserve = True  # configure_logging() may run twice in one process (tests)
+    handler._pagedserve = True  # type: ignore[attr-defined]  # configure_logging() may run twice in one process (tests)
     root.addHandler(handler)
     # Libraries: warnings and errors only, as before (Python's last-resort handler), now in our format.
     root.setLevel(max(numeric_level, logging.WARNING))

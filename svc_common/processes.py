@@ -3,6 +3,7 @@
 Each service writes its bound port to a ready file once it serves; a service
 that dies or stays silent past the timeout raises with its log. Used by the
 tests, the benchmarks and `make serve`."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,10 +29,10 @@ class ServiceProcess:
     timeout_s: float = 120.0
     inherit_output: bool = False  # True: log to our stdout/stderr instead of a file
     bind_port: int = 0  # 0: the OS picks; the bound port is read back into `port`
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     port: int = 0
-    ready_info: dict = field(default_factory=dict)  # the ready file's JSON (the scheduler adds admin_port)
-    _dir: tempfile.TemporaryDirectory | None = None
+    ready_info: dict[str, Any] = field(default_factory=dict)  # the ready file's JSON (the scheduler adds admin_port)
+    _dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def address(self) -> str:
@@ -37,14 +40,25 @@ class ServiceProcess:
 
     @property
     def log_path(self) -> Path:
+        assert self._dir is not None, "not started"
         return Path(self._dir.name) / "service.log"
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
         ready = Path(self._dir.name) / "ready.json"
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
-        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", str(self.bind_port),
-               "--ready-file", str(ready)]
+        cmd = [
+            sys.executable,
+            "-m",
+            self.module,
+            *self.args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.bind_port),
+            "--ready-file",
+            str(ready),
+        ]
         if self.inherit_output:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
         else:
@@ -81,7 +95,7 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait(10)
 
-    def restart(self) -> "ServiceProcess":
+    def restart(self) -> ServiceProcess:
         """Stop if still running (e.g. after kill()), then start again on the same
         port, as a supervisor would: clients keep using the address they know."""
         self.stop()
@@ -99,10 +113,10 @@ class ServiceProcess:
             self._dir.cleanup()
             self._dir = None
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -111,12 +125,23 @@ class Cluster:
     with `gateway=True` also the OpenAI-compatible HTTP gateway in front of the
     scheduler (`gateway_url` is its base URL)."""
 
-    def __init__(self, model_dir: Path, worker_args: list[str] = (), scheduler_args: list[str] = (),
-                 num_workers: int = 1, inherit_output: bool = False, scheduler_port: int = 0,
-                 gateway: bool = False, gateway_port: int = 0, gateway_args: list[str] = ()):
+    def __init__(
+        self,
+        model_dir: Path,
+        worker_args: Sequence[str] = (),
+        scheduler_args: Sequence[str] = (),
+        num_workers: int = 1,
+        inherit_output: bool = False,
+        scheduler_port: int = 0,
+        gateway: bool = False,
+        gateway_port: int = 0,
+        gateway_args: Sequence[str] = (),
+    ):
         self.model_dir = model_dir
-        self.workers = [ServiceProcess("worker_svc", ["--model", str(model_dir), *worker_args],
-                                       inherit_output=inherit_output) for _ in range(num_workers)]
+        self.workers = [
+            ServiceProcess("worker_svc", ["--model", str(model_dir), *worker_args], inherit_output=inherit_output)
+            for _ in range(num_workers)
+        ]
         self.scheduler_args = list(scheduler_args)
         self.inherit_output = inherit_output
         self.scheduler_port = scheduler_port
@@ -128,6 +153,7 @@ class Cluster:
 
     @property
     def address(self) -> str:
+        assert self.scheduler is not None, "not started"
         return self.scheduler.address
 
     @property
@@ -142,23 +168,30 @@ class Cluster:
         """Every started service process: workers, scheduler, gateway."""
         return [p for p in (*self.workers, self.scheduler, self.gateway) if p is not None and p.proc is not None]
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         try:
             for w in self.workers:
                 w.start()
             workers = ",".join(w.address for w in self.workers)
             # An OS-picked scheduler port goes with an OS-picked admin port (not the fixed default).
-            admin = ["--admin-port", "0"] if self.scheduler_port == 0 and not any(
-                a.startswith("--admin-port") for a in self.scheduler_args) else []
-            self.scheduler = ServiceProcess("scheduler_svc", ["--model", str(self.model_dir), "--workers", workers,
-                                                              *admin, *self.scheduler_args],
-                                            inherit_output=self.inherit_output,
-                                            bind_port=self.scheduler_port).start()
+            admin = (
+                ["--admin-port", "0"]
+                if self.scheduler_port == 0 and not any(a.startswith("--admin-port") for a in self.scheduler_args)
+                else []
+            )
+            self.scheduler = ServiceProcess(
+                "scheduler_svc",
+                ["--model", str(self.model_dir), "--workers", workers, *admin, *self.scheduler_args],
+                inherit_output=self.inherit_output,
+                bind_port=self.scheduler_port,
+            ).start()
             if self.with_gateway:
-                self.gateway = ServiceProcess("gateway_svc", ["--scheduler", self.scheduler.address,
-                                                              "--model-dir", str(self.model_dir), *self.gateway_args],
-                                              inherit_output=self.inherit_output,
-                                              bind_port=self.gateway_port).start()
+                self.gateway = ServiceProcess(
+                    "gateway_svc",
+                    ["--scheduler", self.scheduler.address, "--model-dir", str(self.model_dir), *self.gateway_args],
+                    inherit_output=self.inherit_output,
+                    bind_port=self.gateway_port,
+                ).start()
         except Exception:
             self.stop()
             raise
@@ -173,8 +206,8 @@ class Cluster:
         for w in self.workers:
             w.stop()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -9,8 +9,10 @@ client-facing port: whoever can add a worker decides what every client gets.
     grpcurl -plaintext -d '{"address": "127.0.0.1:50061", "wait": true}' 127.0.0.1:50052 admin.v1.Admin/DrainWorker
     grpcurl -plaintext 127.0.0.1:50052 admin.v1.Admin/ListWorkers
 """
+
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 import grpc
@@ -19,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import admin_pb2, admin_pb2_grpc
-from scheduler_svc.api.status import abort_with
+from scheduler_svc.api.status import abort, abort_with
 from scheduler_svc.engine.errors import WorkerAdminError
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.engine.worker_status import WorkerStatus
@@ -61,55 +63,73 @@ class AdminEngine(Protocol):
 
 def status_to_proto(status: WorkerStatus) -> admin_pb2.WorkerStatus:
     return admin_pb2.WorkerStatus(
-        address=status.address, state=_STATE_TO_PROTO.get(status.state, admin_pb2.WORKER_STATE_UNSPECIFIED),
-        running=status.running, waiting=status.waiting, blocks_total=status.blocks_total,
-        blocks_used=status.blocks_used, blocks_free=status.blocks_free, prefix_hit_tokens=status.prefix_hit_tokens,
-        prompt_tokens=status.prompt_tokens, requests_routed=status.requests_routed,
-        requests_finished=status.requests_finished, model=status.model, device=status.device,
-        kv_dtype=status.kv_dtype)
+        address=status.address,
+        state=_STATE_TO_PROTO.get(status.state, admin_pb2.WORKER_STATE_UNSPECIFIED),
+        running=status.running,
+        waiting=status.waiting,
+        blocks_total=status.blocks_total,
+        blocks_used=status.blocks_used,
+        blocks_free=status.blocks_free,
+        prefix_hit_tokens=status.prefix_hit_tokens,
+        prompt_tokens=status.prompt_tokens,
+        requests_routed=status.requests_routed,
+        requests_finished=status.requests_finished,
+        model=status.model,
+        device=status.device,
+        kv_dtype=status.kv_dtype,
+    )
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, engine: AdminEngine):
         self.engine = engine
 
-    async def AddWorker(self, request, context):
+    async def AddWorker(
+        self, request: admin_pb2.AddWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AddWorkerResponse:
         await _require_address(request.address, context)
         status = await _call(context, "add worker", self.engine.add_worker(request.address))
         log.info("worker added", worker=status.address, state=str(status.state), blocks=status.blocks_total)
         return admin_pb2.AddWorkerResponse(worker=status_to_proto(status))
 
-    async def DrainWorker(self, request, context):
+    async def DrainWorker(
+        self, request: admin_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DrainWorkerResponse:
         await _require_address(request.address, context)
         log.info("draining worker", worker=request.address, wait=request.wait)
-        status = await _call(context, "drain worker",
-                             self.engine.drain_worker(request.address, wait=request.wait,
-                                                      allow_last=request.allow_last))
+        status = await _call(
+            context,
+            "drain worker",
+            self.engine.drain_worker(request.address, wait=request.wait, allow_last=request.allow_last),
+        )
         return admin_pb2.DrainWorkerResponse(worker=status_to_proto(status))
 
-    async def ListWorkers(self, request, context):
+    async def ListWorkers(
+        self, request: admin_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListWorkersResponse:
         try:
             workers = self.engine.list_workers()
         except Exception:  # a bug must not leak a stack trace to the caller
             log.exception("list workers failed")
-            await context.abort(grpc.StatusCode.INTERNAL, "list workers failed (see the scheduler log)")
-        return admin_pb2.ListWorkersResponse(workers=[status_to_proto(s) for s in workers],
-                                             routing=getattr(self.engine, "routing", ""))
+            await abort(context, grpc.StatusCode.INTERNAL, "list workers failed (see the scheduler log)")
+        return admin_pb2.ListWorkersResponse(
+            workers=[status_to_proto(s) for s in workers], routing=getattr(self.engine, "routing", "")
+        )
 
 
-async def _require_address(address: str, context) -> None:
+async def _require_address(address: str, context: grpc.aio.ServicerContext) -> None:
     if (problem := host_port_problem(address)) is not None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address: {problem}")
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"address: {problem}")
 
 
-async def _call(context, what: str, awaitable):
+async def _call(context: grpc.aio.ServicerContext, what: str, awaitable: Awaitable[WorkerStatus]) -> WorkerStatus:
     try:
         return await awaitable
     except WorkerAdminError as exc:
         await abort_with(context, exc)
     except Exception:
         log.exception(f"{what} failed")
-        await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed (see the scheduler log)")
+        await abort(context, grpc.StatusCode.INTERNAL, f"{what} failed (see the scheduler log)")
 
 
 def add_admin_to_server(server: grpc.aio.Server, engine: AdminEngine) -> str:
@@ -118,7 +138,9 @@ def add_admin_to_server(server: grpc.aio.Server, engine: AdminEngine) -> str:
     return SERVICE_NAME
 
 
-async def start_admin_server(engine: AdminEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
+async def start_admin_server(
+    engine: AdminEngine, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
     """admin.v1 + health + reflection on their own listener. Returns (server, bound port)."""
     server = grpc.aio.server(options=server_options(reuse_port=False))
     add_admin_to_server(server, engine)

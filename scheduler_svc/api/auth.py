@@ -4,11 +4,14 @@ Every method but the health service needs a configured key; without one, or
 with a wrong one, the call ends with UNAUTHENTICATED before the servicer runs.
 Health stays open so load balancers and orchestrators can probe without a key.
 """
+
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -27,7 +30,7 @@ def load_api_keys(keys: str = "", keys_file: str = "") -> frozenset[str]:
     return frozenset(k for k in found if k)
 
 
-def bearer_token(metadata) -> str | None:
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
             scheme, _, token = value.partition(" ")
@@ -49,7 +52,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         matches = [hmac.compare_digest(digest, d) for d in self._digests]
         return token is not None and any(matches)
 
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
@@ -64,15 +67,18 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that ends the call with `code`."""
 
-    async def refuse(request, context):
+    async def refuse(request: Any, context: Any) -> None:
         await context.abort(code, message)
 
-    async def refuse_stream(request, context):
+    async def refuse_stream(request: Any, context: Any) -> AsyncIterator[None]:
         await context.abort(code, message)
         yield  # never reached: makes this an async generator, as streaming handlers are
 
-    kind = ("stream" if handler.request_streaming else "unary") + "_" + \
-           ("stream" if handler.response_streaming else "unary")
+    kind = (
+        ("stream" if handler.request_streaming else "unary")
+        + "_"
+        + ("stream" if handler.response_streaming else "unary")
+    )
     behaviour = refuse_stream if handler.response_streaming else refuse
     # No request deserializer: an unauthenticated payload is never parsed.
     return getattr(grpc, f"{kind}_rpc_method_handler")(behaviour, response_serializer=handler.response_serializer)

@@ -1,10 +1,13 @@
 """Builds the scheduler's gRPC server: serving.v1, health, reflection, limits,
 optional TLS and API keys, and a health status that follows the engine."""
+
 from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -14,8 +17,9 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.api.auth import ApiKeyInterceptor
-from scheduler_svc.engine.engine import Engine
 from scheduler_svc.api.serving import ExtraStats, SchedulerServicer
+from scheduler_svc.api.status import abort
+from scheduler_svc.engine.engine import Engine
 from svc_common.grpc_options import server_options
 
 log = structlog.get_logger(__name__)
@@ -27,11 +31,12 @@ HEALTH_SYNC_S = 0.25
 class SchedulerServer:
     """The running server. `stop(grace)` like grpc.aio.Server's; health follows
     engine.accepting (NOT_SERVING while no worker can take a request or draining)."""
+
     grpc_server: grpc.aio.Server
     health: health.aio.HealthServicer
     engine: Engine
     port: int
-    _sync_task: asyncio.Task | None = None
+    _sync_task: asyncio.Task[None] | None = None
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -54,10 +59,17 @@ class SchedulerServer:
         await self.grpc_server.stop(grace)
 
 
-async def start_server(engine: Engine, host: str, port: int, max_message_mb: int, default_max_tokens: int, *,
-                       credentials: grpc.ServerCredentials | None = None,
-                       api_keys: frozenset[str] = frozenset(),
-                       extra_stats: ExtraStats = dict) -> tuple[SchedulerServer, int]:
+async def start_server(
+    engine: Engine,
+    host: str,
+    port: int,
+    max_message_mb: int,
+    default_max_tokens: int,
+    *,
+    credentials: grpc.ServerCredentials | None = None,
+    api_keys: frozenset[str] = frozenset(),
+    extra_stats: ExtraStats = dict,
+) -> tuple[SchedulerServer, int]:
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
     interceptors.append(ParseErrorInterceptor())  # after auth: an unauthenticated payload is never parsed
     server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_mb))
@@ -81,10 +93,14 @@ class ParseErrorInterceptor(grpc.aio.ServerInterceptor):
     a field of the wrong wire type, truncated bytes) is the caller's mistake:
     INVALID_ARGUMENT naming the message type, instead of gRPC's UNKNOWN."""
 
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
-        if (handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_streaming
-                or handler.request_deserializer is None):
+        if (
+            handler is None
+            or not details.method.startswith(f"/{SERVICE_NAME}/")
+            or handler.request_streaming
+            or handler.request_deserializer is None
+        ):
             return handler
         return _parsing_handler(handler)
 
@@ -92,16 +108,16 @@ class ParseErrorInterceptor(grpc.aio.ServerInterceptor):
 def _parsing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
 
-    async def parsed(raw: bytes, context):
+    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             return parse(raw)
         except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}")
 
     if handler.response_streaming:
         inner = handler.unary_stream
 
-        async def unary_stream(raw, context):
+        async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             request = await parsed(raw, context)
             if inspect.isasyncgenfunction(inner):
                 async for reply in inner(request, context):
@@ -113,7 +129,7 @@ def _parsing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     inner_unary = handler.unary_unary
 
-    async def unary_unary(raw, context):
+    async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         return await inner_unary(await parsed(raw, context), context)
 
     return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)

@@ -1,22 +1,28 @@
 """serving.v1 gRPC front end. The only place that converts serving protos to and
 from the engine's data classes, and engine errors to gRPC status codes."""
+
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import structlog
 
 from proto import serving_pb2, serving_pb2_grpc
+from scheduler_svc.api.status import DOMAIN_ERRORS, abort, abort_with
 from scheduler_svc.engine.engine import Engine, EngineStats
-from scheduler_svc.api.status import DOMAIN_ERRORS, abort_with
-from scheduler_svc.engine.streams import StreamEvent, coalesce
 from scheduler_svc.engine.pinning import pin_on_core
-from scheduler_svc.planning.validation import (SEED_SPACE, RequestRejected, check_num_samples, check_prompt_ids,
-                                               check_sampling)
+from scheduler_svc.engine.streams import StreamEvent, coalesce
+from scheduler_svc.planning.validation import (
+    SEED_SPACE,
+    RequestRejected,
+    check_num_samples,
+    check_prompt_ids,
+    check_sampling,
+)
 from scheduler_svc.request import Request, SamplingOptions
 
 log = structlog.get_logger(__name__)
@@ -45,13 +51,31 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     n = msg.n if msg.HasField("n") else 1
     check_num_samples(n, len(prompt_ids))
     request_id = msg.request_id or uuid.uuid4().hex
-    common = dict(eos_token_ids=engine.tokenizer.eos_token_ids, cache_salt=msg.cache_salt or None)
+    eos, salt = engine.tokenizer.eos_token_ids, msg.cache_salt or None
     if n == 1:
-        return Request(request_id, engine.next_seq_id(), prompt_ids, sampling, **common)
-    children = [Request(f"{request_id}/{i}", engine.next_seq_id(), prompt_ids, _sample_seed(sampling, i),
-                        sample_index=i, **common) for i in range(n)]
-    return Request(request_id, engine.next_seq_id(), prompt_ids[:-1], sampling, prefill_only=True,
-                   children=children, **common)
+        return Request(request_id, engine.next_seq_id(), prompt_ids, sampling, eos_token_ids=eos, cache_salt=salt)
+    children = [
+        Request(
+            f"{request_id}/{i}",
+            engine.next_seq_id(),
+            prompt_ids,
+            _sample_seed(sampling, i),
+            sample_index=i,
+            eos_token_ids=eos,
+            cache_salt=salt,
+        )
+        for i in range(n)
+    ]
+    return Request(
+        request_id,
+        engine.next_seq_id(),
+        prompt_ids[:-1],
+        sampling,
+        prefill_only=True,
+        children=children,
+        eos_token_ids=eos,
+        cache_salt=salt,
+    )
 
 
 def _sample_seed(sampling: SamplingOptions, index: int) -> SamplingOptions:
@@ -63,24 +87,38 @@ def _sample_seed(sampling: SamplingOptions, index: int) -> SamplingOptions:
 def _sampling_from_proto(msg: serving_pb2.GenerateRequest, default_max_tokens: int) -> SamplingOptions:
     sampling = SamplingOptions(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0, top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
-        stop=tuple(s for s in msg.stop if s), ignore_eos=msg.ignore_eos)
+        stop=tuple(s for s in msg.stop if s),
+        ignore_eos=msg.ignore_eos,
+    )
     check_sampling(sampling)
     return sampling
 
 
 def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateResponse:
-    reply = serving_pb2.GenerateResponse(request_id=request_id, text=event.text, token_ids=event.token_ids,
-                                         logprobs=event.logprobs, finished=event.finished,
-                                         finish_reason=event.finish_reason, index=event.index)
+    reply = serving_pb2.GenerateResponse(
+        request_id=request_id,
+        text=event.text,
+        token_ids=event.token_ids,
+        logprobs=event.logprobs,
+        finished=event.finished,
+        finish_reason=event.finish_reason,
+        index=event.index,
+    )
     if event.progress is not None:
         reply.prefill_progress.processed_tokens, reply.prefill_progress.total_tokens = event.progress
     if event.usage is not None:
         u = event.usage
-        reply.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                               cached_prompt_tokens=u.cached_prompt_tokens))
+        reply.usage.CopyFrom(
+            serving_pb2.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+            )
+        )
     return reply
 
 
@@ -98,14 +136,21 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
         self.default_max_tokens = default_max_tokens
         self.extra_stats = extra_stats
 
-    async def Generate(self, request, context):
+    async def Generate(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         try:
             req = request_from_proto(request, self.engine, self.default_max_tokens)
             stream = self.engine.submit(req)
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)
-        log.info("request received", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
-                 max_tokens=req.sampling.max_tokens, n=stream.num_samples)
+        log.info(
+            "request received",
+            request_id=req.request_id,
+            prompt_tokens=req.num_prompt_tokens,
+            max_tokens=req.sampling.max_tokens,
+            n=stream.num_samples,
+        )
         try:
             remaining = stream.num_samples
             while remaining:
@@ -113,41 +158,55 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                 if stream.num_samples == 1:
                     event, error = coalesce(stream.events, event)
                 if event.error_code:
-                    await context.abort(grpc.StatusCode[event.error_code], event.error_message)
+                    await abort(context, grpc.StatusCode[event.error_code], event.error_message)
                 yield event_to_proto(event, req.request_id)
                 remaining -= event.finished
                 if error is not None:  # after the tokens that came before it
-                    await context.abort(grpc.StatusCode[error.error_code], error.error_message)
+                    await abort(context, grpc.StatusCode[error.error_code], error.error_message)
         finally:
             # Runs on normal end, client cancel and deadline alike: a request whose
             # client is gone is aborted and its blocks freed within one step.
             self.engine.release(req.request_id)
 
-    async def Stats(self, request, context):
+    async def Stats(
+        self, request: serving_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.StatsResponse:
         return stats_to_proto(self.engine.stats(), self.extra_stats())
 
-    async def PinPrefix(self, request, context):
+    async def PinPrefix(
+        self, request: serving_pb2.PinPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.PinPrefixResponse:
         try:
             prompt_ids = prompt_from_proto(request, self.engine)
             if len(prompt_ids) < self.engine.block_size:
-                raise RequestRejected("prompt", f"a pinned prefix needs at least one full block "
-                                                f"({self.engine.block_size} tokens), got {len(prompt_ids)}")
-            pins = [await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.next_seq_id())
-                    for core in self.engine.serving_cores()]
+                raise RequestRejected(
+                    "prompt",
+                    f"a pinned prefix needs at least one full block "
+                    f"({self.engine.block_size} tokens), got {len(prompt_ids)}",
+                )
+            pins = [
+                await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.next_seq_id())
+                for core in self.engine.serving_cores()
+            ]
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)
         pinned = [p for p in pins if p is not None]
         if not pinned:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker could keep the prefix cached long "
-                                                             "enough to pin it (memory pressure)")
+            await abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "no worker could keep the prefix cached long enough to pin it (memory pressure)",
+            )
         pin_id, tokens = pinned[0]
         log.info("prefix pinned", pin_id=pin_id.hex(), tokens=tokens, workers=len(pinned))
         return serving_pb2.PinPrefixResponse(pin_id=pin_id.hex(), pinned_tokens=tokens, workers=len(pinned))
 
-    async def UnpinPrefix(self, request, context):
+    async def UnpinPrefix(
+        self, request: serving_pb2.UnpinPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.UnpinPrefixResponse:
         try:
             pin_id = bytes.fromhex(request.pin_id)
         except ValueError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pin_id: not a pin id: {request.pin_id!r}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"pin_id: not a pin id: {request.pin_id!r}")
         unpinned = [core.planner.kv.unpin(pin_id) for core in self.engine.cores]
         return serving_pb2.UnpinPrefixResponse(unpinned=any(unpinned))

@@ -1,13 +1,20 @@
 """The one mapping of domain errors to gRPC status codes. Below the API layer
 errors are plain exceptions; here each gets the code a client sees."""
+
 from __future__ import annotations
 
 from typing import NoReturn
 
 import grpc
 
-from scheduler_svc.engine.errors import (LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible,
-                                         WorkerUnavailable, WorkerUnreachable)
+from scheduler_svc.engine.errors import (
+    LastWorker,
+    UnknownWorker,
+    WorkerExists,
+    WorkerIncompatible,
+    WorkerUnavailable,
+    WorkerUnreachable,
+)
 from scheduler_svc.kv.block_manager import PinLimitExceeded
 from scheduler_svc.planning.planner import QueueFull
 from scheduler_svc.planning.validation import RequestRejected
@@ -33,5 +40,10 @@ def status_code(exc: Exception) -> grpc.StatusCode:
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """End the call with the code of `exc` and its message."""
-    await context.abort(status_code(exc), str(exc) or type(exc).__name__)
-    raise AssertionError("context.abort returned")  # it always raises
+    await abort(context, status_code(exc), str(exc) or type(exc).__name__)
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """context.abort, typed: it always raises."""
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")

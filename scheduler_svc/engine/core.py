@@ -13,6 +13,7 @@ an empty cache, so the prefix index is reset before anything is scheduled.
 While idle, the core probes its worker every `health_interval_s`, so a dead or
 restarted worker is noticed before the next request is routed to it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,13 +25,13 @@ from dataclasses import dataclass
 import structlog
 
 from scheduler_svc.engine.errors import WorkerCallFailed, WorkerUnavailable
-from scheduler_svc.kv.block_manager import LeakError
-from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
-from scheduler_svc.planning.planner import Planner, StepPlan
+from scheduler_svc.engine.timing import EngineHooks, RequestTiming
+from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
+from scheduler_svc.kv.block_manager import LeakError
+from scheduler_svc.planning.planner import Planner, RequestUpdate, StepPlan
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.text.tokenizer import ModelTokenizer
-from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
@@ -75,9 +76,16 @@ Handover = Callable[["EngineCore"], bool]
 
 
 class EngineCore:
-    def __init__(self, client: WorkerClient, info: WorkerInfo, planner: Planner, tokenizer: ModelTokenizer,
-                 options: CoreOptions = CoreOptions(), handover: Handover | None = None,
-                 hooks: EngineHooks = EngineHooks()):
+    def __init__(
+        self,
+        client: WorkerClient,
+        info: WorkerInfo,
+        planner: Planner,
+        tokenizer: ModelTokenizer,
+        options: CoreOptions = CoreOptions(),
+        handover: Handover | None = None,
+        hooks: EngineHooks = EngineHooks(),
+    ):
         self.client = client
         self.info = info
         self.planner = planner
@@ -93,7 +101,7 @@ class EngineCore:
         self._refused_instance = ""
         self._audited_at_step = 0
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def worker_timeout_s(self) -> float:
@@ -269,13 +277,20 @@ class EngineCore:
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
-        step_log.debug("step", seqs=len(plan.seqs), tokens=plan.num_tokens, forward_ms=round(result.forward_ms, 2),
-                       step_ms=round(self.counters.last_step_ms, 2), preempted=plan.preempted,
-                       planned_ahead=plan.previous_step_id is not None, request_ids=[s.request_id for s in plan.seqs])
+        step_log.debug(
+            "step",
+            seqs=len(plan.seqs),
+            tokens=plan.num_tokens,
+            forward_ms=round(result.forward_ms, 2),
+            step_ms=round(self.counters.last_step_ms, 2),
+            preempted=plan.preempted,
+            planned_ahead=plan.previous_step_id is not None,
+            request_ids=[s.request_id for s in plan.seqs],
+        )
         self._dispatch(updates)
         return True
 
-    def _dispatch(self, updates) -> None:
+    def _dispatch(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
             self.counters.generation_tokens += len(update.new_token_ids)
             stream = self.streams.get(update.request_id)
@@ -291,11 +306,17 @@ class EngineCore:
     def _finished(self, r: Request, timing: RequestTiming | None = None) -> None:
         self.counters.requests_finished += 1
         self.counters.finished_cached_prompt_tokens += r.num_cached_prompt_tokens
-        log.info("request finished", request_id=r.request_id, worker=self.info.address,
-                 prompt_tokens=r.num_prompt_tokens, cached_tokens=r.num_cached_prompt_tokens,
-                 output_tokens=r.num_output_tokens, finish_reason=str(r.finish_reason or FinishReason.STOP),
-                 preemptions=r.num_preemptions,
-                 **(timing.log_fields() if timing is not None else {}))  # ttft_ms, e2e_ms, itl_ms_mean
+        log.info(
+            "request finished",
+            request_id=r.request_id,
+            worker=self.info.address,
+            prompt_tokens=r.num_prompt_tokens,
+            cached_tokens=r.num_cached_prompt_tokens,
+            output_tokens=r.num_output_tokens,
+            finish_reason=str(r.finish_reason or FinishReason.STOP),
+            preemptions=r.num_preemptions,
+            **(timing.log_fields() if timing is not None else {}),
+        )  # ttft_ms, e2e_ms, itl_ms_mean
 
     def _fail_plan(self, plan: StepPlan, err: WorkerCallFailed) -> None:
         """A step the worker refuses will be refused again: end its requests with
@@ -341,8 +362,9 @@ class EngineCore:
         self.healthy = False
         self._lost_at = time.monotonic()
         self.counters.worker_failures += 1
-        log.warning("worker lost", worker=self.info.address, reason=reason, step_id=step_id,
-                    requests=self.planner.num_waiting)
+        log.warning(
+            "worker lost", worker=self.info.address, reason=reason, step_id=step_id, requests=self.planner.num_waiting
+        )
 
     async def _recover(self) -> None:
         """Until the worker answers again: move requests to a healthy worker if there
@@ -358,8 +380,11 @@ class EngineCore:
             if self.planner.has_work() and self.handover is not None:
                 self.handover(self)
             if self.planner.has_work() and time.monotonic() - self._lost_at >= self.worker_timeout_s:
-                failed = self.fail_all("UNAVAILABLE", f"worker {self.info.address} did not come back within "
-                                                      f"{self.worker_timeout_s}s and no other worker could take over")
+                failed = self.fail_all(
+                    "UNAVAILABLE",
+                    f"worker {self.info.address} did not come back within "
+                    f"{self.worker_timeout_s}s and no other worker could take over",
+                )
                 log.error("worker gone, requests failed", worker=self.info.address, failed=failed)
             await self._wait_for_wakeup(delay)
             delay = min(delay * 2, _BACKOFF_MAX_S)
@@ -367,20 +392,32 @@ class EngineCore:
     def _accept_worker(self, info: WorkerInfo) -> bool:
         """Trust the worker again if its pool matches ours; a new instance has an empty cache."""
         pool = self.planner.kv.pool
-        if (info.model_name, info.num_blocks, info.block_size) != (self.info.model_name, pool.num_blocks,
-                                                                   pool.block_size):
+        if (info.model_name, info.num_blocks, info.block_size) != (
+            self.info.model_name,
+            pool.num_blocks,
+            pool.block_size,
+        ):
             if info.instance_id != self._refused_instance:  # say it once per instance, not every retry
                 self._refused_instance = info.instance_id
-                log.error("worker came back with another model or pool; not using it", worker=info.address,
-                          model=info.model_name, num_blocks=info.num_blocks, expected_num_blocks=pool.num_blocks)
+                log.error(
+                    "worker came back with another model or pool; not using it",
+                    worker=info.address,
+                    model=info.model_name,
+                    num_blocks=info.num_blocks,
+                    expected_num_blocks=pool.num_blocks,
+                )
             return False
         if info.instance_id != self.info.instance_id:
             dropped = self.planner.kv.reset_prefix_cache()
             self.counters.worker_restarts += 1
-            log.warning("worker restarted: prefix cache reset", worker=info.address, old=self.info.instance_id,
-                        new=info.instance_id, dropped_blocks=dropped)
-        log.info("worker back", worker=info.address, instance_id=info.instance_id,
-                 waiting=self.planner.num_waiting)
+            log.warning(
+                "worker restarted: prefix cache reset",
+                worker=info.address,
+                old=self.info.instance_id,
+                new=info.instance_id,
+                dropped_blocks=dropped,
+            )
+        log.info("worker back", worker=info.address, instance_id=info.instance_id, waiting=self.planner.num_waiting)
         self.info = info
         self.healthy = True
         self._wakeup.set()

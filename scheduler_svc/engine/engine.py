@@ -3,6 +3,7 @@
 (handover), workers joining and leaving at run time (add_worker, drain_worker:
 the admin.v1 service, scheduler_svc/api/admin.py), and draining for a graceful
 shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,22 +13,31 @@ from dataclasses import dataclass
 
 import structlog
 
-from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.core import CoreOptions, EngineCore
-from scheduler_svc.engine.errors import (LastWorker, StartupError, UnknownWorker, WorkerCallFailed, WorkerExists,
-                                         WorkerIncompatible, WorkerUnavailable, WorkerUnreachable)
-from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
-from scheduler_svc.kv.slot_manager import SlotManager
+from scheduler_svc.engine.errors import (
+    LastWorker,
+    StartupError,
+    UnknownWorker,
+    WorkerCallFailed,
+    WorkerExists,
+    WorkerIncompatible,
+    WorkerUnavailable,
+    WorkerUnreachable,
+)
+from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
 from scheduler_svc.engine.streams import StreamHandle
 from scheduler_svc.engine.timing import EngineHooks
+from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.engine.worker_status import WorkerStatus
+from scheduler_svc.kv.block_manager import KVCacheManager, LeakError
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.kv.slot_manager import SlotManager
 from scheduler_svc.planning.planner import Planner, QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request
-from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
 from scheduler_svc.text.tokenizer import ModelTokenizer
-from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
-from scheduler_svc.engine.worker_status import WorkerStatus
 from svc_common.tls import channel_credentials
 
 log = structlog.get_logger(__name__)
@@ -65,15 +75,24 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, cores: list[EngineCore], tokenizer: ModelTokenizer, max_model_len: int,
-                 config: SchedulerConfig | None = None, router: Router | None = None,
-                 hooks: EngineHooks = EngineHooks()):
+    def __init__(
+        self,
+        cores: list[EngineCore],
+        tokenizer: ModelTokenizer,
+        max_model_len: int,
+        config: SchedulerConfig | None = None,
+        router: Router | None = None,
+        hooks: EngineHooks = EngineHooks(),
+    ):
         self.cores = cores  # in the order the workers were added
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.config = config if config is not None else SchedulerConfig()
-        self.router = router if router is not None else make_router(
-            self.config.routing, affinity_ttl_s=self.config.routing_affinity_ttl_s)
+        self.router = (
+            router
+            if router is not None
+            else make_router(self.config.routing, affinity_ttl_s=self.config.routing_affinity_ttl_s)
+        )
         self.routing = self.router.name
         self.hooks = hooks
         self.draining = False
@@ -81,7 +100,7 @@ class Engine:
         # Workers being drained: no new request is routed there; each has a task that
         # removes it once it holds no request (its result: the last WorkerStatus).
         self._draining: set[str] = set()
-        self._drains: dict[str, asyncio.Task] = {}
+        self._drains: dict[str, asyncio.Task[WorkerStatus]] = {}
         self._adding: set[str] = set()
         self._seq_ids = itertools.count(1)
         # Client request id -> the planner request ids behind its stream (n > 1: a
@@ -92,14 +111,17 @@ class Engine:
             core.handover = self.handover
 
     @classmethod
-    async def connect(cls, config: SchedulerConfig, tokenizer: ModelTokenizer,
-                      hooks: EngineHooks = EngineHooks()) -> Engine:
+    async def connect(
+        cls, config: SchedulerConfig, tokenizer: ModelTokenizer, hooks: EngineHooks = EngineHooks()
+    ) -> Engine:
         clients = [_worker_client(a, config) for a in config.worker_addresses]
         infos = await asyncio.gather(*(_first_info(c, config.connect_timeout_s) for c in clients))
         _check_compatible(infos, tokenizer)
         options = _core_options(config)
-        cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks)
-                 for c, info in zip(clients, infos)]
+        cores = [
+            EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks)
+            for c, info in zip(clients, infos)
+        ]
         engine = cls(cores, tokenizer, cores[0].planner.max_len, config, hooks=hooks)
         for core in cores:
             core.start()
@@ -145,9 +167,14 @@ class Engine:
             decision = self.router.route(request, candidates)
         except NoWorkerAvailable as exc:
             raise WorkerUnavailable(str(exc)) from None
-        log.debug("request routed", request_id=request.request_id, worker=decision.address,
-                  reason=str(decision.reason), cached_tokens=decision.cached_tokens,
-                  expected_cached_tokens=decision.expected_cached_tokens)
+        log.debug(
+            "request routed",
+            request_id=request.request_id,
+            worker=decision.address,
+            reason=str(decision.reason),
+            cached_tokens=decision.cached_tokens,
+            expected_cached_tokens=decision.expected_cached_tokens,
+        )
         return next(c for c in cores if c.info.address == decision.address)
 
     def handover(self, source: EngineCore) -> bool:
@@ -155,8 +182,7 @@ class Engine:
         and their client streams, to the serving workers the router picks (a draining
         worker takes nothing new). False (nothing moved) if there is none; the requests
         then wait for `source` to come back."""
-        others = [c for c in self.cores
-                  if c is not source and c.healthy and c.info.address not in self._draining]
+        others = [c for c in self.cores if c is not source and c.healthy and c.info.address not in self._draining]
         if not others:
             return False
         requests, streams = source.take_requests()
@@ -168,8 +194,10 @@ class Engine:
                 target.adopt(request)
             except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
                 for rid, stream in own.items():
-                    stream.fail("UNAVAILABLE", f"worker {source.info.address} was lost and no other worker could "
-                                               f"take the request over: {exc}")
+                    stream.fail(
+                        "UNAVAILABLE",
+                        f"worker {source.info.address} was lost and no other worker could take the request over: {exc}",
+                    )
                     self._owner.pop(rid, None)
                 continue
             target.adopt_streams(own)
@@ -177,10 +205,16 @@ class Engine:
                 if rid in self._owner:  # not if its client has gone meanwhile
                     self._owner[rid] = target
             moved += 1
-            log.info("request moved", request_id=request.request_id, src=source.info.address,
-                     dst=target.info.address, output_tokens=request.num_output_tokens)
-        log.warning("requests moved off a lost worker", worker=source.info.address, moved=moved,
-                    failed=len(requests) - moved)
+            log.info(
+                "request moved",
+                request_id=request.request_id,
+                src=source.info.address,
+                dst=target.info.address,
+                output_tokens=request.num_output_tokens,
+            )
+        log.warning(
+            "requests moved off a lost worker", worker=source.info.address, moved=moved, failed=len(requests) - moved
+        )
         return True
 
     def release(self, request_id: str) -> None:
@@ -215,14 +249,22 @@ class Engine:
             except BaseException:
                 await client.close()
                 raise
-            core = EngineCore(client, info, planner, self.tokenizer, _core_options(self.config),
-                              handover=self.handover, hooks=self.hooks)
+            core = EngineCore(
+                client,
+                info,
+                planner,
+                self.tokenizer,
+                _core_options(self.config),
+                handover=self.handover,
+                hooks=self.hooks,
+            )
             self.cores.append(core)
             core.start()
         finally:
             self._adding.discard(address)
-        log.info("worker added", worker=address, model=info.model_name, num_blocks=info.num_blocks,
-                 workers=len(self.cores))
+        log.info(
+            "worker added", worker=address, model=info.model_name, num_blocks=info.num_blocks, workers=len(self.cores)
+        )
         return self._status(core)
 
     async def drain_worker(self, address: str, wait: bool = False, allow_last: bool = False) -> WorkerStatus:
@@ -236,12 +278,15 @@ class Engine:
         if address not in self._draining:
             others = [c for c in self.cores if c is not core and self._state(c) is WorkerState.SERVING]
             if not others and not allow_last:
-                raise LastWorker(f"no other worker is serving: draining {address} would leave none "
-                                 f"(pass allow_last to drain it anyway)")
+                raise LastWorker(
+                    f"no other worker is serving: draining {address} would leave none "
+                    f"(pass allow_last to drain it anyway)"
+                )
             self._draining.add(address)
             self._drains[address] = asyncio.create_task(self._drain(core), name=f"drain-{address}")
-            log.info("worker draining", worker=address, running=core.planner.num_running,
-                     waiting=core.planner.num_waiting)
+            log.info(
+                "worker draining", worker=address, running=core.planner.num_running, waiting=core.planner.num_waiting
+            )
         if not wait:
             return self._status(core)
         # A cancelled wait (the client went away) must not cancel the drain itself.
@@ -271,8 +316,13 @@ class Engine:
                 core.planner.audit()
             except LeakError as exc:
                 log.error("engine audit failed", worker=address, error=str(exc))
-            log.info("worker removed", worker=address, requests_finished=core.counters.requests_finished,
-                     blocks_used=status.blocks_used, workers=len(self.cores))
+            log.info(
+                "worker removed",
+                worker=address,
+                requests_finished=core.counters.requests_finished,
+                blocks_used=status.blocks_used,
+                workers=len(self.cores),
+            )
             return status
         finally:
             self._draining.discard(address)
@@ -285,12 +335,16 @@ class Engine:
         except StartupError as exc:
             raise WorkerIncompatible(str(exc)) from None
         if info.block_size != self._block_size:  # checked above unless no worker is left to compare with
-            raise WorkerIncompatible(f"worker {info.address} uses {info.block_size}-token blocks, this scheduler "
-                                     f"{self._block_size}: all workers must use the same")
+            raise WorkerIncompatible(
+                f"worker {info.address} uses {info.block_size}-token blocks, this scheduler "
+                f"{self._block_size}: all workers must use the same"
+            )
         planner = _planner(self.config, info)
         if planner.max_len < self.max_model_len:
-            raise WorkerIncompatible(f"worker {info.address} holds at most {planner.max_len} tokens per request; "
-                                     f"this scheduler serves up to {self.max_model_len}")
+            raise WorkerIncompatible(
+                f"worker {info.address} holds at most {planner.max_len} tokens per request; "
+                f"this scheduler serves up to {self.max_model_len}"
+            )
         return planner
 
     def _find(self, address: str) -> EngineCore | None:
@@ -303,9 +357,12 @@ class Engine:
 
     def _status(self, core: EngineCore, state: WorkerState | None = None) -> WorkerStatus:
         routed = self.router.counters.get(core.info.address)
-        return WorkerStatus.from_core(core, state or self._state(core),
-                                      prefix_hit_tokens=core.counters.finished_cached_prompt_tokens,
-                                      requests_routed=routed.routed if routed else 0)
+        return WorkerStatus.from_core(
+            core,
+            state or self._state(core),
+            prefix_hit_tokens=core.counters.finished_cached_prompt_tokens,
+            requests_routed=routed.routed if routed else 0,
+        )
 
     # ---- shutdown -----------------------------------------------------------
     def start_draining(self) -> None:
@@ -367,10 +424,13 @@ class Engine:
                 clean = False
                 log.error("engine audit failed", worker=core.info.address, error=str(exc))
         if clean:
-            log.info("engine audit clean", blocks_used=sum(c.planner.kv.pool.num_used_blocks for c in self.cores),
-                     audit_failures=sum(c.counters.audit_failures for c in self.cores),
-                     worker_failures=sum(c.counters.worker_failures for c in self.cores),
-                     requests_failed=sum(c.counters.requests_failed for c in self.cores))
+            log.info(
+                "engine audit clean",
+                blocks_used=sum(c.planner.kv.pool.num_used_blocks for c in self.cores),
+                audit_failures=sum(c.counters.audit_failures for c in self.cores),
+                worker_failures=sum(c.counters.worker_failures for c in self.cores),
+                requests_failed=sum(c.counters.requests_failed for c in self.cores),
+            )
         return clean
 
     async def halt(self) -> None:
@@ -394,8 +454,11 @@ def _request_ids(request: Request) -> list[str]:
 
 
 def _core_options(config: SchedulerConfig) -> CoreOptions:
-    return CoreOptions(worker_timeout_s=config.worker_timeout_s, health_interval_s=config.health_interval_s,
-                       async_scheduling=config.async_scheduling)
+    return CoreOptions(
+        worker_timeout_s=config.worker_timeout_s,
+        health_interval_s=config.health_interval_s,
+        async_scheduling=config.async_scheduling,
+    )
 
 
 def _worker_client(address: str, config: SchedulerConfig) -> WorkerClient:
@@ -407,13 +470,21 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
     max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
     # Anything that changes a block's KV besides its tokens keys the prefix hash.
     extra_keys = (info.model_name, info.model_type, info.dtype, info.kv_dtype)
+    kv: KVManager
     if info.kv_layout == "contiguous":  # one max_seq_len slot per sequence (num_blocks slots of block_size)
         kv = SlotManager(info.num_blocks, info.block_size, extra_keys=extra_keys)
     else:
-        pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=config.prefix_caching,
-                         eviction_policy=config.eviction_policy)
-        kv = KVCacheManager(pool, extra_keys=extra_keys,
-                            max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks)
+        pool = BlockPool(
+            info.num_blocks,
+            info.block_size,
+            enable_prefix_caching=config.prefix_caching,
+            eviction_policy=config.eviction_policy,
+        )
+        kv = KVCacheManager(
+            pool,
+            extra_keys=extra_keys,
+            max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks,
+        )
     return Planner(config.planner_config(max_len, info.block_size), kv)
 
 
@@ -422,16 +493,28 @@ async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:
         info = await client.info(timeout_s=timeout_s, wait_for_ready=True)
     except WorkerCallFailed as err:
         raise StartupError(f"worker {client.address} did not answer Info within {timeout_s}s ({err})") from None
-    log.info("worker connected", worker=client.address, model=info.model_name, num_blocks=info.num_blocks,
-             kv_dtype=info.kv_dtype, device=info.device)
+    log.info(
+        "worker connected",
+        worker=client.address,
+        model=info.model_name,
+        num_blocks=info.num_blocks,
+        kv_dtype=info.kv_dtype,
+        device=info.device,
+    )
     return info
 
 
 def _check_compatible(infos: list[WorkerInfo], tokenizer: ModelTokenizer) -> None:
     first = infos[0]
     for info in infos[1:]:
-        if (info.model_name, info.vocab_size, info.block_size) != (first.model_name, first.vocab_size, first.block_size):
-            raise StartupError(f"worker {info.address} serves {info.model_name} (vocab {info.vocab_size}, block "
-                               f"{info.block_size}), unlike {first.address}: all workers must serve the same model")
+        if (info.model_name, info.vocab_size, info.block_size) != (
+            first.model_name,
+            first.vocab_size,
+            first.block_size,
+        ):
+            raise StartupError(
+                f"worker {info.address} serves {info.model_name} (vocab {info.vocab_size}, block "
+                f"{info.block_size}), unlike {first.address}: all workers must serve the same model"
+            )
     if tokenizer.vocab_size > first.vocab_size:
         raise StartupError(f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's {first.vocab_size}")

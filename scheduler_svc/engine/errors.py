@@ -1,5 +1,6 @@
 """What the engine raises. Plain domain errors: api/status.py maps each to a
 gRPC status code, so nothing below the API layer knows the transport."""
+
 from __future__ import annotations
 
 

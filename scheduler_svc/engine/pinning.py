@@ -1,5 +1,6 @@
 """Pinning a prompt prefix on a worker: compute it once if it is not cached,
 then hold its full blocks so they are never evicted (KVCacheManager.pin)."""
+
 from __future__ import annotations
 
 import uuid
@@ -10,8 +11,9 @@ from scheduler_svc.request import Request, SamplingOptions
 _ATTEMPTS = 3  # the prefix can be evicted between computing and pinning under pressure
 
 
-async def pin_on_core(core: EngineCore, prompt_ids: list[int], cache_salt: str | None,
-                      seq_id: int) -> tuple[bytes, int] | None:
+async def pin_on_core(
+    core: EngineCore, prompt_ids: list[int], cache_salt: str | None, seq_id: int
+) -> tuple[bytes, int] | None:
     """(pin id, pinned tokens), or None if the prefix kept being evicted before it
     could be pinned. Raises PinLimitExceeded, RequestRejected, WorkerUnavailable."""
     probe = Request(f"pin-probe-{uuid.uuid4().hex}", seq_id, prompt_ids, cache_salt=cache_salt)
@@ -25,8 +27,13 @@ async def pin_on_core(core: EngineCore, prompt_ids: list[int], cache_salt: str |
 
 async def _compute(core: EngineCore, prompt_ids: list[int], cache_salt: str | None, seq_id: int) -> None:
     """Run the prefix as a one-token request: its full blocks end up in the index."""
-    warm = Request(f"pin-{uuid.uuid4().hex}", seq_id, list(prompt_ids),
-                   SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True), cache_salt=cache_salt)
+    warm = Request(
+        f"pin-{uuid.uuid4().hex}",
+        seq_id,
+        list(prompt_ids),
+        SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True),
+        cache_salt=cache_salt,
+    )
     handle = core.add(warm)
     while True:
         event = await handle.events.get()

@@ -44,6 +44,7 @@ Workers whose prefix hashes use different extra keys (e.g. one bf16 and one
 fp16 KV cache) are probed with a scratch copy of the request, so the request's
 own hash cache never holds another pool's hashes.
 """
+
 from __future__ import annotations
 
 import enum
@@ -52,12 +53,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler_svc.config import ROUTING_POLICIES
-from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.request import Request
 
+if TYPE_CHECKING:
+    from scheduler_svc.engine.core import EngineCore
 
 
 class WorkerState(enum.StrEnum):
@@ -76,7 +79,7 @@ class Candidate:
     """What the router needs to know about one worker, read at routing time."""
 
     address: str
-    kv: KVCacheManager  # that worker's pool and prefix index in the scheduler
+    kv: KVManager  # that worker's pool and prefix index in the scheduler
     num_running: int = 0
     num_waiting: int = 0
     state: WorkerState = WorkerState.SERVING
@@ -108,7 +111,7 @@ class Candidate:
         return self.num_seqs, -self.free_blocks, -self.uncached_free_blocks
 
     @classmethod
-    def from_core(cls, core, draining: bool = False) -> "Candidate":
+    def from_core(cls, core: EngineCore, draining: bool = False) -> Candidate:
         """Describe an EngineCore (duck-typed: .info.address, .planner, .healthy)."""
         planner = core.planner
         if draining:
@@ -117,8 +120,13 @@ class Candidate:
             state = WorkerState.UNHEALTHY
         else:
             state = WorkerState.SERVING
-        return cls(address=core.info.address, kv=planner.kv, num_running=planner.num_running,
-                   num_waiting=planner.num_waiting, state=state)
+        return cls(
+            address=core.info.address,
+            kv=planner.kv,
+            num_running=planner.num_running,
+            num_waiting=planner.num_waiting,
+            state=state,
+        )
 
 
 class RouteReason(enum.StrEnum):
@@ -221,9 +229,15 @@ class PrefixRouter(_BaseRouter):
 
     name = "prefix"
 
-    def __init__(self, affinity_ttl_s: float = 10.0, affinity_max_entries: int = 65536,
-                 min_prefix_fraction: float = 0.0, balance_abs_threshold: int = 16,
-                 balance_rel_threshold: float = 1.5, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        affinity_ttl_s: float = 10.0,
+        affinity_max_entries: int = 65536,
+        min_prefix_fraction: float = 0.0,
+        balance_abs_threshold: int = 16,
+        balance_rel_threshold: float = 1.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if affinity_ttl_s < 0 or affinity_max_entries < 0:
             raise ValueError("affinity_ttl_s and affinity_max_entries must be >= 0")
         if not 0.0 <= min_prefix_fraction <= 1.0:
@@ -257,8 +271,9 @@ class PrefixRouter(_BaseRouter):
         else:
             chosen, reason = least, RouteReason.LOAD
         self._remember(hashes, chosen.address, now)
-        return self._record(request, RoutingDecision(chosen.address, reason, cached[chosen.address],
-                                                     expected[chosen.address]))
+        return self._record(
+            request, RoutingDecision(chosen.address, reason, cached[chosen.address], expected[chosen.address])
+        )
 
     def forget(self, address: str) -> None:
         super().forget(address)
@@ -266,12 +281,14 @@ class PrefixRouter(_BaseRouter):
             del self._affinity[key]
 
     def _overloaded(self, chosen: Candidate, least: Candidate) -> bool:
-        return (chosen.num_seqs - least.num_seqs > self.balance_abs_threshold
-                and chosen.num_seqs > self.balance_rel_threshold * least.num_seqs)
+        return (
+            chosen.num_seqs - least.num_seqs > self.balance_abs_threshold
+            and chosen.num_seqs > self.balance_rel_threshold * least.num_seqs
+        )
 
     def _probe(self, request: Request, eligible: Sequence[Candidate]) -> tuple[list[bytes], dict[str, int]]:
         """Cached prefix tokens per worker, and the prompt's block hashes (for the affinity)."""
-        groups: dict[tuple, list[Candidate]] = {}
+        groups: dict[tuple[int, tuple[object, ...]], list[Candidate]] = {}
         for c in eligible:
             groups.setdefault((c.kv.block_size, c.kv.extra_keys), []).append(c)
         # One key set (the normal case): probe with the request itself, so its hash
@@ -320,7 +337,7 @@ class PrefixRouter(_BaseRouter):
             del self._affinity[key]
 
 
-def make_router(policy: str, **options) -> Router:
+def make_router(policy: str, **options: Any) -> Router:
     """policy: one of ROUTING_POLICIES; options go to PrefixRouter."""
     if policy == "prefix":
         return PrefixRouter(**options)
@@ -348,5 +365,9 @@ def _cached_tokens(candidate: Candidate, request: Request) -> int:
 
 def _scratch_copy(request: Request) -> Request:
     """Same tokens and salt, an empty hash cache: probing it leaves `request` untouched."""
-    return Request(request_id=request.request_id, seq_id=request.seq_id,
-                   prompt_token_ids=list(request.all_token_ids), cache_salt=request.cache_salt)
+    return Request(
+        request_id=request.request_id,
+        seq_id=request.seq_id,
+        prompt_token_ids=list(request.all_token_ids),
+        cache_salt=request.cache_salt,
+    )

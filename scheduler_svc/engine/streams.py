@@ -1,14 +1,15 @@
 """Per-request stream state: turns planner updates into client events
 (text deltas, progress, finish, usage) and detects stop strings."""
+
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 
-from scheduler_svc.text.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.planning.planner import RequestUpdate
 from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
 from scheduler_svc.text.tokenizer import ModelTokenizer
 
 
@@ -62,17 +63,22 @@ def coalesce(events: asyncio.Queue[StreamEvent], first: StreamEvent) -> tuple[St
 @dataclass
 class StreamHandle:
     """What the client call reads: one queue for all of a request's samples."""
-    events: asyncio.Queue
-    num_samples: int           # finished events that end the call
-    member_ids: list[str]      # planner request ids behind it (a fork parent and its children)
+
+    events: asyncio.Queue[StreamEvent]
+    num_samples: int  # finished events that end the call
+    member_ids: list[str]  # planner request ids behind it (a fork parent and its children)
 
 
 class RequestStream:
-    def __init__(self, request: Request, tokenizer: ModelTokenizer, events: asyncio.Queue[StreamEvent] | None = None,
-                 hooks: EngineHooks = EngineHooks()):
+    def __init__(
+        self,
+        request: Request,
+        tokenizer: ModelTokenizer,
+        events: asyncio.Queue[StreamEvent] | None = None,
+        hooks: EngineHooks = EngineHooks(),
+    ):
         self.request = request
-        self.detokenizer = IncrementalDetokenizer.for_prompt(tokenizer, request.prompt_token_ids,
-                                                             request.sampling.stop)
+        self.detokenizer = IncrementalDetokenizer.for_prompt(tokenizer, request.prompt_token_ids, request.sampling.stop)
         self.events: asyncio.Queue[StreamEvent] = events if events is not None else asyncio.Queue()
         self.closed = False
         self.reported_progress = False  # a multi-chunk prompt: progress events were sent
@@ -99,8 +105,9 @@ class RequestStream:
             reason = FinishReason.STOP if hit_stop else update.finish_reason
             self._finish(text + self.detokenizer.flush(), update, reason, progress)
         elif text or update.new_token_ids:
-            self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs,
-                                  progress=progress))
+            self._put(
+                StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs, progress=progress)
+            )
         return hit_stop
 
     def abort(self) -> None:
@@ -112,14 +119,24 @@ class RequestStream:
         self._put(StreamEvent(error_code=code, error_message=message))
         self.closed = True
 
-    def _finish(self, text: str, update: RequestUpdate, reason: FinishReason | None,
-                progress: tuple[int, int] | None = None) -> None:
+    def _finish(
+        self, text: str, update: RequestUpdate, reason: FinishReason | None, progress: tuple[int, int] | None = None
+    ) -> None:
         r = self.request
         if not self.closed and not r.prefill_only:
             self.timing.finish(str(reason or FinishReason.STOP))
         usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
-        self._put(StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs, finished=True,
-                              finish_reason=str(reason or FinishReason.STOP), usage=usage, progress=progress))
+        self._put(
+            StreamEvent(
+                text=text,
+                token_ids=update.new_token_ids,
+                logprobs=update.new_logprobs,
+                finished=True,
+                finish_reason=str(reason or FinishReason.STOP),
+                usage=usage,
+                progress=progress,
+            )
+        )
         self.closed = True
 
     def _put(self, event: StreamEvent) -> None:
@@ -128,8 +145,9 @@ class RequestStream:
             self.events.put_nowait(event)
 
 
-def open_streams(request: Request, tokenizer: ModelTokenizer,
-                 hooks: EngineHooks = EngineHooks()) -> tuple[StreamHandle, dict[str, RequestStream]]:
+def open_streams(
+    request: Request, tokenizer: ModelTokenizer, hooks: EngineHooks = EngineHooks()
+) -> tuple[StreamHandle, dict[str, RequestStream]]:
     """The client handle and the per-request streams feeding it: a fork parent
     reports prefill progress, each of its children one sample."""
     events: asyncio.Queue[StreamEvent] = asyncio.Queue()

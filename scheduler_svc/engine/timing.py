@@ -5,6 +5,7 @@ callback per step. What is done with them (histograms, rates, Prometheus) is
 the observability layer's business; it plugs in through `EngineHooks`, so the
 engine never imports it.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,8 +61,9 @@ class RequestTiming:
 
     __slots__ = ("arrival", "first_token", "last_token", "num_tokens", "ended", "observer", "clock")
 
-    def __init__(self, arrival: float | None = None, observer: LatencyObserver | None = None,
-                 clock: Clock | None = None):
+    def __init__(
+        self, arrival: float | None = None, observer: LatencyObserver | None = None, clock: Clock | None = None
+    ):
         self.observer: LatencyObserver = observer if observer is not None else NoLatencyObserver()
         self.clock: Clock = clock or getattr(observer, "clock", None) or time.monotonic
         self.arrival = arrival if arrival is not None else self.clock()

@@ -1,4 +1,5 @@
 """One worker as the admin service lists it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,12 +29,23 @@ class WorkerStatus:
     kv_dtype: str = ""
 
     @classmethod
-    def from_core(cls, core: EngineCore, state: WorkerState, prefix_hit_tokens: int = 0,
-                  requests_routed: int = 0) -> WorkerStatus:
+    def from_core(
+        cls, core: EngineCore, state: WorkerState, prefix_hit_tokens: int = 0, requests_routed: int = 0
+    ) -> WorkerStatus:
         usage = core.planner.kv.usage()
-        return cls(address=core.info.address, state=state, running=core.planner.num_running,
-                   waiting=core.planner.num_waiting, blocks_total=usage.num_blocks, blocks_used=usage.used_blocks,
-                   blocks_free=usage.free_blocks, prefix_hit_tokens=prefix_hit_tokens,
-                   prompt_tokens=core.counters.prompt_tokens, requests_routed=requests_routed,
-                   requests_finished=core.counters.requests_finished, model=core.info.model_name,
-                   device=core.info.device, kv_dtype=core.info.kv_dtype)
+        return cls(
+            address=core.info.address,
+            state=state,
+            running=core.planner.num_running,
+            waiting=core.planner.num_waiting,
+            blocks_total=usage.num_blocks,
+            blocks_used=usage.used_blocks,
+            blocks_free=usage.free_blocks,
+            prefix_hit_tokens=prefix_hit_tokens,
+            prompt_tokens=core.counters.prompt_tokens,
+            requests_routed=requests_routed,
+            requests_finished=core.counters.requests_finished,
+            model=core.info.model_name,
+            device=core.info.device,
+            kv_dtype=core.info.kv_dtype,
+        )

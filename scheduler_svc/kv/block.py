@@ -1,5 +1,6 @@
 """One KV block's bookkeeping: what the pool, the prefix index and the free
 queue know of it. The tensor behind the id lives on the worker."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

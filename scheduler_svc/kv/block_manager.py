@@ -57,8 +57,13 @@ class KVCacheUsage:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int | None = None, extra_keys: tuple = (),
-                 max_pinned_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int | None = None,
+        extra_keys: tuple[object, ...] = (),
+        max_pinned_blocks: int | None = None,
+    ) -> None:
         """extra_keys: everything besides tokens that changes KV (model identity, kv dtype)."""
         if block_size is not None and block_size != pool.block_size:
             raise ValueError(f"block_size {block_size} != pool block_size {pool.block_size}")
@@ -138,15 +143,18 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching or num_full == 0:
             return None
         hashes = self._block_hashes(request, num_full)
-        blocks = [self.pool.get_cached_block(h) for h in hashes[:num_full]]
-        if None in blocks:
+        found = [self.pool.get_cached_block(h) for h in hashes[:num_full]]
+        blocks = [b for b in found if b is not None]
+        if len(blocks) < len(found):
             return None
         pin_id = hashes[num_full - 1]
         if pin_id not in self.pins:
-            new = {b for b in blocks} - {b for held in self.pins.values() for b in held}
+            new = set(blocks) - {b for held in self.pins.values() for b in held}
             if self.num_pinned_blocks + len(new) > self.max_pinned_blocks:
-                raise PinLimitExceeded(f"pinning {len(new)} more blocks would exceed max_pinned_blocks="
-                                       f"{self.max_pinned_blocks} ({self.num_pinned_blocks} pinned)")
+                raise PinLimitExceeded(
+                    f"pinning {len(new)} more blocks would exceed max_pinned_blocks="
+                    f"{self.max_pinned_blocks} ({self.num_pinned_blocks} pinned)"
+                )
             self.pool.touch(blocks)
             self.pins[pin_id] = blocks
         return pin_id, num_full * self.block_size
@@ -270,7 +278,7 @@ class KVCacheManager:
         """Token slots holding (or scheduled to hold) a token, over the blocks in
         use, each block counted once: a block shared by several tables counts at
         the fill of its fullest holder; a pinned block is full."""
-        bs, fill = self.block_size, {}
+        bs, fill = self.block_size, dict[int, int]()
         for request_id, table in self.tables.items():
             tokens = self._num_table_tokens.get(request_id, 0)
             for i, block_id in enumerate(table):

@@ -14,7 +14,6 @@ import hashlib
 import struct
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import structlog
 
@@ -30,7 +29,7 @@ ROOT_PARENT_HASH: BlockHash = bytes(32)
 _EXTRA_KEY_TYPES = (str, int, float, bool, type(None), bytes)
 
 
-def hash_extra_keys(extra_keys: tuple) -> bytes:
+def hash_extra_keys(extra_keys: tuple[object, ...]) -> bytes:
     """Digest of everything besides tokens that changes a block's KV.
 
     repr() of a tuple of str/int/float/bool/None/bytes is canonical (quoted,
@@ -62,8 +61,9 @@ class DoubleFreeError(ValueError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, eviction_policy: str = "lru"
+    ) -> None:
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -132,8 +132,12 @@ class BlockPool:
         if evicted:
             self.blocks_reclaimed += evicted
             self.eviction_events += 1
-            log.info("kv_blocks_evicted", blocks_reclaimed=evicted, blocks_reclaimed_total=self.blocks_reclaimed,
-                     free_blocks=len(self.free_queue))
+            log.info(
+                "kv_blocks_evicted",
+                blocks_reclaimed=evicted,
+                blocks_reclaimed_total=self.blocks_reclaimed,
+                free_blocks=len(self.free_queue),
+            )
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -213,6 +217,7 @@ class BlockPool:
         return dropped
 
     def _drop_hash(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
         del self.cached[block.block_hash]
         block.block_hash = None
 

@@ -8,13 +8,12 @@ the eviction policy:
                 a system prompt many requests use outlives one-off tails.
 Pinned blocks hold a reference and are never free, so never evicted.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler_svc.kv.block import KVBlock
+from scheduler_svc.kv.block import KVBlock
 
 EVICTION_POLICIES = ("lru", "priority")
 
@@ -23,11 +22,9 @@ class NoFreeBlocksError(RuntimeError):
     """allocate() asked for more blocks than the free queue holds."""
 
 
-class _Sentinel:
-    __slots__ = ("prev", "next")
-
-    def __init__(self) -> None:
-        self.prev = self.next = None
+def _sentinel() -> KVBlock:
+    """A list end: never handed out (id -1), so links need no None checks."""
+    return KVBlock(-1)
 
 
 class FreeBlockQueue:
@@ -37,9 +34,9 @@ class FreeBlockQueue:
     pull a cached-free block out from wherever it sits.
     """
 
-    def __init__(self, blocks: Iterable["KVBlock"] = ()) -> None:
-        self._head = _Sentinel()  # sentinels: no None checks on the hot path
-        self._tail = _Sentinel()
+    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
+        self._head = _sentinel()
+        self._tail = _sentinel()
         self._head.next, self._tail.prev = self._tail, self._head
         self._len = 0
         for block in blocks:
@@ -48,27 +45,32 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self._len
 
-    def __iter__(self) -> Iterator["KVBlock"]:
+    def __iter__(self) -> Iterator[KVBlock]:
         node = self._head.next
         while node is not self._tail:
+            assert node is not None
             yield node
             node = node.next
 
-    def popleft(self) -> "KVBlock":
+    def popleft(self) -> KVBlock:
         if self._len == 0:
             raise NoFreeBlocksError("free block queue is empty")
         block = self._head.next
+        assert block is not None
         self.remove(block)
         return block
 
-    def append(self, block: "KVBlock") -> None:
+    def append(self, block: KVBlock) -> None:
         last = self._tail.prev
+        assert last is not None
         block.prev, block.next = last, self._tail
         last.next = self._tail.prev = block
         self._len += 1
 
-    def remove(self, block: "KVBlock") -> None:
-        block.prev.next, block.next.prev = block.next, block.prev
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not in the queue"
+        prev.next, nxt.prev = nxt, prev
         block.prev = block.next = None
         self._len -= 1
 
@@ -76,30 +78,30 @@ class FreeBlockQueue:
 class PriorityFreeQueue:
     """Segmented LRU: unshared blocks are handed out (evicted) before shared ones."""
 
-    def __init__(self, blocks: Iterable["KVBlock"] = ()) -> None:
+    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
         self.unshared = FreeBlockQueue(blocks)
         self.shared = FreeBlockQueue()
 
     def __len__(self) -> int:
         return len(self.unshared) + len(self.shared)
 
-    def __iter__(self) -> Iterator["KVBlock"]:
+    def __iter__(self) -> Iterator[KVBlock]:
         yield from self.unshared
         yield from self.shared
 
-    def popleft(self) -> "KVBlock":
+    def popleft(self) -> KVBlock:
         return (self.unshared if len(self.unshared) else self.shared).popleft()
 
-    def append(self, block: "KVBlock") -> None:
+    def append(self, block: KVBlock) -> None:
         keep_longer = block.shared and block.block_hash is not None
         (self.shared if keep_longer else self.unshared).append(block)
         block.in_shared_segment = keep_longer
 
-    def remove(self, block: "KVBlock") -> None:
+    def remove(self, block: KVBlock) -> None:
         (self.shared if block.in_shared_segment else self.unshared).remove(block)
 
 
-def make_free_queue(policy: str, blocks: Iterable["KVBlock"]) -> FreeBlockQueue | PriorityFreeQueue:
+def make_free_queue(policy: str, blocks: Iterable[KVBlock]) -> FreeBlockQueue | PriorityFreeQueue:
     if policy == "lru":
         return FreeBlockQueue(blocks)
     if policy == "priority":

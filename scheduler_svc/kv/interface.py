@@ -14,6 +14,7 @@ Both speak in "blocks": a contiguous slot is a block of max_seq_len tokens, so a
 contiguous sequence's block table is [slot] and its slot mapping
 slot * max_seq_len + position, and the worker's Step contract is the same.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -51,8 +52,10 @@ class KVManager(Protocol):
     """Maps requests to the worker's KV memory: allocation, views, prefix cache, checks."""
 
     block_size: int  # tokens per block table entry (a contiguous slot: max_seq_len)
-    extra_keys: tuple  # what besides tokens keys a cached block (the router groups workers by it)
-    pool: PoolState
+    extra_keys: tuple[object, ...]  # what besides tokens keys a cached block (the router groups workers by it)
+
+    @property
+    def pool(self) -> PoolState: ...
 
     # ---- capacity ---------------------------------------------------------
     @property
@@ -67,8 +70,9 @@ class KVManager(Protocol):
         """How many new tokens the request could get slots for right now."""
 
     # ---- allocation -------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
         """Room for `num_new_tokens` after the request's computed tokens (after
         prefix hits `new_computed_blocks`); None, with nothing changed, if it does
         not fit now."""

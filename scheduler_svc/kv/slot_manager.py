@@ -15,14 +15,15 @@ before its first write (copy-on-write, like a shared partial block in the
 paged pool). If no slot is free for that copy, the planner preempts the newest
 running request, as it does when the paged pool runs out of blocks.
 """
+
 from __future__ import annotations
 
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from scheduler_svc.kv.block_pool import DoubleFreeError
 from scheduler_svc.kv.block_manager import KVCacheUsage, LeakError
+from scheduler_svc.kv.block_pool import DoubleFreeError
 from scheduler_svc.request import Request
 
 
@@ -90,7 +91,7 @@ class SlotPool:
 class SlotManager:
     """The KVManager of a contiguous worker (see the module docstring)."""
 
-    def __init__(self, num_slots: int, slot_len: int, extra_keys: tuple = ()) -> None:
+    def __init__(self, num_slots: int, slot_len: int, extra_keys: tuple[object, ...] = ()) -> None:
         self.pool = SlotPool(num_slots, slot_len)
         self.block_size = slot_len
         self.extra_keys = tuple(extra_keys)
@@ -120,8 +121,9 @@ class SlotManager:
         return max(0, self.slot_len - request.num_computed_tokens)
 
     # ---- allocation -----------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
         """A slot for the request on its first call (None if none is free); later
         calls only check that the tokens stay within it. Returns the slot newly
         taken ([slot], or [] when it already had one)."""
@@ -179,11 +181,19 @@ class SlotManager:
             fill[slot] = max(fill.get(slot, 0), self._num_tokens.get(request_id, 0))
         allocated = pool.num_used_blocks * n
         return KVCacheUsage(
-            num_blocks=pool.num_blocks, block_size=n, used_blocks=pool.num_used_blocks,
-            free_blocks=pool.num_free_blocks, cached_free_blocks=0, cached_blocks=0, blocks_reclaimed=0,
-            num_requests=len(self.tables), tokens_held=sum(self._num_tokens.values()),
-            allocated_slots=allocated, unused_slots=max(0, allocated - sum(fill.values())),
-            blocks_allocated=pool.blocks_allocated, blocks_freed=pool.blocks_freed,
+            num_blocks=pool.num_blocks,
+            block_size=n,
+            used_blocks=pool.num_used_blocks,
+            free_blocks=pool.num_free_blocks,
+            cached_free_blocks=0,
+            cached_blocks=0,
+            blocks_reclaimed=0,
+            num_requests=len(self.tables),
+            tokens_held=sum(self._num_tokens.values()),
+            allocated_slots=allocated,
+            unused_slots=max(0, allocated - sum(fill.values())),
+            blocks_allocated=pool.blocks_allocated,
+            blocks_freed=pool.blocks_freed,
         )
 
     def audit(self, live_request_ids: Iterable[str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """Per-worker step accounting and the small windows behind the Stats RPC's
 rates and quantiles. Plain Python: nothing here knows Prometheus."""
+
 from __future__ import annotations
 
 import math
@@ -86,29 +87,35 @@ class RecentValues:
 @dataclass
 class CoreMetrics:
     """What one engine core adds to its planner's and pool's own counters."""
+
     worker: str
     prefill_tokens: int = 0
     decode_tokens: int = 0
     rates: RateWindow = field(default_factory=RateWindow)
     _sampled_at: float = -math.inf
 
-    def sample(self, core: EngineCore, now: float, force: bool = False) -> tuple[float, ...] | None:
-        """Feed the rate window (throttled unless `force`); returns the rates when forced."""
-        if not force and now - self._sampled_at < _SAMPLE_EVERY_S:
-            return None
+    def sample(self, core: EngineCore, now: float) -> None:
+        """Feed the rate window, at most every _SAMPLE_EVERY_S (the step hook calls it)."""
+        if now - self._sampled_at < _SAMPLE_EVERY_S:
+            return
         self._sampled_at = now
-        values = _rate_values(core, self)
-        if force:
-            return self.rates.rates(now, values)
-        self.rates.observe(now, values)
-        return None
+        self.rates.observe(now, _rate_values(core, self))
+
+    def rates_now(self, core: EngineCore, now: float) -> tuple[float, ...]:
+        """Sample now and return the per-second rates (the Stats RPC)."""
+        self._sampled_at = now
+        return self.rates.rates(now, _rate_values(core, self))
 
 
 def _rate_values(core: EngineCore, cm: CoreMetrics) -> tuple[float, ...]:
     """(blocks allocated, blocks freed, tokens computed, tokens generated): the counters Stats turns into rates."""
     pool = core.planner.kv.pool  # a BlockPool, or a contiguous worker's SlotPool
-    return (getattr(pool, "blocks_allocated", 0), getattr(pool, "blocks_freed", 0),
-            cm.prefill_tokens + cm.decode_tokens, core.counters.generation_tokens)
+    return (
+        getattr(pool, "blocks_allocated", 0),
+        getattr(pool, "blocks_freed", 0),
+        cm.prefill_tokens + cm.decode_tokens,
+        core.counters.generation_tokens,
+    )
 
 
 def core_metrics(core: EngineCore) -> CoreMetrics:

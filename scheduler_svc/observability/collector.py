@@ -1,10 +1,11 @@
 """Prometheus state read at scrape time: every engine core's pool, planner and
 counters. Nothing is copied into Prometheus objects on the hot path; a scrape
 reads the engine as it is (on the event loop, see exposition.py)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -23,25 +24,25 @@ class EngineCollector(Collector):
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []  # names depend on nothing static; collect() on demand
 
-    def collect(self) -> Iterable:
+    def collect(self) -> Iterable[Metric]:
         cores = list(self.engine.cores)
-        families: dict[str, Any] = {}
+        gauges: dict[str, GaugeMetricFamily] = {}
+        counters: dict[str, CounterMetricFamily] = {}
 
-        def gauge(name: str, labels=("worker",)):
-            if name not in families:
-                families[name] = GaugeMetricFamily(name, METRIC_NAMES[name], labels=list(labels))
-            return families[name]
+        def gauge(name: str, labels: tuple[str, ...] = ("worker",)) -> GaugeMetricFamily:
+            if name not in gauges:
+                gauges[name] = GaugeMetricFamily(name, METRIC_NAMES[name], labels=list(labels))
+            return gauges[name]
 
-        def counter(name: str):
-            if name not in families:
-                families[name] = CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=["worker"])
-            return families[name]
+        def counter(name: str) -> CounterMetricFamily:
+            if name not in counters:
+                counters[name] = CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=["worker"])
+            return counters[name]
 
-        info = InfoMetricFamily("pagedserve_worker", METRIC_NAMES["pagedserve_worker_info"],
-                                labels=["worker"])
+        info = InfoMetricFamily("pagedserve_worker", METRIC_NAMES["pagedserve_worker_info"], labels=["worker"])
         for core in cores:
             w = [core.info.address]
             u = core.planner.kv.usage()
@@ -79,9 +80,19 @@ class EngineCollector(Collector):
             gauge("pagedserve_worker_kv_cache_bytes").add_metric(w, core.info.kv_bytes_per_block * u.num_blocks)
             gauge("pagedserve_worker_healthy").add_metric(w, 1.0 if core.healthy else 0.0)
             i = core.info
-            info.add_metric(w, {"device": i.device, "model": i.model_name, "model_type": i.model_type,
-                                "dtype": i.dtype, "kv_dtype": i.kv_dtype, "block_size": str(i.block_size)})
-        yield from families.values()
+            info.add_metric(
+                w,
+                {
+                    "device": i.device,
+                    "model": i.model_name,
+                    "model_type": i.model_type,
+                    "dtype": i.dtype,
+                    "kv_dtype": i.kv_dtype,
+                    "block_size": str(i.block_size),
+                },
+            )
+        yield from gauges.values()
+        yield from counters.values()
         yield info
 
 

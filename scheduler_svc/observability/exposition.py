@@ -2,6 +2,7 @@
 scheduler's own event loop: a scrape reads planner and pool state on the thread
 that mutates it, so it needs no locks and never sees a half-updated pool
 (prometheus_client's threaded server would read from another thread)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,13 @@ def metrics_app(metrics: SchedulerMetrics) -> Callable[[Scope, Receive, Send], A
         if scope["type"] != "http":
             return
         if scope["path"] not in _PATHS:
-            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"text/plain"),
-                                                                                  *_ONE_SHOT]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 404,
+                    "headers": [(b"content-type", b"text/plain"), *_ONE_SHOT],
+                }
+            )
             await send({"type": "http.response.body", "body": b"GET /metrics\n"})
             return
         start: dict[str, Any] = {}
@@ -66,8 +72,12 @@ def metrics_app(metrics: SchedulerMetrics) -> Callable[[Scope, Receive, Send], A
                 start.update(message)
                 return
             body = message.get("body", b"")
-            await send({**start, "headers": [*start.get("headers", []), *_ONE_SHOT,
-                                             (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    **start,
+                    "headers": [*start.get("headers", []), *_ONE_SHOT, (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send(message)
 
         await prometheus(scope, receive, sized)
@@ -75,14 +85,16 @@ def metrics_app(metrics: SchedulerMetrics) -> Callable[[Scope, Receive, Send], A
     return app
 
 
-async def start_metrics_server(engine: Engine, host: str, port: int,
-                               metrics: SchedulerMetrics | None = None) -> MetricsEndpoint:
+async def start_metrics_server(
+    engine: Engine, host: str, port: int, metrics: SchedulerMetrics | None = None
+) -> MetricsEndpoint:
     """Serve `engine`'s metrics on http://host:port/metrics from the running loop
     (port 0 lets the OS pick: see `.port`). close() + wait_closed() stop it."""
     metrics = metrics if metrics is not None else METRICS
     metrics.register_engine(engine)
-    config = uvicorn.Config(metrics_app(metrics), host=host, port=port, lifespan="off", log_level="warning",
-                            access_log=False)
+    config = uvicorn.Config(
+        metrics_app(metrics), host=host, port=port, lifespan="off", log_level="warning", access_log=False
+    )
     server = _LoopServer(config)
     task = asyncio.create_task(server.serve(), name="metrics-endpoint")
     while not server.started:

@@ -8,6 +8,7 @@ scrape time (pool gauges, counters) is collector.py's.
 Per-worker series carry a `worker` label (the worker's address); request-level
 histograms are engine-wide (a request can move between workers).
 """
+
 from __future__ import annotations
 
 import time
@@ -27,15 +28,73 @@ if TYPE_CHECKING:
     from scheduler_svc.engine.worker_client import StepResult
     from scheduler_svc.planning.planner import StepPlan
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-_E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0,
-                600.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_E2E_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
-
 
 
 class SchedulerMetrics:
@@ -46,27 +105,61 @@ class SchedulerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.clock = clock
         r = self.registry
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds",
-                              METRIC_NAMES["pagedserve_time_to_first_token_seconds"], buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pagedserve_inter_token_latency_seconds",
-                             METRIC_NAMES["pagedserve_inter_token_latency_seconds"], buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds",
-                             METRIC_NAMES["pagedserve_e2e_request_latency_seconds"], buckets=_E2E_BUCKETS, registry=r)
-        self.finished = Counter("pagedserve_requests_finished", METRIC_NAMES["pagedserve_requests_finished_total"],
-                                ["finish_reason"], registry=r)
-        self.step = Histogram("pagedserve_step_duration_seconds", METRIC_NAMES["pagedserve_step_duration_seconds"],
-                              ["worker"], buckets=_STEP_BUCKETS, registry=r)
-        self.step_tokens = Histogram("pagedserve_step_tokens", METRIC_NAMES["pagedserve_step_tokens"], ["worker"],
-                                     buckets=_TOKEN_BUCKETS, registry=r)
-        self.prefill_chunk = Histogram("pagedserve_prefill_chunk_duration_seconds",
-                                       METRIC_NAMES["pagedserve_prefill_chunk_duration_seconds"], ["worker"],
-                                       buckets=_STEP_BUCKETS, registry=r)
-        self.forward = Histogram("pagedserve_worker_forward_duration_seconds",
-                                 METRIC_NAMES["pagedserve_worker_forward_duration_seconds"], ["worker"],
-                                 buckets=_STEP_BUCKETS, registry=r)
-        self.recent = {name: RecentValues() for name in ("ttft", "itl", "e2e", "step", "forward", "step_tokens",
-                                                         "prefill_chunk")}
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            METRIC_NAMES["pagedserve_time_to_first_token_seconds"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            METRIC_NAMES["pagedserve_inter_token_latency_seconds"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds",
+            METRIC_NAMES["pagedserve_e2e_request_latency_seconds"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "pagedserve_requests_finished",
+            METRIC_NAMES["pagedserve_requests_finished_total"],
+            ["finish_reason"],
+            registry=r,
+        )
+        self.step = Histogram(
+            "pagedserve_step_duration_seconds",
+            METRIC_NAMES["pagedserve_step_duration_seconds"],
+            ["worker"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "pagedserve_step_tokens",
+            METRIC_NAMES["pagedserve_step_tokens"],
+            ["worker"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.prefill_chunk = Histogram(
+            "pagedserve_prefill_chunk_duration_seconds",
+            METRIC_NAMES["pagedserve_prefill_chunk_duration_seconds"],
+            ["worker"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.forward = Histogram(
+            "pagedserve_worker_forward_duration_seconds",
+            METRIC_NAMES["pagedserve_worker_forward_duration_seconds"],
+            ["worker"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.recent = {
+            name: RecentValues() for name in ("ttft", "itl", "e2e", "step", "forward", "step_tokens", "prefill_chunk")
+        }
         self._collector: Collector | None = None
 
     # request level (RequestTiming calls these)
@@ -85,8 +178,9 @@ class SchedulerMetrics:
             self.recent["e2e"].add(e2e_s, now)
 
     # step level (observe_step calls this)
-    def observe_step_timing(self, worker: str, step_s: float, forward_s: float, tokens: int, prefill_chunks: int,
-                            now: float) -> None:
+    def observe_step_timing(
+        self, worker: str, step_s: float, forward_s: float, tokens: int, prefill_chunks: int, now: float
+    ) -> None:
         self.step.labels(worker=worker).observe(step_s)
         self.step_tokens.labels(worker=worker).observe(tokens)
         self.forward.labels(worker=worker).observe(forward_s)
@@ -113,8 +207,9 @@ class SchedulerMetrics:
 METRICS = SchedulerMetrics()  # the scheduler process's metrics
 
 
-def observe_step(core: EngineCore, plan: StepPlan, result: StepResult, started: float,
-                 metrics: SchedulerMetrics | None = None) -> None:
+def observe_step(
+    core: EngineCore, plan: StepPlan, result: StepResult, started: float, metrics: SchedulerMetrics | None = None
+) -> None:
     """The engine core's per-step hook: call after the worker answered and
     before planner.update() (requests that finish in this step are still live).
     `started` is the time.perf_counter() taken before the Step call."""

@@ -3,22 +3,23 @@ text (histograms also serve _bucket/_count/_sum, counters _total and _created,
 info metrics _info). Names follow the Prometheus conventions: `pagedserve_`
 prefix, base units (seconds, bytes), `_total` for counters, `_ratio` for 0..1
 fractions. Documented in README.md."""
+
 from __future__ import annotations
 
 METRIC_NAMES = {
     # block pool (gauges per worker; state = in_use | cached_free | free, which partition the pool)
     "pagedserve_kv_cache_capacity_blocks": "KV blocks in the worker's pool",
     "pagedserve_kv_cache_blocks": "KV blocks by state: in_use (ref > 0), cached_free (free, still a prefix hit), "
-                                  "free (free, empty); they sum to the capacity",
+    "free (free, empty); they sum to the capacity",
     "pagedserve_kv_cache_pinned_blocks": "blocks held by pinned prefixes",
     "pagedserve_kv_cache_utilization_ratio": "blocks in use / capacity",
     "pagedserve_kv_cache_fragmentation_ratio": "internal fragmentation: unused token slots in blocks in use / "
-                                               "their slots (each block once)",
+    "their slots (each block once)",
     "pagedserve_kv_cache_allocated_slots": "token slots of the blocks in use (blocks in use x block size)",
     "pagedserve_kv_cache_unused_slots": "token slots of blocks in use that hold no token",
     "pagedserve_kv_cache_tokens": "tokens live requests' block tables cover",
     "pagedserve_kv_blocks_allocated_total": "blocks taken from the free queue (new allocations and cached-free "
-                                            "blocks revived by a prefix hit)",
+    "blocks revived by a prefix hit)",
     "pagedserve_kv_blocks_freed_total": "blocks returned to the free queue",
     "pagedserve_kv_evictions_total": "allocations that reclaimed cached-free blocks",
     "pagedserve_kv_blocks_reclaimed_total": "cached-free blocks reclaimed (their prefix-cache entry dropped)",
@@ -51,4 +52,3 @@ METRIC_NAMES = {
     "pagedserve_worker_healthy": "1 while the worker answers",
     "pagedserve_worker_info": "worker identity: device, model, dtype, kv_dtype (value 1)",
 }
-

@@ -1,6 +1,7 @@
 """The observability fields of serving.v1.StatsResponse (numbers >= 30):
 per-worker pool figures, rates over the last 10 s, and latency quantiles over
 the last 60 s."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -18,16 +19,30 @@ def worker_stats(core: EngineCore, now: float) -> dict[str, Any]:
     """One serving.v1.WorkerStats, as a dict."""
     u = core.planner.kv.usage()
     cm = core_metrics(core)
-    alloc_s, freed_s, tokens_s, gen_s = cm.sample(core, now, force=True)
+    alloc_s, freed_s, tokens_s, gen_s = cm.rates_now(core, now)
     return dict(
-        address=core.info.address, device=core.info.device, model=core.info.model_name,
-        kv_dtype=core.info.kv_dtype, healthy=core.healthy, running=core.planner.num_running,
-        waiting=core.planner.num_waiting, blocks_total=u.num_blocks, blocks_used=u.used_blocks,
-        blocks_cached_free=u.cached_free_blocks, blocks_free=u.free_blocks, blocks_pinned=u.pinned_blocks,
-        utilization=u.used_fraction, fragmentation=u.fragmentation,
-        kv_bytes_per_token=int(kv_bytes_per_token(core)), prefix_cache_hit_rate=u.prefix_hit_rate,
-        blocks_allocated_per_s=alloc_s, blocks_freed_per_s=freed_s, tokens_per_s=tokens_s,
-        generation_tokens_per_s=gen_s, kv_slots_allocated=u.allocated_slots, kv_slots_unused=u.unused_slots,
+        address=core.info.address,
+        device=core.info.device,
+        model=core.info.model_name,
+        kv_dtype=core.info.kv_dtype,
+        healthy=core.healthy,
+        running=core.planner.num_running,
+        waiting=core.planner.num_waiting,
+        blocks_total=u.num_blocks,
+        blocks_used=u.used_blocks,
+        blocks_cached_free=u.cached_free_blocks,
+        blocks_free=u.free_blocks,
+        blocks_pinned=u.pinned_blocks,
+        utilization=u.used_fraction,
+        fragmentation=u.fragmentation,
+        kv_bytes_per_token=int(kv_bytes_per_token(core)),
+        prefix_cache_hit_rate=u.prefix_hit_rate,
+        blocks_allocated_per_s=alloc_s,
+        blocks_freed_per_s=freed_s,
+        tokens_per_s=tokens_s,
+        generation_tokens_per_s=gen_s,
+        kv_slots_allocated=u.allocated_slots,
+        kv_slots_unused=u.unused_slots,
     )
 
 
@@ -61,12 +76,18 @@ def stats_fields(engine: Engine, metrics: SchedulerMetrics | None = None) -> dic
         tokens_per_s=sum(w["tokens_per_s"] for w in workers),
         generation_tokens_per_s=sum(w["generation_tokens_per_s"] for w in workers),
         tokens_per_step_mean=recent["step_tokens"].mean(now),
-        step_ms_p50=ms("step", 0.5), step_ms_p95=ms("step", 0.95),
-        forward_ms_p50=ms("forward", 0.5), forward_ms_p95=ms("forward", 0.95),
-        prefill_chunk_ms_p50=ms("prefill_chunk", 0.5), prefill_chunk_ms_p95=ms("prefill_chunk", 0.95),
-        ttft_ms_p50=ms("ttft", 0.5), ttft_ms_p95=ms("ttft", 0.95),
-        itl_ms_p50=ms("itl", 0.5), itl_ms_p95=ms("itl", 0.95),
-        e2e_ms_p50=ms("e2e", 0.5), e2e_ms_p95=ms("e2e", 0.95),
+        step_ms_p50=ms("step", 0.5),
+        step_ms_p95=ms("step", 0.95),
+        forward_ms_p50=ms("forward", 0.5),
+        forward_ms_p95=ms("forward", 0.95),
+        prefill_chunk_ms_p50=ms("prefill_chunk", 0.5),
+        prefill_chunk_ms_p95=ms("prefill_chunk", 0.95),
+        ttft_ms_p50=ms("ttft", 0.5),
+        ttft_ms_p95=ms("ttft", 0.95),
+        itl_ms_p50=ms("itl", 0.5),
+        itl_ms_p95=ms("itl", 0.95),
+        e2e_ms_p50=ms("e2e", 0.5),
+        e2e_ms_p95=ms("e2e", 0.95),
         kv_bytes_per_token=max((w["kv_bytes_per_token"] for w in workers), default=0),
         workers=tuple(workers),
     )

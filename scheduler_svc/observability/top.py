@@ -10,6 +10,7 @@ allocation rates and latency percentiles (over the scheduler's recent window;
 `chunk` is the time of a step that computed a prefill chunk),
 and one line per worker when there are several.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ def split_cells(counts: list[int], width: int) -> list[int]:
         return [0] * (len(counts) - 1) + [width]
     exact = [c * width / total for c in counts]
     cells = [int(x) for x in exact]
-    for i in sorted(range(len(counts)), key=lambda i: exact[i] - cells[i], reverse=True)[:width - sum(cells)]:
+    for i in sorted(range(len(counts)), key=lambda i: exact[i] - cells[i], reverse=True)[: width - sum(cells)]:
         cells[i] += 1
     for i, c in enumerate(counts):
         if c > 0 and cells[i] == 0:
@@ -72,14 +73,22 @@ def render(stats: serving_pb2.StatsResponse, target: str, now: float | None = No
     clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     devices = sorted({w.device for w in s.workers if w.device}) or ["?"]
     model = next((w.model for w in s.workers if w.model), "")
-    header = Text.assemble(("pagedserve top", "bold"), f"  {target}  {model}  {s.num_workers} worker(s) on "
-                                                       f"{', '.join(devices)}  {clock}")
+    header = Text.assemble(
+        ("pagedserve top", "bold"), f"  {target}  {model}  {s.num_workers} worker(s) on {', '.join(devices)}  {clock}"
+    )
     free_uncached = s.blocks_free - s.blocks_cached_free
-    pool = Text.assemble("KV blocks ", pool_bar(s.blocks_used, s.blocks_cached_free, free_uncached),
-                         f" {s.blocks_total} total")
-    legend = Text.assemble(("█", GLYPHS[0][1]), f" in use {s.blocks_used}   ", ("▒", GLYPHS[1][1]),
-                           f" cached {s.blocks_cached_free}   ", ("░", GLYPHS[2][1]), f" free {free_uncached}   ",
-                           f"pinned {s.blocks_pinned}   {s.kv_bytes_per_token} B/token")
+    pool = Text.assemble(
+        "KV blocks ", pool_bar(s.blocks_used, s.blocks_cached_free, free_uncached), f" {s.blocks_total} total"
+    )
+    legend = Text.assemble(
+        ("█", GLYPHS[0][1]),
+        f" in use {s.blocks_used}   ",
+        ("▒", GLYPHS[1][1]),
+        f" cached {s.blocks_cached_free}   ",
+        ("░", GLYPHS[2][1]),
+        f" free {free_uncached}   ",
+        f"pinned {s.blocks_pinned}   {s.kv_bytes_per_token} B/token",
+    )
     lines = [
         f"utilization {_pct(s.block_utilization)}   fragmentation {_pct(s.fragmentation)} "
         f"({s.kv_slots_unused}/{s.kv_slots_allocated} slots unused)   "
@@ -97,16 +106,23 @@ def render(stats: serving_pb2.StatsResponse, target: str, now: float | None = No
         f"p95 {_ms(s.forward_ms_p95)}   chunk p50 {_ms(s.prefill_chunk_ms_p50)} "
         f"p95 {_ms(s.prefill_chunk_ms_p95)}",
     ]
-    parts = [header, pool, legend, *(Text(line) for line in lines)]
+    parts: list[Text | Table] = [header, pool, legend, *(Text(line) for line in lines)]
     if len(s.workers) > 1:
         table = Table(box=None, padding=(0, 1), show_edge=False)
         for col in ("worker", "pool", "util", "frag", "hit", "run", "wait", "tok/s", "state"):
             table.add_column(col)
         for w in s.workers:
-            table.add_row(w.address, pool_bar(w.blocks_used, w.blocks_cached_free, w.blocks_free - w.blocks_cached_free,
-                                              20),
-                          _pct(w.utilization), _pct(w.fragmentation), _pct(w.prefix_cache_hit_rate), str(w.running),
-                          str(w.waiting), f"{w.tokens_per_s:.1f}", "up" if w.healthy else "DOWN")
+            table.add_row(
+                w.address,
+                pool_bar(w.blocks_used, w.blocks_cached_free, w.blocks_free - w.blocks_cached_free, 20),
+                _pct(w.utilization),
+                _pct(w.fragmentation),
+                _pct(w.prefix_cache_hit_rate),
+                str(w.running),
+                str(w.waiting),
+                f"{w.tokens_per_s:.1f}",
+                "up" if w.healthy else "DOWN",
+            )
         parts.append(table)
     return Group(*parts)
 
@@ -118,7 +134,8 @@ def _channel(target: str, tls_ca: str) -> grpc.Channel:
 
 def fetch(stub: serving_pb2_grpc.SchedulerStub, api_key: str, timeout_s: float) -> serving_pb2.StatsResponse:
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    return stub.Stats(serving_pb2.StatsRequest(), timeout=timeout_s, metadata=metadata)
+    stats: serving_pb2.StatsResponse = stub.Stats(serving_pb2.StatsRequest(), timeout=timeout_s, metadata=metadata)
+    return stats
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0 = until Ctrl-C)")
     parser.add_argument("--timeout", type=float, default=5.0, help="Stats RPC deadline in seconds")
     parser.add_argument("--width", type=int, default=0, help="frame width (0 = the terminal's)")
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY", ""),
-                        help="sent as 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY", ""),
+        help="sent as 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)",
+    )
     parser.add_argument("--tls-ca", default="", help="PEM CA of the scheduler's certificate: connect with TLS")
     args = parser.parse_args(argv)
     if args.interval <= 0:
@@ -149,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         with Live(Text(f"connecting to {args.target}..."), console=console, auto_refresh=False) as live:
             try:
                 while not args.iterations or refreshes < args.iterations:
+                    frame: Group | Text
                     try:
                         frame = render(fetch(stub, args.api_key, args.timeout), args.target)
                     except grpc.RpcError as err:

@@ -70,9 +70,11 @@ class PlannerConfig:
                     f"{f.name} ({flag}) must be an integer >= {low} (valid range [{low}, inf)), got {value!r}"
                 )
         if self.dynamic_chunk_min > self.dynamic_chunk_max:
-            raise ValueError(f"dynamic_chunk_min (--dynamic-chunk-min) {self.dynamic_chunk_min} must be <= "
-                             f"dynamic_chunk_max (--dynamic-chunk-max) {self.dynamic_chunk_max} "
-                             f"(valid range [1, {self.dynamic_chunk_max}])")
+            raise ValueError(
+                f"dynamic_chunk_min (--dynamic-chunk-min) {self.dynamic_chunk_min} must be <= "
+                f"dynamic_chunk_max (--dynamic-chunk-max) {self.dynamic_chunk_max} "
+                f"(valid range [1, {self.dynamic_chunk_max}])"
+            )
         return self
 
     def chunk_limit(self, free_fraction: float) -> int:
@@ -322,8 +324,10 @@ class Planner:
         """The token sampled in flight will reach max_tokens or the length limit:
         planning past it would only be discarded."""
         pending = self._pending_samples.get(request.request_id, 0)
-        return pending > 0 and (request.num_output_tokens + pending >= request.sampling.max_tokens
-                                or request.num_tokens + pending >= self.max_len)
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.sampling.max_tokens
+            or request.num_tokens + pending >= self.max_len
+        )
 
     def _reserve_slots(self, request: Request, want: int, budget: _StepBudget, preempted: list[str]) -> int:
         """Slots for up to `want` tokens: a smaller chunk if that is all that fits,
@@ -391,8 +395,13 @@ class Planner:
         # A plan made ahead runs on the worker only right after the step in flight
         # (and its decodes take their input from that step's samples).
         previous = self._in_flight[-1].plan.step_id if budget.ahead else None
-        plan = StepPlan(step_id=self._next_step_id, preempted=preempted, copies=self.kv.take_copies(),
-                        previous_step_id=previous, deferred=budget.deferred)
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            preempted=preempted,
+            copies=self.kv.take_copies(),
+            previous_step_id=previous,
+            deferred=budget.deferred,
+        )
         self._next_step_id += 1
         for request, num_tokens in budget.scheduled.values():
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
@@ -555,8 +564,11 @@ class Planner:
         capacity = self.kv.max_request_tokens
         if n >= capacity:
             u = self.kv.usage()
-            held = (f"{u.num_blocks} blocks x {u.block_size}" if capacity == u.num_blocks * u.block_size
-                    else f"one slot of {u.block_size} per request")  # contiguous
+            held = (
+                f"{u.num_blocks} blocks x {u.block_size}"
+                if capacity == u.num_blocks * u.block_size
+                else f"one slot of {u.block_size} per request"
+            )  # contiguous
             raise RequestRejected(
                 "prompt",
                 f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({held}), so at most "

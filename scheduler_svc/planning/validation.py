@@ -2,6 +2,7 @@
 the planner's admission, and through serving.v1 the HTTP gateway) checks a
 request with these functions, so a rule has one answer everywhere. A violation
 raises RequestRejected naming the field."""
+
 from __future__ import annotations
 
 import math
@@ -51,5 +52,6 @@ def check_num_samples(n: int, num_prompt_tokens: int) -> None:
     if not 1 <= n <= MAX_SAMPLES:
         raise RequestRejected("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
     if n > 1 and num_prompt_tokens < 2:
-        raise RequestRejected("n", "parallel samples need a prompt of at least 2 tokens (they fork after its "
-                                   "second-to-last token)")
+        raise RequestRejected(
+            "n", "parallel samples need a prompt of at least 2 tokens (they fork after its second-to-last token)"
+        )

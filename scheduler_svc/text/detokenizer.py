@@ -6,6 +6,7 @@ Tokens arrive one at a time; text is released only when it is final:
 * the last `max(len(stop)) - 1` characters are held back while a stop string
   could still be completing, because stop strings are not part of the output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,14 +23,16 @@ class IncrementalDetokenizer:
     tokenizer: ModelTokenizer
     stop: tuple[str, ...] = ()
     ids: list[int] = field(default_factory=list)
-    text: str = ""               # all decoded text so far, stop string excluded
-    emitted: int = 0             # characters of `text` already released
+    text: str = ""  # all decoded text so far, stop string excluded
+    emitted: int = 0  # characters of `text` already released
     stopped: bool = False
     _prefix_offset: int = 0
     _read_offset: int = 0
 
     @classmethod
-    def for_prompt(cls, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: tuple[str, ...]) -> "IncrementalDetokenizer":
+    def for_prompt(
+        cls, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: tuple[str, ...]
+    ) -> IncrementalDetokenizer:
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         return cls(tokenizer, tuple(s for s in stop if s), context, _prefix_offset=0, _read_offset=len(context))
 
@@ -38,17 +41,17 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
-        full = self.tokenizer.decode(self.ids[self._prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(self.ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self.text += full[len(prefix):]
+            self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
             self._check_stop()
         return self._release()
 
     def flush(self) -> str:
         """At the end of the stream: release everything still held back."""
-        self.emitted, tail = len(self.text), self.text[self.emitted:]
+        self.emitted, tail = len(self.text), self.text[self.emitted :]
         return tail
 
     def _check_stop(self) -> None:
@@ -65,6 +68,6 @@ class IncrementalDetokenizer:
             return self.flush()
         hold = max((len(s) for s in self.stop), default=1) - 1
         end = max(self.emitted, len(self.text) - hold)
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out

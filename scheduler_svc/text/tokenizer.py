@@ -2,11 +2,13 @@
 transformers, no torch), plus the bits of tokenizer/generation config the
 scheduler needs: EOS ids and the vocabulary size. (The chat template is the
 gateway's: gateway_svc/chat_template.py.)"""
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -39,12 +41,12 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
     )
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _token_text(value) -> str:
-    return value["content"] if isinstance(value, dict) else str(value)
+def _token_text(value: object) -> str:
+    return str(value["content"]) if isinstance(value, dict) else str(value)
 
 
 def _eos_ids(model_dir: Path, tokenizer: Tokenizer, special: dict[str, str]) -> set[int]:
@@ -61,4 +63,3 @@ def _eos_ids(model_dir: Path, tokenizer: Tokenizer, special: dict[str, str]) -> 
 
 def _vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
     return int(_read_json(model_dir / "config.json").get("vocab_size") or tokenizer.get_vocab_size())
-
