@@ -9,6 +9,7 @@ is set (the CA that signed its certificate), presenting PAGEDSERVE_HEALTHCHECK_C
 and PAGEDSERVE_HEALTHCHECK_KEY if it requires client certificates, and expecting
 the name PAGEDSERVE_HEALTHCHECK_SERVER_NAME in its certificate (default: the host).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,11 @@ def _channel(target: str):
         with open(path, "rb") as f:
             return f.read()
 
-    credentials = grpc.ssl_channel_credentials(read(ca), read(os.environ.get("PAGEDSERVE_HEALTHCHECK_KEY", "")),
-                                               read(os.environ.get("PAGEDSERVE_HEALTHCHECK_CERT", "")))
+    credentials = grpc.ssl_channel_credentials(
+        read(ca),
+        read(os.environ.get("PAGEDSERVE_HEALTHCHECK_KEY", "")),
+        read(os.environ.get("PAGEDSERVE_HEALTHCHECK_CERT", "")),
+    )
     options = []
     if name := os.environ.get("PAGEDSERVE_HEALTHCHECK_SERVER_NAME", ""):
         options.append(("grpc.ssl_target_name_override", name))
@@ -44,8 +48,9 @@ def grpc_ok(target: str, service: str = "") -> bool:
 
     with _channel(target) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=TIMEOUT_S)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
+            )
         except grpc.RpcError as err:
             print(f"{target}: {err.code().name}: {err.details()}", file=sys.stderr)
             return False

@@ -39,6 +39,7 @@ INT8, asymmetric with a zero point:
 
 A token whose values are all zero gets s = 0 and dequantizes to exact zeros.
 """
+
 from __future__ import annotations
 
 import torch

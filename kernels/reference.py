@@ -34,10 +34,14 @@ contiguous_prefill_attention / contiguous_decode_attention, take each
 sequence's slot index and read that slot's first context_len positions directly,
 with no block-table gather.
 """
+
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from kernels import quant
 
@@ -69,13 +73,21 @@ def write_kv(
     _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
     for x, cache, scale, zero in ((key, k_cache, k_scale, k_zero), (value, v_cache, v_scale, v_zero)):
         q, s, z = quant.quantize(x, cache.dtype)
+        assert scale is not None  # _check_scales
         cache[blocks, :, offsets] = q
         scale[blocks, :, offsets] = s
-        if zero is not None:
+        if zero is not None and z is not None:
             zero[blocks, :, offsets] = z
 
 
-def _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero) -> None:
+def _check_scales(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    k_zero: Tensor | None,
+    v_zero: Tensor | None,
+) -> None:
     """A quantized cache comes with scales shaped like it minus head_dim (and zero
     points for INT8)."""
     assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
@@ -105,7 +117,16 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, *rest).transpose(0, 1)
 
 
-def _read_kv(read, k_cache, v_cache, dtype, k_scale, v_scale, k_zero, v_zero):
+def _read_kv(
+    read: Callable[[Tensor], Tensor],
+    k_cache: Tensor,
+    v_cache: Tensor,
+    dtype: torch.dtype,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    k_zero: Tensor | None,
+    v_zero: Tensor | None,
+) -> tuple[Tensor, Tensor]:
     """The sequences' K and V [S, kv_heads, K, d] in `dtype`, dequantized (through
     fp32) when the cache is quantized. `read` takes one layer's cache tensor (values,
     scales or zero points) to the sequences' [S, kv_heads, K, ...]: a block-table
@@ -114,10 +135,11 @@ def _read_kv(read, k_cache, v_cache, dtype, k_scale, v_scale, k_zero, v_zero):
     if quantized:
         _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
 
-    def one(cache, scale, zero):
+    def one(cache: Tensor, scale: Tensor | None, zero: Tensor | None) -> Tensor:
         values = read(cache)
         if not quantized:
             return values.to(dtype)
+        assert scale is not None  # _check_scales
         return quant.dequantize(values, read(scale), read(zero) if zero is not None else None).to(dtype)
 
     return one(k_cache, k_scale, k_zero), one(v_cache, v_scale, v_zero)
@@ -146,12 +168,21 @@ def paged_prefill_attention(
     only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
     read through its scales (k_scale, v_scale, and k_zero, v_zero for INT8).
     """
-    keys, values = _read_kv(lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype,
-                            k_scale, v_scale, k_zero, v_zero)
+    keys, values = _read_kv(
+        lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
+    )
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
 
 
-def _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window) -> torch.Tensor:
+def _varlen_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    cu_query_lens: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    sliding_window: int,
+) -> Tensor:
     """Causal attention of varlen query rows over per-sequence K/V [S, kv_heads, K, d]
     whose position j is key j (K >= every context length; keys past a sequence's
     context are masked out). Shared by the paged and contiguous layouts."""
@@ -159,7 +190,9 @@ def _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, s
     num_seqs = keys.shape[0]
     device = query.device
     query_lens = cu_query_lens[1:] - cu_query_lens[:-1]
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens.long(), output_size=num_tokens)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), query_lens.long(), output_size=num_tokens
+    )
     row_of_token = torch.arange(num_tokens, device=device) - cu_query_lens[:-1].long()[seq_of_token]
     max_query_len = int(query_lens.max())
 
@@ -201,12 +234,15 @@ def paged_decode_attention(
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
-    keys, values = _read_kv(lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype,
-                            k_scale, v_scale, k_zero, v_zero)
+    keys, values = _read_kv(
+        lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
+    )
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
 
 
-def _decode_attention(query, keys, values, context_lens, scale, sliding_window) -> torch.Tensor:
+def _decode_attention(
+    query: Tensor, keys: Tensor, values: Tensor, context_lens: Tensor, scale: float, sliding_window: int
+) -> Tensor:
     """The decode case of _varlen_attention (one query row per sequence, at
     position context_len - 1) without its padding: decode steps are most of a
     server's steps, and this runs once per layer."""
@@ -216,7 +252,11 @@ def _decode_attention(query, keys, values, context_lens, scale, sliding_window) 
     if sliding_window > 0:
         mask &= key_pos[None, :] > last - sliding_window
     out = F.scaled_dot_product_attention(
-        query[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale,
+        query[:, :, None],
+        keys,
+        values,
+        attn_mask=mask[:, None, None],
+        scale=scale,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
     return out[:, :, 0]
@@ -267,8 +307,9 @@ def contiguous_prefill_attention(
     slots[s] ([S] ints in [0, max_batch)) and its context is that slot's first
     context_lens[s] positions. Same query/varlen conventions, same result."""
     length = int(context_lens.max()) if context_lens.numel() else 0
-    keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype,
-                            k_scale, v_scale, k_zero, v_zero)
+    keys, values = _read_kv(
+        lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
+    )
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
 
 
@@ -288,6 +329,7 @@ def contiguous_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over the contiguous layout. query [S, q_heads, d]."""
     length = int(context_lens.max()) if context_lens.numel() else 0
-    keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype,
-                            k_scale, v_scale, k_zero, v_zero)
+    keys, values = _read_kv(
+        lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
+    )
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)

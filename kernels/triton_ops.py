@@ -28,11 +28,13 @@ this module is imported, as tests/conftest.py does). Under the interpreter
 everything is cast to fp32 right after loading: its bf16 arithmetic works on the
 raw uint16 bits and is garbage otherwise.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kernels import quant, reference
 
@@ -98,13 +100,33 @@ def _quantize_rows(x, QUANT: tl.constexpr):
 
 @triton.jit
 def _write_kv_quant_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr,
-    slot_ptr, num_tokens,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
-    stride_sb, stride_sh, stride_ss,  # so do the scales and zero points
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_zero_ptr,
+    v_zero_ptr,
+    slot_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    stride_cd,  # k_cache and v_cache share a layout (asserted)
+    stride_sb,
+    stride_sh,
+    stride_ss,  # so do the scales and zero points
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr,  # 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
 ):
     # A program quantizes BLOCK_T tokens of one KV head: a row is one token's head
@@ -135,12 +157,27 @@ def _write_kv_quant_kernel(
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    stride_cd,  # k_cache and v_cache share a layout (asserted)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
 ):
     # A program writes BLOCK_T tokens; the columns are (kv head, dim) flattened.
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -150,8 +187,9 @@ def _write_kv_kernel(
     keep = (slot >= 0)[:, None] & (col < NUM_KV_HEADS * HEAD_DIM)[None, :]
     # int64 offsets: a large pool passes 2^31 elements.
     tok64 = tok.to(tl.int64)[:, None]
-    dst = (slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs)[:, None] \
-        + (head * stride_ch + dim * stride_cd)[None, :]
+    dst = (slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs)[:, None] + (
+        head * stride_ch + dim * stride_cd
+    )[None, :]
     k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep)
     v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep)
     tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr), mask=keep)
@@ -178,26 +216,53 @@ def write_kv(
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, k_cache.shape)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     code = quant.quant_code(k_cache.dtype)
-    if code:
-        k_scale, v_scale, k_zero, v_zero = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
     if num_tokens == 0:
+        if code:
+            _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
         return
     if code:
+        k_scale, v_scale, k_zero, v_zero = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
         block_d = triton.next_power_of_2(head_dim)
         block_t = max(1, min(16, 4096 // block_d, triton.next_power_of_2(num_tokens)))
         _write_kv_quant_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
-            key, value, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, slot_mapping, num_tokens,
-            *key.stride(), *value.stride(), *k_cache.stride(), *k_scale.stride(),
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_T=block_t, BLOCK_D=block_d, QUANT=code,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            k_zero,
+            v_zero,
+            slot_mapping,
+            num_tokens,
+            *key.stride(),
+            *value.stride(),
+            *k_cache.stride(),
+            *k_scale.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            QUANT=code,
         )
         return
     block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
     block_t = max(1, min(16, 4096 // block_hd, triton.next_power_of_2(num_tokens)))
     _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
-        key, value, k_cache, v_cache, slot_mapping, num_tokens,
-        *key.stride(), *value.stride(), *k_cache.stride(),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
-        BLOCK_T=block_t, BLOCK_HD=block_hd,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_tokens,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_T=block_t,
+        BLOCK_HD=block_hd,
     )
 
 
@@ -239,27 +304,46 @@ def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_query_lens_ptr,
-    k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr,  # read only when QUANT > 0
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    cu_query_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_zero_ptr,
+    v_zero_ptr,  # read only when QUANT > 0
     qk_scale,  # scale * log2(e): the softmax runs in base 2
-    sliding_window, num_seqs,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_cb, stride_ch, stride_cs, stride_cd,  # k_cache and v_cache share a layout (asserted)
+    sliding_window,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    stride_cd,  # k_cache and v_cache share a layout (asserted)
     stride_bt,
-    stride_sb, stride_sh, stride_ss,  # the scales and zero points share one too
-    GROUP: tl.constexpr,        # query heads per KV head
+    stride_sb,
+    stride_sh,
+    stride_ss,  # the scales and zero points share one too
+    GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
-    BLOCK_M: tl.constexpr,      # query rows per program: BLOCK_Q tokens x GROUP heads, padded
-    BLOCK_Q: tl.constexpr,      # query tokens per program (BLOCK_M // GROUP)
-    BLOCK_N: tl.constexpr,      # KV positions per loop iteration
-    BLOCK_D: tl.constexpr,      # HEAD_DIM padded to a power of two
-    DECODE: tl.constexpr,       # one query token per sequence: program 0 axis is the sequence
-    SLIDING: tl.constexpr,      # sliding_window > 0
-    COMPUTE: tl.constexpr,      # dtype of the tl.dot inputs (accumulation is fp32)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,  # query rows per program: BLOCK_Q tokens x GROUP heads, padded
+    BLOCK_Q: tl.constexpr,  # query tokens per program (BLOCK_M // GROUP)
+    BLOCK_N: tl.constexpr,  # KV positions per loop iteration
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    DECODE: tl.constexpr,  # one query token per sequence: program 0 axis is the sequence
+    SLIDING: tl.constexpr,  # sliding_window > 0
+    COMPUTE: tl.constexpr,  # dtype of the tl.dot inputs (accumulation is fp32)
     DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,        # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
+    QUANT: tl.constexpr,  # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
 ):
     kv_head = tl.program_id(1)
     if DECODE:
@@ -339,9 +423,17 @@ def _paged_attention_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                          query_dtype: torch.dtype, cache_dtype: torch.dtype, decode: bool, sliding: bool,
-                          interpret: bool = _INTERPRET) -> dict:
+def _attention_constexprs(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    decode: bool,
+    sliding: bool,
+    interpret: bool = _INTERPRET,
+) -> dict[str, object]:
     """The compile-time parameters of _paged_attention_kernel for one launch shape."""
     group = num_heads // num_kv_heads
     # Rows are (token, query head) pairs. The group is padded up to >= 16 rows, the
@@ -355,26 +447,55 @@ def _attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, bloc
     # what sm_86/89 parts have; halve the KV tile there.
     block_n = 32 if not interpret and cache_dtype.itemsize == 4 and head_dim > 64 else 64
     return dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_m // group,
-        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DECODE=decode, SLIDING=sliding,
-        COMPUTE=compute, DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_m // group,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DECODE=decode,
+        SLIDING=sliding,
+        COMPUTE=compute,
+        DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
         QUANT=quant.quant_code(cache_dtype),
     )
 
 
-def _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero):
+def _scale_args(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    k_zero: Tensor | None,
+    v_zero: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Checks the scales of a quantized cache; FP8 has no zero points, and their
     pointer slots get the scales (never read)."""
     reference._check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    assert k_scale is not None and v_scale is not None  # _check_scales
     assert k_scale.stride() == v_scale.stride(), (k_scale.stride(), v_scale.stride())
-    if k_zero is None:
+    if k_zero is None or v_zero is None:
         return k_scale, v_scale, k_scale, v_scale
     assert k_zero.stride() == k_scale.stride() == v_zero.stride(), (k_zero.stride(), k_scale.stride())
     return k_scale, v_scale, k_zero, v_zero
 
 
-def _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, scale, sliding_window,
-                      decode: bool, k_scale=None, v_scale=None, k_zero=None, v_zero=None) -> torch.Tensor:
+def _launch_attention(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    cu_query_lens,
+    scale,
+    sliding_window,
+    decode: bool,
+    k_scale=None,
+    v_scale=None,
+    k_zero=None,
+    v_zero=None,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
@@ -390,15 +511,29 @@ def _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_qu
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    meta = _attention_constexprs(num_heads, num_kv_heads, head_dim, block_size, query.dtype, k_cache.dtype,
-                                 decode, sliding_window > 0)
+    meta = _attention_constexprs(
+        num_heads, num_kv_heads, head_dim, block_size, query.dtype, k_cache.dtype, decode, sliding_window > 0
+    )
     # Decode: a program per (sequence, kv head). Prefill: flat query tiles (see
     # _find_seq), an upper bound on their number that needs no device sync.
     grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, *scales,
-        scale * LOG2E, sliding_window, num_seqs,
-        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0), *scale_strides,
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        cu_query_lens,
+        *scales,
+        scale * LOG2E,
+        sliding_window,
+        num_seqs,
+        *query.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        block_tables.stride(0),
+        *scale_strides,
         **meta,
     )
     return out
@@ -426,9 +561,21 @@ def paged_prefill_attention(
     j <= p, and with a sliding window W > 0 only j > p - W. Returns [T, q_heads, d]
     in query's dtype. A quantized cache is read through its scales (k_scale,
     v_scale, and k_zero, v_zero for INT8)."""
-    return _launch_attention(query, k_cache, v_cache, block_tables, context_lens, cu_query_lens, scale,
-                             sliding_window, decode=False, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
-                             v_zero=v_zero)
+    return _launch_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        cu_query_lens,
+        scale,
+        sliding_window,
+        decode=False,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_zero=k_zero,
+        v_zero=v_zero,
+    )
 
 
 def paged_decode_attention(
@@ -449,27 +596,90 @@ def paged_decode_attention(
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
     # cu_query_lens is unused in decode mode; any tensor fills the pointer slot.
-    return _launch_attention(query, k_cache, v_cache, block_tables, context_lens, context_lens, scale,
-                             sliding_window, decode=True, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
-                             v_zero=v_zero)
+    return _launch_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        context_lens,
+        scale,
+        sliding_window,
+        decode=True,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_zero=k_zero,
+        v_zero=v_zero,
+    )
 
 
-def contiguous_prefill_attention(query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale,
-                                 sliding_window=0, *, k_scale=None, v_scale=None, k_zero=None, v_zero=None):
+def contiguous_prefill_attention(
+    query,
+    k_cache,
+    v_cache,
+    slots,
+    cu_query_lens,
+    context_lens,
+    scale,
+    sliding_window=0,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_zero=None,
+    v_zero=None,
+):
     """reference.contiguous_prefill_attention: a contiguous cache [max_batch, kv_heads,
     max_seq_len, d] is a paged one whose blocks are max_seq_len long, one per
     sequence, so the paged kernel reads each slot directly through a 1-entry table."""
     table = slots.to(torch.int32).reshape(-1, 1)
-    return _launch_attention(query, k_cache, v_cache, table, context_lens, cu_query_lens, scale, sliding_window,
-                             decode=False, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
+    return _launch_attention(
+        query,
+        k_cache,
+        v_cache,
+        table,
+        context_lens,
+        cu_query_lens,
+        scale,
+        sliding_window,
+        decode=False,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_zero=k_zero,
+        v_zero=v_zero,
+    )
 
 
-def contiguous_decode_attention(query, k_cache, v_cache, slots, context_lens, scale, sliding_window=0, *,
-                                k_scale=None, v_scale=None, k_zero=None, v_zero=None):
+def contiguous_decode_attention(
+    query,
+    k_cache,
+    v_cache,
+    slots,
+    context_lens,
+    scale,
+    sliding_window=0,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_zero=None,
+    v_zero=None,
+):
     """reference.contiguous_decode_attention (see contiguous_prefill_attention)."""
     table = slots.to(torch.int32).reshape(-1, 1)
-    return _launch_attention(query, k_cache, v_cache, table, context_lens, context_lens, scale, sliding_window,
-                             decode=True, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
+    return _launch_attention(
+        query,
+        k_cache,
+        v_cache,
+        table,
+        context_lens,
+        context_lens,
+        scale,
+        sliding_window,
+        decode=True,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_zero=k_zero,
+        v_zero=v_zero,
+    )
 
 
 # Whole-block copies (values, and the scales of a quantized cache) are plain
@@ -477,5 +687,12 @@ def contiguous_decode_attention(query, k_cache, v_cache, slots, context_lens, sc
 copy_blocks = reference.copy_blocks
 
 
-__all__ = ["interpreter_enabled", "write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
-           "contiguous_decode_attention", "contiguous_prefill_attention"]
+__all__ = [
+    "interpreter_enabled",
+    "write_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "contiguous_decode_attention",
+    "contiguous_prefill_attention",
+]

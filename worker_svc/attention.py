@@ -5,6 +5,7 @@ runs the Triton kernels (compiled on CUDA, or under TRITON_INTERPRET=1 in tests)
 The cache (paged or contiguous, worker_svc/kv_cache.py) picks which ops of the
 backend read its layout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,5 +44,3 @@ class CacheAttention:
         # FP8/INT8 caches quantize on write and dequantize on read.
         self.cache.write(self.ops, layer, k, v, self.batch.slot_mapping)
         return self.cache.attend(self.ops, layer, q, self.batch, self.scale, window)
-
-

@@ -1,4 +1,5 @@
 """Executes one validated step: block copies, one batched forward, sampling."""
+
 from __future__ import annotations
 
 import time
@@ -27,6 +28,7 @@ class LastSamples:
     """The token ids the last step sampled, kept where they were sampled (on the
     device) for the decodes of a step planned ahead, which name them instead of
     carrying them. Only the last step's: a worker keeps no other request state."""
+
     step_id: int
     rows: dict[int, int]  # seq_id -> row of token_ids
     token_ids: torch.Tensor
@@ -70,14 +72,19 @@ class ModelRunner:
             params = [s.sampling for s in batch.sample_seqs]
             positions = [s.context_len for s in batch.sample_seqs]
             tokens, logprobs = self.sampler(logits, params, positions)
-            self.last_samples = LastSamples(step.step_id, {s.seq_id: i for i, s in enumerate(batch.sample_seqs)},
-                                            tokens.to(self.model.device))
+            self.last_samples = LastSamples(
+                step.step_id, {s.seq_id: i for i, s in enumerate(batch.sample_seqs)}, tokens.to(self.model.device)
+            )
             for i, seq in enumerate(batch.sample_seqs):
                 row = logits[i].cpu() if seq.return_logits else None
                 sampled.append(SampledToken(seq.seq_id, int(tokens[i]), float(logprobs[i]), row))
         t3 = time.perf_counter()
-        timings = {"prepare_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3,
-                   "sample_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3}
+        timings = {
+            "prepare_ms": (t1 - t0) * 1e3,
+            "forward_ms": (t2 - t1) * 1e3,
+            "sample_ms": (t3 - t2) * 1e3,
+            "total_ms": (t3 - t0) * 1e3,
+        }
         return StepOutput(step.step_id, sampled, int(batch.input_ids.numel()), timings)
 
 

@@ -5,6 +5,7 @@ token with probability p). A seeded sequence draws its noise from a generator
 seeded by (seed, position), so the stateless worker samples the same token for
 the same request at the same position, whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,9 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[Sampling], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, logits: torch.Tensor, params: list[Sampling], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, V] fp32 -> (token ids [N], logprobs [N] under the unscaled distribution)."""
         logits = logits.float().cpu()
         greedy = logits.argmax(dim=-1)
@@ -38,7 +41,9 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if random_rows:
             rows = torch.tensor(random_rows)
-            chosen = self._sample_rows(logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows])
+            chosen = self._sample_rows(
+                logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
+            )
             tokens[rows] = chosen
         # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
         logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)

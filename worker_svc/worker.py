@@ -1,5 +1,6 @@
 """A worker: the model, its paged KV cache and the step executor, built from config.
 No request state lives here; every step says everything it needs."""
+
 from __future__ import annotations
 
 import threading
@@ -23,8 +24,13 @@ log = structlog.get_logger(__name__)
 # How long a step planned ahead waits for the step it names (sent just before it).
 PREVIOUS_STEP_WAIT_S = 5.0
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
-                   "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+KV_TORCH_DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
 # FP8 e4m3 needs Ada / Hopper or newer: native e4m3 conversions, and Triton's
 # fp8e4nv type, start at compute capability 8.9.
 FP8_MIN_CUDA_CAPABILITY = (8, 9)
@@ -47,10 +53,14 @@ def resolve_kv_dtype(requested: str, weights_dtype: torch.dtype, device: torch.d
     if dtype == torch.float8_e4m3fn and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CUDA_CAPABILITY:
-            log.warning("kv cache fp8 not supported on this device: falling back to int8",
-                        requested="fp8", kv_dtype="int8", device=_describe(device),
-                        compute_capability=f"{capability[0]}.{capability[1]}",
-                        needs=f"{FP8_MIN_CUDA_CAPABILITY[0]}.{FP8_MIN_CUDA_CAPABILITY[1]}")
+            log.warning(
+                "kv cache fp8 not supported on this device: falling back to int8",
+                requested="fp8",
+                kv_dtype="int8",
+                device=_describe(device),
+                compute_capability=f"{capability[0]}.{capability[1]}",
+                needs=f"{FP8_MIN_CUDA_CAPABILITY[0]}.{FP8_MIN_CUDA_CAPABILITY[1]}",
+            )
             return torch.int8
     return dtype
 
@@ -96,24 +106,47 @@ class Worker:
         # one per sequence; the same [layers, ids, kv_heads, tokens, head_dim] tensor.
         contiguous = config.kv_layout == "contiguous"
         tokens_per_id = max_len if contiguous else config.block_size
-        num_ids = (config.max_batch if contiguous else config.num_blocks) or self._ids_for_memory(kv_dtype,
-                                                                                                   tokens_per_id)
-        self.cache: KVCachePool = make_kv_cache(config.kv_layout, spec.num_layers, num_ids, spec.num_kv_heads,
-                                                tokens_per_id, spec.head_dim, kv_dtype, self.device)
+        num_ids = (config.max_batch if contiguous else config.num_blocks) or self._ids_for_memory(
+            kv_dtype, tokens_per_id
+        )
+        self.cache: KVCachePool = make_kv_cache(
+            config.kv_layout,
+            spec.num_layers,
+            num_ids,
+            spec.num_kv_heads,
+            tokens_per_id,
+            spec.head_dim,
+            kv_dtype,
+            self.device,
+        )
         self.backend = resolve_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.cache, load_ops(self.backend),
-                                  Sampler(None if config.seed < 0 else config.seed))
+        self.runner = ModelRunner(
+            self.model, self.cache, load_ops(self.backend), Sampler(None if config.seed < 0 else config.seed)
+        )
         self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout)
         self.info = WorkerInfo(
-            model_name=Path(config.model).resolve().name, model_type=spec.model_type, num_layers=spec.num_layers,
-            num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            vocab_size=spec.vocab_size, max_model_len=max_len, block_size=tokens_per_id, num_blocks=num_ids,
-            kv_dtype=str(kv_dtype).removeprefix("torch."), dtype=config.dtype, device=_describe(self.device),
-            instance_id=uuid.uuid4().hex, kv_bytes_per_block=self.cache.block_bytes,
-            sliding_window=spec.sliding_window, attention_backend=self.backend,
+            model_name=Path(config.model).resolve().name,
+            model_type=spec.model_type,
+            num_layers=spec.num_layers,
+            num_q_heads=spec.num_q_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            max_model_len=max_len,
+            block_size=tokens_per_id,
+            num_blocks=num_ids,
+            kv_dtype=str(kv_dtype).removeprefix("torch."),
+            dtype=config.dtype,
+            device=_describe(self.device),
+            instance_id=uuid.uuid4().hex,
+            kv_bytes_per_block=self.cache.block_bytes,
+            sliding_window=spec.sliding_window,
+            attention_backend=self.backend,
             kv_bytes_per_token=self.cache.block_bytes // tokens_per_id,
-            kv_scale_bytes_per_block=self.cache.scale_block_bytes, kv_dtype_requested=config.kv_dtype,
-            kv_layout=config.kv_layout, max_batch=num_ids if contiguous else 0,
+            kv_scale_bytes_per_block=self.cache.scale_block_bytes,
+            kv_dtype_requested=config.kv_dtype,
+            kv_layout=config.kv_layout,
+            max_batch=num_ids if contiguous else 0,
         )
         # One step at a time (steps mutate the shared cache), and a step planned
         # ahead only right after the step it names.
@@ -124,8 +157,9 @@ class Worker:
         """Blocks (or contiguous slots of max_seq_len tokens) that fit in
         --kv-cache-memory-mb, each costing its values and scales."""
         spec = self.model.spec
-        per_id = PagedKVCache.bytes_per_block(spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim,
-                                              kv_dtype)
+        per_id = PagedKVCache.bytes_per_block(
+            spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype
+        )
         return max(1, self.config.kv_cache_memory_mb * 2**20 // per_id)
 
     def step(self, step: StepInput) -> StepOutput:
@@ -147,10 +181,12 @@ class Worker:
                 self._step_done.notify_all()
 
     def _await_previous(self, previous: int) -> None:
-        ran = lambda: self._last_step is not None and self._last_step[0] == previous  # noqa: E731
+        ran = lambda: self._last_step is not None and self._last_step[0] == previous
         if not self._step_done.wait_for(ran, timeout=PREVIOUS_STEP_WAIT_S) or not self._last_step[1]:
-            raise StaleStep(f"previous_step_id: step {previous} is not the step this worker ran last "
-                            f"({self._last_step}); it restarted or that step failed")
+            raise StaleStep(
+                f"previous_step_id: step {previous} is not the step this worker ran last "
+                f"({self._last_step}); it restarted or that step failed"
+            )
 
 
 def _describe(device: torch.device) -> str:

@@ -13,6 +13,7 @@ a scheduler, as real processes, on a tiny checkpoint and on the default model.
   leave top-1 margins of 0.1-0.4 logits at most first positions, within what
   FP8's 3-bit mantissa moves, so there the floor is a majority of prompts.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -58,9 +59,13 @@ def unquantized_greedy(model_dir, prompt_ids) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for ids in prompt_ids:
-            full = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  pad_token_id=model.generation_config.eos_token_id)
-            out.append(full[0, len(ids):].tolist())
+            full = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=model.generation_config.eos_token_id,
+            )
+            out.append(full[0, len(ids) :].tolist())
     return out
 
 
@@ -81,13 +86,16 @@ def _agreement(got: list[int], want: list[int]) -> tuple[float, int]:
 
 @pytest.mark.parametrize("kv_dtype,reported", [("int8", "int8"), ("fp8", "float8_e4m3fn")])
 def test_quantized_cache_end_to_end(kv_dtype, reported, model_dir, prompt_ids, unquantized_greedy, record_property):
-    cluster = Cluster(model_dir, ["--dtype", "float32", "--kv-dtype", kv_dtype, "--num-blocks", "64"],
-                      ["--max-num-seqs", "8"])
+    cluster = Cluster(
+        model_dir, ["--dtype", "float32", "--kv-dtype", kv_dtype, "--num-blocks", "64"], ["--max-num-seqs", "8"]
+    )
     with cluster, SchedulerClient(cluster.address) as client:
         with grpc.insecure_channel(cluster.workers[0].address) as channel:
             info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest())
-        runs = [(_run(client, prompt_ids, temperature=0.0), _run(client, prompt_ids, temperature=0.8, seed=1234))
-                for _ in range(2)]
+        runs = [
+            (_run(client, prompt_ids, temperature=0.0), _run(client, prompt_ids, temperature=0.8, seed=1234))
+            for _ in range(2)
+        ]
 
     # Info: the dtype in use, and its memory with the scales counted.
     assert (info.kv_dtype, info.kv_dtype_requested) == (reported, kv_dtype)
@@ -111,8 +119,10 @@ def test_quantized_cache_end_to_end(kv_dtype, reported, model_dir, prompt_ids, u
     prefixes = [p for _, p in stats]
     record_property(f"{kv_dtype}_greedy_agreement", round(mean_agreement, 3))
     record_property(f"{kv_dtype}_common_prefixes", prefixes)
-    print(f"\n{kv_dtype}: greedy agreement with the fp32 cache {mean_agreement:.1%}, "
-          f"common prefixes {prefixes} of {MAX_TOKENS}")
+    print(
+        f"\n{kv_dtype}: greedy agreement with the fp32 cache {mean_agreement:.1%}, "
+        f"common prefixes {prefixes} of {MAX_TOKENS}"
+    )
     firsts = [r.token_ids[0] == want[0] for r, want in zip(greedy_1, unquantized_greedy)]
     floor = len(firsts) if model_dir.name == "SmolLM2-135M-Instruct" else (len(firsts) + 1) // 2
     assert sum(firsts) >= floor, f"first generated token vs the unquantized cache's, per prompt: {firsts}"

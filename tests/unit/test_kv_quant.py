@@ -10,6 +10,7 @@ shapes are small. Attention tolerances follow vLLM's FP8 KV-cache kernel tests
 reference that reads the same dequantized cache; here the reference is the fp32
 cache itself, so the tolerance covers the quantization error too.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from kernels import quant, reference  # noqa: E402
-from kernels import triton_ops  # noqa: E402
-from worker_svc.kv_cache import PagedKVCache  # noqa: E402
+from kernels import (
+    quant,
+    reference,
+    triton_ops,
+)
+from worker_svc.kv_cache import PagedKVCache
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 QDTYPES = [quant.FP8_DTYPE, torch.int8]
@@ -55,13 +59,16 @@ def _assert_same_cache(a, b):
 
 
 def _dequantized(k_cache, v_cache, scales) -> tuple[torch.Tensor, torch.Tensor]:
-    return (quant.dequantize(k_cache, scales["k_scale"], scales.get("k_zero")),
-            quant.dequantize(v_cache, scales["v_scale"], scales.get("v_zero")))
+    return (
+        quant.dequantize(k_cache, scales["k_scale"], scales.get("k_zero")),
+        quant.dequantize(v_cache, scales["v_scale"], scales.get("v_zero")),
+    )
 
 
 def _slots(table: list[int], start: int, count: int, block_size=16) -> torch.Tensor:
-    return torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(start, start + count)],
-                        device=DEVICE)
+    return torch.tensor(
+        [table[p // block_size] * block_size + p % block_size for p in range(start, start + count)], device=DEVICE
+    )
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
@@ -74,8 +81,14 @@ def _rows() -> torch.Tensor:
     rows = [torch.randn(64, 64, generator=g) * 10.0 ** torch.randint(-6, 4, (64, 1), generator=g)]
     outlier = torch.randn(8, 64, generator=g)
     outlier[:, 3] = 1000.0
-    rows += [outlier, torch.rand(4, 64, generator=g) + 0.5, -torch.rand(4, 64, generator=g), torch.zeros(2, 64),
-             torch.randn(4, 64, generator=g) * 1e-3 + 1.0, torch.linspace(-1, 1, 64)[None]]
+    rows += [
+        outlier,
+        torch.rand(4, 64, generator=g) + 0.5,
+        -torch.rand(4, 64, generator=g),
+        torch.zeros(2, 64),
+        torch.randn(4, 64, generator=g) * 1e-3 + 1.0,
+        torch.linspace(-1, 1, 64)[None],
+    ]
     return torch.cat(rows).to(DEVICE)
 
 
@@ -141,8 +154,14 @@ def test_token_by_token_equals_whole_block(backend, dtype):
         parts = _cache(8, kv_heads, head_dim, dtype)
         start = 0
         for size in chunks:
-            ops.write_kv(key[start:start + size], value[start:start + size], parts[0], parts[1],
-                         _slots(table, start, size), **parts[2])
+            ops.write_kv(
+                key[start : start + size],
+                value[start : start + size],
+                parts[0],
+                parts[1],
+                _slots(table, start, size),
+                **parts[2],
+            )
             start += size
         _assert_same_cache(parts, whole)
 
@@ -154,7 +173,7 @@ def test_triton_write_matches_torch(dtype, input_dtype):
     as non-contiguous views of one qkv row, as the model hands them over."""
     kv_heads, head_dim, n = 2, 24, 21
     qkv = (torch.randn(n, 3 * kv_heads, head_dim, generator=_gen(2)) * 3).to(DEVICE, input_dtype)
-    key, value = qkv[:, :kv_heads], qkv[:, kv_heads:2 * kv_heads]
+    key, value = qkv[:, :kv_heads], qkv[:, kv_heads : 2 * kv_heads]
     slots = torch.randperm(8 * 16, generator=_gen(3))[:n]
     slots[[0, 7, 20]] = -1
     slots = slots.to(DEVICE)
@@ -181,9 +200,17 @@ def test_copy_blocks_copies_scales(dtype):
     # Reading through the copy gives bit-identical attention (same values, same scales).
     query = torch.randn(1, 4, 32, generator=g).to(DEVICE)
     ctx = torch.tensor([20], dtype=torch.int32, device=DEVICE)
-    outs = [reference.paged_decode_attention(query, *cache.layer(1), torch.tensor([t], dtype=torch.int32,
-                                             device=DEVICE), ctx, 0.2, **cache.layer_scales(1))
-            for t in ([1, 2], [6, 4])]
+    outs = [
+        reference.paged_decode_attention(
+            query,
+            *cache.layer(1),
+            torch.tensor([t], dtype=torch.int32, device=DEVICE),
+            ctx,
+            0.2,
+            **cache.layer_scales(1),
+        )
+        for t in ([1, 2], [6, 4])
+    ]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -194,7 +221,7 @@ PREFILL = [(16, 48), (5, 18), (33, 70), (1, 1)]  # (new tokens, context)
 
 
 def _vllm_uniform(shape, head_dim, seed):
-    bound = head_dim ** -0.5
+    bound = head_dim**-0.5
     return ((torch.rand(shape, generator=_gen(seed)) * 2 - 1) * bound).to(DEVICE)
 
 
@@ -203,10 +230,10 @@ def _filled(dtype, contexts, kv_heads, head_dim, num_blocks=32):
     reference.write_kv), random block tables, and the fp32 K/V that went in."""
     block_size = 16
     per_seq = [-(-c // block_size) for c in contexts]
-    perm = torch.randperm(num_blocks, generator=_gen(5))[:sum(per_seq)].tolist()
+    perm = torch.randperm(num_blocks, generator=_gen(5))[: sum(per_seq)].tolist()
     tables, slots, start = [], [], 0
     for c, nb in zip(contexts, per_seq):
-        table = perm[start:start + nb]
+        table = perm[start : start + nb]
         start += nb
         tables.append(table + [table[0]] * (max(per_seq) - nb))  # padding: any valid id
         slots.append(_slots(table, 0, c))
@@ -241,7 +268,7 @@ def test_attention_vs_fp32_reference(dtype, kind):
     same K/V: within vLLM's FP8 KV tolerance. And dequantize-inside-attention is
     exactly attention over the dequantized cache."""
     q_heads, kv_heads, head_dim = 8, 2, 64
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     query_lens, contexts = _case(kind)
     query = _vllm_uniform((sum(query_lens), q_heads, head_dim), head_dim, 8)
     quantized, tables = _filled(dtype, contexts, kv_heads, head_dim)
@@ -253,13 +280,16 @@ def test_attention_vs_fp32_reference(dtype, kind):
     # INT8's step is 1/255 of the range, FP8's relative step 1/16: INT8 is far closer.
     assert err < {quant.FP8_DTYPE: VLLM_FP8_ATOL, torch.int8: 1e-3}[dtype], err
     dequantized = (*_dequantized(*quantized), {})
-    torch.testing.assert_close(out, _attend(reference, kind, query, dequantized, tables, query_lens, contexts, scale),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        out, _attend(reference, kind, query, dequantized, tables, query_lens, contexts, scale), atol=1e-6, rtol=1e-6
+    )
 
 
-@pytest.mark.parametrize("kind,window,heads", [("decode", 0, (8, 2, 64)), ("decode", 8, (4, 1, 32)),
-                                               ("prefill", 0, (4, 4, 32)), ("prefill", 9, (8, 2, 64))],
-                         ids=["decode-gqa", "decode-mqa-window", "prefill-mha", "prefill-gqa-window"])
+@pytest.mark.parametrize(
+    "kind,window,heads",
+    [("decode", 0, (8, 2, 64)), ("decode", 8, (4, 1, 32)), ("prefill", 0, (4, 4, 32)), ("prefill", 9, (8, 2, 64))],
+    ids=["decode-gqa", "decode-mqa-window", "prefill-mha", "prefill-gqa-window"],
+)
 @pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)
 def test_triton_attention_matches_torch(dtype, kind, window, heads):
     q_heads, kv_heads, head_dim = heads
@@ -320,8 +350,9 @@ def test_worker_sizes_pool_with_scales_and_reports_them(kv_dtype, expected):
     from worker_svc.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
-    worker = Worker(WorkerConfig(model=str(ensure_checkpoint("llama")), dtype="float32", kv_dtype=kv_dtype,
-                                 kv_cache_memory_mb=1))
+    worker = Worker(
+        WorkerConfig(model=str(ensure_checkpoint("llama")), dtype="float32", kv_dtype=kv_dtype, kv_cache_memory_mb=1)
+    )
     info = worker.info
     assert (info.kv_dtype, info.kv_dtype_requested) == (expected, kv_dtype)
     assert info.num_blocks == 2**20 // info.kv_bytes_per_block
@@ -330,8 +361,10 @@ def test_worker_sizes_pool_with_scales_and_reports_them(kv_dtype, expected):
     values = 2 * info.num_layers * info.num_kv_heads * info.block_size * info.head_dim  # one byte each
     assert info.kv_scale_bytes_per_block == info.kv_bytes_per_block - values > 0
     reply = worker_pb2.InfoResponse(**dataclasses.asdict(info))  # what the Info RPC sends
-    assert (reply.kv_bytes_per_token, reply.kv_scale_bytes_per_block) == (info.kv_bytes_per_token,
-                                                                         info.kv_scale_bytes_per_block)
+    assert (reply.kv_bytes_per_token, reply.kv_scale_bytes_per_block) == (
+        info.kv_bytes_per_token,
+        info.kv_scale_bytes_per_block,
+    )
 
 
 def test_fp8_falls_back_to_int8_below_sm89(monkeypatch):
@@ -370,8 +403,14 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))
-    workers = {b: Worker(WorkerConfig(model=model, dtype="float32", kv_dtype=kv_dtype, num_blocks=16,
-                                      attention_backend=b, device=str(DEVICE))) for b in ("torch", "triton")}
+    workers = {
+        b: Worker(
+            WorkerConfig(
+                model=model, dtype="float32", kv_dtype=kv_dtype, num_blocks=16, attention_backend=b, device=str(DEVICE)
+            )
+        )
+        for b in ("torch", "triton")
+    }
     prompt = torch.randint(3, workers["torch"].info.vocab_size, (20,), generator=_gen(11)).tolist()
 
     def seq(seq_id, tokens, start, table):
@@ -391,8 +430,10 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     # Layer 0's K/V come straight from the embeddings, so both backends quantize the
     # same inputs: same bits. (Deeper layers' inputs differ in the last fp32 bits.)
     caches = [w.cache for w in workers.values()]
-    for a, b in zip((caches[0].k, caches[0].v, *caches[0].scale_tensors().values()),
-                    (caches[1].k, caches[1].v, *caches[1].scale_tensors().values())):
+    for a, b in zip(
+        (caches[0].k, caches[0].v, *caches[0].scale_tensors().values()),
+        (caches[1].k, caches[1].v, *caches[1].scale_tensors().values()),
+    ):
         assert torch.equal(_bits(a[0]), _bits(b[0]))
 
 
@@ -436,6 +477,12 @@ def test_quantized_kernels_compile_for_cuda():
     from pathlib import Path
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=Path(__file__).parents[2], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        cwd=Path(__file__).parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -6,6 +6,7 @@ setdefault below covers running this file on its own). Each interpreter launch
 costs ~0.1 s, so shapes are small and parameters few; with CUDA the same tests
 run the compiled kernels.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from kernels import reference  # noqa: E402
-from kernels import triton_ops  # noqa: E402
+from kernels import (
+    reference,
+    triton_ops,
+)
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -58,8 +61,10 @@ def _assert_close(actual, expected, dtype):
 # --------------------------------------------------------------------------- write_kv
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                               (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
+)
 def test_write_kv_matches_reference(dtype, cache_dtype):
     num_tokens, kv_heads, head_dim = 21, 2, 64
     # The caches are views inside bigger buffers, so that a skipped slot written
@@ -68,7 +73,7 @@ def test_write_kv_matches_reference(dtype, cache_dtype):
     k_cache, v_cache = k_buf[1:41], v_buf[1:41]
     # key/value as the model hands them over: non-contiguous views of one qkv row.
     qkv = _query(num_tokens, 3 * kv_heads, head_dim, dtype)
-    key, value = qkv[:, :kv_heads], qkv[:, kv_heads: 2 * kv_heads]
+    key, value = qkv[:, :kv_heads], qkv[:, kv_heads : 2 * kv_heads]
     assert not key.is_contiguous()
     slots = torch.randperm(40 * 16)[:num_tokens]
     slots[[0, 7, 20]] = -1  # skipped: e.g. a prefix-cache hit whose KV is already there
@@ -90,8 +95,9 @@ def test_write_kv_matches_reference(dtype, cache_dtype):
 DECODE_CONTEXTS = [1, 15, 16, 17, 100]  # one token, partial block, block edges, several blocks
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 16), (4, 1, 64), (5, 1, 24)],
-                         ids=["mha", "gqa", "mqa", "mqa5-d24"])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 16), (4, 1, 64), (5, 1, 24)], ids=["mha", "gqa", "mqa", "mqa5-d24"]
+)
 def test_decode_head_configs(q_heads, kv_heads, head_dim):
     k_cache, v_cache = _kv_cache(64, kv_heads, head_dim, torch.float32)
     tables, _, ctx = _batch([1] * len(DECODE_CONTEXTS), DECODE_CONTEXTS, 64)
@@ -148,8 +154,9 @@ PREFILL_CASES = {
 
 
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 16), (5, 1, 80)],
-                         ids=["mha-d64", "gqa-d16", "mqa5-d80"])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 16), (5, 1, 80)], ids=["mha-d64", "gqa-d16", "mqa5-d80"]
+)
 def test_prefill_matches_reference(case, q_heads, kv_heads, head_dim):
     query_lens, contexts = zip(*PREFILL_CASES[case])
     k_cache, v_cache = _kv_cache(256, kv_heads, head_dim, torch.float32)
@@ -242,8 +249,9 @@ def test_unseen_slots_are_never_read(window):
     expected = reference.paged_prefill_attention(query, k_clean, v_clean, tables, cu, ctx, SCALE, window)
     _assert_close(out, expected, torch.float32)
     decode = torch.tensor([0, 3], device=DEVICE)  # the one-token sequences through the decode kernel
-    out = triton_ops.paged_decode_attention(query[cu[decode]], k_cache, v_cache, tables[decode], ctx[decode],
-                                            SCALE, window)
+    out = triton_ops.paged_decode_attention(
+        query[cu[decode]], k_cache, v_cache, tables[decode], ctx[decode], SCALE, window
+    )
     assert torch.isfinite(out).all()
     _assert_close(out, expected[cu[decode]], torch.float32)
 
@@ -257,8 +265,9 @@ def test_window_skips_blocks_outside(monkeypatch):
 
     dots = []
     real_dot = interpreter.InterpreterBuilder.create_dot
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, *args: dots.append(1) or real_dot(self, *args))
+    monkeypatch.setattr(
+        interpreter.InterpreterBuilder, "create_dot", lambda self, *args: dots.append(1) or real_dot(self, *args)
+    )
     k_cache, v_cache = _kv_cache(64, 1, 16, torch.float32)
     tables, cu, ctx = _batch([1], [1000], 64)
     query = _query(1, 4, 16, torch.float32)
@@ -266,8 +275,9 @@ def test_window_skips_blocks_outside(monkeypatch):
         dots.clear()
         out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window)
         assert len(dots) == 2 * tiles, (window, len(dots))
-        _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window),
-                      torch.float32)
+        _assert_close(
+            out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window), torch.float32
+        )
     dots.clear()  # prefill: 10 new tokens at positions 990..999, window 8 -> positions 983..999
     cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     query = _query(10, 4, 16, torch.float32)
@@ -317,8 +327,14 @@ def test_kernels_compile_for_cuda():
     from pathlib import Path
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=Path(__file__).parents[2], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        cwd=Path(__file__).parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -335,9 +351,12 @@ def test_worker_triton_backend_matches_torch():
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))
-    workers = {backend: Worker(WorkerConfig(model=model, dtype="float32", num_blocks=32, attention_backend=backend,
-                                            device=str(DEVICE)))
-               for backend in ("torch", "triton")}
+    workers = {
+        backend: Worker(
+            WorkerConfig(model=model, dtype="float32", num_blocks=32, attention_backend=backend, device=str(DEVICE))
+        )
+        for backend in ("torch", "triton")
+    }
     assert workers["triton"].backend == "triton"
     vocab = workers["torch"].info.vocab_size
     prompt_a = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist()
