@@ -1,77 +1,129 @@
-"""Token sampling: greedy, temperature, top-k, top-p, vectorized over the batch.
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p.
 
-Randomness comes from an exponential race (argmax of p / Exp(1) noise draws one
-token with probability p). A seeded sequence draws its noise from a generator
-seeded by (seed, position), so the stateless worker samples the same token for
-the same request at the same position, whatever else is in the batch.
+A sample is a Gumbel race, argmax(logits / T + Gumbel noise), over the tokens
+the top-k/top-p filter keeps. The noise of token t is a hash of (row key, t)
+computed with integer tensor ops, and a seeded row's key is a hash of
+(seed, position): the same request samples the same token at the same
+position whatever else is in the batch, on any device. Unseeded rows get keys
+drawn on the host each step and go through the same path.
+
+Only one tensor crosses to the host per step: token ids and logprobs packed
+as float64 columns (ids < 2**53 are exact), so more columns (top-N logprobs)
+can join the same copy.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker_svc.step_input import Sampling
 
-_MASK64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
+# Columns of the per-row parameter block sent to the device in one copy.
+_TEMP, _GREEDY, _TOP_K, _TOP_P, _KEY = range(5)
+_NCOLS = 5
 
 
-def position_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): nearby positions get unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """splitmix64 of (seed, position) in uint64 (numpy wraps by definition), top 32 bits."""
+    with np.errstate(over="ignore"):
+        z = seeds * np.uint64(0x9E3779B97F4A7C15) + positions + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) >> np.uint64(32)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for 0 <= x < 2**32, in 16-bit halves of c so no int64 product
+    overflows (signed overflow is undefined in the C++ kernels, not merely wrapping)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Wellons) on int64 lanes holding 32-bit values: exact on every device."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] int64 keys -> [B, vocab] float32 Gumbel(0, 1) noise, a pure function of (key, token)."""
+    tokens = torch.arange(vocab, device=keys.device)
+    bits = hash32(keys[:, None] ^ tokens[None, :]) >> 9
+    # (23-bit integer + 0.5) * 2**-23 needs 24 significant bits: exact in float32, strictly in (0, 1).
+    uniform = (bits.float() + 0.5) * 2.0**-23
+    return -torch.log(-torch.log(uniform))
 
 
 class Sampler:
     def __init__(self, seed: int | None = None):
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
 
     def __call__(
         self, logits: torch.Tensor, params: list[Sampling], positions: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [N, V] fp32 -> (token ids [N], logprobs [N] under the unscaled distribution)."""
-        logits = logits.float().cpu()
-        greedy = logits.argmax(dim=-1)
-        tokens = greedy.clone()
-        random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-        if random_rows:
-            rows = torch.tensor(random_rows)
-            chosen = self._sample_rows(
-                logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
-            )
-            tokens[rows] = chosen
+        """logits [N, V] -> host (token ids [N], logprobs [N] under the unscaled distribution)."""
+        packed = self.sample_packed(logits, params, positions).cpu()
+        return packed[:, 0].long(), packed[:, 1].float()
+
+    def sample_packed(self, logits: torch.Tensor, params: list[Sampling], positions: list[int]) -> torch.Tensor:
+        """[N, 2] float64 on the logits' device: token id, logprob."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        if any(p.temperature > 0 for p in params):
+            rows, filter_rows = self._row_params(params, positions, logits.shape[-1], logits.device)
+            tokens = torch.where(rows[:, _GREEDY] > 0, tokens, _sample(logits, rows, filter_rows))
         # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
         logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        return tokens, logprobs
+        return torch.stack([tokens.double(), logprobs.double()], dim=1)
 
-    def _sample_rows(self, logits: torch.Tensor, params: list[Sampling], positions: list[int]) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature for p in params])[:, None]
-        probs = torch.softmax(logits / temperature, dim=-1)
-        probs = _top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
-        noise = torch.empty_like(probs)
-        for i, (p, pos) in enumerate(zip(params, positions)):
-            gen = self.generator
-            if p.seed is not None:
-                gen = torch.Generator().manual_seed(position_seed(p.seed, pos))
-            noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+    def _row_params(
+        self, params: list[Sampling], positions: list[int], vocab: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-row parameter block and the rows to filter, in one host->device copy."""
+        n = len(params)
+        temp = np.array([p.temperature for p in params], dtype=np.float64)
+        top_k = np.array([p.top_k for p in params], dtype=np.int64)
+        top_p = np.array([p.top_p for p in params], dtype=np.float64)
+        seeded = np.array([p.seed is not None for p in params])
+        seeds = np.array([(p.seed or 0) & (2**64 - 1) for p in params], dtype=np.uint64)
+        keys = np.where(
+            seeded,
+            row_keys(seeds, np.array(positions, dtype=np.uint64)),
+            self.rng.integers(0, 2**32, size=n, dtype=np.uint64),
+        )
+        greedy = temp <= 0
+        top_k = np.where((top_k > 0) & ~greedy, top_k, vocab)
+        top_p = np.where((top_p > 0) & (top_p < 1) & ~greedy, top_p, 1.0)
+        filter_rows = np.flatnonzero((top_k < vocab) | (top_p < 1))
+        block = np.empty(n * _NCOLS + len(filter_rows), dtype=np.float64)
+        block[: n * _NCOLS] = np.stack([np.where(greedy, 1.0, temp), greedy, top_k, top_p, keys], axis=1).ravel()
+        block[n * _NCOLS :] = filter_rows
+        host = torch.from_numpy(block)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(device, non_blocking=True)
+        return on_device[: n * _NCOLS].view(n, _NCOLS), on_device[n * _NCOLS :].long()
 
 
-def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    if all(k <= 0 for k in top_k) and all(p <= 0 or p >= 1 for p in top_p):
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[-1]
-    k = torch.tensor([k if k > 0 else vocab for k in top_k])[:, None]
-    p = torch.tensor([p if 0 < p < 1 else 1.0 for p in top_p])[:, None]
-    rank = torch.arange(vocab)[None, :]
+def _sample(logits: torch.Tensor, rows: torch.Tensor, filter_rows: torch.Tensor) -> torch.Tensor:
+    scaled = logits / rows[:, _TEMP, None].float()
+    scores = scaled + gumbel_noise(rows[:, _KEY].long(), logits.shape[-1])
+    if filter_rows.numel():
+        dropped = ~_keep_mask(scaled[filter_rows], rows[filter_rows])
+        scores[filter_rows] = scores[filter_rows].masked_fill(dropped, -torch.inf)
+    return scores.argmax(dim=-1)
+
+
+def _keep_mask(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Top-k and top-p over softmax(scaled), one sort for every row that filters."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     # Keep a token while the mass before it is < p: the top token always survives.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < k) & (mass_before < p)
-    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
-    return filtered
+    keep = (rank < rows[:, _TOP_K, None]) & (mass_before < rows[:, _TOP_P, None].float())
+    return torch.zeros_like(keep).scatter_(1, order, keep)
