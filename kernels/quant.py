@@ -92,10 +92,19 @@ def _round(y: torch.Tensor) -> torch.Tensor:
     return torch.floor(y + 0.5)
 
 
+def _div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device. On CUDA, torch divides by a
+    Python (CPU) scalar as x * (1 / divisor), which can be one ulp off the IEEE
+    quotient (1/448 and 1/255 are not exact in fp32); a divisor tensor on x's device
+    takes the IEEE division path, the one the Triton write kernel computes with
+    tl.math.div_rn, so both write the same scale bits."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (q [..., head_dim] float8_e4m3fn, scale [...] fp32)."""
     x = x.float()
-    scale = x.abs().amax(-1) / FP8_MAX
+    scale = _div(x.abs().amax(-1), FP8_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (x / safe[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
@@ -106,7 +115,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     x = x.float()
     lo = x.amin(-1).clamp(max=0.0)
     hi = x.amax(-1).clamp(min=0.0)
-    scale = (hi - lo) / INT8_LEVELS
+    scale = _div(hi - lo, INT8_LEVELS)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = (-128.0 - _round(lo / safe)).clamp(-128.0, 127.0)
     q = (_round(x / safe[..., None]) + zero[..., None]).clamp(-128.0, 127.0)

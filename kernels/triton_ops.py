@@ -10,8 +10,8 @@ layout and the varlen conventions).
   group) pair, so GQA/MQA load each K/V tile once for the whole group and both
   matmuls are ``tl.dot`` on [BLOCK_M, ...] tiles (BLOCK_M >= 16, the group is
   padded up to it). Decode is the one-token case: grid (sequence, kv head).
-* Sliding window: the KV loop starts at the block holding the first position
-  any row of the tile can see, so blocks wholly outside the window are never
+* Sliding window: the KV loop starts at the KV tile holding the first position
+  any row of the tile can see, so tiles wholly outside the window are never
   visited; the loads are also masked to that range, so no slot outside it is read.
 * Quantized caches (FP8 e4m3 / INT8 with per-token-per-head scales, the math in
   kernels/quant.py): ``_write_kv_quant_kernel`` quantizes each token's head row
@@ -80,7 +80,13 @@ def _round_e4m3(y):
 def _quantize_rows(x, QUANT: tl.constexpr):
     """Rows of fp32 x [BLOCK_T, BLOCK_D] (padding columns hold 0) -> (q in fp32,
     scale [BLOCK_T], zero point [BLOCK_T] in fp32; 0 for FP8): the fp32 operations
-    of kernels/quant.py, in its order, with correctly rounded divisions."""
+    of kernels/quant.py, in its order, so that a compiled write stores the bits the
+    torch reference stores. Every division is tl.math.div_rn: Triton's ``/`` on fp32
+    lowers to the approximate div.full.f32 on NVIDIA GPUs (the interpreter, dividing
+    in numpy, hides the difference), and quant._div makes torch's side the IEEE
+    quotient too. INT8 rounds with floor(y + 0.5) exactly as quant._round does
+    (torch.round would round half to even), and clamps after adding the zero point,
+    as the reference does."""
     if QUANT == 1:  # FP8 e4m3, symmetric
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
         safe = tl.where(scale > 0, scale, 1.0)
@@ -287,14 +293,15 @@ def _from_cache(x, scale_ptr, zero_ptr, scale_off, mask, COMPUTE: tl.constexpr, 
 @triton.jit
 def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence owning flat query tile ``tile_idx``: sequence s's tiles are
-    numbered from ``cu_query_lens[s] // BLOCK_Q + s`` (a layout that never
-    overlaps and needs no prefix sum of tile counts); binary search for the last
-    s whose first tile is <= tile_idx."""
+    numbered from ``cu_query_lens[s] // BLOCK_Q + 2 * s`` (a layout that never
+    overlaps, leaves room for the extra tile of position-aligned tiles and needs
+    no prefix sum of tile counts); binary search for the last s whose first tile
+    is <= tile_idx."""
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(cu_query_lens_ptr + mid) // BLOCK_Q + mid
+        first_tile = tl.load(cu_query_lens_ptr + mid) // BLOCK_Q + 2 * mid
         if first_tile <= tile_idx:
             lo = mid + 1
         else:
@@ -355,16 +362,22 @@ def _paged_attention_kernel(
         seq = _find_seq(cu_query_lens_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
         q_start = tl.load(cu_query_lens_ptr + seq)
         q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
-        tile = tl.program_id(0) - (q_start // BLOCK_Q + seq)
-        if tile * BLOCK_Q >= q_len:  # slack tile of the flat numbering
-            return
+        tile = tl.program_id(0) - (q_start // BLOCK_Q + 2 * seq)
     ctx_len = tl.load(context_lens_ptr + seq)
+    # Prefill tiles start at positions that are multiples of BLOCK_Q, whatever the
+    # chunk's first position: a token then lands in the same tile row, with the same
+    # KV loop, however its prompt was chunked or however much of it the prefix cache
+    # held, so its output does not depend on that (tl.dot's rounding may depend on
+    # the row, as the interpreter's BLAS does). The first tile of a chunk is partial.
+    shift = 0 if DECODE else (ctx_len - q_len) % BLOCK_Q
+    if tile * BLOCK_Q - shift >= q_len:  # slack tile of the flat numbering
+        return
 
     # Rows: (token of this tile, query head of this KV head's group).
     rows = tl.arange(0, BLOCK_M)
-    tok = tile * BLOCK_Q + rows // GROUP
+    tok = tile * BLOCK_Q + rows // GROUP - shift
     head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok >= 0) & (tok < q_len)
     q_pos = ctx_len - q_len + tok  # the new tokens are the last q_len of the context
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
@@ -373,13 +386,16 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(COMPUTE)
 
     # KV positions any row of the tile can see: [kv_start, kv_end). The loop starts
-    # at the block holding kv_start, so blocks wholly before the window are never
-    # visited, and the loads are masked to the range, so no position outside it is read.
-    first_pos = ctx_len - q_len + tile * BLOCK_Q
+    # at the KV tile holding kv_start, so tiles wholly before the window are never
+    # visited, and the loads are masked to the range, so no position outside it is
+    # read. KV tiles sit at multiples of BLOCK_N, so every row sees its keys in the
+    # same tiles whatever its chunk; the tiles a row cannot see before or after its
+    # own leave its softmax state exactly as it was (alpha = 1 or 0, p = 0).
+    first_pos = ctx_len - q_len + tile * BLOCK_Q - shift
     kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)
     kv_start = 0
     if SLIDING:
-        kv_start = tl.maximum(first_pos - sliding_window + 1, 0)
+        kv_start = tl.maximum(tl.maximum(first_pos, ctx_len - q_len) - sliding_window + 1, 0)
     head_off = kv_head.to(tl.int64) * stride_ch
     scale_head_off = kv_head.to(tl.int64) * stride_sh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -387,7 +403,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(kv_start // BLOCK_SIZE * BLOCK_SIZE, kv_end, BLOCK_N):
+    for n0 in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         kv_pos = n0 + tl.arange(0, BLOCK_N)
         kv_ok = (kv_pos >= kv_start) & (kv_pos < kv_end)
         # Per-position block lookup: a tile spans BLOCK_N // BLOCK_SIZE blocks (or part of one).
@@ -516,7 +532,7 @@ def _launch_attention(
     )
     # Decode: a program per (sequence, kv head). Prefill: flat query tiles (see
     # _find_seq), an upper bound on their number that needs no device sync.
-    grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
+    grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + 2 * num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         query,

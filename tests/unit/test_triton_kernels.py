@@ -258,9 +258,9 @@ def test_unseen_slots_are_never_read(window):
 
 @pytest.mark.skipif(not triton_ops.interpreter_enabled(), reason="counts tl.dot calls in the interpreter")
 def test_window_skips_blocks_outside(monkeypatch):
-    """Blocks wholly before the window are not visited at all (the loop starts at
-    the window), not loaded and masked: count the kernel's tl.dot calls, two per
-    KV tile visited."""
+    """KV tiles wholly before the window are not visited at all (the loop starts at
+    the 64-position tile holding the window's first position), not loaded and
+    masked: count the kernel's tl.dot calls, two per KV tile visited."""
     from triton.runtime import interpreter
 
     dots = []
@@ -271,18 +271,21 @@ def test_window_skips_blocks_outside(monkeypatch):
     k_cache, v_cache = _kv_cache(64, 1, 16, torch.float32)
     tables, cu, ctx = _batch([1], [1000], 64)
     query = _query(1, 4, 16, torch.float32)
-    for window, tiles in ((0, 16), (8, 1), (300, 5)):  # full: 1000 positions / 64 per tile
+    # full: 1000 positions / 64 per tile; window 300 sees 700..999, tiles 640..1023
+    for window, tiles in ((0, 16), (8, 1), (300, 6)):
         dots.clear()
         out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window)
         assert len(dots) == 2 * tiles, (window, len(dots))
         _assert_close(
             out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window), torch.float32
         )
-    dots.clear()  # prefill: 10 new tokens at positions 990..999, window 8 -> positions 983..999
+    # prefill: 10 new tokens at positions 990..999, window 8 -> positions 983..999.
+    # Query tiles sit at multiples of 16 positions: 990..991 and 992..999, one KV tile each.
+    dots.clear()
     cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     query = _query(10, 4, 16, torch.float32)
     triton_ops.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE, 8)
-    assert len(dots) == 2 * 1
+    assert len(dots) == 2 * 2
 
 
 # --------------------------------------------------------------------------- compiled for CUDA
