@@ -49,13 +49,30 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B] int64 keys -> [B, vocab] float32 Gumbel(0, 1) noise, a pure function of (key, token)."""
-    tokens = torch.arange(vocab, device=keys.device)
-    bits = hash32(keys[:, None] ^ tokens[None, :]) >> 9
+def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float32, a pure function of (key, token); broadcasts."""
+    bits = hash32(keys ^ tokens) >> 9
     # (23-bit integer + 0.5) * 2**-23 needs 24 significant bits: exact in float32, strictly in (0, 1).
     uniform = (bits.float() + 0.5) * 2.0**-23
     return -torch.log(-torch.log(uniform))
+
+
+# The noise lies in [-2.81, 16.64] (uniforms in [2**-24, 1 - 2**-24]); 21 leaves room for rounding.
+_NOISE_SPREAD = 21.0
+
+
+def add_noise(scaled: torch.Tensor, keys: torch.Tensor, dense: bool) -> torch.Tensor:
+    """scaled [B, V] + every token's noise. Sparse: a token more than the noise's spread
+    below its row's max cannot win the race, so it gets -inf instead of hashed noise, the
+    same argmax at a fraction of the hashing that dominates a CPU step. Dense on GPUs,
+    where hashing all is cheap and a data-dependent shape would cost a sync."""
+    if dense:
+        tokens = torch.arange(scaled.shape[-1], device=scaled.device)
+        return scaled + gumbel(keys[:, None], tokens[None, :])
+    rows, tokens = (scaled >= scaled.amax(dim=-1, keepdim=True) - _NOISE_SPREAD).nonzero(as_tuple=True)
+    scores = torch.full_like(scaled, -torch.inf)
+    scores[rows, tokens] = scaled[rows, tokens] + gumbel(keys[rows], tokens)
+    return scores
 
 
 class Sampler:
@@ -111,7 +128,7 @@ class Sampler:
 
 def _sample(logits: torch.Tensor, rows: torch.Tensor, filter_rows: torch.Tensor) -> torch.Tensor:
     scaled = logits / rows[:, _TEMP, None].float()
-    scores = scaled + gumbel_noise(rows[:, _KEY].long(), logits.shape[-1])
+    scores = add_noise(scaled, rows[:, _KEY].long(), dense=logits.device.type != "cpu")
     if filter_rows.numel():
         dropped = ~_keep_mask(scaled[filter_rows], rows[filter_rows])
         scores[filter_rows] = scores[filter_rows].masked_fill(dropped, -torch.inf)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from worker_svc.sampler import Sampler
+from worker_svc.sampler import Sampler, add_noise
 from worker_svc.step_input import Sampling
 
 VOCAB = 64
@@ -112,3 +112,13 @@ def test_cuda_matches_cpu():
     on_cuda = Sampler(0)(logits.cuda(), params, positions)
     assert on_cuda[0].tolist() == on_cpu[0].tolist()
     torch.testing.assert_close(on_cuda[1], on_cpu[1])
+
+
+def test_sparse_noise_picks_what_dense_noise_picks():
+    scaled = _logits(256, vocab=2048) * 8  # a spread of ~100, so most tokens are pruned
+    keys = torch.arange(256) * 7919
+    dense, sparse = add_noise(scaled, keys, dense=True), add_noise(scaled, keys, dense=False)
+    kept = sparse > -torch.inf
+    assert kept.float().mean() < 0.5
+    assert torch.equal(sparse[kept], dense[kept])
+    assert torch.equal(sparse.argmax(dim=-1), dense.argmax(dim=-1))
