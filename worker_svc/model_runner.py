@@ -71,13 +71,14 @@ class ModelRunner:
             t2 = time.perf_counter()
             params = [s.sampling for s in batch.sample_seqs]
             positions = [s.context_len for s in batch.sample_seqs]
-            tokens, logprobs = self.sampler(logits, params, positions)
-            self.last_samples = LastSamples(
-                step.step_id, {s.seq_id: i for i, s in enumerate(batch.sample_seqs)}, tokens.to(self.model.device)
-            )
+            packed = self.sampler.sample_packed(logits, params, positions)  # on the device
+            # The ids stay on the device for the next step's decodes; one copy brings ids and logprobs here.
+            rows = {s.seq_id: i for i, s in enumerate(batch.sample_seqs)}
+            self.last_samples = LastSamples(step.step_id, rows, packed[:, 0].long())
+            host = packed.cpu()
             for i, seq in enumerate(batch.sample_seqs):
                 row = logits[i].cpu() if seq.return_logits else None
-                sampled.append(SampledToken(seq.seq_id, int(tokens[i]), float(logprobs[i]), row))
+                sampled.append(SampledToken(seq.seq_id, int(host[i, 0]), float(host[i, 1]), row))
         t3 = time.perf_counter()
         timings = {
             "prepare_ms": (t1 - t0) * 1e3,
