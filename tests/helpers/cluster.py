@@ -8,11 +8,18 @@ import time
 from scheduler_svc.client import SchedulerClient
 
 
-def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' greedy continuation; ignore_eos: it runs on past EOS, as a request with ignore_eos does."""
+    import copy
+
     import torch
 
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = max_tokens, False
+    if ignore_eos:
+        config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
     return out[0, len(prompt_ids) :].tolist()
 
 

@@ -20,6 +20,9 @@ MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 # 20 blocks of 16 for 16 requests of up to ~90 tokens: requests wait and get preempted.
 SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8"]
 SHARED_PREFIX = list(range(300, 340))  # 40 tokens: two full blocks to hit in the prefix cache
+# Four samples of 20 + 90 tokens need 1 shared + 4 x 6 own blocks > 20 whenever they
+# run, so they preempt each other whatever the timing of the concurrent requests above.
+CROWDING_PROMPT, CROWDING_SAMPLES, CROWDING_TOKENS = list(range(40, 60)), 4, 90
 
 
 def _cases(seed: int) -> list[tuple[list[int], int]]:
@@ -51,10 +54,30 @@ def _check(cluster: Cluster, family: str, expect_preemption: bool) -> None:
         for reply in client.stream(prompt_token_ids=prompt, max_tokens=7, temperature=0.0, n=2):
             samples[reply.index].extend(reply.token_ids)
         assert samples[0] == samples[1] == hf_greedy(ref, prompt, 7)
+        if expect_preemption:
+            _check_crowded_forks(client, ref)
         stats = wait_idle(client)
     if expect_preemption:
         assert stats.preemptions > 0, "the pool was meant to force preemption"
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+
+
+def _check_crowded_forks(client: SchedulerClient, ref) -> None:
+    before = client.stats().preemptions
+    samples: dict[int, list[int]] = {i: [] for i in range(CROWDING_SAMPLES)}
+    replies = client.stream(
+        prompt_token_ids=CROWDING_PROMPT,
+        max_tokens=CROWDING_TOKENS,
+        temperature=0.0,
+        n=CROWDING_SAMPLES,
+        ignore_eos=True,
+        timeout=120,
+    )
+    for reply in replies:
+        samples[reply.index].extend(reply.token_ids)
+    expected = hf_greedy(ref, CROWDING_PROMPT, CROWDING_TOKENS, ignore_eos=True)
+    assert all(tokens == expected for tokens in samples.values())
+    assert client.stats().preemptions > before, "samples that outgrow the pool must preempt each other"
 
 
 @pytest.mark.parametrize("mode", list(MODES))
