@@ -232,6 +232,8 @@ SLIM_IMAGES = {
             "prometheus_client": "prometheus_client",
             "uvicorn": "uvicorn",
             "rich": "rich",
+            "zmq": "pyzmq",
+            "msgpack": "msgpack",
         },
     ),
     "gateway": (
