@@ -33,6 +33,17 @@ async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
     api_keys = load_api_keys(config.api_keys, config.api_keys_file)
     engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))
+    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py);
+    # up before the first request can arrive, so every request is in vLLM's histograms too.
+    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
+    # KV events as vLLM publishes them, for KV-aware routers (api/kv_events_zmq.py), before the first request.
+    zmq_events = (
+        ZmqKvEventPublisher(
+            engine.kv_events, config.kv_events_zmq, config.kv_events_zmq_replay, config.kv_events_zmq_topic
+        )
+        if config.kv_events_zmq
+        else None
+    )
     server, port = await start_server(
         engine,
         config.host,
@@ -49,16 +60,6 @@ async def serve(config: SchedulerConfig) -> None:
         if config.admin_port >= 0
         else (None, -1)
     )
-    # KV events as vLLM publishes them, for KV-aware routers (api/kv_events_zmq.py).
-    zmq_events = (
-        ZmqKvEventPublisher(
-            engine.kv_events, config.kv_events_zmq, config.kv_events_zmq_replay, config.kv_events_zmq_topic
-        )
-        if config.kv_events_zmq
-        else None
-    )
-    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py).
-    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
     log.info(
         "scheduler ready",
         serving=f"{config.host}:{port}",
