@@ -248,6 +248,7 @@ SLIM_IMAGES = {
             "pydantic": "fastapi",
             "uvicorn": "uvicorn",
             "jinja2": "jinja2",
+            "prometheus_client": "prometheus_client",
         },
     ),
 }
