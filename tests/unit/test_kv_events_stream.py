@@ -312,3 +312,21 @@ def test_a_port_in_use_fails_the_publisher():
         assert h.engine.kv_events.sinks == []
 
     run(scenario)
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        ({"kv_events_zmq": "tcp://*"}, "--kv-events-zmq"),
+        ({"kv_events_zmq": "udp://*:5557"}, "--kv-events-zmq"),
+        ({"kv_events_zmq": "tcp://*:5557", "kv_events_zmq_replay": "tcp://*:0"}, "--kv-events-zmq-replay"),
+        ({"kv_events_zmq_replay": "tcp://*:5657"}, "--kv-events-zmq-replay"),
+        ({"kv_events_buffer_steps": 0}, "--kv-events-buffer-steps"),
+    ],
+)
+def test_kv_events_flags_are_checked(flags, problem):
+    with pytest.raises(ValueError, match=problem):
+        SchedulerConfig(model=str(tiny_checkpoint("llama")), **flags).validate()
+    SchedulerConfig(
+        model=str(tiny_checkpoint("llama")), kv_events_zmq="ipc:///tmp/kv", kv_events_zmq_replay="tcp://*:5657"
+    ).validate()
