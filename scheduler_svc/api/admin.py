@@ -112,6 +112,7 @@ def kv_batch_to_proto(batch: KvEventBatch) -> admin_pb2.KvEventBatch:
         events=[kv_event_to_proto(e) for e in batch.events],
     )
     if batch.missed is not None:
+        reply.gap.SetInParent()  # a gap of (0, 0) is all default values, and still a gap
         reply.gap.first_missed_seq, reply.gap.last_missed_seq = batch.missed
     return reply
 

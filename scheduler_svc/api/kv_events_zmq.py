@@ -104,7 +104,10 @@ class ZmqKvEventPublisher:
         pub.set_hwm(_HWM)
         address = rank_endpoint(self._endpoint, rank)
         try:
-            pub.bind(address) if _binds(address) else pub.connect(address)
+            if _binds(address):
+                pub.bind(address)
+            else:
+                pub.connect(address)
         except zmq.ZMQError:
             pub.close(linger=0)
             raise

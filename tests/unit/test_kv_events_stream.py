@@ -22,6 +22,7 @@ from scheduler_svc.api.kv_events_zmq import ZmqKvEventPublisher
 from scheduler_svc.api.server import start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.kv_events import KvEventBatch
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.fake_worker_server import start_fake_worker
@@ -330,3 +331,9 @@ def test_kv_events_flags_are_checked(flags, problem):
     SchedulerConfig(
         model=str(tiny_checkpoint("llama")), kv_events_zmq="ipc:///tmp/kv", kv_events_zmq_replay="tcp://*:5657"
     ).validate()
+
+
+def test_a_gap_marker_is_a_gap_even_at_seq_zero():
+    gap = kv_batch_to_proto(KvEventBatch("w:1", 0, 0, 1.0, missed=(0, 0)))
+    assert gap.HasField("gap") and (gap.gap.first_missed_seq, gap.gap.last_missed_seq) == (0, 0)
+    assert not kv_batch_to_proto(KvEventBatch("w:1", 0, 0, 1.0)).HasField("gap")
