@@ -27,8 +27,10 @@ from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
 from gateway_svc.generation import ClientGone, Generation
+from gateway_svc.metrics import install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.tokenize import max_model_len, tokenize_router
 
 log = structlog.get_logger("gateway")
 
@@ -64,8 +66,9 @@ def create_app(client: SchedulerClient, config: GatewayConfig) -> FastAPI:
         return await _generate(client, request, body, shape, samples)
 
     @app.get("/v1/models", dependencies=[Depends(require_key)])
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
         model = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
+        model |= await max_model_len(client, _forwarded_key(request))
         return {"object": "list", "data": [model]}
 
     @app.get("/health")
@@ -75,6 +78,8 @@ def create_app(client: SchedulerClient, config: GatewayConfig) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
+    app.include_router(tokenize_router(client, template, _forwarded_key), dependencies=[Depends(require_key)])
+    install_metrics(app)
     _add_error_handlers(app)
     return app
 

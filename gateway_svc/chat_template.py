@@ -48,9 +48,11 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self._template = _environment().from_string(source)  # syntax errors surface at start-up
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from exc
 

@@ -27,6 +27,23 @@ class SchedulerClient:
         """Start one Generate stream; iterate it for messages, cancel() it to abort the request."""
         return self._stub.Generate(request, metadata=_auth_metadata(api_key), timeout=self._request_timeout)
 
+    async def tokenize(
+        self, prompt: str, add_special_tokens: bool, return_token_strs: bool, api_key: str | None
+    ) -> serving_pb2.TokenizeResponse:
+        request = serving_pb2.TokenizeRequest(
+            prompt=prompt, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs
+        )
+        return await self._stub.Tokenize(request, metadata=_auth_metadata(api_key), timeout=self._request_timeout)
+
+    async def detokenize(self, token_ids: list[int], api_key: str | None) -> serving_pb2.DetokenizeResponse:
+        request = serving_pb2.DetokenizeRequest(token_ids=token_ids)
+        return await self._stub.Detokenize(request, metadata=_auth_metadata(api_key), timeout=self._request_timeout)
+
+    async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse:
+        return await self._stub.ModelInfo(
+            serving_pb2.ModelInfoRequest(), metadata=_auth_metadata(api_key), timeout=self._health_timeout
+        )
+
     async def check_health(self, api_key: str | None = None) -> tuple[bool, str]:
         """(serving?, why not) from grpc.health.v1 Check of the whole server ("")."""
         try:

@@ -10,6 +10,7 @@ import structlog
 
 from scheduler_svc.api.admin import start_admin_server
 from scheduler_svc.api.auth import load_api_keys
+from scheduler_svc.api.kv_events_zmq import ZmqKvEventPublisher
 from scheduler_svc.api.server import SchedulerServer, start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
@@ -32,6 +33,17 @@ async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
     api_keys = load_api_keys(config.api_keys, config.api_keys_file)
     engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))
+    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py);
+    # up before the first request can arrive, so every request is in vLLM's histograms too.
+    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
+    # KV events as vLLM publishes them, for KV-aware routers (api/kv_events_zmq.py), before the first request.
+    zmq_events = (
+        ZmqKvEventPublisher(
+            engine.kv_events, config.kv_events_zmq, config.kv_events_zmq_replay, config.kv_events_zmq_topic
+        )
+        if config.kv_events_zmq
+        else None
+    )
     server, port = await start_server(
         engine,
         config.host,
@@ -48,8 +60,6 @@ async def serve(config: SchedulerConfig) -> None:
         if config.admin_port >= 0
         else (None, -1)
     )
-    # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py).
-    metrics = await start_metrics_server(engine, config.host, config.metrics_port) if config.metrics_port else None
     log.info(
         "scheduler ready",
         serving=f"{config.host}:{port}",
@@ -61,6 +71,7 @@ async def serve(config: SchedulerConfig) -> None:
         routing=engine.routing,
         admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off",
         metrics=f"http://{config.host}:{metrics.port}/metrics" if metrics is not None else "off",
+        kv_events_zmq=config.kv_events_zmq or "off",
     )
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and api_keys):
         log.warning("listening beyond loopback without TLS and API keys", host=config.host)
@@ -77,6 +88,8 @@ async def serve(config: SchedulerConfig) -> None:
     await shutdown(engine, server, config.drain_timeout_s, signals)
     if metrics is not None:
         metrics.close()
+    if zmq_events is not None:
+        await zmq_events.close()
 
 
 def _signal_events() -> asyncio.Queue[int]:

@@ -117,6 +117,25 @@ class SchedulerConfig:
     metrics_port: int = field(
         default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"}
     )
+    kv_events_buffer_steps: int = field(
+        default=1024,
+        metadata={
+            "help": "KV-event batches (one per engine step that changed the prefix index) kept per worker for subscribers that reconnect (admin.v1 SubscribeKvEvents, the ZMQ replay socket)"
+        },
+    )
+    kv_events_zmq: str = field(
+        default="",
+        metadata={
+            "help": "also publish KV events as vLLM does (ZMQ PUB, msgpack KVEventBatch), e.g. tcp://*:5557; worker of rank r on port + r. '' = off"
+        },
+    )
+    kv_events_zmq_replay: str = field(
+        default="",
+        metadata={
+            "help": "vLLM's ZMQ replay socket (ROUTER) for --kv-events-zmq, e.g. tcp://*:5657; worker of rank r on port + r. '' = none"
+        },
+    )
+    kv_events_zmq_topic: str = field(default="", metadata={"help": "ZMQ topic of the KV-event messages"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(
@@ -159,6 +178,14 @@ class SchedulerConfig:
                 "set when --port is 65535 (--port + 1 is no port)",
             ),
             (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
+            (self.kv_events_buffer_steps >= 1, "--kv-events-buffer-steps", ">= 1"),
+            (_zmq_endpoint_ok(self.kv_events_zmq), "--kv-events-zmq", _ZMQ_ENDPOINTS),
+            (_zmq_endpoint_ok(self.kv_events_zmq_replay), "--kv-events-zmq-replay", _ZMQ_ENDPOINTS),
+            (
+                not self.kv_events_zmq_replay or bool(self.kv_events_zmq),
+                "--kv-events-zmq-replay",
+                "used with --kv-events-zmq",
+            ),
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
@@ -201,3 +228,17 @@ class SchedulerConfig:
             dynamic_chunk_min=self.dynamic_chunk_min,
             dynamic_chunk_max=self.dynamic_chunk_max,
         )
+
+
+_ZMQ_ENDPOINTS = "'', tcp://HOST:PORT (HOST may be *), ipc://PATH or inproc://NAME"
+
+
+def _zmq_endpoint_ok(endpoint: str) -> bool:
+    """'' (off) or an endpoint whose port (tcp) or name can be offset per worker rank."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not endpoint:
+        return True
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        return bool(host and colon and port.isdigit() and 0 < int(port) <= 65535)
+    return bool(sep and rest) and scheme in ("ipc", "inproc")

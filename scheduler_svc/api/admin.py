@@ -8,11 +8,12 @@ client-facing port: whoever can add a worker decides what every client gets.
     grpcurl -plaintext -d '{"address": "127.0.0.1:50062"}' 127.0.0.1:50052 admin.v1.Admin/AddWorker
     grpcurl -plaintext -d '{"address": "127.0.0.1:50061", "wait": true}' 127.0.0.1:50052 admin.v1.Admin/DrainWorker
     grpcurl -plaintext 127.0.0.1:50052 admin.v1.Admin/ListWorkers
+    grpcurl -plaintext 127.0.0.1:50052 admin.v1.Admin/SubscribeKvEvents
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol
 
 import grpc
@@ -23,8 +24,10 @@ from grpc_reflection.v1alpha import reflection
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.api.status import abort, abort_with
 from scheduler_svc.engine.errors import WorkerAdminError
+from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.engine.worker_status import WorkerStatus
+from scheduler_svc.kv.events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from svc_common.addresses import host_port_problem
 from svc_common.grpc_options import server_options
 
@@ -44,6 +47,7 @@ class AdminEngine(Protocol):
     """What the Engine provides to the admin service (scheduler_svc.engine.Engine implements it)."""
 
     routing: str  # the routing policy's name: prefix | round-robin | least-loaded
+    kv_events: KvEventHub  # every worker's prefix-index changes
 
     async def add_worker(self, address: str) -> WorkerStatus:
         """Connect (Info, waiting for ready up to connect_timeout_s), check it serves the same
@@ -78,6 +82,39 @@ def status_to_proto(status: WorkerStatus) -> admin_pb2.WorkerStatus:
         device=status.device,
         kv_dtype=status.kv_dtype,
     )
+
+
+def kv_event_to_proto(event: KVCacheEvent) -> admin_pb2.KvCacheEvent:
+    if isinstance(event, BlockStored):
+        stored = admin_pb2.BlockStored(
+            block_hashes=event.block_hashes,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            medium=MEDIUM,
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        return admin_pb2.KvCacheEvent(block_stored=stored)
+    if isinstance(event, BlockRemoved):
+        return admin_pb2.KvCacheEvent(
+            block_removed=admin_pb2.BlockRemoved(block_hashes=event.block_hashes, medium=MEDIUM)
+        )
+    assert isinstance(event, AllBlocksCleared)
+    return admin_pb2.KvCacheEvent(all_blocks_cleared=admin_pb2.AllBlocksCleared())
+
+
+def kv_batch_to_proto(batch: KvEventBatch) -> admin_pb2.KvEventBatch:
+    reply = admin_pb2.KvEventBatch(
+        worker=batch.worker,
+        data_parallel_rank=batch.rank,
+        seq=batch.seq,
+        ts=batch.ts,
+        events=[kv_event_to_proto(e) for e in batch.events],
+    )
+    if batch.missed is not None:
+        reply.gap.SetInParent()  # a gap of (0, 0) is all default values, and still a gap
+        reply.gap.first_missed_seq, reply.gap.last_missed_seq = batch.missed
+    return reply
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -115,6 +152,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ListWorkersResponse(
             workers=[status_to_proto(s) for s in workers], routing=getattr(self.engine, "routing", "")
         )
+
+    async def SubscribeKvEvents(
+        self, request: admin_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.KvEventBatch]:
+        log.info("kv events subscriber", peer=context.peer(), resume=len(request.last_seq))
+        async for batch in self.engine.kv_events.subscribe(dict(request.last_seq)):
+            yield kv_batch_to_proto(batch)
 
 
 async def _require_address(address: str, context: grpc.aio.ServicerContext) -> None:

@@ -19,6 +19,7 @@ from scheduler_svc.engine.streams import StreamEvent, coalesce
 from scheduler_svc.planning.validation import (
     SEED_SPACE,
     RequestRejected,
+    check_in_vocab,
     check_num_samples,
     check_prompt_ids,
     check_sampling,
@@ -210,3 +211,37 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"pin_id: not a pin id: {request.pin_id!r}")
         unpinned = [core.planner.kv.unpin(pin_id) for core in self.engine.cores]
         return serving_pb2.UnpinPrefixResponse(unpinned=any(unpinned))
+
+    async def Tokenize(
+        self, request: serving_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.TokenizeResponse:
+        if not request.prompt:
+            await abort_with(context, RequestRejected("prompt", "must be non-empty text"))
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = self.engine.tokenizer.encode(request.prompt, add_special_tokens=special)
+        return serving_pb2.TokenizeResponse(
+            token_ids=ids,
+            max_model_len=self.engine.max_model_len,
+            token_strs=self.engine.tokenizer.token_strs(ids) if request.return_token_strs else (),
+        )
+
+    async def Detokenize(
+        self, request: serving_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.DetokenizeResponse:
+        ids = list(request.token_ids)
+        try:
+            check_in_vocab("token_ids", ids, self.engine.tokenizer.vocab_size)
+        except RequestRejected as exc:
+            await abort_with(context, exc)
+        # Special tokens stay: the text is what the ids say, as vLLM's /detokenize answers.
+        return serving_pb2.DetokenizeResponse(text=self.engine.tokenizer.decode(ids, skip_special_tokens=False))
+
+    async def ModelInfo(
+        self, request: serving_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.ModelInfoResponse:
+        cores = self.engine.cores
+        return serving_pb2.ModelInfoResponse(
+            model=cores[0].info.model_name if cores else "",
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.tokenizer.vocab_size,
+        )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from scheduler_svc.engine.errors import WorkerCallFailed, WorkerUnavailable
+from scheduler_svc.engine.kv_events import WorkerKvEvents
 from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
@@ -94,6 +95,8 @@ class EngineCore:
         self.handover = handover
         self.hooks = hooks
         self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
+        # Where this worker's prefix-index changes go, a batch per step (the Engine sets its hub's stream).
+        self.kv_events = WorkerKvEvents(info.address)
         self.streams: dict[str, RequestStream] = {}
         self.counters = CoreCounters()
         self.healthy = True
@@ -194,6 +197,7 @@ class EngineCore:
 
     async def _loop(self) -> None:
         while True:
+            self._publish_kv_events()  # what a reset (lost or restarted worker) changed
             if not self.healthy:
                 await self._recover()
             elif not self.planner.has_work():
@@ -274,6 +278,7 @@ class EngineCore:
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
         updates = self.planner.update(plan, result.sampled)
+        self._publish_kv_events()
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
@@ -289,6 +294,10 @@ class EngineCore:
         )
         self._dispatch(updates)
         return True
+
+    def _publish_kv_events(self) -> None:
+        """The prefix index's changes since the last batch, as one batch."""
+        self.kv_events.publish(self.planner.kv.take_events())
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
@@ -379,6 +388,7 @@ class EngineCore:
                 return
             if self.planner.has_work() and self.handover is not None:
                 self.handover(self)
+            self._publish_kv_events()  # handing requests over resets the index
             if self.planner.has_work() and time.monotonic() - self._lost_at >= self.worker_timeout_s:
                 failed = self.fail_all(
                     "UNAVAILABLE",

@@ -25,6 +25,7 @@ from scheduler_svc.engine.errors import (
     WorkerUnavailable,
     WorkerUnreachable,
 )
+from scheduler_svc.engine.kv_events import KvEventHub
 from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router, WorkerState, make_router
 from scheduler_svc.engine.streams import StreamHandle
 from scheduler_svc.engine.timing import EngineHooks
@@ -107,8 +108,11 @@ class Engine:
         # fork parent and its samples), and each of those -> the core it lives on.
         self._members: dict[str, list[str]] = {}
         self._owner: dict[str, EngineCore] = {}
+        # Every worker's prefix-index changes (admin.v1 SubscribeKvEvents, --kv-events-zmq).
+        self.kv_events = KvEventHub(self.config.kv_events_buffer_steps)
         for core in cores:
             core.handover = self.handover
+            core.kv_events = self.kv_events.worker(core.info.address)
 
     @classmethod
     async def connect(
@@ -258,6 +262,7 @@ class Engine:
                 handover=self.handover,
                 hooks=self.hooks,
             )
+            core.kv_events = self.kv_events.worker(address)
             self.cores.append(core)
             core.start()
         finally:
@@ -312,6 +317,7 @@ class Engine:
             status = self._status(core, WorkerState.REMOVED)
             self.cores.remove(core)
             self.router.forget(address)
+            self.kv_events.worker_removed(address)
             try:
                 core.planner.audit()
             except LeakError as exc:
@@ -479,6 +485,7 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
             info.block_size,
             enable_prefix_caching=config.prefix_caching,
             eviction_policy=config.eviction_policy,
+            record_events=True,
         )
         kv = KVCacheManager(
             pool,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.kv.block import BlockHash
 from scheduler_svc.kv.block_pool import BlockPool, hash_block_tokens, hash_extra_keys
+from scheduler_svc.kv.events import KVCacheEvent
 from scheduler_svc.request import Request
 
 
@@ -118,8 +119,8 @@ class KVCacheManager:
         if end <= start:
             return
         hashes = self._block_hashes(request, end)
-        for i in range(start, end):
-            self.pool.cache_block(table[i], hashes[i])
+        tokens = request.all_token_ids[start * self.block_size : end * self.block_size]
+        self.pool.cache_full_blocks(table[start:end], hashes[start:end], hashes[start - 1] if start else None, tokens)
         self._num_hashed_blocks[request.request_id] = end
 
     def reset_prefix_cache(self) -> int:
@@ -128,6 +129,9 @@ class KVCacheManager:
         for pin_id in list(self.pins):
             self.unpin(pin_id)
         return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_events()
 
     # ---- pinning --------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import structlog
 
 from scheduler_svc.kv.block import BlockHash, KVBlock
+from scheduler_svc.kv.events import AllBlocksCleared, BlockRemoved, KVCacheEvent, stored_runs
 from scheduler_svc.kv.free_queue import NoFreeBlocksError, make_free_queue
 
 log = structlog.get_logger(__name__)
@@ -62,7 +63,12 @@ class DoubleFreeError(ValueError):
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, eviction_policy: str = "lru"
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+        record_events: bool = False,
     ) -> None:
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
@@ -81,6 +87,9 @@ class BlockPool:
         self.blocks_allocated = 0
         self.blocks_freed = 0
         self.eviction_events = 0  # allocate() calls that reclaimed at least one cached block
+        # KV events (kv/events.py): every change of the index, in order, until take_events().
+        self.record_events = record_events
+        self.events: list[KVCacheEvent] = []
 
     # ---- counters -------------------------------------------------------
     @property
@@ -118,23 +127,25 @@ class BlockPool:
         """
         if count > len(self.free_queue):
             raise NoFreeBlocksError(f"cannot allocate {count} blocks: only {len(self.free_queue)} free")
-        evicted = 0
+        evicted: list[BlockHash] = []
         ids = []
         for _ in range(count):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                evicted.append(block.block_hash)
                 self._drop_hash(block)
                 self.num_cached_free_blocks -= 1
-                evicted += 1
             block.ref_cnt, block.shared = 1, False
             ids.append(block.block_id)
         self.blocks_allocated += count
         if evicted:
-            self.blocks_reclaimed += evicted
+            if self.record_events:
+                self.events.append(BlockRemoved(tuple(evicted)))
+            self.blocks_reclaimed += len(evicted)
             self.eviction_events += 1
             log.info(
                 "kv_blocks_evicted",
-                blocks_reclaimed=evicted,
+                blocks_reclaimed=len(evicted),
                 blocks_reclaimed_total=self.blocks_reclaimed,
                 free_blocks=len(self.free_queue),
             )
@@ -207,6 +218,21 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
+    def cache_full_blocks(
+        self, block_ids: list[int], block_hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int]
+    ) -> None:
+        """Index consecutive full blocks of one sequence: block_ids[i] holds the
+        tokens token_ids[i * block_size:(i + 1) * block_size] and hashes to
+        block_hashes[i], chained on `parent` (None for a sequence's first block).
+        Each run of blocks that enter the index is one BlockStored event."""
+        new = [
+            i
+            for i, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes))
+            if self._block(block_id).block_hash is None and self.cache_block(block_id, block_hash)
+        ]
+        if self.record_events and new:
+            self.events.extend(stored_runs(new, block_hashes, parent, token_ids, self.block_size))
+
     def reset_prefix_cache(self) -> int:
         """Forget every hash (a worker restarted with an empty cache). Returns how many."""
         dropped = len(self.cached)
@@ -214,7 +240,14 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         self.num_cached_free_blocks = 0
+        if self.record_events:
+            self.events.append(AllBlocksCleared())
         return dropped
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The index changes since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
 
     def _drop_hash(self, block: KVBlock) -> None:
         assert block.block_hash is not None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from scheduler_svc.kv.block_manager import KVCacheUsage
+    from scheduler_svc.kv.events import KVCacheEvent
     from scheduler_svc.request import Request
 
 
@@ -106,6 +107,9 @@ class KVManager(Protocol):
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None: ...
 
     def reset_prefix_cache(self) -> int: ...
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix index's changes since the last call (kv/events.py), oldest first."""
 
     def pin(self, request: Request) -> tuple[bytes, int] | None: ...
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 from scheduler_svc.kv.block_manager import KVCacheUsage, LeakError
 from scheduler_svc.kv.block_pool import DoubleFreeError
+from scheduler_svc.kv.events import KVCacheEvent
 from scheduler_svc.request import Request
 
 
@@ -233,6 +234,9 @@ class SlotManager:
 
     def reset_prefix_cache(self) -> int:
         return 0
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return []
 
     def pin(self, request: Request) -> tuple[bytes, int] | None:
         return None

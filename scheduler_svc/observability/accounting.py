@@ -91,6 +91,9 @@ class CoreMetrics:
     worker: str
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    # vLLM's prompt_tokens: a request's whole prompt (cached part included),
+    # counted when it samples its first token.
+    first_token_prompt_tokens: int = 0
     rates: RateWindow = field(default_factory=RateWindow)
     _sampled_at: float = -math.inf
 
@@ -143,3 +146,14 @@ def split_step_tokens(plan: StepPlan, lookup: Callable[[str], Request | None]) -
             prefill += n
             chunks += 1
     return prefill, decode, chunks
+
+
+def first_token_prompt_tokens(plan: StepPlan, lookup: Callable[[str], Request | None]) -> int:
+    """Prompt tokens of the requests that sample their first token in this step
+    (each sample of an n > 1 request is one; a fork parent samples nothing)."""
+    total = 0
+    for seq in plan.seqs:
+        request = lookup(seq.request_id)
+        if seq.sample and request is not None and not request.prefill_only and request.num_output_tokens == 0:
+            total += request.num_prompt_tokens
+    return total

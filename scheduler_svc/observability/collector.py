@@ -1,6 +1,7 @@
 """Prometheus state read at scrape time: every engine core's pool, planner and
-counters. Nothing is copied into Prometheus objects on the hot path; a scrape
-reads the engine as it is (on the event loop, see exposition.py)."""
+counters, as pagedserve_ series and as vLLM's (names.VLLM_METRIC_NAMES).
+Nothing is copied into Prometheus objects on the hot path; a scrape reads the
+engine as it is (on the event loop, see exposition.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from scheduler_svc.observability.accounting import core_metrics
-from scheduler_svc.observability.names import METRIC_NAMES
+from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
@@ -94,6 +95,36 @@ class EngineCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield info
+        yield from vllm_families(cores)
+
+
+def vllm_families(cores: list[EngineCore]) -> list[Metric]:
+    """vLLM's gauges and counters, one series per worker (labels model_name,
+    engine = the worker's address), with vLLM's meanings."""
+    labels = ["model_name", "engine"]
+    gauges = {
+        name: GaugeMetricFamily(name, VLLM_METRIC_NAMES[name], labels=labels)
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    }
+    # CounterMetricFamily exposes `name` + "_total".
+    counters = {
+        name: CounterMetricFamily(name.removesuffix("_total"), VLLM_METRIC_NAMES[name], labels=labels)
+        for name in VLLM_METRIC_NAMES
+        if name.endswith("_total")
+    }
+    for core in cores:
+        w = [core.info.model_name, core.info.address]
+        u = core.planner.kv.usage()
+        gauges["vllm:num_requests_running"].add_metric(w, core.planner.num_running)
+        gauges["vllm:num_requests_waiting"].add_metric(w, core.planner.num_waiting)
+        gauges["vllm:kv_cache_usage_perc"].add_metric(w, u.used_fraction)  # blocks in use / all, cached-free = free
+        # Tokens, as vLLM counts them: each admission's prompt looked up, and the part found cached.
+        counters["vllm:prefix_cache_queries_total"].add_metric(w, u.prefix_query_tokens)
+        counters["vllm:prefix_cache_hits_total"].add_metric(w, u.prefix_hit_tokens)
+        counters["vllm:num_preemptions_total"].add_metric(w, core.planner.num_preemptions)
+        counters["vllm:prompt_tokens_total"].add_metric(w, core_metrics(core).first_token_prompt_tokens)
+        counters["vllm:generation_tokens_total"].add_metric(w, core.counters.generation_tokens)
+    return [*gauges.values(), *counters.values()]
 
 
 def kv_bytes_per_token(core: EngineCore) -> float:

@@ -6,7 +6,9 @@ step hook). `engine_hooks()` plugs them into an engine. State that is read at
 scrape time (pool gauges, counters) is collector.py's.
 
 Per-worker series carry a `worker` label (the worker's address); request-level
-histograms are engine-wide (a request can move between workers).
+histograms are engine-wide (a request can move between workers). The same
+request latencies also feed vLLM's histograms (names.VLLM_METRIC_NAMES, vLLM's
+buckets, a `model_name` label) once an engine is registered.
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.registry import Collector
 
 from scheduler_svc.engine.timing import Clock, EngineHooks
-from scheduler_svc.observability.accounting import RecentValues, core_metrics, split_step_tokens
+from scheduler_svc.observability.accounting import (
+    RecentValues,
+    core_metrics,
+    first_token_prompt_tokens,
+    split_step_tokens,
+)
 from scheduler_svc.observability.collector import EngineCollector
-from scheduler_svc.observability.names import METRIC_NAMES
+from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
@@ -93,6 +100,75 @@ _E2E_BUCKETS = (
     300.0,
     600.0,
 )
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards and SLO queries apply as they are.
+_VLLM_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_VLLM_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_VLLM_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 
@@ -157,6 +233,16 @@ class SchedulerMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        self.vllm_histograms = {
+            name: Histogram(name, VLLM_METRIC_NAMES[name], ["model_name"], buckets=buckets, registry=r)
+            for name, buckets in (
+                ("vllm:time_to_first_token_seconds", _VLLM_TTFT_BUCKETS),
+                ("vllm:inter_token_latency_seconds", _VLLM_ITL_BUCKETS),
+                ("vllm:e2e_request_latency_seconds", _VLLM_E2E_BUCKETS),
+            )
+        }
+        # The registered engine's model: its children of vllm_histograms (none before).
+        self._vllm: dict[str, Histogram] = {}
         self.recent = {
             name: RecentValues() for name in ("ttft", "itl", "e2e", "step", "forward", "step_tokens", "prefill_chunk")
         }
@@ -165,17 +251,24 @@ class SchedulerMetrics:
     # request level (RequestTiming calls these)
     def observe_ttft(self, seconds: float, now: float) -> None:
         self.ttft.observe(seconds)
+        self._observe_vllm("vllm:time_to_first_token_seconds", seconds)
         self.recent["ttft"].add(seconds, now)
 
     def observe_itl(self, seconds: float, now: float) -> None:
         self.itl.observe(seconds)
+        self._observe_vllm("vllm:inter_token_latency_seconds", seconds)
         self.recent["itl"].add(seconds, now)
 
     def observe_finish(self, reason: str, e2e_s: float, now: float) -> None:
         self.finished.labels(finish_reason=reason).inc()
         if reason in ("stop", "length"):  # an abort's time is the client's, an error's the failure's
             self.e2e.observe(e2e_s)
+            self._observe_vllm("vllm:e2e_request_latency_seconds", e2e_s)
             self.recent["e2e"].add(e2e_s, now)
+
+    def _observe_vllm(self, name: str, seconds: float) -> None:
+        if child := self._vllm.get(name):
+            child.observe(seconds)
 
     # step level (observe_step calls this)
     def observe_step_timing(
@@ -199,6 +292,9 @@ class SchedulerMetrics:
             self.registry.unregister(self._collector)
         self._collector = EngineCollector(engine)
         self.registry.register(self._collector)
+        # vLLM's series exist (at zero) from now on, as vLLM's do from start-up.
+        model = engine.cores[0].info.model_name if engine.cores else ""
+        self._vllm = {name: h.labels(model_name=model) for name, h in self.vllm_histograms.items()}
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -223,6 +319,7 @@ def observe_step(
     prefill, decode, chunks = split_step_tokens(plan, core.planner.get_request)
     cm.prefill_tokens += prefill
     cm.decode_tokens += decode
+    cm.first_token_prompt_tokens += first_token_prompt_tokens(plan, core.planner.get_request)
     metrics.observe_step_timing(cm.worker, step_s, result.forward_ms / 1e3, prefill + decode, chunks, now)
 
 

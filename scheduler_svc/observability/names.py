@@ -2,7 +2,13 @@
 text (histograms also serve _bucket/_count/_sum, counters _total and _created,
 info metrics _info). Names follow the Prometheus conventions: `pagedserve_`
 prefix, base units (seconds, bytes), `_total` for counters, `_ratio` for 0..1
-fractions. Documented in README.md."""
+fractions. Documented in README.md.
+
+VLLM_METRIC_NAMES are vLLM's own names and meanings (vllm/v1/metrics/loggers.py),
+for routers and autoscalers that read them (the Gateway API Inference
+Extension, llm-d): per worker with labels `model_name` and `engine` (the
+worker's address; vLLM numbers its data-parallel engines), the request
+histograms engine-wide with `model_name` (a request can move between workers)."""
 
 from __future__ import annotations
 
@@ -51,4 +57,21 @@ METRIC_NAMES = {
     "pagedserve_worker_kv_cache_bytes": "bytes of the worker's KV pool",
     "pagedserve_worker_healthy": "1 while the worker answers",
     "pagedserve_worker_info": "worker identity: device, model, dtype, kv_dtype (value 1)",
+}
+
+VLLM_METRIC_NAMES = {
+    # gauges per worker
+    "vllm:num_requests_running": "Number of requests in model execution batches.",
+    "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    # counters per worker
+    "vllm:prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "vllm:prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
+    "vllm:num_preemptions_total": "Cumulative number of preemption from the engine.",
+    "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
+    "vllm:generation_tokens_total": "Number of generation tokens processed.",
+    # request histograms
+    "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
 }

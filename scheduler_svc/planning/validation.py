@@ -43,9 +43,13 @@ def check_sampling(s: SamplingOptions) -> None:
 def check_prompt_ids(token_ids: Sequence[int], vocab_size: int) -> None:
     if not token_ids:
         raise RequestRejected("prompt", "prompt is empty")
+    check_in_vocab("prompt_token_ids", token_ids, vocab_size)
+
+
+def check_in_vocab(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise RequestRejected(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_num_samples(n: int, num_prompt_tokens: int) -> None:

@@ -19,11 +19,15 @@ class ModelTokenizer:
     eos_token_ids: frozenset[int]
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's string in the vocabulary ('' for an id it does not name)."""
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:

@@ -100,6 +100,34 @@ def test_models_and_health(oai, http, model_dir):
     assert http.get("/health").json() == {"status": "ok"}
 
 
+def test_tokenize_detokenize_and_max_model_len_with_the_models_tokenizer(oai, http, model_dir):
+    """The scheduler's tokenizer behind vLLM's /tokenize and /detokenize, checked
+    against transformers' tokenizer of the checkpoint."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    r = http.post("/tokenize", json={"model": model_dir.name, "prompt": PROMPT, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == reference(PROMPT)["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == reference.convert_ids_to_tokens(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": PROMPT}
+    # Messages: the chat template, as /v1/chat/completions renders it for the model.
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == reference(chat_prompt(model_dir, MESSAGES), add_special_tokens=False)["input_ids"]
+    done = oai.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1)
+    assert done.usage.prompt_tokens == chat["count"]
+    bad = http.post("/detokenize", json={"tokens": [5, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert "outside the vocabulary" in bad.json()["error"]["message"]
+    [model] = http.get("/v1/models").json()["data"]
+    assert model["max_model_len"] == MAX_MODEL_LEN
+    metrics = http.get("/metrics").text
+    assert 'pagedserve_gateway_http_requests_total{method="POST",route="/tokenize",status="200"} 2.0' in metrics
+    assert 'route="/detokenize",status="400"} 1.0' in metrics
+
+
 def test_completion_greedy_equals_grpc(oai, grpc_client):
     want = grpc_client.generate(PROMPT, max_tokens=24, temperature=0.0, timeout=WAIT_S)
     done = oai.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -138,6 +139,55 @@ def test_stats_while_a_request_runs(cluster):
     assert 0 <= stats.kv_slots_unused < 16 and stats.fragmentation == stats.kv_slots_unused / stats.kv_slots_allocated
     assert stats.block_utilization == stats.blocks_used / stats.blocks_total
     assert stats.tokens_per_s > 0 and stats.blocks_allocated_per_s > 0
+
+
+def test_vllm_series_move_with_the_load_as_vllm_counts(cluster):
+    """vLLM's names beside ours: deltas over a known load are exact, and the
+    gauges follow a request while it runs."""
+    model = Path(tiny_checkpoint("llama")).resolve().name  # the workers' model name
+    workers = [w.address for w in cluster.workers]
+    before = scrape(cluster.metrics_url)
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total"):
+        samples = [s for f in before.values() for s in f.samples if s.name == name]
+        assert {s.labels["engine"] for s in samples} == set(workers), name
+        assert {s.labels["model_name"] for s in samples} == {model}, name
+    shared = list(range(300, 332))
+    with SchedulerClient(cluster.address) as client:
+        first = client.generate(prompt_token_ids=[*shared, 7, 8, 9], max_tokens=4, temperature=0.0, ignore_eos=True)
+        second = client.generate(prompt_token_ids=[*shared, 1, 2], max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert (first.cached_prompt_tokens, second.cached_prompt_tokens) == (0, 32)  # routed to the blocks
+        wait_idle(client)
+        done = scrape(cluster.metrics_url)
+        stream = client.stream(prompt_token_ids=list(range(400, 450)), max_tokens=400, temperature=0.0, ignore_eos=True)
+        next(stream)
+        during = scrape(cluster.metrics_url)
+        stream.cancel()
+        wait_idle(client)
+    after = scrape(cluster.metrics_url)
+
+    def delta(name, since=before, until=done):
+        return value(until, name) - value(since, name)
+
+    assert delta("vllm:prompt_tokens_total") == 35 + 34
+    assert delta("vllm:prefix_cache_queries_total") == 35 + 34
+    assert delta("vllm:prefix_cache_hits_total") == 32
+    assert delta("vllm:generation_tokens_total") == 4 + 5
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 3 + 4
+    assert delta("vllm:e2e_request_latency_seconds_count") == 2
+    assert delta("vllm:num_preemptions_total") == 0
+    assert value(during, "vllm:num_requests_running") == 1 and value(during, "vllm:num_requests_waiting") == 0
+    usage = [s.value for s in during["vllm:kv_cache_usage_perc"].samples]
+    assert max(usage) > 0 and min(usage) == 0 and all(0 <= u <= 1 for u in usage)  # one worker busy
+    # The cancelled stream: its prompt counted at its first token; no e2e (an abort is not service latency).
+    assert delta("vllm:prompt_tokens_total", done, after) == 50
+    assert delta("vllm:time_to_first_token_seconds_count", done, after) == 1
+    assert delta("vllm:e2e_request_latency_seconds_count", done, after) == 0
+    assert value(after, "vllm:num_requests_running") == 0
+    assert all(s.value == 0 for s in after["vllm:kv_cache_usage_perc"].samples)
+    assert after["vllm:time_to_first_token_seconds"].type == "histogram"
+    buckets = [s.labels["le"] for s in after["vllm:e2e_request_latency_seconds"].samples if s.name.endswith("_bucket")]
+    assert buckets[0] == "0.3" and buckets[-2:] == ["7680.0", "+Inf"]
 
 
 def read_json_lines(path) -> list[dict]:

@@ -232,6 +232,8 @@ SLIM_IMAGES = {
             "prometheus_client": "prometheus_client",
             "uvicorn": "uvicorn",
             "rich": "rich",
+            "zmq": "pyzmq",
+            "msgpack": "msgpack",
         },
     ),
     "gateway": (
@@ -246,6 +248,7 @@ SLIM_IMAGES = {
             "pydantic": "fastapi",
             "uvicorn": "uvicorn",
             "jinja2": "jinja2",
+            "prometheus_client": "prometheus_client",
         },
     ),
 }

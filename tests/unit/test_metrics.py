@@ -26,7 +26,7 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.observability.accounting import RateWindow, core_metrics, split_step_tokens
 from scheduler_svc.observability.exposition import start_metrics_server
 from scheduler_svc.observability.metrics import SchedulerMetrics, observe_step
-from scheduler_svc.observability.names import METRIC_NAMES
+from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
 from scheduler_svc.observability.stats import stats_fields
 from scheduler_svc.observability.top import pool_bar, render, split_cells
 from scheduler_svc.planning.planner import Planner, PlannerConfig
@@ -265,6 +265,82 @@ def test_split_step_tokens_classifies_decodes_and_chunks():
     assert split_step_tokens(plan, planner.get_request) == (1, 0, 1)
 
 
+# ---- vLLM's names --------------------------------------------------------------
+def vllm(got, name, model="tiny", engine="127.0.0.1:7001"):
+    return got[(name, (("engine", engine), ("model_name", model)))]
+
+
+def test_vllm_series_count_as_vllm_does():
+    planner, worker = make(num_blocks=8, chunk_size=16)
+    core = fake_core(planner)
+    engine = SimpleNamespace(cores=[core])
+    planner.add(req("a", range(100, 140), max_tokens=3))  # 40 tokens: chunks of 16, 16, 8
+    planner.add(req("b", range(300, 320), max_tokens=3))
+    run_step(core, worker)  # a's first chunk, b's first 16 tokens
+    got = scrape(engine)
+    assert vllm(got, "vllm:num_requests_running") == 2 and vllm(got, "vllm:num_requests_waiting") == 0
+    assert vllm(got, "vllm:kv_cache_usage_perc") == planner.kv.pool.num_used_blocks / 8
+    assert vllm(got, "vllm:prompt_tokens_total") == 0  # nobody sampled yet
+    while planner.get_request("b").num_output_tokens == 0:
+        run_step(core, worker)
+    # b's prompt counts once b samples its first token, the cached part included; a's not yet.
+    assert planner.get_request("a").num_output_tokens == 0
+    assert vllm(scrape(engine), "vllm:prompt_tokens_total") == 20
+    while planner.has_work():
+        run_step(core, worker)
+    planner.add(req("c", [*range(100, 132), 1, 2], max_tokens=2))  # a's first 32 tokens are cached
+    while planner.has_work():
+        run_step(core, worker)
+    got = scrape(engine)
+    assert vllm(got, "vllm:prompt_tokens_total") == 40 + 20 + 34
+    assert vllm(got, "vllm:generation_tokens_total") == 3 + 3 + 2
+    assert vllm(got, "vllm:prefix_cache_queries_total") == 40 + 20 + 34  # tokens, not requests
+    assert vllm(got, "vllm:prefix_cache_hits_total") == 32
+    assert vllm(got, "vllm:num_requests_running") == 0 and vllm(got, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_vllm_prompt_tokens_once_per_request_despite_preemptions():
+    planner, worker = make(num_blocks=4, max_model_len=64)
+    core = fake_core(planner)
+    planner.add(req("a", range(100, 124), max_tokens=30))
+    planner.add(req("b", range(200, 224), max_tokens=30))
+    while planner.has_work():
+        run_step(core, worker)
+    assert planner.num_preemptions > 0
+    got = scrape(SimpleNamespace(cores=[core]))
+    assert vllm(got, "vllm:num_preemptions_total") == planner.num_preemptions
+    assert vllm(got, "vllm:prompt_tokens_total") == 48
+    assert vllm(got, "vllm:generation_tokens_total") == core.counters.generation_tokens
+
+
+def test_vllm_histograms_have_vllms_buckets_and_the_model_label():
+    clock = FakeClock(100.0)
+    metrics = SchedulerMetrics(CollectorRegistry(), clock=clock)
+    planner, _ = make()
+    RequestTiming(arrival=99.0, observer=metrics).on_tokens(1)  # before an engine: pagedserve's only
+    metrics.register_engine(SimpleNamespace(cores=[fake_core(planner)]))
+    timing = RequestTiming(arrival=99.5, observer=metrics)
+    timing.on_tokens(1)  # 0.5 s
+    clock.t = 100.03
+    timing.on_tokens(1)  # 30 ms
+    timing.finish("stop")
+    g = metrics.registry.get_sample_value
+    m = {"model_name": "tiny"}
+    assert g("pagedserve_time_to_first_token_seconds_count") == 2
+    assert g("vllm:time_to_first_token_seconds_count", m) == 1
+    assert g("vllm:time_to_first_token_seconds_bucket", {**m, "le": "0.25"}) == 0
+    assert g("vllm:time_to_first_token_seconds_bucket", {**m, "le": "0.5"}) == 1
+    assert g("vllm:inter_token_latency_seconds_bucket", {**m, "le": "0.025"}) == 0
+    assert g("vllm:inter_token_latency_seconds_bucket", {**m, "le": "0.05"}) == 1
+    assert g("vllm:e2e_request_latency_seconds_sum", m) == pytest.approx(0.53)
+    text = metrics.exposition().decode()
+    ttft = [line for line in text.splitlines() if line.startswith("vllm:time_to_first_token_seconds_bucket")]
+    les = [line.split('le="')[1].split('"')[0] for line in ttft]
+    assert les[:3] == ["0.001", "0.005", "0.01"] and les[-2:] == ["2560.0", "+Inf"] and len(les) == 23
+    e2e = [line for line in text.splitlines() if line.startswith("vllm:e2e_request_latency_seconds_bucket")]
+    assert len(e2e) == 22 and 'le="7680.0"' in e2e[-2]
+
+
 # ---- hook-fed histograms ----------------------------------------------------
 def test_step_hook_observes_step_forward_tokens_and_chunks():
     metrics = SchedulerMetrics(CollectorRegistry())
@@ -422,7 +498,11 @@ def test_every_documented_name_is_served_and_parses():
     assert families["pagedserve_kv_blocks_allocated"].type == "counter"
     assert families["pagedserve_kv_cache_blocks"].type == "gauge"
     assert families["pagedserve_worker_info"].type == "gauge"  # info metrics are gauges in the text format
-    assert all(name.startswith("pagedserve_") for name in families)
+    # Nothing undocumented: pagedserve's names and vLLM's, nothing else.
+    documented = {name.removesuffix("_total") for name in (*METRIC_NAMES, *VLLM_METRIC_NAMES)}
+    assert {name for name in families if not name.endswith("_created")} == documented
+    assert families["vllm:prompt_tokens"].type == "counter"
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
 
 
 def test_metrics_endpoint_serves_text_on_the_event_loop():

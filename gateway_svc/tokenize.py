@@ -1,0 +1,104 @@
+"""vLLM's /tokenize and /detokenize, with the scheduler's tokenizer (serving.v1
+Tokenize / Detokenize), and the model's max_model_len for /v1/models.
+
+    POST /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
+                   or {model?, messages, add_generation_prompt=true, add_special_tokens=false, ...}
+                   -> {count, max_model_len, tokens, token_strs}
+    POST /detokenize  {model?, tokens} -> {prompt}
+
+Messages are rendered with the model's chat template first, as for
+/v1/chat/completions; the template writes the special tokens itself, hence
+vLLM's default add_special_tokens=false for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
+from gateway_svc.convert import bad_request
+from gateway_svc.openai_types import ChatMessage, TokenId
+from gateway_svc.scheduler_client import SchedulerClient
+
+ForwardedKey = Callable[[Request], str | None]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # one model per gateway: not checked
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def tokenize_router(client: SchedulerClient, template: ChatTemplate | None, forwarded_key: ForwardedKey) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        prompt, add_special_tokens = _text(body, template)
+        reply = await client.tokenize(prompt, add_special_tokens, body.return_token_strs, forwarded_key(request))
+        tokens = list(reply.token_ids)
+        return {
+            "count": len(tokens),
+            "max_model_len": reply.max_model_len,
+            "tokens": tokens,
+            "token_strs": list(reply.token_strs) if body.return_token_strs else None,
+        }
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+        try:
+            reply = await client.detokenize(body.tokens, forwarded_key(request))
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.INVALID_ARGUMENT:  # an id outside the vocabulary
+                raise bad_request(f"tokens: {(err.details() or '').removeprefix('token_ids: ')}", "tokens") from err
+            raise
+        return {"prompt": reply.text}
+
+    return router
+
+
+def _text(body: TokenizeRequest, template: ChatTemplate | None) -> tuple[str, bool]:
+    """The text to tokenize and whether to add the tokenizer's special tokens."""
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt (text) and messages", "prompt")
+    if body.prompt is not None:
+        if not body.prompt:
+            raise bad_request("prompt: must not be empty", "prompt")
+        return body.prompt, body.add_special_tokens is not False
+    assert body.messages is not None
+    if not body.messages:
+        raise bad_request("messages: must not be empty", "messages")
+    if template is None:
+        raise bad_request("this model has no chat template: tokenize a prompt instead", "messages")
+    try:
+        text = template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    return text, body.add_special_tokens is True
+
+
+async def max_model_len(client: SchedulerClient, api_key: str | None) -> dict[str, int]:
+    """{"max_model_len": N} from the scheduler, or {} when it cannot say (down,
+    or an older scheduler): /v1/models answers either way."""
+    try:
+        info = await client.model_info(api_key)
+    except grpc.aio.AioRpcError:
+        return {}
+    return {"max_model_len": info.max_model_len}
