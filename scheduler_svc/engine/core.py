@@ -273,7 +273,7 @@ class EngineCore:
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
-        updates = self.planner.update(plan, result.sampled)
+        updates = self.planner.update(plan, result.sampled, result.logprobs)
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
