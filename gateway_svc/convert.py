@@ -326,9 +326,18 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in entries],
+        "top_logprobs": [None if e.logprob is None else _top_dict(e) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _top_dict(entry: LogprobEntry) -> dict[str, float]:
+    """Token text -> logprob. Texts can repeat (byte pieces of a character all read
+    U+FFFD): the most likely token keeps the key, and the chosen token is there too."""
+    top: dict[str, float] = {}
+    for token, logprob in [*entry.top, (entry.token, entry.logprob)]:
+        top.setdefault(token, logprob)
+    return top
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
