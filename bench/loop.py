@@ -388,7 +388,7 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             events = 0
             for stream in list(streams.values()):  # as the Generate handlers, one event_to_proto per event
                 while not stream.events.empty():
-                    event_to_proto(stream.events.get_nowait(), stream.request.request_id).SerializeToString()
+                    event_to_proto(stream.events.get_nowait(), stream.request.request_id, tokenizer).SerializeToString()
                     events += 1
             t["responses"] = _ms(start)
             timings = reply.timings

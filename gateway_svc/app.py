@@ -198,9 +198,10 @@ async def _sse(
     try:
         for chunk in shape.start_chunks([s.index for s in samples], include_usage):
             yield _sse_event(chunk)
+        by_index = {s.index: s for s in samples}
         async for index, message in generation.events():
-            results.add(index, message)
-            chunk = shape.chunk(index, message, include_usage)
+            delta = results.add(index, message)
+            chunk = shape.chunk(by_index[index], message, delta, include_usage)
             if chunk is not None:
                 yield _sse_event(chunk)
         if include_usage:

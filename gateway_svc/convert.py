@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,13 +52,30 @@ class Sample:
     index: int
     group: int
     request: serving_pb2.GenerateRequest
+    logprobs: bool = False  # answer with a logprobs object
+    echo: bool = False  # completions: the prompt's text (and logprobs) come before the completion's
+    prompt_text: str | None = None  # the prompt as sent; None for token ids (their texts are echoed)
 
 
 def completion_samples(body: CompletionRequest, response_id: str, max_n: int) -> list[Sample]:
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (this server returns every sample)", "best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request(
+            "max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)", "max_tokens"
+        )
     prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts]
-    return _samples(prompts, body, body.max_tokens, response_id, max_n)
+    if body.echo:
+        # The prompt's logprobs, and for token ids its tokens' texts; and max_tokens 0 needs them.
+        for prompt in prompts:
+            if body.logprobs is not None or body.max_tokens == 0 or "prompt_token_ids" in prompt:
+                prompt["prompt_logprobs"] = body.logprobs or 0
+    samples = _samples(prompts, body, body.max_tokens, response_id, max_n, body.logprobs)
+    texts = [p if isinstance(p, str) else None for p in body.prompts]
+    return [
+        dataclasses.replace(s, logprobs=body.logprobs is not None, echo=body.echo, prompt_text=texts[s.group])
+        for s in samples
+    ]
 
 
 def chat_samples(
@@ -73,11 +92,20 @@ def chat_samples(
     max_tokens = body.output_limit
     if max_tokens is None:
         max_tokens = default_max_tokens or INT32_MAX
-    return _samples([{"prompt": prompt}], body, max_tokens, response_id, max_n)
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    samples = _samples([{"prompt": prompt}], body, max_tokens, response_id, max_n, logprobs)
+    return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 
 
 def _samples(
-    prompts: list[dict], body: SamplingFields, max_tokens: int | None, response_id: str, max_n: int
+    prompts: list[dict],
+    body: SamplingFields,
+    max_tokens: int | None,
+    response_id: str,
+    max_n: int,
+    logprobs: int | None,
 ) -> list[Sample]:
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}", "n")
@@ -90,6 +118,13 @@ def _samples(
         "top_k": _int32(body.top_k),
         "stop": body.stop_list,
         "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logit_bias": body.logit_bias_ids,
+        "min_tokens": body.min_tokens,
+        "stop_token_ids": body.stop_token_ids,
     }
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []
@@ -119,28 +154,84 @@ def finish_reason(message: serving_pb2.GenerateResponse) -> str | None:
     return message.finish_reason or "stop"
 
 
+# JSON has no -inf: a logprob that underflows is reported as this (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    token: str
+    logprob: float | None  # None: the first prompt token
+    top: list[tuple[str, float]]  # the most likely tokens at this position, most likely first
+
+
+def _entries(tokens: Iterable[serving_pb2.TokenLogprob]) -> list[LogprobEntry]:
+    return [
+        LogprobEntry(
+            t.token,
+            max(t.logprob, MIN_LOGPROB) if t.HasField("logprob") else None,
+            [(a.token, max(a.logprob, MIN_LOGPROB)) for a in t.top],
+        )
+        for t in tokens
+    ]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one serving.v1 message adds to a choice."""
+
+    text: str
+    entries: list[LogprobEntry]
+    offsets: list[int]  # each entry's text offset in the choice's text
+
+
 @dataclass
 class ChoiceResult:
-    group: int
+    sample: Sample
     text: list[str] = field(default_factory=list)
+    entries: list[LogprobEntry] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: serving_pb2.Usage | None = None
+    echoed: bool = False
+    _next_offset: int = 0
+
+    @property
+    def group(self) -> int:
+        return self.sample.group
+
+    def add(self, message: serving_pb2.GenerateResponse) -> Delta:
+        text, entries = message.text, _entries(message.token_logprobs)
+        if self.sample.echo and not self.echoed and (message.token_ids or message.finished):
+            # The first message with output (or the end): the prompt logprobs are on it.
+            self.echoed = True
+            prompt = _entries(message.prompt_logprobs)
+            echo = self.sample.prompt_text
+            text = ("".join(e.token for e in prompt) if echo is None else echo) + text
+            entries = prompt + entries
+        offsets = []
+        for entry in entries:
+            offsets.append(self._next_offset)
+            self._next_offset += len(entry.token)
+        if text:
+            self.text.append(text)
+        self.entries += entries
+        self.offsets += offsets
+        if message.finished:
+            self.finish_reason = finish_reason(message)
+        if message.HasField("usage"):
+            self.usage = message.usage
+        return Delta(text, entries, offsets)
 
 
 class Results:
     """Accumulates the messages of every sample of one HTTP request."""
 
     def __init__(self, samples: list[Sample]):
-        self.choices = {s.index: ChoiceResult(s.group) for s in samples}
+        self.choices = {s.index: ChoiceResult(s) for s in samples}
 
-    def add(self, index: int, message: serving_pb2.GenerateResponse) -> None:
-        choice = self.choices[index]
-        if message.text:
-            choice.text.append(message.text)
-        if message.finished:
-            choice.finish_reason = finish_reason(message)
-        if message.HasField("usage"):
-            choice.usage = message.usage
+    def add(self, index: int, message: serving_pb2.GenerateResponse) -> Delta:
+        return self.choices[index].add(message)
 
     def usage(self) -> dict[str, Any]:
         """OpenAI counts each prompt once and every sample's output."""
@@ -182,9 +273,15 @@ class ResponseShape:
             c = results.choices[index]
             text = "".join(c.text)
             content = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
-            choices.append({"index": index, **content, "logprobs": None, "finish_reason": c.finish_reason})
+            logprobs = self._logprobs(c.sample, c.entries, c.offsets)
+            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, choices, results.usage())
+
+    def _logprobs(self, sample: Sample, entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any] | None:
+        if not sample.logprobs:
+            return None
+        return chat_logprobs(entries) if self.kind == "chat" else completion_logprobs(entries, offsets)
 
     @property
     def chunk_object(self) -> str:
@@ -196,24 +293,62 @@ class ResponseShape:
             return []
         return [self._chunk(i, {"delta": {"role": "assistant", "content": ""}}, None, include_usage) for i in indices]
 
-    def chunk(self, index: int, message: serving_pb2.GenerateResponse, include_usage: bool) -> dict[str, Any] | None:
-        """The stream chunk for one serving.v1 message; None for progress-only messages."""
+    def chunk(
+        self, sample: Sample, message: serving_pb2.GenerateResponse, delta: Delta, include_usage: bool
+    ) -> dict[str, Any] | None:
+        """The stream chunk for one serving.v1 message (`delta`: what it added); None
+        for progress-only messages."""
         reason = finish_reason(message)
-        if not message.text and reason is None:
+        if not delta.text and not delta.entries and reason is None:
             return None
         if self.kind == "chat":
-            content = {"delta": {"content": message.text} if message.text else {}}
+            content = {"delta": {"content": delta.text} if delta.text else {}}
         else:
-            content = {"text": message.text}
-        return self._chunk(index, content, reason, include_usage)
+            content = {"text": delta.text}
+        logprobs = self._logprobs(sample, delta.entries, delta.offsets)
+        return self._chunk(sample.index, content, reason, include_usage, logprobs)
 
-    def _chunk(self, index: int, content: dict, reason: str | None, include_usage: bool) -> dict[str, Any]:
-        choice = {"index": index, **content, "logprobs": None, "finish_reason": reason}
+    def _chunk(
+        self, index: int, content: dict, reason: str | None, include_usage: bool, logprobs: dict | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
         # With stream_options.include_usage every chunk carries "usage": null but the last.
         return self._envelope(self.chunk_object, [choice], None if include_usage else ...)
 
     def usage_chunk(self, results: Results) -> dict[str, Any]:
         return self._envelope(self.chunk_object, [], results.usage())
+
+
+def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:
+    """/v1/completions' (legacy) shape. Each position's top_logprobs holds the most
+    likely tokens and the chosen one (so up to logprobs + 1 entries, as OpenAI says);
+    the first prompt token of an echo has null logprob and top_logprobs."""
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [None if e.logprob is None else _top_dict(e) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _top_dict(entry: LogprobEntry) -> dict[str, float]:
+    """Token text -> logprob. Texts can repeat (byte pieces of a character all read
+    U+FFFD): the most likely token keeps the key, and the chosen token is there too."""
+    top: dict[str, float] = {}
+    for token, logprob in [*entry.top, (entry.token, entry.logprob)]:
+        top.setdefault(token, logprob)
+    return top
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """/v1/chat/completions' shape: content[{token, logprob, bytes, top_logprobs}]."""
+
+    def token(text: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [{**token(e.token, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
+    }
 
 
 # ---------------------------------------------------------------- errors

@@ -1,9 +1,10 @@
 """OpenAI request bodies as pydantic models: what we accept, and what we reject.
 
 Unknown fields are ignored (clients send `user`, `metadata`, ...), but fields
-that would change the answer and that we cannot honour (penalties, logprobs,
-echo, tools) are rejected with a 400 naming the field, instead of silently
-returning something the caller did not ask for.
+that would change the answer and that we cannot honour (suffix, tools) are
+rejected with a 400 naming the field, instead of silently returning something
+the caller did not ask for. Ranges are OpenAI's (logprobs up to 20 as vLLM
+allows); the scheduler checks them again (scheduler_svc/planning/validation.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,21 @@ def _only(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+MAX_LOGPROBS = 20
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key in value or {}:
+        if not key.strip().isdigit():
+            raise ValueError(f"keys must be token ids, got {key!r}")
+    return value
+
+
+# OpenAI: token id (a JSON object key, so a string) -> bias in [-100, 100].
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None, AfterValidator(_token_id_keys)]
 # Accepted only at their no-op value.
-Penalty = Annotated[float, _only(lambda v: v == 0, "0")]
-NoLogitBias = Annotated[dict[str, float] | None, _only(lambda v: not v, "an empty map")]
 NoTools = Annotated[list[Any] | None, _only(lambda v: not v, "no tools")]
 
 
@@ -58,9 +71,17 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    logit_bias: NoLogitBias = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: LogitBias = None
+    # vLLM-style extensions (openai: extra_body=...).
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def stop_list(self) -> list[str]:
@@ -76,8 +97,10 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    echo: Annotated[bool, _only(lambda v: not v, "false")] = False
-    logprobs: Annotated[int | None, _only(lambda v: v is None, "null")] = None
+    # 0 only with echo: the prompt scored, nothing generated.
+    max_tokens: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    logprobs: Logprobs | None = None
     suffix: Annotated[str | None, _only(lambda v: not v, "null")] = None
     best_of: int | None = Field(default=None, ge=1)
 
@@ -130,8 +153,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # Newer OpenAI name for max_tokens; it wins when both are given.
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Annotated[bool | None, _only(lambda v: not v, "false")] = None
-    top_logprobs: Annotated[int | None, _only(lambda v: v is None, "null")] = None
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
     tools: NoTools = None
     response_format: Annotated[
         dict[str, Any] | None, _only(lambda v: v is None or v.get("type") == "text", "{'type': 'text'}")

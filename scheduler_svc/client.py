@@ -28,6 +28,8 @@ class Completion:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     progress: list[tuple[int, int]] = field(default_factory=list)
+    token_logprobs: list[serving_pb2.TokenLogprob] = field(default_factory=list)  # with `logprobs`
+    prompt_logprobs: list[serving_pb2.TokenLogprob] = field(default_factory=list)  # with `prompt_logprobs`
 
 
 class SchedulerClient:
@@ -42,7 +44,10 @@ class SchedulerClient:
         timeout: float | None = None,
         **params: Any,
     ) -> Iterator[serving_pb2.GenerateResponse]:
-        """Stream raw responses. params: max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, request_id."""
+        """Stream raw responses. params: any GenerateRequest field (max_tokens, temperature,
+        top_p, top_k, seed, stop, ignore_eos, request_id, logprobs, prompt_logprobs,
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
+        stop_token_ids, ...)."""
         request = serving_pb2.GenerateRequest(prompt=prompt or "", prompt_token_ids=prompt_token_ids or [], **params)
         stream: Iterator[serving_pb2.GenerateResponse] = self.stub.Generate(request, timeout=timeout)
         return stream
@@ -60,6 +65,8 @@ class SchedulerClient:
             out.text += reply.text
             out.token_ids.extend(reply.token_ids)
             out.logprobs.extend(reply.logprobs)
+            out.token_logprobs.extend(reply.token_logprobs)
+            out.prompt_logprobs.extend(reply.prompt_logprobs)
             if reply.HasField("prefill_progress"):
                 out.progress.append((reply.prefill_progress.processed_tokens, reply.prefill_progress.total_tokens))
             if reply.finished:

@@ -18,6 +18,29 @@ class SamplingOptions:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # text-level; the engine detects them and calls finish()
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives returned with each generated token
+    prompt_logprobs: int | None = None  # set: every prompt token's logprob, with this many alternatives
+    # Applied by the worker before sampling (OpenAI / vLLM semantics).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens are generated
+    stop_token_ids: tuple[int, ...] = ()  # end the request like EOS (not affected by ignore_eos)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's logprob (None: the first prompt token, which nothing predicts) and the
+    most likely tokens at its position, most likely first."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(enum.StrEnum):
@@ -63,8 +86,12 @@ class Request:
     # Content hashes of this request's full blocks, filled lazily by the
     # KVCacheManager so a long prompt is hashed once, not on every admission try.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # With sampling.prompt_logprobs: prompt tokens 1.. scored so far, in order.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+    prompt_logprobs_sent: bool = False
     # prompt + outputs, kept incrementally so a decode step does not copy the prompt.
     _all_token_ids: list[int] = field(init=False, repr=False)
+    _distinct_prompt_ids: tuple[int, ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
@@ -74,6 +101,29 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt followed by generated tokens. Read-only by convention."""
         return self._all_token_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt token's logprob is still to be computed."""
+        wanted = self.sampling.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def max_cache_hit_tokens(self) -> int:
+        """Known tokens that may be read from the prefix cache instead of computed: all
+        but the last (its logits are needed), and with prompt logprobs still missing
+        only the positions already scored (the cache holds KV, not logits)."""
+        limit = self.num_tokens - 1
+        if self.needs_prompt_logprobs:
+            limit = min(limit, len(self.prompt_logprobs))
+        return limit
+
+    @property
+    def distinct_prompt_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids, each once (the repetition penalty's prompt set)."""
+        if self._distinct_prompt_ids is None:
+            self._distinct_prompt_ids = tuple(sorted(set(self.prompt_token_ids)))
+        return self._distinct_prompt_ids
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from worker_svc.attention import CacheAttention
 from worker_svc.forward_batch import build_forward_batch, check_references
 from worker_svc.kv_cache import KVCachePool
 from worker_svc.models import DecoderModel
+from worker_svc.prompt_logprobs import PromptLogprobsOut, PromptRows
 from worker_svc.sampler import Sampler
 from worker_svc.step_input import StepInput
 
@@ -21,6 +22,8 @@ class SampledToken:
     token_id: int
     logprob: float
     logits: torch.Tensor | None = None
+    top_token_ids: list[int] = field(default_factory=list)  # Sampling.top_logprobs most likely
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,7 @@ class StepOutput:
     sampled: list[SampledToken]
     num_tokens: int
     timings_ms: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[PromptLogprobsOut] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -65,20 +69,35 @@ class ModelRunner:
         attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
         hidden = self.model.forward(batch.input_ids, batch.positions, attention)
         sampled: list[SampledToken] = []
+        prompt_logprobs: list[PromptLogprobsOut] = []
         t2 = time.perf_counter()
-        if batch.sample_seqs:
-            logits = self.model.logits(hidden[batch.sample_rows])
+        prompt = PromptRows.of(batch.seqs)  # None unless a chunk asks for prompt logprobs
+        if batch.sample_seqs or prompt is not None:
+            # Sampled positions first, then the prompt-logprob positions: one lm_head call.
+            rows = (
+                batch.sample_rows
+                if prompt is None
+                else torch.cat([batch.sample_rows, prompt.rows_on(self.model.device)])
+            )
+            logits = self.model.logits(hidden[rows])
             t2 = time.perf_counter()
             params = [s.sampling for s in batch.sample_seqs]
             positions = [s.context_len for s in batch.sample_seqs]
-            packed = self.sampler.sample_packed(logits, params, positions)  # on the device
-            # The ids stay on the device for the next step's decodes; one copy brings ids and logprobs here.
-            rows = {s.seq_id: i for i, s in enumerate(batch.sample_seqs)}
-            self.last_samples = LastSamples(step.step_id, rows, packed[:, 0].long())
-            host = packed.cpu()
+            packed = self.sampler.sample_packed(
+                logits, params, positions, prompt and prompt.scoring, lambda: batch.input_ids[batch.sample_rows]
+            )  # on the device
+            # The ids stay on the device for the next step's decodes; one copy brings all results here.
+            by_seq = {s.seq_id: i for i, s in enumerate(batch.sample_seqs)}
+            self.last_samples = LastSamples(step.step_id, by_seq, packed.token_ids)
+            host = packed.tensor.cpu().numpy()
+            tops = packed.layout.top(host)
             for i, seq in enumerate(batch.sample_seqs):
                 row = logits[i].cpu() if seq.return_logits else None
-                sampled.append(SampledToken(seq.seq_id, int(host[i, 0]), float(host[i, 1]), row))
+                top = tops.get(i, host[:0])[: seq.sampling.top_logprobs]
+                ids, logprobs = top[:, 0].astype(int).tolist(), top[:, 1].tolist()
+                sampled.append(SampledToken(seq.seq_id, int(host[i, 0]), float(host[i, 1]), row, ids, logprobs))
+            if prompt is not None:
+                prompt_logprobs = prompt.unpack(host, packed.layout)
         t3 = time.perf_counter()
         timings = {
             "prepare_ms": (t1 - t0) * 1e3,
@@ -86,7 +105,7 @@ class ModelRunner:
             "sample_ms": (t3 - t2) * 1e3,
             "total_ms": (t3 - t0) * 1e3,
         }
-        return StepOutput(step.step_id, sampled, int(batch.input_ids.numel()), timings)
+        return StepOutput(step.step_id, sampled, int(batch.input_ids.numel()), timings, prompt_logprobs)
 
 
 def _ms(start: float) -> float:

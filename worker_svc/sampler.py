@@ -7,16 +7,23 @@ computed with integer tensor ops, and a seeded row's key is a hash of
 position whatever else is in the batch, on any device. Unseeded rows get keys
 drawn on the host each step and go through the same path.
 
-Only one tensor crosses to the host per step: token ids and logprobs packed
-as float64 columns (ids < 2**53 are exact), so more columns (top-N logprobs)
-can join the same copy.
+Only one tensor crosses to the host per step: (token id, logprob) pairs as
+float64 (ids < 2**53 are exact): one per sample, then the top-N alternatives of
+the rows that ask for them, then the prompt logprobs (PackedLayout).
+
+Rows with blocked ids, a logit bias or penalties (logits_processing.py) are
+processed in a copy of just those rows; a batch without any does no extra work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
+from worker_svc.logits_processing import add_logit_bias_, apply_penalties_, block_tokens_, token_counts
 from worker_svc.step_input import Sampling
 
 _M32 = 0xFFFFFFFF
@@ -81,6 +88,53 @@ def add_noise(scaled: torch.Tensor, keys: torch.Tensor, prune: bool) -> torch.Te
     return scaled + gumbel(keys[:, None], tokens[None, :])
 
 
+@dataclass(frozen=True, slots=True)
+class PackedLayout:
+    """Where each result sits in the packed [K, 2] (token id, logprob) tensor: the
+    samples, then `top_n` alternatives for each of `top_rows` (sample rows that
+    asked, up to the most any asked), then one pair per prompt row (its target),
+    then `prompt_top_n` alternatives for each of `prompt_top_rows`."""
+
+    num_samples: int
+    top_rows: np.ndarray
+    top_n: int
+    num_prompt_rows: int = 0
+    prompt_top_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prompt_top_n: int = 0
+
+    def top(self, host: np.ndarray) -> dict[int, np.ndarray]:
+        """Sample row -> its alternatives [top_n, 2], most likely first."""
+        block = host[self.num_samples : self.num_samples + self.top_rows.size * self.top_n]
+        return dict(zip(self.top_rows.tolist(), block.reshape(self.top_rows.size, self.top_n, 2)))
+
+    def prompt(self, host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([prompt rows, 2] target id and logprob, prompt_top_rows, their alternatives
+        [len(prompt_top_rows), prompt_top_n, 2])."""
+        start = self.num_samples + self.top_rows.size * self.top_n
+        targets = host[start : start + self.num_prompt_rows]
+        top = host[start + self.num_prompt_rows :].reshape(self.prompt_top_rows.size, self.prompt_top_n, 2)
+        return targets, self.prompt_top_rows, top
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScoring:
+    """Logit rows after the samples' whose logprob of a given token is wanted (prompt logprobs)."""
+
+    targets: np.ndarray  # [M] token id after each row's position
+    top_n: np.ndarray  # [M] alternatives wanted per row
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    tensor: torch.Tensor  # [K, 2] float64 on the logits' device
+    layout: PackedLayout
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The sampled ids, on the device."""
+        return self.tensor[: self.layout.num_samples, 0].long()
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.rng = np.random.default_rng(seed)
@@ -89,19 +143,107 @@ class Sampler:
         self, logits: torch.Tensor, params: list[Sampling], positions: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, V] -> host (token ids [N], logprobs [N] under the unscaled distribution)."""
-        packed = self.sample_packed(logits, params, positions).cpu()
+        packed = self.sample_packed(logits, params, positions).tensor[: len(params)].cpu()
         return packed[:, 0].long(), packed[:, 1].float()
 
-    def sample_packed(self, logits: torch.Tensor, params: list[Sampling], positions: list[int]) -> torch.Tensor:
-        """[N, 2] float64 on the logits' device: token id, logprob."""
+    def sample_packed(
+        self,
+        logits: torch.Tensor,
+        params: list[Sampling],
+        positions: list[int],
+        prompt: PromptScoring | None = None,
+        input_ids: Callable[[], torch.Tensor] | None = None,
+    ) -> Packed:
+        """Samples the first len(params) rows of `logits`; the rows after them are
+        scored for `prompt`. Everything comes back in one device tensor (see
+        PackedLayout). Logprobs are of the raw distribution (before processing,
+        temperature and filtering). `input_ids()`: the token input at each sampled
+        position, on the device, asked for only when a penalty counts it."""
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        num = len(params)
+        raw = logits[:num]
+        processed = self._process(raw, params, input_ids)
+        tokens = raw.argmax(dim=-1)
+        if processed is not None:
+            rows, block = processed
+            tokens[rows] = block.argmax(dim=-1)
         if any(p.temperature > 0 for p in params):
-            rows, filter_rows = self._row_params(params, positions, logits.shape[-1], logits.device)
-            tokens = torch.where(rows[:, _GREEDY] > 0, tokens, _sample(logits, rows, filter_rows))
+            rows_block, filter_rows = self._row_params(params, positions, logits.shape[-1], logits.device)
+            sampled = _sample(raw, rows_block, filter_rows, processed)
+            tokens = torch.where(rows_block[:, _GREEDY] > 0, tokens, sampled)
         # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
-        logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        return torch.stack([tokens.double(), logprobs.double()], dim=1)
+        lse = torch.logsumexp(raw, dim=-1)
+        logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+        parts = [torch.stack([tokens.double(), logprobs.double()], dim=1)]
+        top_n = np.array([p.top_logprobs for p in params], dtype=np.int64)
+        top_rows = np.flatnonzero(top_n)
+        width = int(top_n.max()) if top_rows.size else 0
+        if top_rows.size:
+            parts.append(_top_pairs(raw, lse, top_rows, width))
+        layout = PackedLayout(num, top_rows, width)
+        if prompt is not None:
+            parts += self._score(logits[num:], prompt)
+            prompt_top_rows = np.flatnonzero(prompt.top_n)
+            prompt_width = int(prompt.top_n.max()) if prompt_top_rows.size else 0
+            layout = PackedLayout(num, top_rows, width, prompt.targets.size, prompt_top_rows, prompt_width)
+        return Packed(torch.cat(parts) if len(parts) > 1 else parts[0], layout)
+
+    @staticmethod
+    def _score(logits: torch.Tensor, prompt: PromptScoring) -> list[torch.Tensor]:
+        """(target id, logprob) per row, then the alternatives of the rows that want them."""
+        targets = torch.from_numpy(prompt.targets).to(logits.device)
+        lse = torch.logsumexp(logits, dim=-1)
+        logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse
+        parts = [torch.stack([targets.double(), logprobs.double()], dim=1)]
+        top_rows = np.flatnonzero(prompt.top_n)
+        if top_rows.size:
+            parts.append(_top_pairs(logits, lse, top_rows, int(prompt.top_n.max())))
+        return parts
+
+    def _process(
+        self, logits: torch.Tensor, params: list[Sampling], input_ids: Callable[[], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, their processed logits [R, V]) for the rows with blocked ids, a logit
+        bias or penalties; None (and no work at all) when no row has any."""
+        rows = [i for i, p in enumerate(params) if p.processes_logits]
+        if not rows:
+            return None
+        inputs = _processing_inputs([params[i] for i in rows], rows)
+        on_device = _to_device(inputs.block, logits.device)
+        part = dict(zip(inputs.names, torch.split(on_device, inputs.sizes)))
+        as_long = lambda name: part[name].long()
+        rows_t = as_long("rows")
+        block = logits[rows_t]  # a copy: the raw logits stay for the logprobs
+        block_tokens_(block, as_long("blocked_rows"), as_long("blocked_ids"))
+        add_logit_bias_(block, as_long("bias_rows"), as_long("bias_ids"), part["bias_values"])
+        if inputs.penalized.size:
+            self._penalize(block, inputs, part, input_ids)
+        return rows_t, block
+
+    @staticmethod
+    def _penalize(
+        block: torch.Tensor,
+        inputs: _ProcessingInputs,
+        part: dict[str, torch.Tensor],
+        input_ids: Callable[[], torch.Tensor] | None,
+    ) -> None:
+        """Penalties on the penalized rows of `block` (all rows of one [P, V] sub-block)."""
+        penalized = part["penalized"].long()
+        num, vocab = inputs.penalized.size, block.shape[-1]
+        out_rows, out_ids = part["output_rows"].long(), part["output_ids"].long()
+        if inputs.counts_input.size:
+            if input_ids is None:
+                raise ValueError("a penalty counts the input token, but no input ids were given")
+            sample_rows = part["counts_input_samples"].long()
+            out_rows = torch.cat([out_rows, part["counts_input"].long()])
+            out_ids = torch.cat([out_ids, input_ids()[sample_rows]])
+        counts = token_counts(num, vocab, out_rows, out_ids)
+        seen = torch.zeros(num, vocab, dtype=torch.bool, device=block.device)
+        seen[part["prompt_rows"].long(), part["prompt_ids"].long()] = True
+        factors = part["factors"].view(num, 3).float()
+        sub = block[penalized]
+        apply_penalties_(sub, counts, seen, factors[:, 0], factors[:, 1], factors[:, 2])
+        block[penalized] = sub
 
     def _row_params(
         self, params: list[Sampling], positions: list[int], vocab: int, device: torch.device
@@ -132,8 +274,17 @@ class Sampler:
         return on_device[: n * _NCOLS].view(n, _NCOLS), on_device[n * _NCOLS :].long()
 
 
-def _sample(logits: torch.Tensor, rows: torch.Tensor, filter_rows: torch.Tensor) -> torch.Tensor:
-    scaled = logits / rows[:, _TEMP, None].float()
+def _sample(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    filter_rows: torch.Tensor,
+    processed: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    temperature = rows[:, _TEMP, None].float()
+    scaled = logits / temperature
+    if processed is not None:
+        processed_rows, block = processed
+        scaled[processed_rows] = block / temperature[processed_rows]
     scores = add_noise(scaled, rows[:, _KEY].long(), prune=logits.device.type == "cpu")
     if filter_rows.numel():
         dropped = ~_keep_mask(scaled[filter_rows], rows[filter_rows])
@@ -150,3 +301,76 @@ def _keep_mask(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (rank < rows[:, _TOP_K, None]) & (mass_before < rows[:, _TOP_P, None].float())
     return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
+    """[len(rows) * n, 2]: each row's n most likely (token id, logprob), most likely first."""
+    index = torch.from_numpy(rows).to(logits.device)
+    values, ids = logits[index].topk(n, dim=-1)
+    logprobs = values - lse[index, None]
+    return torch.stack([ids.double(), logprobs.double()], dim=-1).view(-1, 2)
+
+
+def _to_device(block: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(block)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _ProcessingInputs:
+    """The processed rows' inputs as flat float64 segments of one block (ids < 2**53
+    are exact), so they reach the device in one copy."""
+
+    names: tuple[str, ...]
+    sizes: list[int]
+    block: np.ndarray
+    penalized: np.ndarray  # rows (of the processed block) with penalties
+    counts_input: np.ndarray  # of those, the ones that count their input token
+
+
+def _flat(lists: list, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each entry, the entries) of per-row lists laid end to end."""
+    lens = np.array([len(x) for x in lists], dtype=np.int64)
+    values = np.concatenate([np.asarray(x, dtype=np.float64) for x in lists]) if lists else np.zeros(0)
+    return np.repeat(rows, lens).astype(np.float64), values
+
+
+def _processing_inputs(params: list[Sampling], sample_rows: list[int]) -> _ProcessingInputs:
+    everyone = np.arange(len(params))
+    blocked_rows, blocked_ids = _flat([p.blocked_token_ids for p in params], everyone)
+    bias_rows, bias_ids = _flat([p.logit_bias_token_ids for p in params], everyone)
+    _, bias_values = _flat([p.logit_bias_values for p in params], everyone)
+    penalties = [p.penalties for p in params]
+    penalized = np.array([i for i, p in enumerate(penalties) if p is not None], dtype=np.int64)
+    chosen = [penalties[i] for i in penalized]  # rows of the [P, V] penalized sub-block, in this order
+    local = np.arange(len(chosen))
+    output_rows, output_ids = _flat([p.output_token_ids for p in chosen], local)
+    prompt_rows, prompt_ids = _flat([p.prompt_token_ids for p in chosen], local)
+    factors = np.array([(p.presence, p.frequency, p.repetition) for p in chosen], dtype=np.float64).ravel()
+    counts_input = np.array([k for k, p in enumerate(chosen) if p.count_input_token], dtype=np.int64)
+    counts_input_samples = np.array([sample_rows[penalized[k]] for k in counts_input], dtype=np.int64)
+    segments = {
+        "rows": np.asarray(sample_rows, dtype=np.float64),
+        "blocked_rows": blocked_rows,
+        "blocked_ids": blocked_ids,
+        "bias_rows": bias_rows,
+        "bias_ids": bias_ids,
+        "bias_values": bias_values,
+        "penalized": penalized.astype(np.float64),
+        "output_rows": output_rows,
+        "output_ids": output_ids,
+        "prompt_rows": prompt_rows,
+        "prompt_ids": prompt_ids,
+        "factors": factors,
+        "counts_input": counts_input.astype(np.float64),
+        "counts_input_samples": counts_input_samples.astype(np.float64),
+    }
+    return _ProcessingInputs(
+        tuple(segments),
+        [v.size for v in segments.values()],
+        np.concatenate(list(segments.values())),
+        penalized,
+        counts_input,
+    )

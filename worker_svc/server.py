@@ -19,7 +19,7 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
-from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StaleStep, StepArrays, StepInput
+from worker_svc.step_input import InvalidStep, Penalties, Sampling, SeqInput, StaleStep, StepArrays, StepInput
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -58,9 +58,11 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
             table,
             slot_mapping,
             s.sample,
-            _sampling(s.sampling),
+            _sampling(s.sampling, s.token_from_previous_step),
             s.return_logits,
             s.token_from_previous_step,
+            s.prompt_logprob_targets,
+            s.prompt_top_logprobs,
         )
         for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)
     ]
@@ -68,8 +70,24 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
     return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs, arrays, previous)
 
 
-def _sampling(sp: worker_pb2.SamplingParams) -> Sampling:
-    return Sampling(sp.temperature, sp.top_p, sp.top_k, sp.seed if sp.HasField("seed") else None)
+def _sampling(sp: worker_pb2.SamplingParams, input_is_previous_sample: bool) -> Sampling:
+    penalties = None
+    if sp.HasField("penalties"):
+        p = sp.penalties
+        penalties = Penalties(
+            p.presence, p.frequency, p.repetition, p.output_token_ids, p.prompt_token_ids, input_is_previous_sample
+        )
+    return Sampling(
+        sp.temperature,
+        sp.top_p,
+        sp.top_k,
+        sp.seed if sp.HasField("seed") else None,
+        sp.top_logprobs,
+        sp.blocked_token_ids,
+        sp.logit_bias_token_ids,
+        sp.logit_bias_values,
+        penalties,
+    )
 
 
 def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
@@ -79,8 +97,19 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
             token_id=t.token_id,
             logprob=t.logprob,
             logits=t.logits.float().numpy().astype("<f4").tobytes() if t.logits is not None else b"",
+            top_token_ids=t.top_token_ids,
+            top_logprobs=t.top_logprobs,
         )
         for t in out.sampled
+    ]
+    prompt_logprobs = [
+        worker_pb2.PromptLogprobs(
+            seq_id=p.seq_id,
+            logprobs=p.logprobs.tolist(),
+            top_token_ids=p.top_token_ids.tolist(),
+            top_logprobs=p.top_logprobs.tolist(),
+        )
+        for p in out.prompt_logprobs
     ]
     t = out.timings_ms
     timings = worker_pb2.StepTimings(
@@ -90,7 +119,12 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         total_ms=t.get("total_ms", 0.0),
     )
     return worker_pb2.StepResponse(
-        step_id=out.step_id, sampled=sampled, timings=timings, instance_id=instance_id, num_tokens=out.num_tokens
+        step_id=out.step_id,
+        sampled=sampled,
+        timings=timings,
+        instance_id=instance_id,
+        num_tokens=out.num_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -15,11 +15,35 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
+class Penalties:
+    """OpenAI presence/frequency and HF repetition penalties over a sequence's tokens."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0  # 1 = off
+    output_token_ids: Sequence[int] = ()  # generated so far, as the step was planned
+    prompt_token_ids: Sequence[int] = ()  # the prompt's distinct ids (repetition only)
+    # The input token is the previous step's sample (token_from_previous_step), which the
+    # scheduler had not seen: it counts as generated too.
+    count_input_token: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    top_logprobs: int = 0  # alternatives returned with the sampled token
+    # Logit processing (in this order): -inf, + bias, penalties.
+    blocked_token_ids: Sequence[int] = ()
+    logit_bias_token_ids: Sequence[int] = ()
+    logit_bias_values: Sequence[float] = ()
+    penalties: Penalties | None = None
+
+    @property
+    def processes_logits(self) -> bool:
+        return bool(len(self.blocked_token_ids) or len(self.logit_bias_token_ids) or self.penalties)
 
 
 @dataclass(slots=True)
@@ -34,6 +58,9 @@ class SeqInput:
     return_logits: bool = False
     # The input is the token this sequence sampled in the previous step (token_ids holds a placeholder).
     token_from_previous_step: bool = False
+    # Prompt logprobs: the token after each of the first len(...) positions of this chunk.
+    prompt_logprob_targets: Sequence[int] = ()
+    prompt_top_logprobs: int = 0
 
     @property
     def context_len(self) -> int:
@@ -193,6 +220,10 @@ def _validate_seqs(step: StepInput, limits: Limits) -> None:
         s = seq.sampling
         if seq.sample and (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0):
             raise InvalidStep(f"seqs[{i}].sampling", "need temperature >= 0, top_p in [0, 1], top_k >= 0")
+        if seq.sample and (s.top_logprobs or s.processes_logits):
+            _validate_logit_processing(f"seqs[{i}].sampling", s, limits.vocab_size)
+        if len(seq.prompt_logprob_targets) or seq.prompt_top_logprobs:
+            _validate_prompt_logprobs(f"seqs[{i}]", seq, limits.vocab_size)
         if seq.token_from_previous_step and (len(seq.token_ids) != 1 or step.previous_step_id is None):
             raise InvalidStep(
                 f"seqs[{i}].token_from_previous_step",
@@ -230,4 +261,39 @@ def _validate_slots(a: StepArrays, block_size: int) -> None:
         raise InvalidStep(
             f"seqs[{_seq_of(t, a.seq_lens)}].slot_mapping",
             f"slot {a.slot_mapping[t]} for position {positions[t]} does not match block_table",
+        )
+
+
+def _check_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
+    values = np.asarray(ids, dtype=np.int64)
+    if values.size and (values.min() < 0 or values.max() >= vocab_size):
+        raise InvalidStep(field_name, f"token ids must be in the vocabulary [0, {vocab_size})")
+
+
+def _validate_logit_processing(field_name: str, s: Sampling, vocab_size: int) -> None:
+    if not 0 <= s.top_logprobs <= vocab_size:
+        raise InvalidStep(f"{field_name}.top_logprobs", f"must be in [0, {vocab_size}], got {s.top_logprobs}")
+    _check_ids(f"{field_name}.blocked_token_ids", s.blocked_token_ids, vocab_size)
+    _check_ids(f"{field_name}.logit_bias_token_ids", s.logit_bias_token_ids, vocab_size)
+    if len(s.logit_bias_token_ids) != len(s.logit_bias_values) or not np.isfinite(s.logit_bias_values).all():
+        raise InvalidStep(f"{field_name}.logit_bias_values", "one finite value per logit_bias_token_ids entry")
+    p = s.penalties
+    if p is None:
+        return
+    if not (np.isfinite([p.presence, p.frequency, p.repetition]).all() and p.repetition > 0):
+        raise InvalidStep(f"{field_name}.penalties", "need finite presence and frequency, repetition > 0")
+    _check_ids(f"{field_name}.penalties.output_token_ids", p.output_token_ids, vocab_size)
+    _check_ids(f"{field_name}.penalties.prompt_token_ids", p.prompt_token_ids, vocab_size)
+
+
+def _validate_prompt_logprobs(field_name: str, seq: SeqInput, vocab_size: int) -> None:
+    if len(seq.prompt_logprob_targets) > len(seq.token_ids):
+        raise InvalidStep(
+            f"{field_name}.prompt_logprob_targets",
+            f"{len(seq.prompt_logprob_targets)} targets for a chunk of {len(seq.token_ids)} positions",
+        )
+    _check_ids(f"{field_name}.prompt_logprob_targets", seq.prompt_logprob_targets, vocab_size)
+    if not 0 <= seq.prompt_top_logprobs <= vocab_size:
+        raise InvalidStep(
+            f"{field_name}.prompt_top_logprobs", f"must be in [0, {vocab_size}], got {seq.prompt_top_logprobs}"
         )

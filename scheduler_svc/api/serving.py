@@ -23,8 +23,10 @@ from scheduler_svc.planning.validation import (
     check_num_samples,
     check_prompt_ids,
     check_sampling,
+    check_sampling_token_ids,
 )
-from scheduler_svc.request import Request, SamplingOptions
+from scheduler_svc.request import Request, SamplingOptions, TokenLogprob
+from scheduler_svc.text.tokenizer import ModelTokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -49,8 +51,9 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     returns a prefill-only parent whose children are the n samples."""
     prompt_ids = prompt_from_proto(msg, engine)
     sampling = _sampling_from_proto(msg, default_max_tokens)
+    check_sampling_token_ids(sampling, engine.tokenizer.vocab_size)
     n = msg.n if msg.HasField("n") else 1
-    check_num_samples(n, len(prompt_ids))
+    check_num_samples(n, len(prompt_ids), sampling)
     request_id = msg.request_id or uuid.uuid4().hex
     eos, salt = engine.tokenizer.eos_token_ids, msg.cache_salt or None
     if n == 1:
@@ -94,12 +97,20 @@ def _sampling_from_proto(msg: serving_pb2.GenerateRequest, default_max_tokens: i
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
         stop=tuple(s for s in msg.stop if s),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
     )
     check_sampling(sampling)
     return sampling
 
 
-def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateResponse:
+def event_to_proto(event: StreamEvent, request_id: str, tokenizer: ModelTokenizer) -> serving_pb2.GenerateResponse:
     reply = serving_pb2.GenerateResponse(
         request_id=request_id,
         text=event.text,
@@ -109,6 +120,13 @@ def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateR
         finish_reason=event.finish_reason,
         index=event.index,
     )
+    if event.top_logprobs:
+        reply.token_logprobs.extend(
+            _logprob_to_proto(TokenLogprob(token_id, logprob, top), tokenizer)
+            for token_id, logprob, top in zip(event.token_ids, event.logprobs, event.top_logprobs)
+        )
+    if event.prompt_logprobs is not None:
+        reply.prompt_logprobs.extend(_logprob_to_proto(t, tokenizer) for t in event.prompt_logprobs)
     if event.progress is not None:
         reply.prefill_progress.processed_tokens, reply.prefill_progress.total_tokens = event.progress
     if event.usage is not None:
@@ -121,6 +139,16 @@ def event_to_proto(event: StreamEvent, request_id: str) -> serving_pb2.GenerateR
             )
         )
     return reply
+
+
+def _logprob_to_proto(t: TokenLogprob, tokenizer: ModelTokenizer) -> serving_pb2.TokenLogprob:
+    top = [
+        serving_pb2.TopLogprob(token_id=token_id, logprob=logprob, token=tokenizer.token_text(token_id))
+        for token_id, logprob in t.top
+    ]
+    return serving_pb2.TokenLogprob(
+        token_id=t.token_id, logprob=t.logprob, token=tokenizer.token_text(t.token_id), top=top
+    )
 
 
 def stats_to_proto(stats: EngineStats, extra: dict[str, Any]) -> serving_pb2.StatsResponse:
@@ -160,7 +188,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                     event, error = coalesce(stream.events, event)
                 if event.error_code:
                     await abort(context, grpc.StatusCode[event.error_code], event.error_message)
-                yield event_to_proto(event, req.request_id)
+                yield event_to_proto(event, req.request_id, self.engine.tokenizer)
                 remaining -= event.finished
                 if error is not None:  # after the tokens that came before it
                     await abort(context, grpc.StatusCode[error.error_code], error.error_message)

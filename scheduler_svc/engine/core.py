@@ -277,7 +277,7 @@ class EngineCore:
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
-        updates = self.planner.update(plan, result.sampled)
+        updates = self.planner.update(plan, result.sampled, result.logprobs)
         self._publish_kv_events()
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens

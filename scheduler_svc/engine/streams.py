@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.planning.planner import RequestUpdate
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.request import FinishReason, Request, TokenLogprob
 from scheduler_svc.text.detokenizer import IncrementalDetokenizer
 from scheduler_svc.text.tokenizer import ModelTokenizer
 
@@ -25,6 +25,8 @@ class StreamEvent:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # with sampling.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token, once
     progress: tuple[int, int] | None = None
     finished: bool = False
     finish_reason: str = ""
@@ -39,6 +41,8 @@ class StreamEvent:
         self.text += later.text
         self.token_ids = self.token_ids + later.token_ids
         self.logprobs = self.logprobs + later.logprobs
+        self.top_logprobs = self.top_logprobs + later.top_logprobs
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.progress = later.progress or self.progress
         if later.finished:
             self.finished, self.finish_reason, self.usage = True, later.finish_reason, later.usage
@@ -93,7 +97,7 @@ class RequestStream:
             return False
         if update.new_token_ids and not self.closed:
             self.timing.on_tokens(len(update.new_token_ids))
-        if update.prefill_progress is not None and not update.new_token_ids:
+        if update.prefill_progress is not None and not (update.new_token_ids or update.finished):
             self._put(StreamEvent(progress=update.prefill_progress))
             self.reported_progress = True
             return False
@@ -106,9 +110,22 @@ class RequestStream:
             self._finish(text + self.detokenizer.flush(), update, reason, progress)
         elif text or update.new_token_ids:
             self._put(
-                StreamEvent(text=text, token_ids=update.new_token_ids, logprobs=update.new_logprobs, progress=progress)
+                StreamEvent(
+                    text=text,
+                    token_ids=update.new_token_ids,
+                    logprobs=update.new_logprobs,
+                    top_logprobs=update.new_top_logprobs,
+                    prompt_logprobs=self._prompt_logprobs(update),
+                    progress=progress,
+                )
             )
         return hit_stop
+
+    def _prompt_logprobs(self, update: RequestUpdate) -> list[TokenLogprob] | None:
+        """The update's prompt logprobs, from the first prompt token (which has none)."""
+        if update.prompt_logprobs is None:
+            return None
+        return [TokenLogprob(self.request.prompt_token_ids[0], None), *update.prompt_logprobs]
 
     def abort(self) -> None:
         self._finish("", RequestUpdate(self.request.request_id), FinishReason.ABORT)
@@ -131,6 +148,8 @@ class RequestStream:
                 text=text,
                 token_ids=update.new_token_ids,
                 logprobs=update.new_logprobs,
+                top_logprobs=update.new_top_logprobs,
+                prompt_logprobs=self._prompt_logprobs(update),
                 finished=True,
                 finish_reason=str(reason or FinishReason.STOP),
                 usage=usage,

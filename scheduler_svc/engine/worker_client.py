@@ -3,13 +3,13 @@ converts worker.v1 protos to and from the planner's data classes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
-from scheduler_svc.planning.planner import StepPlan
+from scheduler_svc.planning.planner import ScheduledSeq, StepLogprobs, StepPlan
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 
 # Codes after which the worker may come back: reconnect and recompute.
@@ -50,37 +50,71 @@ class StepResult:
     sampled: dict[int, tuple[int, float]]  # seq_id -> (token id, logprob)
     instance_id: str
     forward_ms: float
+    logprobs: StepLogprobs = field(default_factory=StepLogprobs)  # alternatives, prompt logprobs
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
-    seqs = []
-    for s in plan.seqs:
-        o = s.sampling
-        sampling = worker_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
-        seqs.append(
-            worker_pb2.SequenceStep(
-                seq_id=s.seq_id,
-                token_ids=s.token_ids,
-                start_pos=s.start_pos,
-                block_table=s.block_table,
-                slot_mapping=s.slot_mapping,
-                sample=s.sample,
-                sampling=sampling,
-                token_from_previous_step=s.token_from_previous_step,
-            )
+    seqs = [
+        worker_pb2.SequenceStep(
+            seq_id=s.seq_id,
+            token_ids=s.token_ids,
+            start_pos=s.start_pos,
+            block_table=s.block_table,
+            slot_mapping=s.slot_mapping,
+            sample=s.sample,
+            sampling=_sampling_to_proto(s),
+            token_from_previous_step=s.token_from_previous_step,
+            prompt_logprob_targets=s.prompt_logprob_targets,
+            prompt_top_logprobs=s.sampling.prompt_logprobs or 0,
         )
+        for s in plan.seqs
+    ]
     copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
     return worker_pb2.StepRequest(
         step_id=plan.step_id, copies=copies, seqs=seqs, previous_step_id=plan.previous_step_id
     )
 
 
+def _sampling_to_proto(s: ScheduledSeq) -> worker_pb2.SamplingParams:
+    o = s.sampling
+    sampling = worker_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
+    if not s.sample:
+        return sampling
+    sampling.top_logprobs = o.logprobs or 0
+    sampling.blocked_token_ids.extend(s.blocked_token_ids)
+    if o.logit_bias:
+        ids, values = zip(*o.logit_bias)
+        sampling.logit_bias_token_ids.extend(ids)
+        sampling.logit_bias_values.extend(values)
+    if o.has_penalties:
+        sampling.penalties.CopyFrom(
+            worker_pb2.Penalties(
+                presence=o.presence_penalty,
+                frequency=o.frequency_penalty,
+                repetition=o.repetition_penalty,
+                output_token_ids=s.penalty_output_ids,
+                prompt_token_ids=s.penalty_prompt_ids,
+            )
+        )
+    return sampling
+
+
 def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
+    top = {t.seq_id: tuple(zip(t.top_token_ids, t.top_logprobs)) for t in reply.sampled if t.top_token_ids}
+    prompt = {p.seq_id: _prompt_rows(p) for p in reply.prompt_logprobs}
     return StepResult(
         sampled={t.seq_id: (t.token_id, t.logprob) for t in reply.sampled},
         instance_id=reply.instance_id,
         forward_ms=reply.timings.forward_ms,
+        logprobs=StepLogprobs(top, prompt),
     )
+
+
+def _prompt_rows(p: worker_pb2.PromptLogprobs) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """(logprob, alternatives) per target: the alternatives come row after row, as many per row."""
+    n = len(p.top_token_ids) // len(p.logprobs) if p.logprobs else 0
+    pairs = list(zip(p.top_token_ids, p.top_logprobs))
+    return [(logprob, tuple(pairs[i * n : (i + 1) * n])) for i, logprob in enumerate(p.logprobs)]
 
 
 def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:

@@ -84,12 +84,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of the request's known tokens: (block ids, tokens).
 
-        No side effects. At most (num_tokens - 1) // block_size blocks: the last
-        known token is always recomputed because its logits are needed.
+        No side effects. At most request.max_cache_hit_tokens: the last known
+        token is always recomputed because its logits are needed, and so are the
+        positions whose prompt logprobs a request still needs.
         """
         if not self.pool.enable_prefix_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = request.max_cache_hit_tokens // self.block_size
         hashes, hits = self._block_hashes(request, max_blocks), []
         for i in range(max_blocks):
             block_id = self.pool.get_cached_block(hashes[i])

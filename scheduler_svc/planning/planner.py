@@ -33,7 +33,7 @@ import structlog
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.planning.validation import RequestRejected, check_sampling
-from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions
+from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions, TokenLogprob
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +103,14 @@ class ScheduledSeq:
     # The one input token is the one this sequence samples in the step in
     # flight before this one (token_ids then holds a placeholder).
     token_from_previous_step: bool = False
+    # Prompt logprobs: the prompt token after each of the chunk's first len(...) positions.
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    # Tokens the sample may not pick (min_tokens not reached: EOS and stop ids).
+    blocked_token_ids: tuple[int, ...] = ()
+    # Penalties: the tokens generated before this sample (a token_from_previous_step
+    # input is counted by the worker) and the prompt's distinct ids (repetition only).
+    penalty_output_ids: tuple[int, ...] = ()
+    penalty_prompt_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -136,10 +144,24 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class StepLogprobs:
+    """What a step returned beyond the sampled (token id, logprob) pairs."""
+
+    # seq_id -> the sampled token's most likely alternatives (token id, logprob), most likely first
+    top: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # seq_id -> one (logprob, alternatives) per ScheduledSeq.prompt_logprob_targets entry
+    prompt: dict[int, list[tuple[float, tuple[tuple[int, float], ...]]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class RequestUpdate:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # with sampling.logprobs
+    # With sampling.prompt_logprobs: prompt tokens 1.. (the first has none), once, with the
+    # first token (or the end of a request that scores the prompt only).
+    prompt_logprobs: list[TokenLogprob] | None = None
     prefill_progress: tuple[int, int] | None = None  # (processed, total) for a chunk that sampled nothing
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -149,6 +171,37 @@ class RequestUpdate:
 def _prompt_total(request: Request) -> int:
     """Prompt tokens as the client sees them: a fork parent holds all but the last."""
     return request.num_prompt_tokens + (1 if request.prefill_only else 0)
+
+
+def _prompt_logprob_targets(request: Request, start: int, end: int) -> list[int]:
+    """The prompt tokens after the chunk [start, end)'s positions, while the request
+    still needs prompt logprobs (positions already scored are asked again after a
+    resume, and ignored: simpler than a second offset in the step)."""
+    last = min(end, request.num_prompt_tokens - 1)
+    if not request.needs_prompt_logprobs or start >= last:
+        return []
+    return request.prompt_token_ids[start + 1 : last + 1]
+
+
+def _record_prompt_logprobs(
+    request: Request, seq: ScheduledSeq, scored: list[tuple[float, tuple[tuple[int, float], ...]]]
+) -> None:
+    """Append the chunk's prompt logprobs beyond those already known (prompt token
+    i + 1 is scored at position i)."""
+    known = len(request.prompt_logprobs)
+    first = seq.start_pos + 1  # the prompt token the chunk's first row scores
+    if first > known + 1:
+        raise RuntimeError(f"{request.request_id}: prompt logprobs of tokens {known + 1}..{first - 1} were skipped")
+    for offset, (logprob, top) in enumerate(scored[known + 1 - first :], start=known + 1):
+        request.prompt_logprobs.append(TokenLogprob(request.prompt_token_ids[offset], logprob, top))
+
+
+def _take_prompt_logprobs(request: Request) -> list[TokenLogprob] | None:
+    """The complete prompt logprobs, the first time they can be sent."""
+    if request.sampling.prompt_logprobs is None or request.prompt_logprobs_sent:
+        return None
+    request.prompt_logprobs_sent = True
+    return list(request.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -406,20 +459,22 @@ class Planner:
         for request, num_tokens in budget.scheduled.values():
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
             from_previous = start == request.num_tokens  # its input is sampled by the step in flight
-            sample = end == self._known_end(request) and not request.prefill_only
-            plan.seqs.append(
-                ScheduledSeq(
-                    request_id=request.request_id,
-                    seq_id=request.seq_id,
-                    token_ids=[0] if from_previous else request.all_token_ids[start:end],
-                    start_pos=start,
-                    block_table=self.kv.block_table(request.request_id),
-                    slot_mapping=self.kv.slot_mapping(request, start, end),
-                    sample=sample,
-                    sampling=request.sampling,
-                    token_from_previous_step=from_previous,
-                )
+            sample = end == self._known_end(request) and not request.prefill_only and request.sampling.max_tokens > 0
+            scheduled = ScheduledSeq(
+                request_id=request.request_id,
+                seq_id=request.seq_id,
+                token_ids=[0] if from_previous else request.all_token_ids[start:end],
+                start_pos=start,
+                block_table=self.kv.block_table(request.request_id),
+                slot_mapping=self.kv.slot_mapping(request, start, end),
+                sample=sample,
+                sampling=request.sampling,
+                token_from_previous_step=from_previous,
+                prompt_logprob_targets=_prompt_logprob_targets(request, start, end),
             )
+            if sample:
+                self._add_sample_inputs(scheduled, request)
+            plan.seqs.append(scheduled)
             request.num_computed_tokens = end
             if sample:
                 self._pending_samples[request.request_id] = self._pending_samples.get(request.request_id, 0) + 1
@@ -429,12 +484,29 @@ class Planner:
             self._in_flight.append(_InFlight(plan, {r.request_id: r for r, _ in budget.scheduled.values()}))
         return plan
 
+    def _add_sample_inputs(self, seq: ScheduledSeq, request: Request) -> None:
+        """What the worker needs beyond the options to sample this request's next token
+        (before this plan counts it as pending): the ids min_tokens still blocks, and
+        the tokens the penalties look at."""
+        s = request.sampling
+        generated = request.num_output_tokens + self._pending_samples.get(request.request_id, 0)
+        if generated < s.min_tokens:
+            stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(request.eos_token_ids))
+            seq.blocked_token_ids = tuple(sorted(stops))
+        if s.has_penalties:
+            seq.penalty_output_ids = tuple(request.output_token_ids)
+            if s.repetition_penalty != 1.0:
+                seq.penalty_prompt_ids = request.distinct_prompt_ids
+
     def _is_in_flight(self, request: Request) -> bool:
         return any(step.requests.get(request.request_id) is request for step in self._in_flight)
 
     # ---- results --------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[int, tuple[int, float]]) -> list[RequestUpdate]:
+    def update(
+        self, plan: StepPlan, sampled: dict[int, tuple[int, float]], logprobs: StepLogprobs | None = None
+    ) -> list[RequestUpdate]:
         """Apply a step's results; one RequestUpdate per scheduled request still live.
+        `logprobs`: the alternatives and prompt logprobs the plan asked for.
 
         Finished requests are retired and their blocks freed here, so the next
         schedule() can hand those blocks to new requests.
@@ -448,11 +520,14 @@ class Planner:
         live = [(r, s) for r, s in live if r.status is RequestStatus.RUNNING]
         if missing := [s.seq_id for _, s in live if s.sample and s.seq_id not in sampled]:
             raise ValueError(f"step {plan.step_id}: no sampled token for seq_ids {missing}")
+        logprobs = logprobs or StepLogprobs()
+        if missing := [s.seq_id for _, s in live if s.prompt_logprob_targets and s.seq_id not in logprobs.prompt]:
+            raise ValueError(f"step {plan.step_id}: no prompt logprobs for seq_ids {missing}")
         self._in_flight.popleft()
         for seq in plan.seqs:
             if seq.sample:
                 self._drop_pending_sample(seq.request_id)
-        updates = [self._apply(request, seq, sampled) for request, seq in live]
+        updates = [self._apply(request, seq, sampled, logprobs) for request, seq in live]
         self._free_ended_in_flight()
         return updates
 
@@ -461,9 +536,13 @@ class Planner:
         if left > 0:
             self._pending_samples[request_id] = left
 
-    def _apply(self, request: Request, seq: ScheduledSeq, sampled: dict[int, tuple[int, float]]) -> RequestUpdate:
+    def _apply(
+        self, request: Request, seq: ScheduledSeq, sampled: dict[int, tuple[int, float]], logprobs: StepLogprobs
+    ) -> RequestUpdate:
         computed = seq.start_pos + len(seq.token_ids)  # this step's KV is written; later steps' may not be
         self.kv.cache_full_blocks(request, computed)
+        if seq.prompt_logprob_targets:
+            _record_prompt_logprobs(request, seq, logprobs.prompt[seq.seq_id])
         if request.prefill_only and computed == request.num_tokens:
             self._fork(request)
             return RequestUpdate(request.request_id, forked=True)
@@ -471,6 +550,15 @@ class Planner:
             progress = None
             if not request.output_token_ids:
                 progress = (computed, _prompt_total(request))
+            if request.sampling.max_tokens == 0 and computed == request.num_tokens:  # scored the prompt only
+                self.finish(request.request_id, FinishReason.LENGTH)
+                return RequestUpdate(
+                    request.request_id,
+                    prefill_progress=progress,
+                    prompt_logprobs=_take_prompt_logprobs(request),
+                    finished=True,
+                    finish_reason=FinishReason.LENGTH,
+                )
             return RequestUpdate(request.request_id, prefill_progress=progress)
         token_id, logprob = sampled[seq.seq_id]
         # The first token also closes the prompt's progress: (total, total).
@@ -479,7 +567,17 @@ class Planner:
         reason = self._stop_reason(request, token_id)
         if reason is not None:
             self.finish(request.request_id, reason)
-        return RequestUpdate(request.request_id, [token_id], [logprob], progress, reason is not None, reason)
+        top = [logprobs.top.get(seq.seq_id, ())] if request.sampling.logprobs is not None else []
+        return RequestUpdate(
+            request.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[logprob],
+            new_top_logprobs=top,
+            prompt_logprobs=_take_prompt_logprobs(request),
+            prefill_progress=progress,
+            finished=reason is not None,
+            finish_reason=reason,
+        )
 
     def _fork(self, parent: Request) -> None:
         """The parent's prompt is computed: its children take over its blocks
@@ -493,7 +591,8 @@ class Planner:
         self.finish(parent.request_id, FinishReason.STOP)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        if token_id in request.eos_token_ids and not request.sampling.ignore_eos:
+        s = request.sampling
+        if token_id in s.stop_token_ids or (token_id in request.eos_token_ids and not s.ignore_eos):
             return FinishReason.STOP
         if request.num_output_tokens >= request.sampling.max_tokens or request.num_tokens >= self.max_len:
             return FinishReason.LENGTH

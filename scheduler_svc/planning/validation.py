@@ -14,6 +14,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_SAMPLES = 16
 SEED_SPACE = 2**64  # seeds are uint64
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's chat limit; vLLM's default)
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency (OpenAI)
+MAX_REPETITION_PENALTY = 2.0  # (0, 2] (vLLM)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 64
 
 
 class RequestRejected(ValueError):
@@ -26,8 +32,10 @@ class RequestRejected(ValueError):
 
 
 def check_sampling(s: SamplingOptions) -> None:
-    if s.max_tokens < 1:
-        raise RequestRejected("max_tokens", f"must be > 0, got {s.max_tokens}")
+    if s.max_tokens < 1 and not (s.max_tokens == 0 and s.prompt_logprobs is not None):
+        raise RequestRejected(
+            "max_tokens", f"must be > 0 (or 0 with prompt_logprobs: score the prompt only), got {s.max_tokens}"
+        )
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise RequestRejected("temperature", f"must be a finite number >= 0, got {s.temperature}")
     if not 0 < s.top_p <= 1:
@@ -38,6 +46,41 @@ def check_sampling(s: SamplingOptions) -> None:
         raise RequestRejected("seed", f"must be in [0, 2**64), got {s.seed}")
     if len(s.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in s.stop):
         raise RequestRejected("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(s, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise RequestRejected(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    _check_penalties(s)
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise RequestRejected("min_tokens", f"must be in [0, max_tokens = {s.max_tokens}], got {s.min_tokens}")
+
+
+def _check_penalties(s: SamplingOptions) -> None:
+    low, high = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not low <= value <= high:  # NaN fails too
+            raise RequestRejected(name, f"must be in [{low:g}, {high:g}], got {value}")
+    if not 0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise RequestRejected(
+            "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {s.repetition_penalty}"
+        )
+    low, high = LOGIT_BIAS_RANGE
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestRejected("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
+    bad = next(((t, b) for t, b in s.logit_bias if not low <= b <= high), None)
+    if bad is not None:
+        raise RequestRejected("logit_bias", f"bias of token {bad[0]} must be in [{low:g}, {high:g}], got {bad[1]}")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestRejected("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(s.stop_token_ids)}")
+
+
+def check_sampling_token_ids(s: SamplingOptions, vocab_size: int) -> None:
+    """Token ids named by the sampling options must be in the vocabulary."""
+    for name, ids in (("logit_bias", [t for t, _ in s.logit_bias]), ("stop_token_ids", s.stop_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_prompt_ids(token_ids: Sequence[int], vocab_size: int) -> None:
@@ -52,9 +95,11 @@ def check_in_vocab(field: str, token_ids: Sequence[int], vocab_size: int) -> Non
         raise RequestRejected(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_num_samples(n: int, num_prompt_tokens: int) -> None:
+def check_num_samples(n: int, num_prompt_tokens: int, sampling: SamplingOptions) -> None:
     if not 1 <= n <= MAX_SAMPLES:
         raise RequestRejected("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
+    if n > 1 and sampling.prompt_logprobs is not None:
+        raise RequestRejected("prompt_logprobs", "not with n > 1 (send one request for the prompt's logprobs)")
     if n > 1 and num_prompt_tokens < 2:
         raise RequestRejected(
             "n", "parallel samples need a prompt of at least 2 tokens (they fork after its second-to-last token)"

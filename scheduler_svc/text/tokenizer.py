@@ -6,7 +6,7 @@ gateway's: gateway_svc/chat_template.py.)"""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     vocab_size: int
+    _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -28,6 +29,13 @@ class ModelTokenizer:
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's string in the vocabulary ('' for an id it does not name)."""
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone, special tokens included (as logprobs show it)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:

@@ -51,7 +51,12 @@ def _seq(**overrides) -> worker_pb2.SequenceStep:
 def _with_sampling(**kw) -> worker_pb2.SequenceStep:
     seq = _seq()
     for k, v in kw.items():
-        setattr(seq.sampling, k, v)
+        if isinstance(v, list):
+            getattr(seq.sampling, k).extend(v)
+        elif isinstance(v, worker_pb2.Penalties):
+            seq.sampling.penalties.CopyFrom(v)
+        else:
+            setattr(seq.sampling, k, v)
     return seq
 
 
@@ -71,6 +76,24 @@ BAD_STEPS = [
     ("seq id twice", [_seq(), _seq(block_table=[2], slot_mapping=[32, 33, 34])], [], "seq_id"),
     ("negative temperature", [_with_sampling(temperature=-1.0)], [], "sampling"),
     ("top_p above 1", [_with_sampling(top_p=1.5)], [], "sampling"),
+    ("more alternatives than tokens", [_with_sampling(top_logprobs=10**6)], [], "sampling.top_logprobs"),
+    ("blocked id outside the vocabulary", [_with_sampling(blocked_token_ids=[-1])], [], "blocked_token_ids"),
+    (
+        "logit bias id outside the vocabulary",
+        [_with_sampling(logit_bias_token_ids=[10**6], logit_bias_values=[1.0])],
+        [],
+        "logit_bias_token_ids",
+    ),
+    ("logit bias without its value", [_with_sampling(logit_bias_token_ids=[5])], [], "logit_bias_values"),
+    ("repetition penalty 0", [_with_sampling(penalties=worker_pb2.Penalties(repetition=0.0))], [], "penalties"),
+    (
+        "penalised id outside the vocabulary",
+        [_with_sampling(penalties=worker_pb2.Penalties(repetition=1.0, output_token_ids=[10**6]))],
+        [],
+        "penalties.output_token_ids",
+    ),
+    ("more prompt targets than positions", [_seq(prompt_logprob_targets=[4, 5, 6, 7])], [], "prompt_logprob_targets"),
+    ("prompt target outside the vocabulary", [_seq(prompt_logprob_targets=[10**6])], [], "prompt_logprob_targets"),
     ("copy source outside the pool", [], [(NUM_BLOCKS, 3)], "copies[0].src"),
     ("copy onto itself", [], [(3, 3)], "copies[0].dst"),
     ("empty step", [], [], "seqs"),

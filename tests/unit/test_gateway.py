@@ -240,6 +240,42 @@ def test_unset_parameters_stay_unset_and_stop_string_becomes_list(http, fake_sch
     assert req.seed == 2**64 - 1  # OpenAI's signed seed wrapped into serving.v1's uint64
 
 
+def test_logprobs_echo_and_sampling_controls_map_to_serving_v1(http, fake_scheduler):
+    controls = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"7": -100, "12": 3.5},
+        "min_tokens": 2,
+        "stop_token_ids": [2, 9],
+    }
+    for prompt in ("a", [4, 5]):
+        body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3, **controls}
+        assert http.post("/v1/completions", json=body).status_code == 200
+    text, ids = fake_scheduler.requests
+    for req in (text, ids):
+        assert (req.max_tokens, req.logprobs, req.prompt_logprobs) == (0, 3, 3)
+        assert (req.presence_penalty, req.frequency_penalty) == (0.5, -1.5)
+        assert req.repetition_penalty == pytest.approx(1.2)
+        assert dict(req.logit_bias) == {7: -100.0, 12: 3.5}
+        assert (req.min_tokens, list(req.stop_token_ids)) == (2, [2, 9])
+    fake_scheduler.reset()
+    # Echo of a text prompt without logprobs needs no prompt logprobs; of token ids it does (their texts).
+    for prompt in ("a", [4, 5]):
+        assert http.post("/v1/completions", json={"prompt": prompt, "echo": True}).status_code == 200
+    text, ids = fake_scheduler.requests
+    assert not text.HasField("prompt_logprobs") and not text.HasField("logprobs")
+    assert ids.prompt_logprobs == 0
+    fake_scheduler.reset()
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 4, **controls}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    [req] = fake_scheduler.requests
+    assert req.logprobs == 4 and not req.HasField("prompt_logprobs") and req.min_tokens == 2
+    fake_scheduler.reset()
+    assert http.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": 0}).status_code == 200
+    assert not fake_scheduler.requests[0].HasField("logprobs")
+
+
 def test_completion_streaming_chunks_and_usage(http, fake_scheduler):
     body = {"prompt": "Say hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/completions", json=body) as r:
@@ -399,8 +435,22 @@ def test_error_mid_stream_is_an_error_event(http, fake_scheduler):
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "x", "n": 5}, "n"),  # over --max-n 4
-        ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": -2.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"fox": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids.0"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
