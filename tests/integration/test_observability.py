@@ -159,7 +159,8 @@ def test_vllm_series_move_with_the_load_as_vllm_counts(cluster):
         wait_idle(client)
         done = scrape(cluster.metrics_url)
         stream = client.stream(prompt_token_ids=list(range(400, 450)), max_tokens=400, temperature=0.0, ignore_eos=True)
-        next(stream)
+        # Chunks of 16: prefill progress messages come before the first token.
+        next(reply for reply in stream if reply.token_ids)
         during = scrape(cluster.metrics_url)
         stream.cancel()
         wait_idle(client)
