@@ -110,7 +110,7 @@ def _quantize_rows(x, QUANT: tl.constexpr):
     return q, scale, zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_quant_kernel(
     key_ptr,
     value_ptr,
@@ -167,7 +167,7 @@ def _write_kv_quant_kernel(
         tl.store(v_zero_ptr + scale_dst, zero.to(v_zero_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -315,7 +315,10 @@ def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton would compile
+# a variant per value == 1 or divisible by 16): the worker compiles every variant
+# it needs before serving (worker_svc/cuda_graphs.py), which needs a small, known set.
+@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -468,7 +471,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,
