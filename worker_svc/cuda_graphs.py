@@ -208,17 +208,18 @@ def decode_peak_bytes(runner: ModelRunner, max_num_seqs: int, table_width: int) 
 
 CHECK_SEQS = 3  # padded to the rung of 4: the check covers padding too
 CHECK_PROMPT = 5  # tokens per sequence before the checked decode (within one block of any size)
+CHECK_FIRST_CHUNK = 3  # the prompt goes in two chunks
 LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}  # of max |logit|
 
 
 def start_up_check(runner: ModelRunner, graphs: DecodeGraphs | None, num_blocks: int) -> str | None:
-    """An eager prefill and decode of a few sequences (compiling the kernels a
-    first request runs, and sampling once), then the same decode through `graphs`:
+    """An eager prefill (in two chunks) and decode of a few sequences (compiling
+    the kernels a first request runs, and sampling once), then the same decode through `graphs`:
     None when they agree (compare_logits), else what differs. Uses blocks (or
     contiguous slots) 0..n-1 and zeroes them after: the pool is unused at start."""
     n = min(CHECK_SEQS, graphs.max_num_seqs if graphs else CHECK_SEQS, num_blocks)
     block_size = runner.cache.block_size
-    prompt = min(CHECK_PROMPT, block_size - 1)
+    prompt = CHECK_PROMPT  # block sizes are >= 8: the prompt and the decoded token fit one block
     vocab = runner.model.spec.vocab_size
 
     def seqs(start: int, length: int) -> list[SeqInput]:
@@ -235,7 +236,9 @@ def start_up_check(runner: ModelRunner, graphs: DecodeGraphs | None, num_blocks:
         ]
 
     try:
-        runner.logits(StepInput(0, [], seqs(0, prompt)), use_graphs=False)
+        # Two chunks: the first starts at 0 (the SDPA route where it is on), the second continues it (paged).
+        runner.logits(StepInput(0, [], seqs(0, CHECK_FIRST_CHUNK)), use_graphs=False)
+        runner.logits(StepInput(0, [], seqs(CHECK_FIRST_CHUNK, prompt - CHECK_FIRST_CHUNK)), use_graphs=False)
         decode = StepInput(1, [], seqs(prompt, 1))
         eager = runner.logits(decode, use_graphs=False)
         # A throwaway sampler: the worker's own generator must not move.
