@@ -197,6 +197,42 @@ def test_padded_graph_decode_is_eager_decode():
     assert counting.replays[-1] == 1
 
 
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {"kv_layout": "contiguous", "max_batch": 8}), ("llama", {"kv_dtype": "int8"}), ("gemma3", {})],
+    ids=["contiguous", "int8", "gemma3-window"],
+)
+def test_graphs_over_other_caches(family, overrides):
+    """The contiguous layout (one slot per sequence: a 1-wide table), a quantized
+    cache (padding rows must not write scales either) and sliding-window layers:
+    3 sequences padded to 4 decode as eager decodes them."""
+    counting = CountingReplay()
+    graphs, eager = _worker(family, graph_backend=counting, **overrides), _worker(family, **overrides)
+    assert graphs.graphs_enabled
+    vocab = graphs.info.vocab_size
+    contiguous = overrides.get("kv_layout") == "contiguous"
+
+    def seq(i, tokens, start):
+        if not contiguous:
+            return _seq(i, tokens, start)
+        slots = [i * graphs.info.block_size + p for p in range(start, start + len(tokens))]
+        return SeqInput(i, tokens, start, [i], slots, sample=True, return_logits=True)
+
+    prompts = [_prompt(i, vocab) for i in range(3)]
+    steps = [[seq(i, prompts[i], 0) for i in range(3)]]
+    steps += [[seq(i, [11 + k], len(prompts[i]) + k) for i in range(3)] for k in range(3)]
+    counting.replays.clear()
+    for step_id, seqs in enumerate(steps, 1):
+        outs = [w.step(StepInput(step_id, [], seqs)) for w in (graphs, eager)]
+        for a, b in zip(outs[0].sampled, outs[1].sampled, strict=True):
+            assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    assert counting.replays == [4, 4, 4]
+    for name, tensor in {"k": graphs.cache.k, **graphs.cache.scale_tensors()}.items():
+        other = eager.cache.k if name == "k" else eager.cache.scale_tensors()[name]
+        assert torch.equal(tensor != 0, other != 0), name  # the padding rows wrote nothing
+
+
 def test_batches_past_the_ladder_run_eager():
     counting = CountingReplay()
     graphs = _worker(graph_backend=counting, max_num_seqs=2, num_blocks=16)
