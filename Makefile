@@ -111,6 +111,14 @@ BASELINE ?= 1b3f5f4
 bench-loop: setup
 	$(PY) -m bench.loop --baseline $(BASELINE)
 
+# The GPU benchmark (issue 17, bench/gpu_serving.py), not part of `make bench`: a random
+# 1B Llama in bf16 served on CUDA vs transformers, the kernel table and the worker's
+# step split; writes bench/results/gpu_serving.md and .png. Without CUDA it says so
+# and exits 0. With a CUDA venv of your own: `python -m bench.gpu_serving`.
+.PHONY: bench-gpu
+bench-gpu: setup model
+	$(PY) -m bench.gpu_serving
+
 serve-worker: setup model
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
 

@@ -70,10 +70,12 @@ BENCHMARKS = [
 ]
 # Modules in bench/ that are not benchmarks.
 HELPERS = {"__init__", "common", "bench_util", "run_all"}
+# Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
+GPU_ONLY = {"gpu_serving"}
 
 
 def unlisted() -> list[str]:
-    listed = {b.name for b in BENCHMARKS} | HELPERS
+    listed = {b.name for b in BENCHMARKS} | HELPERS | GPU_ONLY
     return sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in listed)
 
 

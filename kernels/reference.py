@@ -168,10 +168,20 @@ def paged_prefill_attention(
     only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
     read through its scales (k_scale, v_scale, and k_zero, v_zero for INT8).
     """
+    tables = _used_blocks(block_tables, context_lens, k_cache.shape[2])
     keys, values = _read_kv(
-        lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
+        lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
     )
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
+
+
+def _used_blocks(block_tables: Tensor, context_lens: Tensor, block_size: int) -> Tensor:
+    """The table columns some sequence's context reaches: padding columns are
+    neither gathered nor attended over, so the result does not depend on how wide
+    the tables are padded (a captured decode graph pads them to the longest
+    sequence served). Reads the lengths on the host, as the contiguous ops do."""
+    longest = int(context_lens.max()) if context_lens.numel() else 0
+    return block_tables[:, : max(1, -(-longest // block_size))]
 
 
 def _varlen_attention(
@@ -234,8 +244,9 @@ def paged_decode_attention(
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
+    tables = _used_blocks(block_tables, context_lens, k_cache.shape[2])
     keys, values = _read_kv(
-        lambda t: gather_context(t, block_tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
+        lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
     )
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
 

@@ -10,6 +10,12 @@ layout and the varlen conventions).
   group) pair, so GQA/MQA load each K/V tile once for the whole group and both
   matmuls are ``tl.dot`` on [BLOCK_M, ...] tiles (BLOCK_M >= 16, the group is
   padded up to it). Decode is the one-token case: grid (sequence, kv head).
+* Split-KV (flash-decoding) decode: when (sequence, KV head) programs cannot fill
+  the SMs (``num_kv_splits``), a third grid axis cuts each sequence's visible KV
+  tiles into equal partitions; each program writes its unnormalized output, max
+  and sum-exp (fp32), and ``_merge_splits_kernel`` combines them per (sequence,
+  query head) with a log-sum-exp reduction. Same kernel body (GQA, windows,
+  dequantization unchanged), only the loop's range and the final store differ.
 * Sliding window: the KV loop starts at the KV tile holding the first position
   any row of the tile can see, so tiles wholly outside the window are never
   visited; the loads are also masked to that range, so no slot outside it is read.
@@ -104,7 +110,7 @@ def _quantize_rows(x, QUANT: tl.constexpr):
     return q, scale, zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_quant_kernel(
     key_ptr,
     value_ptr,
@@ -161,7 +167,7 @@ def _write_kv_quant_kernel(
         tl.store(v_zero_ptr + scale_dst, zero.to(v_zero_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -309,7 +315,10 @@ def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton would compile
+# a variant per value == 1 or divisible by 16): the worker compiles every variant
+# it needs before serving (worker_svc/cuda_graphs.py), which needs a small, known set.
+@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -322,9 +331,13 @@ def _paged_attention_kernel(
     v_scale_ptr,
     k_zero_ptr,
     v_zero_ptr,  # read only when QUANT > 0
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,  # split-KV partials, written only when SPLIT
     qk_scale,  # scale * log2(e): the softmax runs in base 2
     sliding_window,
     num_seqs,
+    num_splits,  # SPLIT: partitions of each sequence's context (program axis 2)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -351,6 +364,7 @@ def _paged_attention_kernel(
     COMPUTE: tl.constexpr,  # dtype of the tl.dot inputs (accumulation is fp32)
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,  # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
+    SPLIT: tl.constexpr,  # decode only: this program covers one partition and writes partials
 ):
     kv_head = tl.program_id(1)
     if DECODE:
@@ -400,10 +414,22 @@ def _paged_attention_kernel(
     scale_head_off = kv_head.to(tl.int64) * stride_sh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
+    loop_start = kv_start // BLOCK_N * BLOCK_N
+    loop_end = kv_end
+    if SPLIT:
+        # Split-KV: partition p of P takes an equal share of the KV tiles this
+        # sequence visits, so every length is split evenly (no host-side maximum
+        # needed) and the partitions meet at tile edges: each position is in one.
+        split = tl.program_id(2)
+        tiles = tl.cdiv(kv_end, BLOCK_N) - kv_start // BLOCK_N
+        per_split = tl.cdiv(tiles, num_splits)
+        loop_start = loop_start + split * per_split * BLOCK_N
+        loop_end = tl.minimum(kv_end, loop_start + per_split * BLOCK_N)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
+    for n0 in range(loop_start, loop_end, BLOCK_N):
         kv_pos = n0 + tl.arange(0, BLOCK_N)
         kv_ok = (kv_pos >= kv_start) & (kv_pos < kv_end)
         # Per-position block lookup: a tile spans BLOCK_N // BLOCK_SIZE blocks (or part of one).
@@ -431,9 +457,54 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
-    o_off = row64[:, None] * stride_ot + (head * stride_oh)[:, None] + (dims * stride_od)[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if SPLIT:
+        # Unnormalized partials, fp32: [seq, q head, split, dim] and [seq, q head, split]
+        # (m in the base-2 domain); an empty partition leaves -inf, 0, 0.
+        part = (row64 * (tl.num_programs(1) * GROUP) + head) * num_splits + tl.program_id(2)
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        p_off = part[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(part_out_ptr + p_off, acc, mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
+        o_off = row64[:, None] * stride_ot + (head * stride_oh)[:, None] + (dims * stride_od)[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+):
+    # One program per (sequence, query head): the log-sum-exp merge of its
+    # partitions, out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p with M the
+    # largest m_p. Empty partitions (m = -inf) weigh 0; a row with no partition
+    # holding anything (M = -inf) gets 0, as the single-pass kernel gives it.
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < num_splits
+    dim_ok = dims < HEAD_DIM
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    sum_exp = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.math.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :])
+    total = tl.sum(sum_exp * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    o_off = seq * stride_ot + head * stride_oh + dims * stride_od
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -449,6 +520,7 @@ def _attention_constexprs(
     decode: bool,
     sliding: bool,
     interpret: bool = _INTERPRET,
+    split: bool = False,
 ) -> dict[str, object]:
     """The compile-time parameters of _paged_attention_kernel for one launch shape."""
     group = num_heads // num_kv_heads
@@ -475,7 +547,45 @@ def _attention_constexprs(
         COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
         QUANT=quant.quant_code(cache_dtype),
+        SPLIT=split,
     )
+
+
+# Split-KV (flash-decoding) heuristic. A decode program owns one (sequence, KV
+# head) and streams that head's whole context; with fewer programs than SMs most
+# of the GPU idles (1 sequence x 8 KV heads on a 132-SM H100 read a 32k context at
+# ~5 % of the copy bandwidth). Splitting each context into P partitions makes
+# P times as many programs, at the cost of a second (small) merge kernel.
+PROGRAMS_PER_SM = 4  # programs in flight per SM that the split aims for (4 warps each)
+MIN_SPLIT_TOKENS = 256  # a partition streams at least this many positions (4 KV tiles)
+MAX_SPLITS = 64
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Partitions per sequence for a decode launch: as many as keep the programs
+    within PROGRAMS_PER_SM per SM (so 1 once the (sequence, KV head) programs alone
+    reach that), no partition shorter than MIN_SPLIT_TOKENS of max_context, at most
+    MAX_SPLITS, rounded down to a power of two (one merge-kernel specialisation
+    per power)."""
+    programs = num_seqs * num_kv_heads
+    if programs == 0:
+        return 1
+    wanted = min(PROGRAMS_PER_SM * num_sms // programs, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS)
+    return 1 << (max(wanted, 1).bit_length() - 1)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere, which means no
+    split (the interpreter runs programs one after another: splitting only adds work)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def _scale_args(
@@ -511,6 +621,7 @@ def _launch_attention(
     v_scale=None,
     k_zero=None,
     v_zero=None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -519,6 +630,7 @@ def _launch_attention(
     assert k_cache.shape[-1] == head_dim, (query.shape, k_cache.shape)
     num_seqs = block_tables.shape[0]
     assert not decode or num_tokens == num_seqs, "decode takes one query token per sequence"
+    assert num_splits >= 1 and (decode or num_splits == 1), f"num_splits {num_splits} (> 1 is for decode)"
     if quant.is_quantized(k_cache.dtype):
         scales = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
         scale_strides = k_scale.stride()
@@ -527,12 +639,28 @@ def _launch_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    split = num_splits > 1
     meta = _attention_constexprs(
-        num_heads, num_kv_heads, head_dim, block_size, query.dtype, k_cache.dtype, decode, sliding_window > 0
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        query.dtype,
+        k_cache.dtype,
+        decode,
+        sliding_window > 0,
+        split=split,
     )
-    # Decode: a program per (sequence, kv head). Prefill: flat query tiles (see
-    # _find_seq), an upper bound on their number that needs no device sync.
-    grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + 2 * num_seqs, num_kv_heads)
+    # Decode: a program per (sequence, kv head[, partition]). Prefill: flat query
+    # tiles (see _find_seq), an upper bound on their number that needs no device sync.
+    if split:
+        part_out = query.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+        part_max = query.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        grid: tuple[int, ...] = (num_seqs, num_kv_heads, num_splits)
+    else:  # the partial slots take any tensor; they are never written
+        part_out = part_max = part_sum = out
+        grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + 2 * num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -542,9 +670,13 @@ def _launch_attention(
         context_lens,
         cu_query_lens,
         *scales,
+        part_out,
+        part_max,
+        part_sum,
         scale * LOG2E,
         sliding_window,
         num_seqs,
+        num_splits,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -552,6 +684,18 @@ def _launch_attention(
         *scale_strides,
         **meta,
     )
+    if split:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            num_splits,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=meta["BLOCK_D"],
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
     return out
 
 
@@ -610,7 +754,46 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
-    query [S, q_heads, d] -> [S, q_heads, d]."""
+    query [S, q_heads, d] -> [S, q_heads, d]. Split-KV when the (sequence, KV
+    head) programs cannot fill the GPU (num_kv_splits); the table's width bounds
+    every context, so the choice needs no device sync."""
+    num_splits = num_kv_splits(
+        block_tables.shape[0], k_cache.shape[1], block_tables.shape[1] * k_cache.shape[2], num_sms(query.device)
+    )
+    return split_kv_decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        sliding_window,
+        num_splits=num_splits,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_zero=k_zero,
+        v_zero=v_zero,
+    )
+
+
+def split_kv_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    *,
+    num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_decode_attention with each sequence's visible context cut into
+    num_splits partitions of whole KV tiles, one program each, merged by a second
+    kernel (log-sum-exp). num_splits 1 is the single-pass kernel."""
     # cu_query_lens is unused in decode mode; any tensor fills the pointer slot.
     return _launch_attention(
         query,
@@ -626,6 +809,7 @@ def paged_decode_attention(
         v_scale=v_scale,
         k_zero=k_zero,
         v_zero=v_zero,
+        num_splits=num_splits,
     )
 
 
@@ -679,18 +863,17 @@ def contiguous_decode_attention(
     k_zero=None,
     v_zero=None,
 ):
-    """reference.contiguous_decode_attention (see contiguous_prefill_attention)."""
+    """reference.contiguous_decode_attention (see contiguous_prefill_attention);
+    split-KV as paged_decode_attention chooses it (a slot is max_seq_len long)."""
     table = slots.to(torch.int32).reshape(-1, 1)
-    return _launch_attention(
+    return paged_decode_attention(
         query,
         k_cache,
         v_cache,
         table,
         context_lens,
-        context_lens,
         scale,
         sliding_window,
-        decode=True,
         k_scale=k_scale,
         v_scale=v_scale,
         k_zero=k_zero,
@@ -707,6 +890,8 @@ __all__ = [
     "interpreter_enabled",
     "write_kv",
     "paged_decode_attention",
+    "split_kv_decode_attention",
+    "num_kv_splits",
     "paged_prefill_attention",
     "copy_blocks",
     "contiguous_decode_attention",

@@ -48,6 +48,25 @@ class WorkerConfig:
     max_model_len: int = field(
         default=0, metadata={"help": "longest sequence served; 0 = the model's max_position_embeddings"}
     )
+    max_num_seqs: int = field(
+        default=256,
+        metadata={
+            "help": "largest decode batch run as a CUDA graph: sizes 1, 2, 4, 8, then every 8 up to this are captured at start (match the scheduler's --max-num-seqs); larger batches run eager"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "no CUDA graphs (CUDA with the triton backend captures decode graphs by default; CPU is always eager)"
+        },
+    )
+    prefill_attention: str = field(
+        default="auto",
+        metadata={
+            "help": "prefill chunks that start at position 0: sdpa = torch scaled_dot_product_attention (flash on CUDA) over the chunk's own K/V where that is exact (KV dtype = --dtype, no sliding window shorter than the chunk), paged = the backend's paged prefill op; auto = sdpa on CUDA with the triton backend, paged elsewhere",
+            "choices": ("auto", "paged", "sdpa"),
+        },
+    )
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit (send and receive)"})
     seed: int = field(default=-1, metadata={"help": "seed of the generator for unseeded sampling; -1 = random"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch default"})
@@ -74,6 +93,7 @@ class WorkerConfig:
             (self.kv_cache_memory_mb > 0, "--kv-cache-memory-mb", "> 0"),
             (0 <= self.port <= 65535, "--port", "0..65535"),
             (self.max_model_len >= 0, "--max-model-len", ">= 0"),
+            (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1"),
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "1..2047"),
             (self.num_threads >= 0, "--num-threads", ">= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device", "cpu, cuda or cuda:N"),

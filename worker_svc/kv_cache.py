@@ -25,6 +25,7 @@ attention ops, copied with their block (or slot) by copy_blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from kernels import quant, reference
 
 if TYPE_CHECKING:
-    from worker_svc.forward_batch import AttentionGroup, ForwardBatch
+    from worker_svc.forward_batch import AttentionGroup
 
 KV_LAYOUTS = ("paged", "contiguous")
 
@@ -61,14 +62,21 @@ class KVCachePool(Protocol):
     def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V [T, kv_heads, d] of one layer at their slots."""
 
-    def attend(
-        self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int
+    def decode(
+        self, ops, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
     ) -> torch.Tensor:
-        """Attention of the batch's query rows [T, q_heads, d] over their contexts
-        (decodes first, then prefill chunks, as the batch orders them)."""
+        """Attention of one query row per sequence of `group` [S, q_heads, d] over its context."""
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+    def prefill(
+        self, ops, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
+    ) -> torch.Tensor:
+        """Causal attention of `group`'s chunks [T, q_heads, d] over their contexts."""
+
+    def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
         """Copy whole blocks (or slots) src[i] -> dst[i] in every layer."""
+
+    def zero_blocks(self, ids: Sequence[int]) -> None:
+        """Zero whole blocks (or slots), values and scales, in every layer."""
 
 
 class _KVTensors:
@@ -147,31 +155,25 @@ class _KVTensors:
         tensors = dict(k_scale=self.k_scale, v_scale=self.v_scale, k_zero=self.k_zero, v_zero=self.v_zero)
         return {name: t for name, t in tensors.items() if t is not None}
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        if src:
-            index = lambda ids: torch.tensor(ids, dtype=torch.long, device=self.k.device)
+    def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+        if len(src):
+            # A step's copies arrive as device tensors (its one upload); lists become them here.
+            index = lambda ids: torch.as_tensor(ids, dtype=torch.long, device=self.k.device)
             reference.copy_blocks(self.k, self.v, index(src), index(dst), **self.scale_tensors())
+
+    def zero_blocks(self, ids: Sequence[int]) -> None:
+        for tensor in (self.k, self.v, *self.scale_tensors().values()):
+            tensor[:, list(ids)] = 0
 
     def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # slot // tokens_per_id, slot % tokens_per_id: the same op for blocks and slots.
         k_cache, v_cache = self.layer(layer)
         ops.write_kv(key, value, k_cache, v_cache, slot_mapping, **self.layer_scales(layer))
 
-    def attend(
-        self, ops, layer: int, query: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int
-    ) -> torch.Tensor:
-        parts = []
-        split = batch.decode.num_tokens if batch.decode else 0
-        if batch.decode:
-            parts.append(self._decode(ops, layer, query[:split], batch.decode, scale, sliding_window))
-        if batch.prefill:
-            parts.append(self._prefill(ops, layer, query[split:], batch.prefill, scale, sliding_window))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _decode(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
+    def decode(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
         raise NotImplementedError
 
-    def _prefill(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
+    def prefill(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -193,13 +195,13 @@ class PagedKVCache(_KVTensors):
     ):
         super().__init__(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
 
-    def _decode(self, ops, layer, query, group, scale, window):
+    def decode(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
         return ops.paged_decode_attention(
             query, k_cache, v_cache, group.block_tables, group.context_lens, scale, window, **self.layer_scales(layer)
         )
 
-    def _prefill(self, ops, layer, query, group, scale, window):
+    def prefill(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
         return ops.paged_prefill_attention(
             query,
@@ -241,7 +243,7 @@ class ContiguousKVCache(_KVTensors):
     def max_seq_len(self) -> int:
         return self.block_size
 
-    def _decode(self, ops, layer, query, group, scale, window):
+    def decode(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
         return ops.contiguous_decode_attention(
             query,
@@ -254,7 +256,7 @@ class ContiguousKVCache(_KVTensors):
             **self.layer_scales(layer),
         )
 
-    def _prefill(self, ops, layer, query, group, scale, window):
+    def prefill(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
         return ops.contiguous_prefill_attention(
             query,

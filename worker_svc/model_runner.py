@@ -1,4 +1,9 @@
-"""Executes one validated step: block copies, one batched forward, sampling."""
+"""Executes one validated step: block copies, one batched forward, sampling.
+
+A step's inputs reach the device in one copy (forward_batch.upload_batch); a
+decode-only step replays a captured CUDA graph when the worker has them
+(worker_svc/cuda_graphs.py); the only device sync is reading the sampled ids.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from worker_svc.attention import CacheAttention
-from worker_svc.forward_batch import build_forward_batch, check_references
+from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.forward_batch import (
+    ForwardBatch,
+    InputUploader,
+    check_references,
+    plan_batch,
+    resolve_references,
+    upload_batch,
+)
 from worker_svc.kv_cache import KVCachePool
 from worker_svc.models import DecoderModel
 from worker_svc.prompt_logprobs import PromptLogprobsOut, PromptRows
@@ -47,27 +60,61 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, cache: KVCachePool, attention_ops, sampler: Sampler):
+    def __init__(
+        self, model: DecoderModel, cache: KVCachePool, attention_ops, sampler: Sampler, prefill_route: str = "paged"
+    ):
         self.model = model
         self.cache = cache
         self.ops = attention_ops
         self.sampler = sampler
+        self.prefill_route = prefill_route  # attention.prefill_route: "paged" | "sdpa"
+        self.uploader = InputUploader(model.device)
+        self.graphs: DecodeGraphs | None = None  # set by the worker once captured and checked
         self.last_samples: LastSamples | None = None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The eager forward: hidden states [T, hidden] of the batch's rows. Sync-free
+        on CUDA with the Triton backend, so cuda_graphs can capture it."""
+        scale = self.model.spec.attention_scale
+        attention = CacheAttention(self.ops, self.cache, batch, scale, self.prefill_route)
+        return self.model.forward(batch.input_ids, batch.positions, attention)
+
+    def _prepare(
+        self, step: StepInput, previous: LastSamples | None, use_graphs: bool
+    ) -> tuple[ForwardBatch, DecodeGraphs | None]:
+        """The step on the device (one copy), through the graphs' buffer when they cover it."""
+        host = plan_batch(step, split_fresh=self.prefill_route == "sdpa")
+        resolve_references(host, previous)
+        graphs = self.graphs if use_graphs and self.graphs is not None and self.graphs.covers(host) else None
+        if graphs is not None:
+            return graphs.upload(host, previous), graphs
+        return upload_batch(host, self.uploader, previous), None
+
+    def _hidden(self, batch: ForwardBatch, graphs: DecodeGraphs | None) -> torch.Tensor:
+        """Block copies first (the forward may read the copies), then the forward."""
+        if batch.copy_src is not None:
+            self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
+        return graphs.replay(batch) if graphs is not None else self.forward(batch)
+
+    @torch.inference_mode()
+    def logits(self, step: StepInput, use_graphs: bool = True) -> torch.Tensor:
+        """fp32 logits of the step's sampling rows, nothing sampled or kept (the
+        start-up check of the graphs, benchmarks)."""
+        batch, graphs = self._prepare(step, None, use_graphs)
+        return self.model.logits(self._hidden(batch, graphs)[batch.sample_rows])
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         t0 = time.perf_counter()
         check_references(step, self.last_samples)  # before anything is touched
-        if step.copies:
-            src, dst = zip(*step.copies)
-            self.cache.copy_blocks(list(src), list(dst))
-        if not step.seqs:
+        if not step.seqs:  # block copies only (validated: there are some)
+            batch, _ = self._prepare(step, None, use_graphs=False)
+            self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
             return StepOutput(step.step_id, [], 0, {"total_ms": _ms(t0)})
         previous, self.last_samples = self.last_samples, None  # a failed step leaves nothing to name
-        batch = build_forward_batch(step, self.model.device, previous)
+        batch, graphs = self._prepare(step, previous, use_graphs=True)
         t1 = time.perf_counter()
-        attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
-        hidden = self.model.forward(batch.input_ids, batch.positions, attention)
+        hidden = self._hidden(batch, graphs)
         sampled: list[SampledToken] = []
         prompt_logprobs: list[PromptLogprobsOut] = []
         t2 = time.perf_counter()
@@ -105,7 +152,7 @@ class ModelRunner:
             "sample_ms": (t3 - t2) * 1e3,
             "total_ms": (t3 - t0) * 1e3,
         }
-        return StepOutput(step.step_id, sampled, int(batch.input_ids.numel()), timings, prompt_logprobs)
+        return StepOutput(step.step_id, sampled, len(step.arrays.token_ids), timings, prompt_logprobs)
 
 
 def _ms(start: float) -> float:

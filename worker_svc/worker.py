@@ -4,6 +4,7 @@ No request state lives here; every step says everything it needs."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +12,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from worker_svc.attention import load_ops, resolve_backend
+from worker_svc import cuda_graphs
+from worker_svc.attention import load_ops, prefill_route, resolve_backend
 from worker_svc.config import WorkerConfig
+from worker_svc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from worker_svc.kv_cache import KVCachePool, PagedKVCache, make_kv_cache
 from worker_svc.model_runner import ModelRunner, StepOutput
 from worker_svc.models import DecoderModel
@@ -91,8 +94,16 @@ class WorkerInfo:
     max_batch: int = 0  # contiguous: slots (sequences at once); paged: 0, no limit
 
 
+def kv_budget_bytes(requested: int, free: int, reserved: int) -> int:
+    """The KV pool's bytes: --kv-cache-memory-mb, less whatever would not fit in
+    the device's free memory beside `reserved` (the decode graphs' activations)."""
+    return max(0, min(requested, free - reserved))
+
+
 class Worker:
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, graph_backend: GraphBackend | None = None):
+        """graph_backend: how decode graphs are captured; None = CUDA graphs on a CUDA
+        device with the Triton backend, none elsewhere. --enforce-eager: none at all."""
         self.config = config
         self.device = torch.device(config.device)
         if config.num_threads:
@@ -102,13 +113,19 @@ class Worker:
         spec = self.model.spec
         kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        ops = load_ops(self.backend)
+        graph_backend = None if config.enforce_eager else graph_backend or self._cuda_graph_backend()
         # Paged: blocks of --block-size tokens. Contiguous: slots of max_len tokens,
         # one per sequence; the same [layers, ids, kv_heads, tokens, head_dim] tensor.
         contiguous = config.kv_layout == "contiguous"
         tokens_per_id = max_len if contiguous else config.block_size
-        num_ids = (config.max_batch if contiguous else config.num_blocks) or self._ids_for_memory(
-            kv_dtype, tokens_per_id
-        )
+        table_width = 1 if contiguous else -(-max_len // tokens_per_id)  # a graph's block tables
+        num_ids = config.max_batch if contiguous else config.num_blocks
+        if not num_ids:
+            with_graphs = graph_backend is not None and self.device.type == "cuda"
+            reserved = self._decode_graph_bytes(ops, kv_dtype, tokens_per_id, table_width) if with_graphs else 0
+            num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, reserved)
         self.cache: KVCachePool = make_kv_cache(
             config.kv_layout,
             spec.num_layers,
@@ -119,9 +136,12 @@ class Worker:
             kv_dtype,
             self.device,
         )
-        self.backend = resolve_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(
-            self.model, self.cache, load_ops(self.backend), Sampler(None if config.seed < 0 else config.seed)
+            self.model,
+            self.cache,
+            ops,
+            Sampler(None if config.seed < 0 else config.seed),
+            prefill_route(config.prefill_attention, self.device, self.backend),
         )
         self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout)
         self.info = WorkerInfo(
@@ -148,19 +168,87 @@ class Worker:
             kv_layout=config.kv_layout,
             max_batch=num_ids if contiguous else 0,
         )
+        # Before serving: capture the decode graphs, and compile every kernel a first
+        # request needs (a CPU worker without graphs has nothing to compile).
+        if graph_backend is not None or self.device.type == "cuda":
+            self._warm_up(graph_backend, table_width, num_ids)
         # One step at a time (steps mutate the shared cache), and a step planned
         # ahead only right after the step it names.
         self._step_done = threading.Condition()
         self._last_step: tuple[int, bool] | None = None  # (step id, succeeded) of the step run last
 
-    def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int) -> int:
+    def _cuda_graph_backend(self) -> GraphBackend | None:
+        if self.device.type != "cuda":
+            return None
+        if self.backend != "triton":  # the torch reference ops read lengths on the host: not capturable
+            log.info("cuda graphs off: they need --attention-backend triton", attention_backend=self.backend)
+            return None
+        return CudaGraphBackend(self.device)
+
+    def _warm_up(self, graph_backend: GraphBackend | None, table_width: int, num_ids: int) -> None:
+        """Captures the decode graphs (if any), then runs the start-up check: an
+        eager prefill and decode (every kernel a first request runs gets compiled
+        here), and the same decode through a graph, which must agree with eager or
+        the worker serves eager, with one warning."""
+        start = time.perf_counter()
+        graphs = None
+        if graph_backend is not None:
+            graphs = DecodeGraphs(
+                self.runner.forward, graph_backend, self.device, self.config.max_num_seqs, table_width
+            )
+            try:
+                with torch.inference_mode():
+                    graphs.capture()
+            except Exception as exc:  # a capture this torch/driver refuses: serve eager
+                log.warning("cuda graphs off: capture failed", error=f"{type(exc).__name__}: {exc}")
+                graphs = None
+        self.runner.graphs = graphs
+        problem = cuda_graphs.start_up_check(self.runner, graphs, num_ids)
+        if graphs is not None and problem is not None:
+            log.warning("cuda graphs off: a captured decode differs from eager", problem=problem)
+            self.runner.graphs = graphs = None
+        log.info(
+            "warm-up done",
+            seconds=round(time.perf_counter() - start, 2),
+            cuda_graphs=graphs.ladder if graphs is not None else [],
+        )
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self.runner.graphs is not None
+
+    def _decode_graph_bytes(self, ops, kv_dtype: torch.dtype, tokens_per_id: int, table_width: int) -> int:
+        """What the decode graphs will hold (cuda_graphs.decode_peak_bytes), measured
+        over a one-block scratch cache before the real pool is sized."""
+        spec, config = self.model.spec, self.config
+        scratch = make_kv_cache(
+            config.kv_layout, spec.num_layers, 1, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype, self.device
+        )
+        runner = ModelRunner(self.model, scratch, ops, Sampler(0))
+        return cuda_graphs.decode_peak_bytes(runner, config.max_num_seqs, table_width)
+
+    def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int, reserved: int) -> int:
         """Blocks (or contiguous slots of max_seq_len tokens) that fit in
-        --kv-cache-memory-mb, each costing its values and scales."""
+        --kv-cache-memory-mb, each costing its values and scales; on CUDA, also in
+        what the device has free beside `reserved` bytes (the decode graphs')."""
         spec = self.model.spec
         per_id = PagedKVCache.bytes_per_block(
             spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype
         )
-        return max(1, self.config.kv_cache_memory_mb * 2**20 // per_id)
+        budget = requested = self.config.kv_cache_memory_mb * 2**20
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self.device)[0]
+            budget = kv_budget_bytes(requested, free, reserved)
+            if budget < requested:
+                log.warning(
+                    "kv cache smaller than --kv-cache-memory-mb: the device has no room for more",
+                    requested_mb=self.config.kv_cache_memory_mb,
+                    kv_cache_mb=budget // 2**20,
+                    free_mb=free // 2**20,
+                    reserved_for_graphs_mb=reserved // 2**20,
+                )
+        return max(1, budget // per_id)
 
     def step(self, step: StepInput) -> StepOutput:
         """Validates first (raising InvalidStep before anything is touched), then runs.

@@ -301,6 +301,22 @@ def test_triton_attention_matches_torch(dtype, kind, window, heads):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)
+def test_triton_split_kv_decode_matches_torch(dtype, window):
+    """Split-KV decode dequantizes as the single-pass kernel does: the torch op's
+    output over the same FP8/INT8 cache, with partitions that cut blocks."""
+    contexts = [100, 1, 37, 70]
+    query = torch.randn(len(contexts), 8, 32, generator=_gen(12)).to(DEVICE)
+    (k_cache, v_cache, scales), tables = _filled(dtype, contexts, 2, 32)
+    ctx = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    out = triton_ops.split_kv_decode_attention(
+        query, k_cache, v_cache, tables, ctx, 0.3, window, num_splits=2, **scales
+    )
+    want = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.3, window, **scales)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)
 def test_triton_attention_bf16_query(dtype):
     """A bf16 model over a quantized cache: dequantized to fp32, then the query dtype."""
@@ -455,14 +471,20 @@ def compile(fn, pointers, constexprs, arch):
     triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32))
 
 # (arch, cache, query dtype, decode): FP8 on Hopper, INT8 on Ampere (where FP8 falls back to it).
-for arch, cache, q, decode in ((90, quant.FP8_DTYPE, torch.bfloat16, True), (80, torch.int8, torch.float32, False)):
+# The split-KV decode variant too (SPLIT: fp32 partials).
+for arch, cache, q, decode, split in (
+    (90, quant.FP8_DTYPE, torch.bfloat16, True, False), (80, torch.int8, torch.float32, False, False),
+    (90, quant.FP8_DTYPE, torch.bfloat16, True, True), (80, torch.int8, torch.float32, True, True),
+):
     c = "*" + NAME[cache]
     zero = "*i8" if cache == torch.int8 else "*fp32"
     scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_zero_ptr=zero, v_zero_ptr=zero)
-    meta = T._attention_constexprs(8, 2, 128, 16, q, cache, decode, not decode, interpret=False)
+    meta = T._attention_constexprs(8, 2, 128, 16, q, cache, decode, not decode, False, split)
     io = "*" + NAME[q]
+    part = "*fp32" if split else io
     compile(T._paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=c, v_cache_ptr=c,
-            block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", **scales), meta, arch)
+            block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", part_out_ptr=part,
+            part_max_ptr=part, part_sum_ptr=part, **scales), meta, arch)
     compile(T._write_kv_quant_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=c, v_cache_ptr=c,
             slot_ptr="*i64", **scales), dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_D=128,
             QUANT=quant.quant_code(cache)), arch)

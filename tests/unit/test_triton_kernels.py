@@ -142,6 +142,104 @@ def test_decode_large_pool_and_strided_query():
     _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE), torch.float32)
 
 
+# --------------------------------------------------------------------------- split-KV decode
+
+
+@pytest.mark.parametrize(
+    "num_seqs,kv_heads,max_context,sms,expected",
+    [
+        (64, 8, 4096, 132, 1),  # 512 programs: ~4 per SM already
+        (16, 8, 4096, 132, 4),  # 128 programs: one per SM
+        (17, 8, 4096, 132, 2),  # 528 // 136 = 3 -> the power of two below
+        (1, 8, 32768, 132, 64),  # 66 wanted, capped at MAX_SPLITS
+        (1, 8, 4096, 132, 16),  # 4096 / 256: no partition under MIN_SPLIT_TOKENS
+        (8, 8, 1024, 132, 4),
+        (2, 8, 32768, 132, 32),  # 33 wanted -> the power of two below
+        (1, 8, 200, 132, 1),  # shorter than one partition
+        (1, 2, 32768, 0, 1),  # no GPU (num_sms 0): never split
+        (0, 8, 4096, 132, 1),
+    ],
+)
+def test_num_kv_splits(num_seqs, kv_heads, max_context, sms, expected):
+    assert triton_ops.num_kv_splits(num_seqs, kv_heads, max_context, sms) == expected
+
+
+def test_num_kv_splits_bounds():
+    for seqs in (1, 3, 7, 33):
+        for ctx in (1, 255, 256, 1000, 70000):
+            n = triton_ops.num_kv_splits(seqs, 4, ctx, 132)
+            assert n & (n - 1) == 0 and 1 <= n <= triton_ops.MAX_SPLITS
+            assert n == 1 or ctx // n >= triton_ops.MIN_SPLIT_TOKENS
+
+
+# Very different lengths in one batch, none a multiple of the 64-position KV tile
+# nor of a partition: 1 token, a partial tile, a tile and a bit, several tiles.
+SPLIT_CONTEXTS = [1, 50, 65, 300, 129]
+
+
+def _split_case(contexts, q_heads, kv_heads, head_dim, dtype=torch.float32, num_blocks=128):
+    k_cache, v_cache = _kv_cache(num_blocks, kv_heads, head_dim, dtype)
+    tables, _, ctx = _batch([1] * len(contexts), contexts, num_blocks)
+    return _query(len(contexts), q_heads, head_dim, dtype), k_cache, v_cache, tables, ctx
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_split_kv_decode_matches_reference(num_splits):
+    """Forced partitions: 1 (the single-pass kernel), 2, an odd count and more
+    partitions than a short sequence has tiles (empty ones must weigh nothing)."""
+    query, k_cache, v_cache, tables, ctx = _split_case(SPLIT_CONTEXTS, 8, 2, 32)
+    out = triton_ops.split_kv_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, num_splits=num_splits)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
+    _assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("window", [8, 70])
+def test_split_kv_decode_sliding_window(window):
+    # The partitions divide the tiles inside the window, whatever their count.
+    query, k_cache, v_cache, tables, ctx = _split_case(SPLIT_CONTEXTS, 4, 1, 16)
+    out = triton_ops.split_kv_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window, num_splits=4)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window)
+    _assert_close(out, expected, torch.float32)
+
+
+def test_split_kv_decode_low_precision_and_padding_rows():
+    """bf16 query and cache; and a sequence with context 0 (what a padding row of a
+    captured graph could be) gets 0, as the single-pass kernel gives it."""
+    query, k_cache, v_cache, tables, ctx = _split_case([300, 17, 1], 8, 2, 64, torch.bfloat16)
+    out = triton_ops.split_kv_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, num_splits=4)
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE), torch.bfloat16)
+    ctx[2] = 0
+    for splits in (1, 4):
+        out = triton_ops.split_kv_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, num_splits=splits)
+        assert torch.equal(out[2], torch.zeros_like(out[2])), splits
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_split_kv_never_reads_unseen_slots(window):
+    contexts = [100, 45, 16]
+    k_clean, v_clean = _kv_cache(64, 2, 16, torch.float32)
+    tables, cu, ctx = _batch([1] * 3, contexts, 64)
+    k_cache, v_cache = (_poison_invisible(c, tables, cu, ctx, window) for c in (k_clean, v_clean))
+    query = _query(3, 8, 16, torch.float32)
+    out = triton_ops.split_kv_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window, num_splits=2)
+    assert torch.isfinite(out).all()
+    expected = reference.paged_decode_attention(query, k_clean, v_clean, tables, ctx, SCALE, window)
+    _assert_close(out, expected, torch.float32)
+
+
+def test_decode_chooses_splits_from_the_sm_count(monkeypatch):
+    """paged_decode_attention (and the contiguous layout through it) asks
+    num_kv_splits with the table's reach as the longest context."""
+    asked = []
+    real = triton_ops.num_kv_splits
+    monkeypatch.setattr(triton_ops, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_ops, "num_kv_splits", lambda *args: asked.append(args) or real(*args))
+    query, k_cache, v_cache, tables, ctx = _split_case([300, 1000], 4, 1, 16)
+    out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
+    assert asked == [(2, 1, tables.shape[1] * 16, 132)] and real(*asked[0]) == 2
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE), torch.float32)
+
+
 # --------------------------------------------------------------------------- prefill
 
 PREFILL_CASES = {
@@ -308,15 +406,21 @@ def compile(fn, pointers, constexprs, arch):
     triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32))
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-for arch, q, c, heads, kv_heads, head_dim, block_size, decode, sliding in [
-    (90, bf16, bf16, 8, 2, 128, 16, True, False), (90, f16, f16, 5, 1, 80, 16, False, True),
-    (90, bf16, f32, 4, 4, 64, 32, False, False), (80, f32, f32, 8, 1, 128, 16, False, True),
-    (80, f16, f16, 16, 2, 64, 8, True, True),
+for arch, q, c, heads, kv_heads, head_dim, block_size, decode, sliding, split in [
+    (90, bf16, bf16, 8, 2, 128, 16, True, False, False), (90, f16, f16, 5, 1, 80, 16, False, True, False),
+    (90, bf16, f32, 4, 4, 64, 32, False, False, False), (80, f32, f32, 8, 1, 128, 16, False, True, False),
+    (80, f16, f16, 16, 2, 64, 8, True, True, False), (90, bf16, bf16, 32, 8, 64, 16, True, True, True),
+    (80, f32, f32, 4, 1, 128, 16, True, False, True),
 ]:
-    meta = T._attention_constexprs(heads, kv_heads, head_dim, block_size, q, c, decode, sliding, interpret=False)
+    meta = T._attention_constexprs(heads, kv_heads, head_dim, block_size, q, c, decode, sliding, False, split)
     io, cache = "*" + NAME[q], "*" + NAME[c]
+    part = "*fp32" if split else io
     compile(T._paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=cache, v_cache_ptr=cache,
-            block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32"), meta, arch)
+            block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", part_out_ptr=part,
+            part_max_ptr=part, part_sum_ptr=part), meta, arch)
+for arch, io, splits in ((90, "*bf16", 64), (80, "*fp32", 2)):
+    compile(T._merge_splits_kernel, dict(out_ptr=io, part_out_ptr="*fp32", part_max_ptr="*fp32",
+            part_sum_ptr="*fp32"), dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=splits), arch)
 compile(T._write_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
         slot_ptr="*i64"), dict(HEAD_DIM=64, BLOCK_SIZE=16, NUM_KV_HEADS=2, BLOCK_T=16, BLOCK_HD=128), 90)
 print("compiled")
@@ -344,10 +448,15 @@ def test_kernels_compile_for_cuda():
 # --------------------------------------------------------------------------- the whole model
 
 
-def test_worker_triton_backend_matches_torch():
+@pytest.mark.parametrize("split_kv", [False, True], ids=["one-pass", "split-kv"])
+def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
     """Gemma3 (sliding-window layers, GQA) through the worker: the Triton backend and
     the torch backend give the same logits on a prefill, a mixed chunk + decode
-    step and a decode step."""
+    step and a decode step. split-kv: the decodes as a 132-SM GPU would run them,
+    their 64-position contexts cut into 16-token partitions."""
+    if split_kv:
+        monkeypatch.setattr(triton_ops, "num_sms", lambda device: 132)
+        monkeypatch.setattr(triton_ops, "MIN_SPLIT_TOKENS", 16)
     from worker_svc.config import WorkerConfig
     from worker_svc.step_input import SeqInput, StepInput
     from worker_svc.tiny_checkpoints import ensure_checkpoint

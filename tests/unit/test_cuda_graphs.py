@@ -1,0 +1,338 @@
+"""Decode graphs (worker_svc/cuda_graphs.py) and the one-copy step upload
+(worker_svc/forward_batch.py).
+
+Without a GPU the graphs are "captured" through EagerReplay: the same ladder,
+persistent buffer, padding and un-padding, with each replay running the forward
+again. Those tests compare a worker with graphs against one without, step for
+step, on the same checkpoint (fp32): tokens and logits must be identical. The
+CUDA-only tests at the end (real CUDA graphs, no device sync in the forward) are
+skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from tests.helpers.checkpoints import tiny_checkpoint
+from worker_svc.config import WorkerConfig
+from worker_svc.cuda_graphs import (
+    DecodeGraphs,
+    EagerReplay,
+    batch_ladder,
+    compare_logits,
+    ladder_rung,
+)
+from worker_svc.forward_batch import InputUploader, pad_decode, plan_batch, upload_batch
+from worker_svc.step_input import SeqInput, StepInput
+from worker_svc.worker import Worker, kv_budget_bytes
+
+BLOCK = 16
+MAX_SEQS = 24  # ladder 1, 2, 4, 8, 16, 24
+
+
+class CountingReplay(EagerReplay):
+    """EagerReplay that counts captures and replays per batch size."""
+
+    def __init__(self):
+        self.captured: list[int] = []
+        self.replays: list[int] = []
+
+    def capture(self, forward):
+        out = forward()
+        size = out.shape[0]
+        self.captured.append(size)
+
+        def replay():
+            self.replays.append(size)
+            return forward()
+
+        return replay
+
+
+class WrongReplay(EagerReplay):
+    """A capture whose replay gives other numbers than the forward it recorded."""
+
+    def capture(self, forward):
+        forward()
+        return lambda: forward() * 1.5
+
+
+def _worker(family="llama", **overrides) -> Worker:
+    config = dict(model=str(tiny_checkpoint(family)), dtype="float32", num_blocks=96, max_num_seqs=MAX_SEQS)
+    backend = overrides.pop("graph_backend", None)
+    return Worker(WorkerConfig(**{**config, **overrides}), graph_backend=backend)
+
+
+def _seq(seq_id, tokens, start, sample=True, from_previous=False):
+    table = [seq_id * 3 + b for b in range(3)]  # 48 positions per sequence, blocks never shared
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
+    return SeqInput(
+        seq_id, tokens, start, table, slots, sample=sample, return_logits=sample, token_from_previous_step=from_previous
+    )
+
+
+def _prompt(seq_id: int, vocab: int) -> list[int]:
+    rng = np.random.default_rng(seq_id)
+    return rng.integers(3, vocab, size=int(rng.integers(3, 20))).tolist()
+
+
+# --------------------------------------------------------------------------- ladder, padding, upload
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs,ladder",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (256, [1, 2, 4, 8, *range(16, 257, 8)]),
+    ],
+)
+def test_batch_ladder(max_num_seqs, ladder):
+    assert batch_ladder(max_num_seqs) == ladder
+
+
+def test_ladder_rung():
+    ladder = batch_ladder(24)
+    assert [ladder_rung(ladder, n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 24, 25)] == [1, 2, 4, 8, 8, 16, 16, 24, 24, None]
+
+
+def test_pad_decode_rows_write_nowhere():
+    seqs = [_seq(0, [5], 7), _seq(1, [9], 30, sample=False)]
+    host = plan_batch(StepInput(1, [], seqs))
+    padded = pad_decode(host, 4, 10)
+    assert padded.input_ids.tolist() == [5, 9, 0, 0] and padded.positions.tolist() == [7, 30, 0, 0]
+    assert padded.slot_mapping.tolist() == [host.slot_mapping[0], host.slot_mapping[1], -1, -1]
+    assert padded.decode.context_lens.tolist() == [8, 31, 1, 1]
+    assert padded.decode.cu_query_lens.tolist() == [0, 1, 2, 3, 4]
+    tables = padded.decode.block_tables
+    assert tables.shape == (4, 10) and tables[:2, :3].tolist() == [[0, 1, 2], [3, 4, 5]] and not tables[:, 3:].any()
+    assert not tables[2:].any()
+    # Real rows keep their rows: what is sampled and what the graph returns first.
+    assert padded.sample_rows.tolist() == host.sample_rows.tolist() == [0]
+
+
+def test_step_inputs_cross_in_one_copy():
+    """Every tensor of a mixed step (decodes, a prefill chunk, a reference to the
+    previous step's sample, block copies) is a view of one uploaded buffer."""
+    seqs = [_seq(0, [5], 7), _seq(1, [1, 2, 3], 0), _seq(2, [0], 12, from_previous=True)]
+    host = plan_batch(StepInput(2, [(40, 41), (42, 43)], seqs, previous_step_id=1))
+    host.ref_sources = np.array([0])
+    batch = upload_batch(host, InputUploader(torch.device("cpu")))
+    tensors = [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.copy_src, batch.copy_dst]
+    for group in (batch.decode, batch.prefill):
+        tensors += [group.block_tables, group.context_lens, group.cu_query_lens]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert batch.input_ids.tolist() == [5, 0, 1, 2, 3] and batch.input_ids.dtype == torch.int64
+    assert (
+        batch.decode.block_tables.tolist() == [[0, 1, 2], [6, 7, 8]] and batch.decode.block_tables.dtype == torch.int32
+    )
+    assert batch.copy_src.tolist() == [40, 42] and batch.copy_dst.tolist() == [41, 43]
+    assert batch.sample_rows.tolist() == [0, 1, 4]
+    # 16-byte aligned fields: the same pointer alignment for every field, every step.
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def test_kv_budget_bytes():
+    mb = 2**20
+    assert kv_budget_bytes(512 * mb, 10_000 * mb, 300 * mb) == 512 * mb
+    assert kv_budget_bytes(512 * mb, 700 * mb, 300 * mb) == 400 * mb
+    assert kv_budget_bytes(512 * mb, 200 * mb, 300 * mb) == 0
+
+
+# --------------------------------------------------------------------------- graphs vs eager
+
+
+def test_padded_graph_decode_is_eager_decode():
+    """Decode steps of 1, 3 (padded to 4), 8, 9 and 17 (across the 8/16 and 16/24
+    rungs) sequences, with block copies and references to the previous step's
+    samples, through the graphs and eagerly: the same tokens, and the same logits:
+    bit for bit where the batch fills its rung (1, 8: only the tables are padded,
+    to the longest sequence served); within fp32 round-off where rows are padded
+    (the CPU's GEMM picks its kernel by row count, so a row's sums change order
+    with the batch size; cuBLAS does the same on a GPU)."""
+    counting = CountingReplay()
+    graphs, eager = _worker(graph_backend=counting), _worker()
+    assert graphs.graphs_enabled and not eager.graphs_enabled
+    assert sorted(counting.captured) == [1, 2, 4, 8, 16, 24]
+    assert counting.replays == [4]  # the start-up check: 3 sequences padded to 4
+    counting.replays.clear()
+    vocab = graphs.info.vocab_size
+    step_id = 0
+
+    def run(seqs, copies=(), previous=None):
+        nonlocal step_id
+        step_id += 1
+        step = StepInput(step_id, list(copies), seqs, previous_step_id=previous)
+        outs = [w.step(step) for w in (graphs, eager)]
+        assert [t.token_id for t in outs[0].sampled] == [t.token_id for t in outs[1].sampled]
+        padded = len(seqs) not in counting.captured and all(len(s.token_ids) == 1 for s in seqs)
+        for a, b in zip(outs[0].sampled, outs[1].sampled, strict=True):
+            assert a.seq_id == b.seq_id
+            if padded:
+                torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+            else:
+                assert torch.equal(a.logits, b.logits), (len(seqs), a.seq_id)
+        assert outs[0].num_tokens == outs[1].num_tokens == sum(len(s.token_ids) for s in seqs)
+        return {t.seq_id: t.token_id for t in outs[0].sampled}
+
+    for n in (1, 3, 8, 9, 17):
+        ids = range(n)
+        tokens = run([_seq(i, _prompt(i, vocab), 0) for i in ids])  # prefill: eager in both
+        lens = {i: len(_prompt(i, vocab)) for i in ids}
+        tokens = run([_seq(i, [tokens[i]], lens[i]) for i in ids])
+        # Planned ahead: the inputs are the previous step's samples, resolved on the device.
+        run([_seq(i, [0], lens[i] + 1, from_previous=True) for i in ids], previous=step_id)
+    assert counting.replays == [1, 1, 4, 4, 8, 8, 16, 16, 24, 24]
+
+    # A decode after copy-on-write: the copy lands before the graph reads it.
+    seq = _seq(30, [7], 2)
+    seq.block_table = [3 * 30 + 2, 1, 2]
+    seq.slot_mapping = [(3 * 30 + 2) * BLOCK + 2]
+    run([seq], copies=[(0, 3 * 30 + 2)])
+    assert counting.replays[-1] == 1
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {"kv_layout": "contiguous", "max_batch": 8}), ("llama", {"kv_dtype": "int8"}), ("gemma3", {})],
+    ids=["contiguous", "int8", "gemma3-window"],
+)
+def test_graphs_over_other_caches(family, overrides):
+    """The contiguous layout (one slot per sequence: a 1-wide table), a quantized
+    cache (padding rows must not write scales either) and sliding-window layers:
+    3 sequences padded to 4 decode as eager decodes them."""
+    counting = CountingReplay()
+    graphs, eager = _worker(family, graph_backend=counting, **overrides), _worker(family, **overrides)
+    assert graphs.graphs_enabled
+    vocab = graphs.info.vocab_size
+    contiguous = overrides.get("kv_layout") == "contiguous"
+
+    def seq(i, tokens, start):
+        if not contiguous:
+            return _seq(i, tokens, start)
+        slots = [i * graphs.info.block_size + p for p in range(start, start + len(tokens))]
+        return SeqInput(i, tokens, start, [i], slots, sample=True, return_logits=True)
+
+    prompts = [_prompt(i, vocab) for i in range(3)]
+    steps = [[seq(i, prompts[i], 0) for i in range(3)]]
+    steps += [[seq(i, [11 + k], len(prompts[i]) + k) for i in range(3)] for k in range(3)]
+    counting.replays.clear()
+    for step_id, seqs in enumerate(steps, 1):
+        outs = [w.step(StepInput(step_id, [], seqs)) for w in (graphs, eager)]
+        for a, b in zip(outs[0].sampled, outs[1].sampled, strict=True):
+            assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    assert counting.replays == [4, 4, 4]
+    for name, tensor in {"k": graphs.cache.k, **graphs.cache.scale_tensors()}.items():
+        other = eager.cache.k if name == "k" else eager.cache.scale_tensors()[name]
+        assert torch.equal(tensor != 0, other != 0), name  # the padding rows wrote nothing
+
+
+def test_batches_past_the_ladder_run_eager():
+    counting = CountingReplay()
+    graphs = _worker(graph_backend=counting, max_num_seqs=2, num_blocks=16)
+    counting.replays.clear()
+    vocab = graphs.info.vocab_size
+    graphs.step(StepInput(1, [], [_seq(i, _prompt(i, vocab), 0, sample=False) for i in range(3)]))
+    graphs.step(StepInput(2, [], [_seq(i, [5], len(_prompt(i, vocab))) for i in range(3)]))  # 3 > 2: eager
+    graphs.step(StepInput(3, [], [_seq(i, [5], len(_prompt(i, vocab)) + 1) for i in range(2)]))
+    assert counting.replays == [2]
+
+
+def test_start_up_check_falls_back_to_eager_with_one_warning():
+    with capture_logs() as logs:
+        worker = _worker(graph_backend=WrongReplay())
+    assert not worker.graphs_enabled
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and "differs from eager" in warnings[0]["event"], warnings
+    assert "logit difference" in warnings[0]["problem"]
+    # It serves, eagerly, and the check left the cache as it found it.
+    assert not worker.cache.k.any() and not worker.cache.v.any()
+    eager = _worker()
+    vocab = worker.info.vocab_size
+    steps = [
+        StepInput(1, [], [_seq(0, _prompt(0, vocab), 0)]),
+        StepInput(2, [], [_seq(0, [4], len(_prompt(0, vocab)))]),
+    ]
+    for step in steps:
+        a, b = worker.step(step), eager.step(step)
+        assert torch.equal(a.sampled[0].logits, b.sampled[0].logits)
+
+
+def test_enforce_eager_captures_nothing():
+    counting = CountingReplay()
+    worker = _worker(graph_backend=counting, enforce_eager=True)
+    assert not worker.graphs_enabled and counting.captured == []
+
+
+def test_compare_logits():
+    eager = torch.tensor([[1.0, 5.0, 2.0], [3.0, 3.01, 0.0]])
+    assert compare_logits(eager.clone(), eager, torch.float32) is None
+    assert "logit difference" in compare_logits(eager + 0.1, eager, torch.float32)
+    assert "not finite" in compare_logits(eager * float("nan"), eager, torch.float32)
+    # bf16 tolerance 5e-2 x 5: row 1's near tie may flip, row 0's clear winner may not.
+    flipped = eager.clone()
+    flipped[1] = torch.tensor([3.01, 3.0, 0.0])
+    assert compare_logits(flipped, eager, torch.bfloat16) is None
+    flipped[0] = torch.tensor([1.0, 2.1, 2.2])
+    assert compare_logits(flipped, eager, torch.bfloat16) is not None
+
+
+def test_graph_covers_only_decode_only_batches_that_fit():
+    graphs = DecodeGraphs(lambda batch: batch.input_ids, EagerReplay(), torch.device("cpu"), 4, table_width=3)
+    decode = [_seq(i, [1], 5) for i in range(4)]
+    assert graphs.covers(plan_batch(StepInput(1, [], decode)))
+    assert not graphs.covers(plan_batch(StepInput(1, [], [*decode, _seq(9, [1], 5)])))  # 5 > 4
+    assert not graphs.covers(plan_batch(StepInput(1, [], [*decode[:3], _seq(9, [1, 2], 5)])))  # a prefill
+    wide = _seq(9, [1], 5)
+    wide.block_table = [1, 2, 3, 4]
+    assert not graphs.covers(plan_batch(StepInput(1, [], [wide])))
+    assert not graphs.covers(plan_batch(StepInput(1, [(1, 2)] * 5, decode)))  # more copies than room
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_match_eager_on_cuda(dtype):
+    """Real CUDA graphs: captured at start, checked, and the same greedy tokens as
+    an --enforce-eager worker over a few decode steps."""
+    common = dict(model=str(tiny_checkpoint("llama")), dtype=dtype, num_blocks=96, max_num_seqs=8, device="cuda")
+    graphs, eager = Worker(WorkerConfig(**common)), Worker(WorkerConfig(**common, enforce_eager=True))
+    assert graphs.graphs_enabled and not eager.graphs_enabled
+    vocab = graphs.info.vocab_size
+    tokens = {w: {} for w in (graphs, eager)}
+    for w in (graphs, eager):
+        out = w.step(StepInput(1, [], [_seq(i, _prompt(i, vocab), 0) for i in range(3)]))
+        tokens[w] = {t.seq_id: [t.token_id] for t in out.sampled}
+        for k in range(5):
+            seqs = [_seq(i, [tokens[w][i][-1]], len(_prompt(i, vocab)) + k) for i in range(3)]
+            for t in w.step(StepInput(2 + k, [], seqs)).sampled:
+                tokens[w][t.seq_id].append(t.token_id)
+    assert tokens[graphs] == tokens[eager]
+
+
+@cuda
+def test_decode_forward_does_not_sync_on_cuda():
+    """The eager decode forward (what the graphs capture) makes no device sync."""
+    worker = Worker(WorkerConfig(model=str(tiny_checkpoint("gemma3")), dtype="bfloat16", num_blocks=96, device="cuda"))
+    vocab = worker.info.vocab_size
+    worker.step(StepInput(1, [], [_seq(i, _prompt(i, vocab), 0) for i in range(3)]))
+    step = StepInput(2, [], [_seq(i, [5], len(_prompt(i, vocab))) for i in range(3)])
+    runner = worker.runner
+    batch, _ = runner._prepare(step, None, use_graphs=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            runner.forward(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

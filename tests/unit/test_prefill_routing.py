@@ -1,0 +1,135 @@
+"""Prefill routing (--prefill-attention): chunks that start at position 0 may go
+to torch SDPA over their own K/V instead of the paged prefill op. On CPU the SDPA
+route must give the reference op's result (kernels/reference.py, the oracle),
+and the worker the same tokens either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quant, reference
+from tests.helpers.checkpoints import tiny_checkpoint
+from worker_svc import attention
+from worker_svc.attention import fresh_prefill_attention, prefill_route, sdpa_takes
+from worker_svc.config import WorkerConfig
+from worker_svc.forward_batch import plan_batch
+from worker_svc.step_input import SeqInput, StepInput
+from worker_svc.worker import Worker
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_prefill_route():
+    assert prefill_route("auto", CUDA, "triton") == "sdpa"
+    assert prefill_route("auto", CUDA, "torch") == "paged"
+    assert prefill_route("auto", CPU, "torch") == "paged"
+    assert prefill_route("auto", CPU, "triton") == "paged"
+    assert prefill_route("sdpa", CPU, "torch") == "sdpa"
+    assert prefill_route("paged", CUDA, "triton") == "paged"
+    with pytest.raises(ValueError, match="prefill attention"):
+        prefill_route("flash", CUDA, "triton")
+
+
+def test_sdpa_takes_only_what_it_computes_exactly():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert sdpa_takes(bf16, bf16, 0, 4000)
+    assert not sdpa_takes(quant.FP8_DTYPE, bf16, 0, 10)  # the paged op reads dequantized values
+    assert not sdpa_takes(torch.int8, f32, 0, 10)
+    assert not sdpa_takes(torch.float16, bf16, 0, 10)  # a narrower cache rounds K/V
+    assert sdpa_takes(bf16, bf16, 512, 512)  # the window hides nothing inside the chunk
+    assert not sdpa_takes(bf16, bf16, 512, 513)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_fresh_prefill_attention_matches_the_reference(q_heads, kv_heads):
+    """Chunks of 1, 17 and 40 tokens written into a paged cache: the reference op
+    reading them back and SDPA over the chunks' own K/V agree."""
+    query_lens, head_dim, block = (17, 1, 40), 16, 16
+    g = torch.Generator().manual_seed(0)
+    total = sum(query_lens)
+    query = torch.randn(total, q_heads, head_dim, generator=g)
+    key = torch.randn(total, kv_heads, head_dim, generator=g)
+    value = torch.randn(total, kv_heads, head_dim, generator=g)
+    k_cache = torch.zeros(16, kv_heads, block, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.tensor([[3, 9, 0], [5, 0, 0], [1, 7, 12]], dtype=torch.int32)
+    slots = torch.cat(
+        [
+            torch.tensor([int(tables[s, p // block]) * block + p % block for p in range(n)])
+            for s, n in enumerate(query_lens)
+        ]
+    )
+    reference.write_kv(key, value, k_cache, v_cache, slots)
+    cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    ctx = torch.tensor(query_lens, dtype=torch.int32)
+    expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, 0.3)
+    out = fresh_prefill_attention(query, key, value, query_lens, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_batch_orders_fresh_chunks_after_decodes():
+    def seq(i, n, start):
+        return SeqInput(i, list(range(1, n + 1)), start, [i], [i * 64 + start + k for k in range(n)], sample=True)
+
+    step = StepInput(1, [], [seq(0, 5, 10), seq(1, 1, 7), seq(2, 3, 0), seq(3, 4, 0)])
+    host = plan_batch(step, split_fresh=True)
+    assert [s.seq_id for s in host.seqs] == [1, 2, 3, 0]
+    assert host.decode.num_seqs == 1 and host.fresh.num_seqs == 2 and host.prefill.num_seqs == 1
+    assert host.fresh.cu_query_lens.tolist() == [0, 3, 7]
+    assert host.sample_rows.tolist() == [0, 3, 7, 12]
+    merged = plan_batch(step)
+    assert merged.fresh is None and merged.prefill.num_seqs == 3
+
+
+@pytest.mark.parametrize(
+    "family,kv_dtype,sdpa_layers",
+    [("llama", "auto", 2), ("gemma3", "auto", 1), ("llama", "int8", 0)],
+    ids=["llama", "gemma3-window", "llama-int8"],
+)
+def test_worker_routes_fresh_chunks(monkeypatch, family, kv_dtype, sdpa_layers):
+    """A step with two fresh chunks (one the first of a chunked prompt), then one
+    with a decode, two fresh prompts and a continued chunk, then a decode step:
+    --prefill-attention sdpa gives paged's tokens and logits (fp32), and SDPA runs
+    once per prefill step in each layer where it is exact: both llama layers; only
+    Gemma3's full-attention layer (its three sliding layers' 8-token window is
+    shorter than the prompts); never over an INT8 cache."""
+    calls = []
+    real = attention.fresh_prefill_attention
+    monkeypatch.setattr(attention, "fresh_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    model = str(tiny_checkpoint(family))
+    workers = {
+        route: Worker(
+            WorkerConfig(model=model, dtype="float32", kv_dtype=kv_dtype, num_blocks=64, prefill_attention=route)
+        )
+        for route in ("paged", "sdpa")
+    }
+    assert workers["sdpa"].runner.prefill_route == "sdpa" and workers["paged"].runner.prefill_route == "paged"
+    vocab = workers["paged"].info.vocab_size
+
+    def seq(i, tokens, start):
+        table = [4 * i + b for b in range(4)]
+        slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
+        return SeqInput(i, tokens, start, table, slots, sample=True, return_logits=True)
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (12, 30, 21, 9)]
+    steps = [
+        StepInput(1, [], [seq(0, prompts[0], 0), seq(3, prompts[3][:4], 0)]),
+        StepInput(2, [], [seq(0, [5], 12), seq(1, prompts[1], 0), seq(2, prompts[2], 0), seq(3, prompts[3][4:], 4)]),
+        StepInput(3, [], [seq(0, [7], 13), *(seq(i, [7], len(prompts[i])) for i in (1, 2, 3))]),
+    ]
+    per_step = []
+    for step in steps:
+        calls.clear()
+        outs = {route: w.step(step) for route, w in workers.items()}
+        per_step.append(len(calls))
+        for a, b in zip(outs["sdpa"].sampled, outs["paged"].sampled, strict=True):
+            assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    assert per_step == [sdpa_layers, sdpa_layers, 0]
+
+
+def test_worker_flag_validation():
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        WorkerConfig(model=str(tiny_checkpoint("llama")), max_num_seqs=0).validate()
