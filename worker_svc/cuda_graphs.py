@@ -243,7 +243,7 @@ def start_up_check(runner: ModelRunner, graphs: DecodeGraphs | None, num_blocks:
         eager = runner.logits(decode, use_graphs=False)
         # A throwaway sampler: the worker's own generator must not move.
         mixed = [Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=0)]
-        Sampler(0).sample_packed(eager.repeat(2, 1), mixed * n, [prompt] * 2 * n).cpu()
+        Sampler(0).sample_packed(eager.repeat(2, 1), mixed * n, [prompt] * 2 * n).tensor.cpu()
         if runner.model.device.type == "cuda":
             _compile_split_variants(runner)
         if graphs is None:
