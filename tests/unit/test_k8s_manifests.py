@@ -41,7 +41,7 @@ CONFIGS = {
 }
 # Settings of features being built elsewhere, allowed in the manifests before their
 # config field exists (test_pending_settings_exist reports them as xfail until then).
-PENDING = {"scheduler": {"worker_discovery_interval_s"}}
+PENDING: dict[str, set[str]] = {}
 # Env vars that are not service settings, and why they may appear.
 OTHER_ENV = {
     "POD_NAMESPACE",  # downward API, for $(POD_NAMESPACE) in DNS names
@@ -265,12 +265,11 @@ def test_base_settings_parse_and_validate(component, monkeypatch, default_model)
         if name.startswith(prefix + "_"):
             value = value.replace("$(POD_NAMESPACE)", "default")
             monkeypatch.setenv(name, str(default_model) if value == MODEL_MOUNT else value)
-    if component == "scheduler" and "worker_discovery_interval_s" not in config_fields(component):
-        # dns:/// targets are validated by the discovery feature, not here yet
-        # (test_pending_settings_exist xfails meanwhile): check the other settings.
-        monkeypatch.setenv("PAGEDSERVE_SCHEDULER_WORKERS", "pagedserve-worker-0.pagedserve-worker:50061")
     config = parse_config(cls, prefix, component, [])
     assert config.host == "0.0.0.0" and str(config.port) == values[f"{prefix}_PORT"]
+    if component == "scheduler":  # the workers come from the headless Service's DNS records
+        assert [str(t) for t in config.worker_targets] == ["dns:///pagedserve-worker.default.svc.cluster.local:50061"]
+        assert all(t.dns for t in config.worker_targets)
 
 
 def test_pending_settings_exist():
