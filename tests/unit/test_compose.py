@@ -246,6 +246,7 @@ SLIM_IMAGES = {
             "pydantic": "fastapi",
             "uvicorn": "uvicorn",
             "jinja2": "jinja2",
+            "tokenizers": "tokenizers",  # prefix routing over several schedulers
         },
     ),
 }
