@@ -63,14 +63,16 @@ serve: setup model
 
 # The same topology in the background (what docker-compose.yml runs, as plain
 # processes on $(HOST)): WORKERS workers, the scheduler on $(SCHEDULER_PORT), the
-# HTTP gateway on $(GATEWAY_PORT) (GATEWAY=0: none). Pid files and logs in run/;
-# `make down` stops everything.
+# HTTP gateway on $(GATEWAY_PORT) (GATEWAY=0: none). CELLS=N: N schedulers (ports
+# $(SCHEDULER_PORT), +2, ...) with WORKERS workers each, the gateway in front of all
+# of them. Pid files and logs in run/; `make down` stops everything.
 GATEWAY ?= 1
 RUN_DIR ?= run
+CELLS ?= 1
 
 cluster: setup model
 	$(PY) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
-	    --host $(HOST) --port $(SCHEDULER_PORT) \
+	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)"
 

@@ -59,7 +59,7 @@ HEALTH_SERVICES = {  # the grpc.health.v1 service names the services register
 EXPECTED_KINDS = {
     "StatefulSet": 1,
     "Deployment": 2,
-    "Service": 3,
+    "Service": 4,
     "PodDisruptionBudget": 2,
     "PersistentVolumeClaim": 1,
     "NetworkPolicy": 2,
@@ -270,6 +270,9 @@ def test_base_settings_parse_and_validate(component, monkeypatch, default_model)
     if component == "scheduler":  # the workers come from the headless Service's DNS records
         assert [str(t) for t in config.worker_targets] == ["dns:///pagedserve-worker.default.svc.cluster.local:50061"]
         assert all(t.dns for t in config.worker_targets)
+    if component == "gateway":  # and the schedulers from theirs
+        assert config.schedulers == "dns:///pagedserve-schedulers.default.svc.cluster.local:50051"
+        assert config.scheduler_routing == "prefix"  # validated: the model directory has tokenizer.json
 
 
 def test_pending_settings_exist():
@@ -336,10 +339,17 @@ def test_services_expose_the_configured_ports(overlay):
     assert env["PAGEDSERVE_SCHEDULER_ADMIN_HOST"] == "0.0.0.0"  # probed by the kubelet on the pod IP
 
     gateway = container(loads["gateway"])
-    assert (
-        env_values(gateway)["PAGEDSERVE_GATEWAY_SCHEDULER"]
-        == f"{svc['metadata']['name']}:{service_port(svc, 'grpc')['port']}"
+    # The gateway finds every scheduler through the headless Service (several cells: several).
+    pool = service(docs, "pagedserve-schedulers")
+    assert pool["spec"]["clusterIP"] == "None" and pool["spec"]["publishNotReadyAddresses"] is False
+    assert selects({"matchLabels": pool["spec"]["selector"]}, pod_labels["scheduler"])
+    port = service_port(pool, "grpc")
+    assert port["port"] == container_port(sched, port["targetPort"]) == int(env["PAGEDSERVE_SCHEDULER_PORT"])
+    gateway_env = env_values(gateway)
+    assert gateway_env["PAGEDSERVE_GATEWAY_SCHEDULERS"] == (
+        f"dns:///{pool['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{port['port']}"
     )
+    assert float(gateway_env["PAGEDSERVE_GATEWAY_SCHEDULER_DISCOVERY_INTERVAL_S"]) > 0
     gw_svc = service(docs, "pagedserve-gateway")
     assert selects({"matchLabels": gw_svc["spec"]["selector"]}, pod_labels["gateway"])
     assert container_port(gateway, service_port(gw_svc, "http")["targetPort"]) == int(
