@@ -19,6 +19,7 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
+from worker_svc.parallel.group import WorkerDown
 from worker_svc.step_input import InvalidStep, Sampling, SeqInput, StaleStep, StepArrays, StepInput
 from worker_svc.worker import Worker
 
@@ -111,6 +112,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except StaleStep as exc:
             step_log.warning("step refused", error=str(exc))
             context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except WorkerDown as exc:  # a tensor-parallel rank is gone: the scheduler treats it as a dead worker
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker going down: {exc}")
         except Exception as exc:  # a bug must not take the worker down
             step_log.exception("step failed")
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
@@ -128,6 +131,11 @@ class WorkerServer:
         """Health NOT_SERVING, refuse new calls, let the step in flight finish (up to grace_s)."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+
+    def not_serving(self) -> None:
+        """Health NOT_SERVING at once (the worker is going down), calls still answered."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
@@ -151,6 +159,7 @@ def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
         tls=bool(credentials),
         mutual_tls=bool(config.tls_client_ca),
         **dataclasses.asdict(worker.info),
+        **({"rank_pids": worker.parallel.pids} if worker.parallel else {}),
     )
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.tls_client_ca:
         log.warning(

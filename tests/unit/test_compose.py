@@ -118,6 +118,9 @@ def test_workers_reserve_distinct_gpus(compose):
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         gpus += devices[0]["device_ids"]
         assert env_of(worker)["PAGEDSERVE_WORKER_DEVICE"].startswith("cuda")
+        # One GPU per tensor-parallel rank (WORKER_TENSOR_PARALLEL_SIZE, 1 by default).
+        assert int(env_of(worker)["PAGEDSERVE_WORKER_TENSOR_PARALLEL_SIZE"]) == len(devices[0]["device_ids"])
+        assert worker["shm_size"]  # NCCL's shared memory between ranks
     assert len(gpus) == len(set(gpus)) == 2
     for name, service in compose["services"].items():
         if kind(name, service) != "worker":

@@ -447,6 +447,10 @@ def test_images_gpus_model_volume_and_security_context():
         assert "/tmp" in mounts
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (1 if component == "worker" else None), component
+        if component == "worker":  # one GPU per tensor-parallel rank, and room in /dev/shm for NCCL
+            assert int(env_values(c)["PAGEDSERVE_WORKER_TENSOR_PARALLEL_SIZE"]) == gpus
+            (shm,) = [v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"]["name"]]
+            assert shm["emptyDir"]["medium"] == "Memory"
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
         model_setting = "MODEL_DIR" if component == "gateway" else "MODEL"
         assert env_values(c)[f"{CONFIGS[component][1]}_{model_setting}"] == MODEL_MOUNT
