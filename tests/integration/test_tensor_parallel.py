@@ -158,14 +158,24 @@ def assert_exact(recorders: list[Recorder], reference_model) -> None:
         assert r.tokens == want and r.finish_reason == ("length" if len(want) == r.max_tokens else "stop")
 
 
+def rank_pids(worker: ServiceProcess) -> list[int]:
+    """The other ranks' process ids, from the worker's JSON "worker ready" line."""
+    records = (json.loads(line) for line in worker.log_path.read_text().splitlines() if line.startswith("{"))
+    return next(r for r in records if r.get("event") == "worker ready")["rank_pids"]
+
+
 def test_greedy_streams_through_the_scheduler_equal_transformers(reference_model):
-    args = worker_args("llama", "--tensor-parallel-size", "2")
+    args = worker_args("llama", "--tensor-parallel-size", "2", "--log-format", "json")
     with ServiceProcess("worker_svc", args) as worker, scheduler([worker]) as sched:
+        (rank_pid,) = rank_pids(worker)
         with SchedulerClient(sched.address) as client:
             recorders = start_streams(client, 6, 24)  # steps planned ahead: decodes name the last sample
             join(recorders)
             assert_exact(recorders, reference_model)
             assert wait_idle(client).blocks_used == 0
+    # SIGTERM: rank 0 drains, stops the other rank, exits 0; nothing is left behind.
+    assert worker.proc.returncode == 0
+    assert not os.path.exists(f"/proc/{rank_pid}")  # stopped and reaped by rank 0
 
 
 def test_a_rank_that_dies_takes_the_worker_down_and_its_requests_move(reference_model):
@@ -176,12 +186,7 @@ def test_a_rank_that_dies_takes_the_worker_down_and_its_requests_move(reference_
             [ServiceProcess("worker_svc", tp_args), ServiceProcess("worker_svc", worker_args("llama"))],
         )
     try:
-        ready = next(
-            json.loads(line)
-            for line in tp.log_path.read_text().splitlines()
-            if line.startswith("{") and json.loads(line).get("event") == "worker ready"
-        )
-        (rank_pid,) = ready["rank_pids"]
+        (rank_pid,) = rank_pids(tp)
         sched_args = ("--max-num-seqs", "2", "--health-interval-s", "0.2", "--log-format", "json")
         with scheduler([tp, plain], *sched_args) as sched, SchedulerClient(sched.address) as client:
             recorders = start_streams(client, 8, 48)

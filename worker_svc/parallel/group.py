@@ -200,7 +200,7 @@ class TensorParallelGroup:
         """Rank 0: the first rank that exits fails the group (unless we are closing it)."""
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._processes, start=1)}
         ready = wait(list(sentinels))
-        rank, process = sentinels[ready[0]]  # type: ignore[index]
+        rank, process = sentinels[ready[0]]
         process.join(1.0)
         self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with {process.exitcode}")
 
