@@ -53,26 +53,31 @@ lint: setup
 
 WORKERS ?= 1
 GATEWAY_PORT ?= 8000
+# Ranks each worker's model is split over (tensor parallelism; gloo on CPU).
+TP ?= 1
 
 # The whole system in the foreground: WORKERS worker processes, the scheduler on
 # 127.0.0.1:$(SCHEDULER_PORT) and the OpenAI-compatible HTTP gateway on
 # 127.0.0.1:$(GATEWAY_PORT) (GATEWAY_PORT=-1: no gateway); Ctrl-C stops all of them.
 serve: setup model
 	$(PY) -m svc_common.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
-	    --gateway-port $(GATEWAY_PORT) --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)"
+	    --gateway-port $(GATEWAY_PORT) --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
 # processes on $(HOST)): WORKERS workers, the scheduler on $(SCHEDULER_PORT), the
-# HTTP gateway on $(GATEWAY_PORT) (GATEWAY=0: none). Pid files and logs in run/;
+# HTTP gateway on $(GATEWAY_PORT) (GATEWAY=0: none). CELLS=N: N schedulers (ports
+# $(SCHEDULER_PORT), +2, ...) with WORKERS workers each, the gateway in front of all
+# of them; TP=N: each worker split over N ranks. Pid files and logs in run/;
 # `make down` stops everything.
 GATEWAY ?= 1
 RUN_DIR ?= run
+CELLS ?= 1
 
 cluster: setup model
 	$(PY) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
-	    --host $(HOST) --port $(SCHEDULER_PORT) \
+	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
-	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)"
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP)"
 
 cluster-status:
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) status

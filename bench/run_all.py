@@ -62,6 +62,7 @@ BENCHMARKS = [
     ),
     Benchmark("gateway_overhead", ("--requests", "10"), "HTTP gateway vs direct gRPC latency", plot=False),
     Benchmark("routing", ("--seeds", "2"), "prefix-aware routing vs round-robin, two workers", plot=False),
+    Benchmark("scheduler_routing", ("--seeds", "2"), "gateway over two schedulers: prefix-aware vs random", plot=False),
     Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),

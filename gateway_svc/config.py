@@ -8,14 +8,58 @@ from pathlib import Path
 from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.targets import targets_check
 
 INT32_MAX = 2**31 - 1  # serving.v1's int32 fields (max_tokens, top_k, token ids)
+# How the gateway picks one of several schedulers (gateway_svc/prefix_routing.py).
+SCHEDULER_ROUTING = ("prefix", "least-loaded", "random")
 
 
 @dataclass
 class GatewayConfig:
     scheduler: str = field(
         default="127.0.0.1:50051", metadata={"help": "the scheduler's serving.v1 gRPC address, HOST:PORT"}
+    )
+    schedulers: str = field(
+        default="",
+        metadata={
+            "help": "several schedulers instead of --scheduler, comma-separated: HOST:PORT or dns:///NAME:PORT "
+            "(every A/AAAA record is a scheduler, re-resolved every --scheduler-discovery-interval-s); "
+            "each request goes to one of them (--scheduler-routing)"
+        },
+    )
+    scheduler_routing: str = field(
+        default="prefix",
+        metadata={
+            "help": "with --schedulers: prefix (consistent hashing of the prompt's first --routing-prefix-tokens "
+            "tokens, bounded by --routing-load-factor; shorter prompts go to the least loaded), least-loaded, "
+            "or random",
+            "choices": SCHEDULER_ROUTING,
+        },
+    )
+    routing_prefix_tokens: int = field(
+        default=32,
+        metadata={"help": "prefix routing: prompt tokens that make the key (32 = two 16-token KV blocks)"},
+    )
+    routing_load_factor: float = field(
+        default=1.25,
+        metadata={
+            "help": "prefix routing: a scheduler takes a request only while its in-flight requests stay within "
+            "this factor of the average; beyond it the next scheduler on the hash ring does"
+        },
+    )
+    routing_load_slack: int = field(
+        default=16,
+        metadata={
+            "help": "prefix routing: requests a scheduler may have in flight above the average before "
+            "--routing-load-factor applies (0: the factor alone)"
+        },
+    )
+    scheduler_health_interval_s: float = field(
+        default=2.0, metadata={"help": "with --schedulers: how often each scheduler's health is checked"}
+    )
+    scheduler_discovery_interval_s: float = field(
+        default=10.0, metadata={"help": "with --schedulers: how often its dns:/// names are resolved again"}
     )
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port to bind; 0 lets the OS pick (see --ready-file)"})
@@ -59,9 +103,26 @@ class GatewayConfig:
             return self.model_name
         return Path(self.model_dir).name if self.model_dir else "pagedserve"
 
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.model_dir) / "tokenizer.json"
+
     def validate(self) -> None:
         checks = [
             (host_port_problem(self.scheduler) is None, "--scheduler", "HOST:PORT"),
+            targets_check(self.schedulers, "--schedulers") if self.schedulers else (True, "", ""),
+            (self.routing_prefix_tokens >= 1, "--routing-prefix-tokens", ">= 1"),
+            (self.routing_load_factor >= 1.0, "--routing-load-factor", ">= 1"),
+            (self.routing_load_slack >= 0, "--routing-load-slack", ">= 0"),
+            (self.scheduler_health_interval_s > 0, "--scheduler-health-interval-s", "> 0"),
+            (self.scheduler_discovery_interval_s > 0, "--scheduler-discovery-interval-s", "> 0"),
+            (
+                not (self.schedulers and self.scheduler_routing == "prefix")
+                or (bool(self.model_dir) and self.tokenizer_path.is_file()),
+                "--model-dir",
+                "a directory with tokenizer.json for --scheduler-routing prefix over --schedulers "
+                "(the prompt's first tokens are the routing key)",
+            ),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (
                 not self.model_dir or Path(self.model_dir).is_dir(),

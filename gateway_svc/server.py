@@ -16,7 +16,7 @@ import uvicorn
 
 from gateway_svc.app import create_app
 from gateway_svc.config import GatewayConfig
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.scheduler_pool import open_scheduler_client
 from svc_common.ready_file import write_ready_file
 
 log = structlog.get_logger("gateway")
@@ -49,8 +49,8 @@ class GatewayServer:
     async def serve(self) -> None:
         sock = bind_socket(self.config.host, self.config.port)
         self.port = sock.getsockname()[1]
-        # The grpc.aio channel belongs to this event loop: create it here, not before.
-        client = SchedulerClient(self.config.scheduler, self.config.request_timeout_s, self.config.health_timeout_s)
+        # The grpc.aio channels belong to this event loop: create them here, not before.
+        client = await open_scheduler_client(self.config)
         try:
             app = create_app(client, self.config)
             uv_config = uvicorn.Config(
@@ -75,7 +75,7 @@ class GatewayServer:
             "gateway ready",
             host=self.config.host,
             port=self.port,
-            scheduler=self.config.scheduler,
+            scheduler=self.config.schedulers or self.config.scheduler,
             model=self.config.model_id,
             api_key=bool(self.config.api_key),
         )

@@ -1,4 +1,4 @@
-"""python -m scheduler_svc --workers HOST:PORT[,...] --host 127.0.0.1 --port N --model DIR ..."""
+"""python -m scheduler_svc --workers HOST:PORT|dns:///NAME:PORT[,...] --host 127.0.0.1 --port N --model DIR ..."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.kv_events_zmq import ZmqKvEventPublisher
 from scheduler_svc.api.server import SchedulerServer, start_server
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine.discovery import WorkerDiscovery
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.errors import StartupError
 from scheduler_svc.observability.exposition import start_metrics_server
@@ -44,6 +45,9 @@ async def serve(config: SchedulerConfig) -> None:
         if config.kv_events_zmq
         else None
     )
+    # dns:/// entries of --workers: resolved again every --worker-discovery-interval-s.
+    discovery = WorkerDiscovery(engine, config.worker_targets, config.worker_discovery_interval_s)
+    discovery.start()
     server, port = await start_server(
         engine,
         config.host,
@@ -63,7 +67,8 @@ async def serve(config: SchedulerConfig) -> None:
     log.info(
         "scheduler ready",
         serving=f"{config.host}:{port}",
-        workers=config.worker_addresses,
+        workers=[c.info.address for c in engine.cores],
+        discovery=[str(t) for t in discovery.targets] or "off",
         max_model_len=engine.max_model_len,
         tls=bool(config.tls_cert),
         api_keys=len(api_keys),
@@ -83,7 +88,8 @@ async def serve(config: SchedulerConfig) -> None:
     write_ready_file(config.ready_file, config.host, port, admin_port=admin_port)
     signals = _signal_events()
     await signals.get()
-    if admin is not None:  # no worker joins or leaves during the shutdown
+    await discovery.stop()  # no worker joins or leaves during the shutdown
+    if admin is not None:
         await admin.stop(1.0)
     await shutdown(engine, server, config.drain_timeout_s, signals)
     if metrics is not None:

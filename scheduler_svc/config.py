@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
-from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
 
 # Which worker gets a new request (engine/router.py implements each).
@@ -17,7 +17,17 @@ ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 
 @dataclass
 class SchedulerConfig:
-    workers: str = field(default="127.0.0.1:50061", metadata={"help": "worker addresses, HOST:PORT[,HOST:PORT...]"})
+    workers: str = field(
+        default="127.0.0.1:50061",
+        metadata={
+            "help": "workers, comma-separated: HOST:PORT (a fixed worker) or dns:///NAME:PORT (every A/AAAA record "
+            "of NAME is a worker; re-resolved every --worker-discovery-interval-s: workers join and are drained as "
+            "the records change, e.g. a Kubernetes headless Service)"
+        },
+    )
+    worker_discovery_interval_s: float = field(
+        default=10.0, metadata={"help": "how often the dns:/// names in --workers are resolved again"}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50051, metadata={"help": "port to bind; 0 lets the OS pick"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
@@ -55,7 +65,13 @@ class SchedulerConfig:
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
     )
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request leaves it unset"})
-    connect_timeout_s: float = field(default=30.0, metadata={"help": "how long to wait for each worker at start-up"})
+    connect_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "how long to wait at start-up for each fixed worker, or with dns:/// workers only for the first "
+            "of them, and for a worker that joins later (AddWorker, DNS)"
+        },
+    )
     worker_timeout_s: float = field(
         default=30.0,
         metadata={"help": "how long a lost worker may stay away before its requests fail with UNAVAILABLE"},
@@ -143,8 +159,8 @@ class SchedulerConfig:
     )
 
     @property
-    def worker_addresses(self) -> list[str]:
-        return [a.strip() for a in self.workers.split(",") if a.strip()]
+    def worker_targets(self) -> list[Target]:
+        return parse_targets(self.workers)
 
     @property
     def admin_bind_port(self) -> int:
@@ -159,12 +175,8 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         checks = [
-            (bool(self.worker_addresses), "--workers", "at least one HOST:PORT"),
-            (
-                all(host_port_problem(a) is None for a in self.worker_addresses),
-                "--workers",
-                "a comma-separated list of HOST:PORT",
-            ),
+            targets_check(self.workers, "--workers"),
+            (self.worker_discovery_interval_s > 0, "--worker-discovery-interval-s", "> 0"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
             (

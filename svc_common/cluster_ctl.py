@@ -1,8 +1,11 @@
 """A local cluster as detached background processes with pid files (what
 `make cluster` / `make down` run): N workers, the scheduler and the gateway on
-127.0.0.1 -- the docker-compose.yml topology without containers.
+127.0.0.1 -- the docker-compose.yml topology without containers. With
+`--cells C`, C schedulers each with their own N workers, and the gateway in
+front of all of them (`--schedulers`): the multi-scheduler topology.
 
     python -m svc_common.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 2 --port 50051
+    python -m svc_common.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 1 --cells 2
     python -m svc_common.cluster_ctl status
     python -m svc_common.cluster_ctl down
 
@@ -78,7 +81,8 @@ def _alive_pids(run_dir: Path) -> dict[str, int]:
 
 
 def _module_of(name: str) -> str:
-    return {"scheduler": "scheduler_svc", "gateway": "gateway_svc"}.get(name, "worker_svc")
+    """worker-3 -> worker_svc, scheduler-1 -> scheduler_svc, gateway -> gateway_svc."""
+    return f"{name.split('-')[0]}_svc"
 
 
 # ---- up -----------------------------------------------------------------------------
@@ -156,42 +160,37 @@ def up(args: argparse.Namespace) -> int:
                 args.host,
                 args.worker_base_port + i if args.worker_base_port else 0,
             )
-            for i in range(args.workers)
+            for i in range(args.workers * args.cells)
         ]
         procs = [start(w, run_dir, env) for w in workers]  # they load the model in parallel
         for w, p in zip(workers, procs):
             addresses[w.name] = wait_ready(w, p, run_dir, deadline)
-            print(f"{w.name:<10} ready on {addresses[w.name]}  (pid {p.pid}, log {w.paths(run_dir)[1]})", flush=True)
-        scheduler = Service(
-            "scheduler",
-            "scheduler_svc",
-            [
-                "--model",
-                model,
-                "--workers",
-                ",".join(addresses[w.name] for w in workers),
-                *shlex.split(args.scheduler_args),
-            ],
-            args.host,
-            args.port,
-        )
-        p = start(scheduler, run_dir, env)
-        addresses["scheduler"] = wait_ready(scheduler, p, run_dir, deadline)
-        print(f"{'scheduler':<10} ready on {addresses['scheduler']}  (pid {p.pid})", flush=True)
-        admin_port = json.loads(scheduler.paths(run_dir)[2].read_text()).get("admin_port", -1)
-        if admin_port >= 0:  # admin.v1: AddWorker, DrainWorker, ListWorkers (loopback by default)
-            addresses["admin"] = f"127.0.0.1:{admin_port}"
+            print(f"{w.name:<12} ready on {addresses[w.name]}  (pid {p.pid}, log {w.paths(run_dir)[1]})", flush=True)
+        schedulers = [
+            _scheduler(cell, workers[cell * args.workers : (cell + 1) * args.workers], addresses, model, args)
+            for cell in range(args.cells)
+        ]
+        for scheduler in schedulers:
+            p = start(scheduler, run_dir, env)
+            addresses[scheduler.name] = wait_ready(scheduler, p, run_dir, deadline)
+            print(f"{scheduler.name:<12} ready on {addresses[scheduler.name]}  (pid {p.pid})", flush=True)
+            admin_port = json.loads(scheduler.paths(run_dir)[2].read_text()).get("admin_port", -1)
+            if admin_port >= 0:  # admin.v1: AddWorker, DrainWorker, ListWorkers (loopback by default)
+                addresses[scheduler.name.replace("scheduler", "admin")] = f"127.0.0.1:{admin_port}"
         if args.gateway_port >= 0:
+            targets = ",".join(addresses[s.name] for s in schedulers)
+            # Several cells: the gateway routes each request to one scheduler (gateway_svc/scheduler_pool.py).
+            front = ["--schedulers", targets] if args.cells > 1 else ["--scheduler", targets]
             gateway = Service(
                 "gateway",
                 "gateway_svc",
-                ["--scheduler", addresses["scheduler"], "--model-dir", model, *shlex.split(args.gateway_args)],
+                [*front, "--model-dir", model, *shlex.split(args.gateway_args)],
                 args.host,
                 args.gateway_port,
             )
             p = start(gateway, run_dir, env)
             addresses["gateway"] = wait_ready(gateway, p, run_dir, deadline)
-            print(f"{'gateway':<10} ready on http://{addresses['gateway']}  (pid {p.pid})", flush=True)
+            print(f"{'gateway':<12} ready on http://{addresses['gateway']}  (pid {p.pid})", flush=True)
     except KeyboardInterrupt:
         print("interrupted: stopping what was started", file=sys.stderr)
         stop_all(run_dir, quiet=True)
@@ -201,17 +200,20 @@ def up(args: argparse.Namespace) -> int:
         stop_all(run_dir, quiet=True)
         return 1
     (run_dir / "cluster.json").write_text(json.dumps(addresses, indent=2) + "\n")
-    target = addresses["scheduler"]
+    first = schedulers[0].name
+    target = addresses[first]
     lines = [
-        f"\npagedserve cluster up: {args.workers} worker(s), scheduler {target}"
+        f"\npagedserve cluster up: {args.cells} cell(s) of {args.workers} worker(s), "
+        + ", ".join(f"{s.name} {addresses[s.name]}" for s in schedulers)
         + (f", gateway http://{addresses['gateway']}" if "gateway" in addresses else ""),
         "",
         f"  stream a completion:  .venv/bin/python -m scheduler_svc.client --target {target} --max-tokens 16 "
         f'"The capital of France is"',
         f"  stats:                grpcurl -plaintext {target} serving.v1.Scheduler/Stats",
     ]
-    if "admin" in addresses:
-        lines.append(f"  workers (admin.v1):   grpcurl -plaintext {addresses['admin']} admin.v1.Admin/ListWorkers")
+    admin = first.replace("scheduler", "admin")
+    if admin in addresses:
+        lines.append(f"  workers (admin.v1):   grpcurl -plaintext {addresses[admin]} admin.v1.Admin/ListWorkers")
     if "gateway" in addresses:
         lines.append(
             f"  HTTP (OpenAI API):    curl http://{addresses['gateway']}/v1/completions "
@@ -221,6 +223,17 @@ def up(args: argparse.Namespace) -> int:
     lines += [f"  logs:                 {run_dir}/*.log", "  stop:                 make down", ""]
     print("\n".join(lines), flush=True)
     return 0
+
+
+def _scheduler(
+    cell: int, workers: list[Service], addresses: dict[str, str], model: str, args: argparse.Namespace
+) -> Service:
+    """Cell `cell`'s scheduler over its workers: `scheduler` when there is one cell,
+    else `scheduler-<cell>` on --port + 2 x cell (its admin.v1 takes the port after)."""
+    name = "scheduler" if args.cells == 1 else f"scheduler-{cell}"
+    port = args.port + 2 * cell if args.port else 0
+    flags = ["--model", model, "--workers", ",".join(addresses[w.name] for w in workers)]
+    return Service(name, "scheduler_svc", [*flags, *shlex.split(args.scheduler_args)], args.host, port)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -304,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     p_up = sub.add_parser("up", help="start workers, scheduler and gateway in the background")
     p_up.add_argument("--run-dir", default=argparse.SUPPRESS)
     p_up.add_argument("--model", required=True)
-    p_up.add_argument("--workers", type=int, default=2)
+    p_up.add_argument("--workers", type=int, default=2, help="workers per cell")
+    p_up.add_argument(
+        "--cells",
+        type=int,
+        default=1,
+        help="schedulers, each with its own --workers workers; with more than one the gateway fronts them all "
+        "(--schedulers)",
+    )
     p_up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p_up.add_argument("--port", type=int, default=50051, help="scheduler port")
     p_up.add_argument(
@@ -322,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         if args.workers < 1:
             parser.error("--workers: must be >= 1")
+        if args.cells < 1:
+            parser.error("--cells: must be >= 1")
         return up(args)
     run_dir = Path(args.run_dir).resolve()
     if args.command == "down":

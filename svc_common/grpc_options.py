@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-GrpcOptions = list[tuple[str, int]]
+GrpcOptions = list[tuple[str, int | str]]
 
 # Steps carry whole block tables and prefill chunks: 256 sequences x 4k tokens
 # is ~15 MB of packed ids, slots and tables, above gRPC's 4 MB default.
@@ -21,8 +21,13 @@ def message_limits(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> GrpcOptions:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def channel_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, fast_reconnect: bool = False) -> GrpcOptions:
-    return message_limits(max_message_mb) + (_FAST_RECONNECT if fast_reconnect else [])
+def channel_options(
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, fast_reconnect: bool = False, tls_server_name: str = ""
+) -> GrpcOptions:
+    """tls_server_name: the name the peer's certificate must carry when it differs from
+    the dialled host (a peer found through DNS is dialled by its IP address)."""
+    name: GrpcOptions = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+    return message_limits(max_message_mb) + (_FAST_RECONNECT if fast_reconnect else []) + name
 
 
 def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, reuse_port: bool = True) -> GrpcOptions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     configure_logging(config.log_format, config.log_level)
     from worker_svc.allocator import keep_freed_memory
+    from worker_svc.parallel.group import WorkerDown
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.worker import Worker
 
@@ -30,14 +32,23 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        server = serve(Worker(config), config)
-    except OSError as exc:  # cannot bind, unreadable certificate or model files
+        worker = Worker(config)
+        server = serve(worker, config)
+    except (OSError, WorkerDown) as exc:  # cannot bind, unreadable files, a tensor-parallel rank that failed
         log.error("start-up failed", error=str(exc))
         sys.exit(2)
+    if worker.parallel is not None:  # a tensor-parallel rank that dies takes this worker down
+        worker.parallel.on_failure(stop.set)
     stop.wait()
+    if worker.parallel is not None and worker.parallel.failed:
+        server.not_serving()
+        server.shutdown(0.5)  # the step in flight has failed with UNAVAILABLE; nothing else can run
+        log.error("worker down", reason=worker.parallel.failed)
+        os._exit(1)  # a rank may be stuck in a collective: do not wait for it
     log.info("worker stopping", drain_timeout_s=config.drain_timeout_s)
     # The step in flight finishes (its result reaches the scheduler); new calls are refused.
     server.shutdown(config.drain_timeout_s)
+    worker.close()
     log.info("worker stopped")
 
 

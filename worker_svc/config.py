@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.tls import file_checks, pair_check
+from worker_svc.parallel.layout import layout_problem
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "int8")
@@ -42,6 +45,12 @@ class WorkerConfig:
         },
     )
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "split the model over this many ranks (torch.distributed: NCCL on cuda, each rank the next GPU after --device; gloo on cpu): attention heads, MLP columns and each KV block's heads are divided, the scheduler sees one worker"
+        },
+    )
     attention_backend: str = field(
         default="auto", metadata={"help": "auto = triton on CUDA, torch on CPU", "choices": ("auto", "torch", "triton")}
     )
@@ -98,6 +107,8 @@ class WorkerConfig:
             (self.num_threads >= 0, "--num-threads", ">= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device", "cpu, cuda or cuda:N"),
             (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
+            (self.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1"),
+            self._tensor_parallel_check(),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),
             *file_checks(
@@ -107,3 +118,19 @@ class WorkerConfig:
         for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
+
+    def _tensor_parallel_check(self) -> tuple[bool, str, str]:
+        """The model's heads and MLP width must split over the ranks (read from its config.json)."""
+        path = Path(self.model) / "config.json"
+        if self.tensor_parallel_size <= 1 or not path.is_file():
+            return True, "", ""
+        cfg = json.loads(path.read_text())
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg.get("num_attention_heads", 1))
+        problem = layout_problem(
+            heads,
+            int(cfg.get("num_key_value_heads") or heads),
+            int(cfg.get("intermediate_size", 0)),
+            self.tensor_parallel_size,
+        )
+        return problem is None, "--tensor-parallel-size", problem or ""

@@ -4,8 +4,10 @@ plain data."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -19,10 +21,12 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
+from worker_svc.parallel.group import WorkerDown
 from worker_svc.step_input import InvalidStep, Penalties, Sampling, SeqInput, StaleStep, StepArrays, StepInput
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -61,7 +65,7 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
             _sampling(s.sampling, s.token_from_previous_step),
             s.return_logits,
             s.token_from_previous_step,
-            s.prompt_logprob_targets,
+            _plain(s.prompt_logprob_targets),
             s.prompt_top_logprobs,
         )
         for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)
@@ -75,7 +79,12 @@ def _sampling(sp: worker_pb2.SamplingParams, input_is_previous_sample: bool) -> 
     if sp.HasField("penalties"):
         p = sp.penalties
         penalties = Penalties(
-            p.presence, p.frequency, p.repetition, p.output_token_ids, p.prompt_token_ids, input_is_previous_sample
+            p.presence,
+            p.frequency,
+            p.repetition,
+            _plain(p.output_token_ids),
+            _plain(p.prompt_token_ids),
+            input_is_previous_sample,
         )
     return Sampling(
         sp.temperature,
@@ -83,11 +92,17 @@ def _sampling(sp: worker_pb2.SamplingParams, input_is_previous_sample: bool) -> 
         sp.top_k,
         sp.seed if sp.HasField("seed") else None,
         sp.top_logprobs,
-        sp.blocked_token_ids,
-        sp.logit_bias_token_ids,
-        sp.logit_bias_values,
+        _plain(sp.blocked_token_ids),
+        _plain(sp.logit_bias_token_ids),
+        _plain(sp.logit_bias_values),
         penalties,
     )
+
+
+def _plain(field: Sequence[T]) -> tuple[T, ...]:
+    """A repeated field as a tuple: the step stays plain data (a tensor-parallel
+    worker pickles it to its other ranks) and outlives the request message."""
+    return tuple(field) if field else ()
 
 
 def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
@@ -145,6 +160,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except StaleStep as exc:
             step_log.warning("step refused", error=str(exc))
             context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except WorkerDown as exc:  # a tensor-parallel rank is gone: the scheduler treats it as a dead worker
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker going down: {exc}")
         except Exception as exc:  # a bug must not take the worker down
             step_log.exception("step failed")
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
@@ -162,6 +179,11 @@ class WorkerServer:
         """Health NOT_SERVING, refuse new calls, let the step in flight finish (up to grace_s)."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+
+    def not_serving(self) -> None:
+        """Health NOT_SERVING at once (the worker is going down), calls still answered."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
@@ -185,6 +207,7 @@ def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
         tls=bool(credentials),
         mutual_tls=bool(config.tls_client_ca),
         **dataclasses.asdict(worker.info),
+        **({"rank_pids": worker.parallel.pids} if worker.parallel else {}),
     )
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.tls_client_ca:
         log.warning(

@@ -18,7 +18,9 @@ from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from worker_svc.kv_cache import KVCachePool, PagedKVCache, make_kv_cache
 from worker_svc.model_runner import ModelRunner, StepOutput
-from worker_svc.models import DecoderModel
+from worker_svc.models import DecoderModel, load_spec
+from worker_svc.parallel.group import TensorParallelGroup
+from worker_svc.parallel.sampling import SamplingRank
 from worker_svc.sampler import Sampler
 from worker_svc.step_input import Limits, StaleStep, StepInput, validate
 
@@ -92,6 +94,8 @@ class WorkerInfo:
     kv_dtype_requested: str  # --kv-dtype as configured; kv_dtype is what it resolved to
     kv_layout: str = "paged"  # contiguous: num_blocks = slots, block_size = max_seq_len
     max_batch: int = 0  # contiguous: slots (sequences at once); paged: 0, no limit
+    tensor_parallel_size: int = 1
+    kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
 
 
 def kv_budget_bytes(requested: int, free: int, reserved: int) -> int:
@@ -101,21 +105,40 @@ def kv_budget_bytes(requested: int, free: int, reserved: int) -> int:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, graph_backend: GraphBackend | None = None):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        graph_backend: GraphBackend | None = None,
+        parallel: TensorParallelGroup | None = None,
+    ):
         """graph_backend: how decode graphs are captured; None = CUDA graphs on a CUDA
-        device with the Triton backend, none elsewhere. --enforce-eager: none at all."""
+        device with the Triton backend, none elsewhere. --enforce-eager: none at all.
+        `parallel`: this process's rank of a tensor-parallel worker (ranks 1..N-1 pass
+        theirs, worker_svc/parallel/rank.py); with --tensor-parallel-size > 1 and none
+        given, this process is rank 0 and starts the others."""
         self.config = config
-        self.device = torch.device(config.device)
-        if config.num_threads:
+        if config.num_threads and config.tensor_parallel_size == 1:  # ranks share them out: parallel/group.py
             torch.set_num_threads(config.num_threads)
+        if parallel is None and config.tensor_parallel_size > 1:
+            parallel = TensorParallelGroup.launch(config)
+        self.parallel = parallel
+        self.device = parallel.device if parallel else torch.device(config.device)
         dtype = TORCH_DTYPES[config.dtype]
-        self.model = DecoderModel.load(config.model, dtype, self.device)
-        spec = self.model.spec
+        if parallel:  # this rank's heads, MLP columns and vocabulary slice
+            self.model = parallel.load_model(config.model, dtype)
+        else:
+            self.model = DecoderModel.load(config.model, dtype, self.device)
+        spec = self.model.spec  # this rank's head counts
+        ranks = parallel.size if parallel else 1
+        whole = load_spec(config.model) if parallel else spec
         kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         self.backend = resolve_backend(config.attention_backend, self.device)
         ops = load_ops(self.backend)
-        graph_backend = None if config.enforce_eager else graph_backend or self._cuda_graph_backend()
+        # A tensor-parallel forward needs every rank in its collectives: no graphs, no
+        # rank-0-only warm-up (its first request compiles what it needs).
+        eager = config.enforce_eager or parallel is not None
+        graph_backend = None if eager else graph_backend or self._cuda_graph_backend()
         # Paged: blocks of --block-size tokens. Contiguous: slots of max_len tokens,
         # one per sequence; the same [layers, ids, kv_heads, tokens, head_dim] tensor.
         contiguous = config.kv_layout == "contiguous"
@@ -136,11 +159,12 @@ class Worker:
             kv_dtype,
             self.device,
         )
+        sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
             self.model,
             self.cache,
             ops,
-            Sampler(None if config.seed < 0 else config.seed),
+            SamplingRank(sampler, parallel) if parallel else sampler,
             prefill_route(config.prefill_attention, self.device, self.backend),
         )
         self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout)
@@ -148,8 +172,8 @@ class Worker:
             model_name=Path(config.model).resolve().name,
             model_type=spec.model_type,
             num_layers=spec.num_layers,
-            num_q_heads=spec.num_q_heads,
-            num_kv_heads=spec.num_kv_heads,
+            num_q_heads=whole.num_q_heads,
+            num_kv_heads=whole.num_kv_heads,
             head_dim=spec.head_dim,
             vocab_size=spec.vocab_size,
             max_model_len=max_len,
@@ -159,23 +183,27 @@ class Worker:
             dtype=config.dtype,
             device=_describe(self.device),
             instance_id=uuid.uuid4().hex,
-            kv_bytes_per_block=self.cache.block_bytes,
+            kv_bytes_per_block=self.cache.block_bytes * ranks,
             sliding_window=spec.sliding_window,
             attention_backend=self.backend,
-            kv_bytes_per_token=self.cache.block_bytes // tokens_per_id,
-            kv_scale_bytes_per_block=self.cache.scale_block_bytes,
+            kv_bytes_per_token=self.cache.block_bytes * ranks // tokens_per_id,
+            kv_scale_bytes_per_block=self.cache.scale_block_bytes * ranks,
             kv_dtype_requested=config.kv_dtype,
             kv_layout=config.kv_layout,
             max_batch=num_ids if contiguous else 0,
+            tensor_parallel_size=ranks,
+            kv_bytes_per_block_per_rank=self.cache.block_bytes,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs (a CPU worker without graphs has nothing to compile).
-        if graph_backend is not None or self.device.type == "cuda":
+        if parallel is None and (graph_backend is not None or self.device.type == "cuda"):
             self._warm_up(graph_backend, table_width, num_ids)
         # One step at a time (steps mutate the shared cache), and a step planned
         # ahead only right after the step it names.
         self._step_done = threading.Condition()
         self._last_step: tuple[int, bool] | None = None  # (step id, succeeded) of the step run last
+        if parallel is not None and parallel.rank == 0:
+            parallel.wait_ready()  # every rank holds its shard and its part of the cache
 
     def _cuda_graph_backend(self) -> GraphBackend | None:
         if self.device.type != "cuda":
@@ -261,12 +289,17 @@ class Worker:
                 self._await_previous(step.previous_step_id)
             ok = False
             try:
-                out = self.runner.execute(step)
+                out = self.parallel.execute(self.runner, step) if self.parallel else self.runner.execute(step)
                 ok = True
                 return out
             finally:
                 self._last_step = (step.step_id, ok)
                 self._step_done.notify_all()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
+        if self.parallel is not None and self.parallel.rank == 0:
+            self.parallel.close()
 
     def _await_previous(self, previous: int) -> None:
         ran = lambda: self._last_step is not None and self._last_step[0] == previous

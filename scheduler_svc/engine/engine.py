@@ -1,8 +1,8 @@
 """The scheduler's engine: one EngineCore per worker, request routing
 (scheduler_svc/engine/router.py), stats, moving a lost worker's requests to the others
 (handover), workers joining and leaving at run time (add_worker, drain_worker:
-the admin.v1 service, scheduler_svc/api/admin.py), and draining for a graceful
-shutdown."""
+the admin.v1 service, scheduler_svc/api/admin.py, and DNS discovery,
+engine/discovery.py), and draining for a graceful shutdown."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import structlog
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.core import CoreOptions, EngineCore
+from scheduler_svc.engine.discovery import first_workers
 from scheduler_svc.engine.errors import (
     LastWorker,
     StartupError,
@@ -39,6 +40,7 @@ from scheduler_svc.planning.planner import Planner, QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request
 from scheduler_svc.text.tokenizer import ModelTokenizer
+from svc_common.targets import Resolver, resolve_dns
 from svc_common.tls import channel_credentials
 
 log = structlog.get_logger(__name__)
@@ -116,16 +118,36 @@ class Engine:
 
     @classmethod
     async def connect(
-        cls, config: SchedulerConfig, tokenizer: ModelTokenizer, hooks: EngineHooks = EngineHooks()
+        cls,
+        config: SchedulerConfig,
+        tokenizer: ModelTokenizer,
+        hooks: EngineHooks = EngineHooks(),
+        resolver: Resolver = resolve_dns,
     ) -> Engine:
-        clients = [_worker_client(a, config) for a in config.worker_addresses]
-        infos = await asyncio.gather(*(_first_info(c, config.connect_timeout_s) for c in clients))
+        """Connect to the fixed workers of --workers (each must answer within
+        connect_timeout_s); with dns:/// entries only, to the first of their workers
+        that answer (engine/discovery.py, which adds the others later)."""
+        targets = config.worker_targets
+        fixed = [t.address for t in targets if not t.dns]
+
+        async def open_worker(address: str, tls_server_name: str, timeout_s: float) -> tuple[WorkerClient, WorkerInfo]:
+            client = _worker_client(address, config, tls_server_name)
+            try:
+                return client, await _first_info(client, timeout_s)
+            except BaseException:
+                await client.close()
+                raise
+
+        if fixed:
+            workers = await asyncio.gather(*(open_worker(a, "", config.connect_timeout_s) for a in fixed))
+        else:
+            workers = await first_workers(
+                targets, resolver, open_worker, config.connect_timeout_s, config.worker_discovery_interval_s
+            )
+        infos = [info for _, info in workers]
         _check_compatible(infos, tokenizer)
         options = _core_options(config)
-        cores = [
-            EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks)
-            for c, info in zip(clients, infos)
-        ]
+        cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks) for c, info in workers]
         engine = cls(cores, tokenizer, cores[0].planner.max_len, config, hooks=hooks)
         for core in cores:
             core.start()
@@ -233,18 +255,19 @@ class Engine:
                 log.exception("abort failed", request_id=member_id)
 
     # ---- workers joining and leaving (admin.v1) -------------------------------
-    async def add_worker(self, address: str) -> WorkerStatus:
-        """Connect to a worker (Info, waiting up to connect_timeout_s for it to be ready),
-        check it serves what the others serve, start its core and route to it.
-        Raises WorkerExists, WorkerUnreachable, WorkerIncompatible."""
+    async def add_worker(self, address: str, tls_server_name: str = "", timeout_s: float | None = None) -> WorkerStatus:
+        """Connect to a worker (Info, waiting up to timeout_s, default connect_timeout_s,
+        for it to be ready), check it serves what the others serve, start its core and
+        route to it. tls_server_name: the name its certificate carries, when it is dialled
+        by IP (found through DNS). Raises WorkerExists, WorkerUnreachable, WorkerIncompatible."""
         if self._find(address) is not None or address in self._adding:
             raise WorkerExists(f"worker {address} is already known")
         self._adding.add(address)
         try:
-            client = _worker_client(address, self.config)
+            client = _worker_client(address, self.config, tls_server_name)
             try:
                 try:
-                    info = await _first_info(client, self.config.connect_timeout_s)
+                    info = await _first_info(client, timeout_s or self.config.connect_timeout_s)
                 except StartupError as exc:
                     raise WorkerUnreachable(str(exc)) from None
                 planner = self._check_new_worker(info)
@@ -467,9 +490,9 @@ def _core_options(config: SchedulerConfig) -> CoreOptions:
     )
 
 
-def _worker_client(address: str, config: SchedulerConfig) -> WorkerClient:
+def _worker_client(address: str, config: SchedulerConfig, tls_server_name: str = "") -> WorkerClient:
     credentials = channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
-    return WorkerClient(address, config.max_message_mb, credentials)
+    return WorkerClient(address, config.max_message_mb, credentials, tls_server_name if credentials else "")
 
 
 def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:

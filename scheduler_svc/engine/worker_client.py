@@ -142,9 +142,11 @@ class WorkerClient:
         address: str,
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         credentials: grpc.ChannelCredentials | None = None,
+        tls_server_name: str = "",
     ):
         # Fast reconnect: a restarted worker is noticed within a second, not gRPC's 120 s backoff.
-        options = channel_options(max_message_mb, fast_reconnect=True)
+        # tls_server_name: a worker found through DNS is dialled by IP; its certificate names the DNS name.
+        options = channel_options(max_message_mb, fast_reconnect=True, tls_server_name=tls_server_name)
         self.address = address
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(address, options=options)

@@ -8,6 +8,7 @@
 * ``recorder``: greedy streams in background threads, and waiting for conditions.
 * ``fake_worker``: a pure-Python stand-in for worker_svc over a simulated paged cache.
 * ``fake_worker_server``: that fake served over worker.v1 gRPC (no torch).
+* ``stub_dns``: a resolver answering what the test sets (DNS discovery without DNS).
 * ``planner_sim``: requests, a Planner stepped against the fake worker, the reference output.
 
 Nothing here imports torch at module level unless it needs it: the scheduler's

@@ -72,3 +72,13 @@ def test_down_and_status_with_nothing_running(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     assert cluster_ctl.main(["--run-dir", str(tmp_path / "run"), "status"]) == 1
     assert "nothing running" in capsys.readouterr().out
+
+
+def test_service_names_map_to_their_modules():
+    """Several cells name their schedulers scheduler-0, scheduler-1, ... (make cluster CELLS=N)."""
+    assert [cluster_ctl._module_of(n) for n in ("worker-12", "scheduler", "scheduler-1", "gateway")] == [
+        "worker_svc",
+        "scheduler_svc",
+        "scheduler_svc",
+        "gateway_svc",
+    ]

@@ -89,6 +89,27 @@ def test_topology_one_scheduler_two_workers_one_gateway(compose):
     assert gateway["depends_on"][sched_name]["condition"] == "service_healthy"
 
 
+def test_discovery_option_finds_every_worker_by_one_name(compose, monkeypatch):
+    """SCHEDULER_WORKERS=dns:///workers:PORT: the name is an alias of every worker on
+    the compose network, and the scheduler accepts it."""
+    ((name, scheduler),) = services_of(compose, "scheduler").items()
+    raw = yaml.safe_load(COMPOSE.read_text())["services"][name]["environment"]["PAGEDSERVE_SCHEDULER_WORKERS"]
+    assert raw.startswith("${SCHEDULER_WORKERS:-")  # the fixed list above is only the default
+    ports = set()
+    for worker in services_of(compose, "worker").values():
+        assert "workers" in worker["networks"]["default"]["aliases"]
+        ports.add(env_of(worker)["PAGEDSERVE_WORKER_PORT"])
+    (port,) = ports  # Docker's DNS gives addresses, not ports: every worker listens on the same one
+    for key in [k for k in os.environ if k.startswith("PAGEDSERVE_SCHEDULER")]:
+        monkeypatch.delenv(key)
+    env = {**env_of(scheduler), "PAGEDSERVE_SCHEDULER_WORKERS": f"dns:///workers:{port}"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(REPO / DEFAULT_MODEL) if value == MODEL_MOUNT else value)
+    config = parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER", name, [])
+    assert [str(t) for t in config.worker_targets] == [f"dns:///workers:{port}"]
+    assert config.worker_discovery_interval_s == 5
+
+
 def test_workers_reserve_distinct_gpus(compose):
     gpus = []
     for name, worker in services_of(compose, "worker").items():
@@ -97,6 +118,9 @@ def test_workers_reserve_distinct_gpus(compose):
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         gpus += devices[0]["device_ids"]
         assert env_of(worker)["PAGEDSERVE_WORKER_DEVICE"].startswith("cuda")
+        # One GPU per tensor-parallel rank (WORKER_TENSOR_PARALLEL_SIZE, 1 by default).
+        assert int(env_of(worker)["PAGEDSERVE_WORKER_TENSOR_PARALLEL_SIZE"]) == len(devices[0]["device_ids"])
+        assert worker["shm_size"]  # NCCL's shared memory between ranks
     assert len(gpus) == len(set(gpus)) == 2
     for name, service in compose["services"].items():
         if kind(name, service) != "worker":
@@ -249,6 +273,7 @@ SLIM_IMAGES = {
             "uvicorn": "uvicorn",
             "jinja2": "jinja2",
             "prometheus_client": "prometheus_client",
+            "tokenizers": "tokenizers",  # prefix routing over several schedulers
         },
     ),
 }

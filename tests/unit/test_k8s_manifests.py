@@ -41,7 +41,7 @@ CONFIGS = {
 }
 # Settings of features being built elsewhere, allowed in the manifests before their
 # config field exists (test_pending_settings_exist reports them as xfail until then).
-PENDING = {"scheduler": {"worker_discovery_interval_s"}}
+PENDING: dict[str, set[str]] = {}
 # Env vars that are not service settings, and why they may appear.
 OTHER_ENV = {
     "POD_NAMESPACE",  # downward API, for $(POD_NAMESPACE) in DNS names
@@ -59,7 +59,7 @@ HEALTH_SERVICES = {  # the grpc.health.v1 service names the services register
 EXPECTED_KINDS = {
     "StatefulSet": 1,
     "Deployment": 2,
-    "Service": 3,
+    "Service": 4,
     "PodDisruptionBudget": 2,
     "PersistentVolumeClaim": 1,
     "NetworkPolicy": 2,
@@ -265,12 +265,14 @@ def test_base_settings_parse_and_validate(component, monkeypatch, default_model)
         if name.startswith(prefix + "_"):
             value = value.replace("$(POD_NAMESPACE)", "default")
             monkeypatch.setenv(name, str(default_model) if value == MODEL_MOUNT else value)
-    if component == "scheduler" and "worker_discovery_interval_s" not in config_fields(component):
-        # dns:/// targets are validated by the discovery feature, not here yet
-        # (test_pending_settings_exist xfails meanwhile): check the other settings.
-        monkeypatch.setenv("PAGEDSERVE_SCHEDULER_WORKERS", "pagedserve-worker-0.pagedserve-worker:50061")
     config = parse_config(cls, prefix, component, [])
     assert config.host == "0.0.0.0" and str(config.port) == values[f"{prefix}_PORT"]
+    if component == "scheduler":  # the workers come from the headless Service's DNS records
+        assert [str(t) for t in config.worker_targets] == ["dns:///pagedserve-worker.default.svc.cluster.local:50061"]
+        assert all(t.dns for t in config.worker_targets)
+    if component == "gateway":  # and the schedulers from theirs
+        assert config.schedulers == "dns:///pagedserve-schedulers.default.svc.cluster.local:50051"
+        assert config.scheduler_routing == "prefix"  # validated: the model directory has tokenizer.json
 
 
 def test_pending_settings_exist():
@@ -337,10 +339,17 @@ def test_services_expose_the_configured_ports(overlay):
     assert env["PAGEDSERVE_SCHEDULER_ADMIN_HOST"] == "0.0.0.0"  # probed by the kubelet on the pod IP
 
     gateway = container(loads["gateway"])
-    assert (
-        env_values(gateway)["PAGEDSERVE_GATEWAY_SCHEDULER"]
-        == f"{svc['metadata']['name']}:{service_port(svc, 'grpc')['port']}"
+    # The gateway finds every scheduler through the headless Service (several cells: several).
+    pool = service(docs, "pagedserve-schedulers")
+    assert pool["spec"]["clusterIP"] == "None" and pool["spec"]["publishNotReadyAddresses"] is False
+    assert selects({"matchLabels": pool["spec"]["selector"]}, pod_labels["scheduler"])
+    port = service_port(pool, "grpc")
+    assert port["port"] == container_port(sched, port["targetPort"]) == int(env["PAGEDSERVE_SCHEDULER_PORT"])
+    gateway_env = env_values(gateway)
+    assert gateway_env["PAGEDSERVE_GATEWAY_SCHEDULERS"] == (
+        f"dns:///{pool['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{port['port']}"
     )
+    assert float(gateway_env["PAGEDSERVE_GATEWAY_SCHEDULER_DISCOVERY_INTERVAL_S"]) > 0
     gw_svc = service(docs, "pagedserve-gateway")
     assert selects({"matchLabels": gw_svc["spec"]["selector"]}, pod_labels["gateway"])
     assert container_port(gateway, service_port(gw_svc, "http")["targetPort"]) == int(
@@ -438,6 +447,10 @@ def test_images_gpus_model_volume_and_security_context():
         assert "/tmp" in mounts
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (1 if component == "worker" else None), component
+        if component == "worker":  # one GPU per tensor-parallel rank, and room in /dev/shm for NCCL
+            assert int(env_values(c)["PAGEDSERVE_WORKER_TENSOR_PARALLEL_SIZE"]) == gpus
+            (shm,) = [v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"]["name"]]
+            assert shm["emptyDir"]["medium"] == "Memory"
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
         model_setting = "MODEL_DIR" if component == "gateway" else "MODEL"
         assert env_values(c)[f"{CONFIGS[component][1]}_{model_setting}"] == MODEL_MOUNT

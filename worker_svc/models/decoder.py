@@ -6,6 +6,7 @@ decodes in one pass.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,9 +48,15 @@ class DecoderModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> "DecoderModel":
+    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+             transform: Callable[[ModelSpec, dict[str, torch.Tensor]], tuple[ModelSpec, dict[str, torch.Tensor]]]
+             | None = None) -> "DecoderModel":
+        """`transform`: applied to the checkpoint before it reaches the device (a
+        tensor-parallel rank keeps its slice, worker_svc/parallel/sharding.py)."""
         spec = load_spec(model_dir)
         tensors = _read_safetensors(Path(model_dir))
+        if transform is not None:
+            spec, tensors = transform(spec, tensors)
         return cls.from_tensors(spec, tensors, dtype, device)
 
     @classmethod

@@ -1,0 +1,66 @@
+"""One rank's slice of a checkpoint (Megatron's split, layout.py says which part).
+
+Column-parallel (output rows split): q/k/v and gate/up projections, each rank
+computing its heads and its MLP columns. Row-parallel (input columns split):
+o and down projections, whose partial outputs the ranks sum (one all-reduce
+each, layers.py). The output projection is split by vocabulary (the rank's
+logits slice, gathered on rank 0 for sampling). Norms, the embedding and
+everything else are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from worker_svc.models.spec import ModelSpec
+from worker_svc.parallel.layout import RankLayout
+
+
+def rank_layout(spec: ModelSpec, rank: int, size: int) -> RankLayout:
+    return RankLayout(rank, size, spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size)
+
+
+def shard_checkpoint(
+    spec: ModelSpec, tensors: dict[str, torch.Tensor], layout: RankLayout
+) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """The rank's spec (its head counts and MLP width; the output projection its
+    own, untied) and its tensors, sliced in place of the full ones."""
+    d = spec.head_dim
+    q = _rows(layout.q_heads, d)
+    kv = _rows(layout.kv_heads, d)
+    mlp = _rows(layout.mlp_columns, 1)
+    for i in range(spec.num_layers):
+        attn, ffn = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        tensors[attn + "q_proj.weight"] = tensors[attn + "q_proj.weight"][q]
+        tensors[attn + "k_proj.weight"] = tensors[attn + "k_proj.weight"][kv]
+        tensors[attn + "v_proj.weight"] = tensors[attn + "v_proj.weight"][kv]
+        tensors[attn + "o_proj.weight"] = tensors[attn + "o_proj.weight"][:, q].contiguous()
+        tensors[ffn + "gate_proj.weight"] = tensors[ffn + "gate_proj.weight"][mlp]
+        tensors[ffn + "up_proj.weight"] = tensors[ffn + "up_proj.weight"][mlp]
+        tensors[ffn + "down_proj.weight"] = tensors[ffn + "down_proj.weight"][:, mlp].contiguous()
+    tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors
+    head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    tensors["lm_head.weight"] = _vocab_slice(head, layout.vocab_rows)
+    local = dataclasses.replace(
+        spec,
+        num_q_heads=len(layout.q_heads),
+        num_kv_heads=len(layout.kv_heads),
+        intermediate_size=len(layout.mlp_columns),
+        tie_word_embeddings=False,
+    )
+    return local, tensors
+
+
+def _rows(units: range, width: int) -> slice:
+    return slice(units.start * width, units.stop * width)
+
+
+def _vocab_slice(weight: torch.Tensor, rows: range) -> torch.Tensor:
+    """Rows `rows` of the [vocab, hidden] projection; rows past the vocabulary are zeros."""
+    part = weight[rows.start : rows.stop]
+    missing = len(rows) - part.shape[0]
+    if missing:
+        part = torch.cat([part, part.new_zeros(missing, weight.shape[1])])
+    return part.clone()  # not a view: the full matrix can be freed
