@@ -46,6 +46,10 @@ forward-batch building), forward_ms, sample_ms; its request parsing
 (step_from_proto) and validation (step_input.validate) are timed here on the
 same bytes with the same code; RPC transport = RPC wall - worker total_ms -
 that parse+validate - the worker's reply encoding (also timed here).
+
+Part C, the ceiling: the same client and workload against bench/stream_ceiling.py,
+a serving.v1 stub that streams one-token messages with nothing behind it: what
+one Python gRPC server process can stream on this machine.
 """
 
 from __future__ import annotations
@@ -281,6 +285,21 @@ def run_once(stack: Stack, n: int, max_tokens: int, vocab: int) -> dict:
             (b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False) if s["tokens"] == s["seqs"]
         ],
     }
+
+
+def stream_ceiling(streams: list[int], max_tokens: int, vocab: int, repeats: int) -> dict[int, float]:
+    """Part C: output tok/s of the same client and workload against bench/stream_ceiling.py,
+    a serving.v1 stub that only streams (no scheduler, no worker)."""
+    stub = Service(REPO, "bench.stream_ceiling", []).start()
+    try:
+        asyncio.run(drive(stub.address, prompts_for(8, 8, vocab), 8))  # warm-up, as for the stacks
+        rates = {}
+        for n in streams:
+            runs = [asyncio.run(drive(stub.address, prompts_for(n, n, vocab), max_tokens)) for _ in range(repeats)]
+            rates[n] = mean(r["tokens"] / r["wall_s"] for r in runs)
+        return rates
+    finally:
+        stub.stop()
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -551,6 +570,7 @@ def main() -> None:
     stacks: list[Stack] = []
     e2e: dict[str, dict[int, dict]] = {"current": {}, "baseline": {}}
     parts: dict[int, dict] = {}
+    ceiling: dict[int, float] = {}
     try:
         current_root = REPO
         if current_rev:
@@ -581,6 +601,9 @@ def main() -> None:
         for stack in stacks[1:]:
             stack.stop()
         del stacks[1:]
+        ceiling = stream_ceiling(args.streams, args.max_tokens, vocab, args.repeats)
+        for n, rate in ceiling.items():
+            print(f"stub    N={n:5}: {rate:8.0f} tok/s (gRPC streaming alone)", flush=True)
         # Part B on the current worker process (idle now; prefix caching is off, so no stale block is read).
         batches = sorted({min(n, MAX_NUM_SEQS) for n in args.streams})
         parts = split_in(current_root, stacks[0].worker.address, model, batches, args)
@@ -612,6 +635,7 @@ def main() -> None:
         model,
         e2e,
         parts,
+        ceiling,
         baseline_rev,
         current_desc,
         load_before,
@@ -622,7 +646,7 @@ def main() -> None:
 
 
 def report(
-    args, model, e2e, parts, baseline_rev, current_desc, load_before, load_after, elapsed, current_rev=None
+    args, model, e2e, parts, ceiling, baseline_rev, current_desc, load_before, load_after, elapsed, current_rev=None
 ) -> None:
     cur, base = e2e["current"], e2e["baseline"]
     has_base = bool(base)
@@ -732,6 +756,10 @@ def report(
         ],
         rows_b,
     )
+    table_c = markdown_table(
+        ["streams N", "stub tok/s (gRPC streaming only)", "current tok/s", "current / stub"],
+        [[n, fmt(ceiling[n], 0), fmt(cur[n]["tok_s"], 0), f"{cur[n]['tok_s'] / ceiling[n]:.2f}"] for n in ceiling],
+    )
     shown_model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
     quick = " (**--quick smoke test**: fewer streams and tokens)" if args.quick else ""
     tables = (
@@ -745,7 +773,9 @@ def report(
         )
         + f"{table_a}\n\nPer decode step, from the scheduler's step log lines:\n\n{table_x}\n\n"
         + f"### B. Where a decode step's time goes (current revision, in process + real worker; means of "
-        f"{args.split_steps} decode steps of the whole batch)\n\n{table_b}\n"
+        f"{args.split_steps} decode steps of the whole batch)\n\n{table_b}\n\n"
+        + "### C. The ceiling: the same client against a serving.v1 stub that only streams\n\n"
+        + f"{table_c}\n"
     )
     notes = (
         f"Current = {current_desc}"
@@ -784,7 +814,11 @@ def report(
         f"StepResponse.FromString + result_from_proto + Planner.update; output streaming = RequestStream.on_update per "
         f"update (EngineCore._dispatch) + event_to_proto + SerializeToString per event (the Generate handler's part; "
         f"gRPC's own write of each message on the asyncio loop is not in B, it is in part A's period). "
-        f"'not forward/sampling' = share of the step total spent outside the model.\n\n"
+        f"'not forward/sampling' = share of the step total spent outside the model. Part C: the same client, "
+        f"prompts and max_tokens against `bench/stream_ceiling.py`, a serving.v1 stub in its own process whose "
+        f"Generate yields max_tokens one-token messages as fast as gRPC takes them (no scheduler, worker or "
+        f"tokenizer): what one Python gRPC server streams to this client on this machine, the most the loop could "
+        f"deliver with one message per token.\n\n"
         f"1-minute load average {load_before:.2f} before, {load_after:.2f} after (the machine is shared: other "
         f"engineers' tests may have been running). Run time {elapsed:.0f} s."
     )
