@@ -21,7 +21,7 @@ from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import ServiceProcess
+from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.recorder import Recorder, join, wait_for
 
 MODEL = tiny_checkpoint("llama")
@@ -42,14 +42,8 @@ def reference():
 @pytest.fixture(scope="module")
 def workers():
     """Three worker processes, started side by side; each test's scheduler uses some."""
-    procs = [ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(3)]
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(ServiceProcess.start, procs))
+    with running([ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(3)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @contextlib.contextmanager

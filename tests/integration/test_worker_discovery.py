@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,7 +30,7 @@ from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import ServiceProcess
+from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.stub_dns import StubDns
 
 MODEL = tiny_checkpoint("llama")
@@ -46,14 +45,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def workers():
-    procs = [ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(2)]
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(ServiceProcess.start, procs))
+    with running([ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(2)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @dataclass
