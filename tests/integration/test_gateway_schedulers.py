@@ -10,14 +10,12 @@ import random
 
 import httpx
 import pytest
-import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
 
 from gateway_svc.prefix_routing import HashRing, PrefixKeys
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess, running
 
 MODEL = tiny_checkpoint("llama")
@@ -27,7 +25,7 @@ SYSTEM_TOKENS = 48  # three full blocks: the part requests of one group share
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.logprob_reference import LOGPROB_ATOL, load_model, position_logprobs, reference_greedy
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.logprob_reference import LOGPROB_ATOL, position_logprobs, reference_greedy
 from tests.helpers.procs import Cluster
 
 WAIT_S = 60.0

@@ -14,13 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.recorder import Recorder, join, wait_for
 
@@ -36,7 +34,7 @@ SERVING, DRAINING, REMOVED = (
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")

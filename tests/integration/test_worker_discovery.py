@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from proto import admin_pb2, admin_pb2_grpc, serving_pb2, serving_pb2_grpc
 from scheduler_svc.api.server import start_server
@@ -29,7 +27,7 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.stub_dns import StubDns
 
@@ -40,7 +38,7 @@ TARGET = "dns:///workers.test:50061"
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")
