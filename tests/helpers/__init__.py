@@ -14,6 +14,7 @@
 * ``aio_generate``: a serving.v1 Generate from asyncio tests, read to its end.
 * ``stub_dns``: a resolver answering what the test sets (DNS discovery without DNS).
 * ``planner_sim``: requests, a Planner stepped against the fake worker, the reference output.
+* ``host_copies``: the sampling path's device-to-host copies, counted.
 
 Nothing here imports torch at module level unless it needs it: the scheduler's
 no-torch test loads ``fake_worker_server`` in an interpreter that must stay torch-free.
