@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks (beside bench/common.py): plots, percentiles,
-process memory, worker Info, prompt text, progress bars, timed token streams and the
-4-prompt routing workload. Not a benchmark itself (bench/run_all.py knows it is a helper)."""
+process memory, worker Info, prompt text, transformers' static batch, progress bars,
+timed token streams and the 4-prompt routing workload. Not a benchmark itself (bench/run_all.py knows it is a helper)."""
 
 from __future__ import annotations
 
@@ -137,6 +137,35 @@ def word_prompts(n: int, min_words: int = 20, max_words: int = 120, seed: int = 
 
 def random_token_ids(n: int, rng: random.Random, low: int = 100, high: int = 40000) -> list[int]:
     return [rng.randrange(low, high) for _ in range(n)]
+
+
+# ---- transformers' static batch ----------------------------------------------------
+def left_padded(prompts: list[list[int]], pad_id: int, device: str | None = None):
+    """The prompts as one batch for transformers' generate, padded on the left (each
+    row's prompt ends in the last column): input ids and attention mask."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return input_ids, attention_mask
+
+
+def generate_exactly(model, input_ids, attention_mask, max_tokens: int, pad_id: int):
+    """transformers' greedy generate, exactly max_tokens new tokens a row (no early
+    stop at EOS): the new tokens, [rows, max_tokens]."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return out[:, input_ids.shape[1] :]
 
 
 # ---- timed token streams ---------------------------------------------------------
