@@ -56,7 +56,16 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_util import DEFAULT_MODEL, TimedStream, fmt, percentile, pyplot, save_plot
+from bench.bench_util import (
+    DEFAULT_MODEL,
+    TimedStream,
+    fmt,
+    generate_exactly,
+    left_padded,
+    percentile,
+    pyplot,
+    save_plot,
+)
 from bench.common import markdown_table, write_result
 from svc_common.processes import REPO
 
@@ -435,20 +444,10 @@ def transformers_generate(model: Path, streams: list[int], max_tokens: int) -> d
     rates = {}
     for n in [1, *streams]:  # the first (1) warms up
         prompts = prompts_for(n, hf.config.vocab_size, seed=n)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        ids, mask = left_padded(prompts, pad, device="cuda")
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.inference_mode():
-            new = hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-            )[:, width:]
+        new = generate_exactly(hf, ids, mask, max_tokens, pad)
         torch.cuda.synchronize()
         rates[n] = new.numel() / (time.perf_counter() - start)
         print(f"transformers generate {n}: {rates[n]:.0f} tok/s", flush=True)

@@ -39,7 +39,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.bench_util import DEFAULT_MODEL, load_average, progress, pyplot, require_model, save_plot, word_prompts
+from bench.bench_util import (
+    DEFAULT_MODEL,
+    generate_exactly,
+    left_padded,
+    load_average,
+    progress,
+    pyplot,
+    require_model,
+    save_plot,
+    word_prompts,
+)
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
 from svc_common.processes import Cluster
@@ -74,25 +84,10 @@ def run_system(target: str, prompts: list[list[int]], max_tokens: int) -> tuple[
 def run_transformers(
     model, pad_id: int, prompts: list[list[int]], max_tokens: int, thread: ThreadPoolExecutor
 ) -> tuple[float, list[list[int]]]:
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-
-    def generate():
-        with torch.inference_mode():
-            return model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-
+    input_ids, attention_mask = left_padded(prompts, pad_id)
     start = time.perf_counter()
-    out = thread.submit(generate).result()
+    new = thread.submit(generate_exactly, model, input_ids, attention_mask, max_tokens, pad_id).result()
     elapsed = time.perf_counter() - start
-    new = out[:, width:]
     if new.shape[1] != max_tokens:
         raise RuntimeError(f"transformers returned {new.shape[1]} tokens, expected {max_tokens}")
     return elapsed, new.tolist()

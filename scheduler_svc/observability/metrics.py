@@ -35,71 +35,6 @@ if TYPE_CHECKING:
     from scheduler_svc.engine.worker_client import StepResult
     from scheduler_svc.planning.planner import StepPlan
 
-_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
-_E2E_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards and SLO queries apply as they are.
 _VLLM_TTFT_BUCKETS = (
     0.001,
@@ -169,8 +104,59 @@ _VLLM_E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
+_LATENCY_BUCKETS = tuple(b for b in _VLLM_TTFT_BUCKETS if b <= 80.0)  # time to first token
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_E2E_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+
+def _histogram(registry: CollectorRegistry, name: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+    """A histogram documented by names.py (ours or vLLM's)."""
+    documentation = METRIC_NAMES[name] if name in METRIC_NAMES else VLLM_METRIC_NAMES[name]
+    return Histogram(name, documentation, labels, buckets=buckets, registry=registry)
 
 
 class SchedulerMetrics:
@@ -181,60 +167,21 @@ class SchedulerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.clock = clock
         r = self.registry
-        self.ttft = Histogram(
-            "pagedserve_time_to_first_token_seconds",
-            METRIC_NAMES["pagedserve_time_to_first_token_seconds"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pagedserve_inter_token_latency_seconds",
-            METRIC_NAMES["pagedserve_inter_token_latency_seconds"],
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "pagedserve_e2e_request_latency_seconds",
-            METRIC_NAMES["pagedserve_e2e_request_latency_seconds"],
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        )
+        self.ttft = _histogram(r, "pagedserve_time_to_first_token_seconds", _LATENCY_BUCKETS)
+        self.itl = _histogram(r, "pagedserve_inter_token_latency_seconds", _ITL_BUCKETS)
+        self.e2e = _histogram(r, "pagedserve_e2e_request_latency_seconds", _E2E_BUCKETS)
         self.finished = Counter(
             "pagedserve_requests_finished",
             METRIC_NAMES["pagedserve_requests_finished_total"],
             ["finish_reason"],
             registry=r,
         )
-        self.step = Histogram(
-            "pagedserve_step_duration_seconds",
-            METRIC_NAMES["pagedserve_step_duration_seconds"],
-            ["worker"],
-            buckets=_STEP_BUCKETS,
-            registry=r,
-        )
-        self.step_tokens = Histogram(
-            "pagedserve_step_tokens",
-            METRIC_NAMES["pagedserve_step_tokens"],
-            ["worker"],
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.prefill_chunk = Histogram(
-            "pagedserve_prefill_chunk_duration_seconds",
-            METRIC_NAMES["pagedserve_prefill_chunk_duration_seconds"],
-            ["worker"],
-            buckets=_STEP_BUCKETS,
-            registry=r,
-        )
-        self.forward = Histogram(
-            "pagedserve_worker_forward_duration_seconds",
-            METRIC_NAMES["pagedserve_worker_forward_duration_seconds"],
-            ["worker"],
-            buckets=_STEP_BUCKETS,
-            registry=r,
-        )
+        self.step = _histogram(r, "pagedserve_step_duration_seconds", _STEP_BUCKETS, "worker")
+        self.step_tokens = _histogram(r, "pagedserve_step_tokens", _TOKEN_BUCKETS, "worker")
+        self.prefill_chunk = _histogram(r, "pagedserve_prefill_chunk_duration_seconds", _STEP_BUCKETS, "worker")
+        self.forward = _histogram(r, "pagedserve_worker_forward_duration_seconds", _STEP_BUCKETS, "worker")
         self.vllm_histograms = {
-            name: Histogram(name, VLLM_METRIC_NAMES[name], ["model_name"], buckets=buckets, registry=r)
+            name: _histogram(r, name, buckets, "model_name")
             for name, buckets in (
                 ("vllm:time_to_first_token_seconds", _VLLM_TTFT_BUCKETS),
                 ("vllm:inter_token_latency_seconds", _VLLM_ITL_BUCKETS),

@@ -1,11 +1,20 @@
-"""Checking a running scheduler + worker cluster: transformers' greedy output as
-the reference, and the scheduler's stats once it has gone idle."""
+"""Checking a running scheduler + worker cluster: transformers' model and its greedy
+output as the reference, and the scheduler's stats once it has gone idle."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from scheduler_svc.client import SchedulerClient
+
+
+def load_model(model_dir: Path):
+    """transformers' float32 model of the checkpoint, in eval mode: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:

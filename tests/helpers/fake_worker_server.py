@@ -3,6 +3,7 @@ tests run real gRPC without a model."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from types import SimpleNamespace
 
@@ -58,3 +59,15 @@ async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grp
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}", servicer
+
+
+def slow_down_steps(monkeypatch, delay_s: float) -> None:
+    """Every fake Step takes delay_s more (for this test), so requests are still
+    running when the test changes something under them."""
+    step = FakeWorkerServicer.Step
+
+    async def slow(self, request, context):
+        await asyncio.sleep(delay_s)
+        return await step(self, request, context)
+
+    monkeypatch.setattr(FakeWorkerServicer, "Step", slow)

@@ -5,16 +5,8 @@ and the penalties written out with plain torch (vLLM's order and formulas)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 LOGPROB_ATOL = 1e-3  # fp32 worker vs fp32 transformers
-
-
-def load_model(model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def position_logprobs(model, token_ids: list[int]):

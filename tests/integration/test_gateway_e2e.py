@@ -19,8 +19,6 @@ import httpx
 import openai
 import pytest
 
-from scheduler_svc.client import SchedulerClient
-from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import wait_idle
 from tests.helpers.procs import Cluster
 
@@ -29,11 +27,7 @@ WAIT_S = 30.0  # upper bound on any single request or wait in this file
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 IGNORE_EOS = {"ignore_eos": True}  # random weights: make output lengths deterministic
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_checkpoint("llama")
+pytestmark = pytest.mark.usefixtures("no_leak")  # after every test: idle, no block in use
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +39,9 @@ def cluster(model_dir):
 
 
 @pytest.fixture(scope="module")
-def grpc_client(cluster):
-    with SchedulerClient(cluster.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(cluster):
-    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def http(cluster):
     with httpx.Client(base_url=cluster.gateway_url, timeout=WAIT_S) as client:
         yield client
-
-
-@pytest.fixture(autouse=True)
-def no_leak(grpc_client):
-    yield
-    stats = wait_idle(grpc_client)
-    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0), stats
 
 
 def chat_prompt(model_dir, messages) -> str:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from scheduler_svc.client import SchedulerClient
-from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.logprob_reference import LOGPROB_ATOL, load_model, position_logprobs, reference_greedy
+from tests.helpers.cluster import hf_greedy
+from tests.helpers.logprob_reference import LOGPROB_ATOL, position_logprobs, reference_greedy
 from tests.helpers.procs import Cluster
 
 WAIT_S = 60.0
@@ -18,16 +16,7 @@ PROMPT_IDS = [(37 * i + 11) % 700 + 4 for i in range(30)]
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_model(model_dir)
+pytestmark = pytest.mark.usefixtures("no_leak")  # after every test: idle, no block in use
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +33,6 @@ def cluster(model_dir):
         model_dir, ["--dtype", "float32", "--num-blocks", "96"], ["--max-model-len", "256"], gateway=True
     ) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster):
-    with SchedulerClient(cluster.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(cluster):
-    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
-    yield client
-    client.close()
-
-
-@pytest.fixture(autouse=True)
-def no_leak(grpc_client):
-    yield
-    stats = wait_idle(grpc_client)
-    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0), stats
 
 
 def prompt_ids(grpc_client, prompt: str) -> list[int]:

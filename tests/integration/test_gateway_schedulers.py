@@ -7,19 +7,16 @@ with one scheduler stopped every request is still served by the other."""
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
 
 from gateway_svc.prefix_routing import HashRing, PrefixKeys
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import ServiceProcess
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.procs import ServiceProcess, running
 
 MODEL = tiny_checkpoint("llama")
 WORKER_ARGS = ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "256"]
@@ -28,37 +25,35 @@ SYSTEM_TOKENS = 48  # three full blocks: the part requests of one group share
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")
 def cells():
     """Two cells (a worker and its scheduler) and a gateway over both schedulers."""
-    workers = [ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(2)]
     schedulers: list[ServiceProcess] = []
     gateway = None
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(ServiceProcess.start, workers))
-        for w in workers:
-            args = ["--model", str(MODEL), "--workers", w.address, "--admin-port", "-1"]
-            schedulers.append(ServiceProcess("scheduler_svc", args).start())
-        gateway = ServiceProcess(
-            "gateway_svc",
-            [
-                "--schedulers",
-                ",".join(s.address for s in schedulers),
-                "--model-dir",
-                str(MODEL),
-                "--scheduler-health-interval-s",
-                "0.2",
-            ],
-        ).start()
-        yield schedulers, gateway
-    finally:
-        for p in (gateway, *schedulers, *workers):
-            if p is not None:
-                p.stop()
+    with running([ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(2)]) as workers:
+        try:
+            for w in workers:
+                args = ["--model", str(MODEL), "--workers", w.address, "--admin-port", "-1"]
+                schedulers.append(ServiceProcess("scheduler_svc", args).start())
+            gateway = ServiceProcess(
+                "gateway_svc",
+                [
+                    "--schedulers",
+                    ",".join(s.address for s in schedulers),
+                    "--model-dir",
+                    str(MODEL),
+                    "--scheduler-health-interval-s",
+                    "0.2",
+                ],
+            ).start()
+            yield schedulers, gateway
+        finally:
+            for p in (gateway, *schedulers):
+                if p is not None:
+                    p.stop()
 
 
 def finished(scheduler: ServiceProcess) -> int:

@@ -8,8 +8,6 @@ one the test computes from the tokens it sent and got back."""
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 import msgpack
 import pytest
@@ -20,17 +18,11 @@ from scheduler_svc.client import SchedulerClient
 from scheduler_svc.kv.block_pool import hash_block_tokens, hash_extra_keys
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import wait_idle
-from tests.helpers.procs import Cluster
+from tests.helpers.procs import Cluster, free_port
 
 BS = 16
 NUM_BLOCKS = 8
 WAIT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

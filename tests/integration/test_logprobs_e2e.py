@@ -12,9 +12,8 @@ import grpc
 import pytest
 
 from scheduler_svc.client import SchedulerClient
-from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.logprob_reference import LOGPROB_ATOL, load_model, position_logprobs, reference_greedy
+from tests.helpers.logprob_reference import LOGPROB_ATOL, position_logprobs, reference_greedy
 from tests.helpers.procs import Cluster
 
 WAIT_S = 60.0
@@ -24,16 +23,6 @@ CLUSTERS = {
     "one-shot, overlapped": [],
     "chunks of 8, strict": ["--chunk-size", "8", "--no-async-scheduling"],
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_model(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import ServiceProcess
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.recorder import Recorder, join, wait_for
 
 MODEL = tiny_checkpoint("llama")
@@ -36,20 +34,14 @@ SERVING, DRAINING, REMOVED = (
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")
 def workers():
     """Three worker processes, started side by side; each test's scheduler uses some."""
-    procs = [ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(3)]
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(ServiceProcess.start, procs))
+    with running([ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(3)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @contextlib.contextmanager

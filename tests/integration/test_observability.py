@@ -7,7 +7,6 @@ renders a frame."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -21,16 +20,10 @@ from scheduler_svc.client import SchedulerClient
 from scheduler_svc.observability.names import METRIC_NAMES
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import wait_idle
-from tests.helpers.procs import REPO, Cluster
+from tests.helpers.procs import REPO, Cluster, free_port
 
 NUM_BLOCKS = 64
 NUM_REQUESTS = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ import time
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import AutoModelForCausalLM
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess
 from tests.helpers.recorder import Recorder, join, wait_for
 from tests.helpers.worker_client import seq_step
@@ -31,7 +29,7 @@ WORKER_ARGS = ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "409
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from proto import admin_pb2, admin_pb2_grpc, serving_pb2, serving_pb2_grpc
 from scheduler_svc.api.server import start_server
@@ -30,8 +27,8 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import ServiceProcess
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.stub_dns import StubDns
 
 MODEL = tiny_checkpoint("llama")
@@ -41,19 +38,13 @@ TARGET = "dns:///workers.test:50061"
 
 @pytest.fixture(scope="module")
 def reference():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return load_model(MODEL)
 
 
 @pytest.fixture(scope="module")
 def workers():
-    procs = [ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(2)]
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(ServiceProcess.start, procs))
+    with running([ServiceProcess("worker_svc", WORKER_ARGS) for _ in range(2)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @dataclass

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from proto import serving_pb2, serving_pb2_grpc
+from proto import serving_pb2_grpc
 from scheduler_svc.api.server import start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.core import EngineCore
@@ -19,21 +19,16 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
+from tests.helpers.aio_generate import generate
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.fake_worker_server import FakeWorkerServicer, start_fake_worker
+from tests.helpers.fake_worker_server import slow_down_steps, start_fake_worker
 
 STEP_DELAY_S = 0.005
 
 
 @pytest.fixture(autouse=True)
 def slow_steps(monkeypatch):
-    step = FakeWorkerServicer.Step
-
-    async def slow(self, request, context):
-        await asyncio.sleep(STEP_DELAY_S)
-        return await step(self, request, context)
-
-    monkeypatch.setattr(FakeWorkerServicer, "Step", slow)
+    slow_down_steps(monkeypatch, STEP_DELAY_S)
 
 
 def run(scenario, num_workers: int = 2, **config):
@@ -67,18 +62,6 @@ def run(scenario, num_workers: int = 2, **config):
         engine.audit()
 
     asyncio.run(asyncio.wait_for(main(), 120))
-
-
-async def generate(stub, ids: list[int], max_tokens: int) -> serving_pb2.GenerateResponse:
-    replies = [
-        r
-        async for r in stub.Generate(
-            serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True),
-            timeout=30,
-        )
-    ]
-    assert replies[-1].finished
-    return replies[-1]
 
 
 def test_drain_while_running_finishes_its_requests_and_removes_it():

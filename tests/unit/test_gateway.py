@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.server import GatewayServer
 from proto import serving_pb2, serving_pb2_grpc
-from tests.helpers.procs import REPO, ServiceProcess
+from tests.helpers.procs import REPO, ServiceProcess, free_port
 
 MODEL_NAME = "tiny-chat-model"
 # A small template in tokenizer_config.json that uses bos/eos and raise_exception.
@@ -173,12 +172,6 @@ def gateway(fake_scheduler, model_dir):
 def http(gateway):
     with httpx.Client(base_url=gateway, timeout=WAIT_S) as client:
         yield client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict:

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from tests.helpers.host_copies import record_host_copies
 from worker_svc.sampler import Sampler, add_noise, hash32_
 from worker_svc.step_input import Sampling
 
@@ -88,16 +89,7 @@ def test_empirical_distribution_matches_softmax(temperature):
 
 
 def test_one_packed_host_copy(monkeypatch):
-    copies = []
-    original = torch.Tensor.cpu
-
-    def counting_cpu(self, *args, **kwargs):
-        copies.append(tuple(self.shape))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist on the sampling path"))
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("item on the sampling path"))
+    copies = record_host_copies(monkeypatch)
     params = [Sampling(), Sampling(1.0, seed=1), Sampling(0.9, top_k=3, top_p=0.8)]
     Sampler(0)(_logits(3), params, [0, 1, 2])
     assert copies == [(3, 2)]

@@ -6,9 +6,9 @@ everything still reaches the host in one copy."""
 import dataclasses
 
 import numpy as np
-import pytest
 import torch
 
+from tests.helpers.host_copies import record_host_copies
 from worker_svc.logits_processing import apply_penalties_
 from worker_svc.prompt_logprobs import PromptRows
 from worker_svc.sampler import PromptScoring, Sampler
@@ -190,16 +190,7 @@ def test_prompt_scoring_without_samples():
 
 
 def test_still_one_host_copy_with_processing_and_logprobs(monkeypatch):
-    copies = []
-    original = torch.Tensor.cpu
-
-    def counting_cpu(self, *args, **kwargs):
-        copies.append(tuple(self.shape))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist on the sampling path"))
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("item on the sampling path"))
+    copies = record_host_copies(monkeypatch)
     params = [dataclass_replace(PROCESSED[4], top_logprobs=4), Sampling(1.0, seed=1, top_logprobs=2), PROCESSED[5]]
     logits = _logits(5)
     packed = Sampler(0).sample_packed(

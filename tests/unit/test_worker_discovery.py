@@ -12,7 +12,7 @@ import asyncio
 import grpc
 import pytest
 
-from proto import serving_pb2, serving_pb2_grpc, worker_pb2_grpc
+from proto import serving_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.api.server import start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.discovery import WorkerDiscovery
@@ -21,8 +21,9 @@ from scheduler_svc.engine.errors import StartupError
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.targets import Resolution, Target, format_address, parse_targets, resolve_dns, resolve_targets
+from tests.helpers.aio_generate import generate
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.fake_worker_server import FakeWorkerServicer, start_fake_worker
+from tests.helpers.fake_worker_server import FakeWorkerServicer, slow_down_steps, start_fake_worker
 from tests.helpers.stub_dns import StubDns
 
 NAME = "workers.test"
@@ -95,13 +96,7 @@ STEP_DELAY_S = 0.005
 @pytest.fixture(autouse=True)
 def slow_steps(monkeypatch):
     """Each fake step takes a little time, so requests are still running when the answer changes."""
-    step = FakeWorkerServicer.Step
-
-    async def slow(self, request, context):
-        await asyncio.sleep(STEP_DELAY_S)
-        return await step(self, request, context)
-
-    monkeypatch.setattr(FakeWorkerServicer, "Step", slow)
+    slow_down_steps(monkeypatch, STEP_DELAY_S)
 
 
 def run(scenario, workers: str = TARGET, num_fake: int = 3, answer: int = 1, **config):
@@ -130,18 +125,6 @@ def run(scenario, workers: str = TARGET, num_fake: int = 3, answer: int = 1, **c
         engine.audit()
 
     asyncio.run(asyncio.wait_for(main(), 120))
-
-
-async def generate(stub, ids: list[int], max_tokens: int) -> serving_pb2.GenerateResponse:
-    replies = [
-        r
-        async for r in stub.Generate(
-            serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True),
-            timeout=30,
-        )
-    ]
-    assert replies[-1].finished
-    return replies[-1]
 
 
 def states(engine) -> dict[str, WorkerState]:
