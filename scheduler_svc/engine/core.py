@@ -17,6 +17,7 @@ restarted worker is noticed before the next request is routed to it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -282,16 +283,17 @@ class EngineCore:
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
-        step_log.debug(
-            "step",
-            seqs=len(plan.seqs),
-            tokens=plan.num_tokens,
-            forward_ms=round(result.forward_ms, 2),
-            step_ms=round(self.counters.last_step_ms, 2),
-            preempted=plan.preempted,
-            planned_ahead=plan.previous_step_id is not None,
-            request_ids=[s.request_id for s in plan.seqs],
-        )
+        if step_log.is_enabled_for(logging.DEBUG):  # its request id list costs a 256-sequence step ~0.1 ms
+            step_log.debug(
+                "step",
+                seqs=len(plan.seqs),
+                tokens=plan.num_tokens,
+                forward_ms=round(result.forward_ms, 2),
+                step_ms=round(self.counters.last_step_ms, 2),
+                preempted=plan.preempted,
+                planned_ahead=plan.previous_step_id is not None,
+                request_ids=[s.request_id for s in plan.seqs],
+            )
         self._dispatch(updates)
         return True
 

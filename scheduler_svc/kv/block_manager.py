@@ -215,8 +215,12 @@ class KVCacheManager:
         front). Returns the newly allocated ids ([] if the last block has room),
         or None -- with nothing changed -- if the free queue is too short.
         """
-        needed = self.num_new_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         shared_partial = self._shared_partial_block(request) if not new_computed_blocks else None
+        if not new_computed_blocks and shared_partial is None and self._table_has_room(request, num_new_tokens):
+            # Most decode steps: the last block has room and is the request's own.
+            self._num_table_tokens[request.request_id] = request.num_computed_tokens + num_new_tokens
+            return []
+        needed = self.num_new_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         # A hit sitting in the free queue stops being free once shared.
         hits_leaving_free_queue = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
         if needed + (shared_partial is not None) > self.pool.num_free_blocks - hits_leaving_free_queue:
@@ -237,6 +241,10 @@ class KVCacheManager:
             request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         )
         return new_blocks
+
+    def _table_has_room(self, request: Request, num_new_tokens: int) -> bool:
+        table = self.tables.get(request.request_id)
+        return table is not None and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
 
     def _shared_partial_block(self, request: Request) -> int | None:
         """Index in the table of the partly filled block the next token goes

@@ -1,51 +1,50 @@
 """Incremental detokenization with stop strings.
 
 Tokens arrive one at a time; text is released only when it is final:
-* a byte-level BPE token can end mid UTF-8 character, so text that ends in the
-  replacement character is held until the next token completes it;
+* a byte-level BPE token can end mid UTF-8 character: the tokenizers library's
+  DecodeStream holds such bytes until a later token completes the character
+  (one Rust call per token, seeded with the prompt's last tokens so that the
+  first output token decodes in context, e.g. its leading space);
 * the last `max(len(stop)) - 1` characters are held back while a stop string
   could still be completing, because stop strings are not part of the output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from tokenizers.decoders import DecodeStream
 
 from scheduler_svc.text.tokenizer import ModelTokenizer
 
-# Decoding restarts a few tokens back so byte-level pieces have their context.
+# The prompt's last tokens seed the stream so that byte-level pieces have their context.
 _CONTEXT_TOKENS = 5
-_REPLACEMENT = "\ufffd"
 
 
 @dataclass
 class IncrementalDetokenizer:
     tokenizer: ModelTokenizer
+    stream: DecodeStream
     stop: tuple[str, ...] = ()
-    ids: list[int] = field(default_factory=list)
     text: str = ""  # all decoded text so far, stop string excluded
     emitted: int = 0  # characters of `text` already released
     stopped: bool = False
-    _prefix_offset: int = 0
-    _read_offset: int = 0
 
     @classmethod
     def for_prompt(
         cls, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: tuple[str, ...]
     ) -> IncrementalDetokenizer:
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
-        return cls(tokenizer, tuple(s for s in stop if s), context, _prefix_offset=0, _read_offset=len(context))
+        stream = DecodeStream(context, skip_special_tokens=True)
+        return cls(tokenizer, stream, tuple(s for s in stop if s))
 
     def add(self, token_id: int) -> str:
         """Append one token; returns newly final text (may be empty)."""
         if self.stopped:
             return ""
-        self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self.tokenizer.decode(self.ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self.text += full[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        piece = self.stream.step(self.tokenizer.tokenizer, token_id)
+        if piece:
+            self.text += piece
             self._check_stop()
         return self._release()
 

@@ -42,3 +42,36 @@ def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer):
     pieces, detok = stream(tokenizer, "sun and sand", stop=["sandwich"])
     assert not detok.stopped
     assert "".join(pieces) == tokenizer.decode(tokenizer.encode("sun and sand"))
+
+
+def _windowed_text(tokenizer, context: list[int], ids: list[int]) -> str:
+    """The text a two-window incremental decoder releases (vLLM's classic scheme):
+    decode [prefix, read) and [prefix, end), keep the difference once it does not
+    end in U+FFFD. The streaming detokenizer must release the same text."""
+    all_ids, prefix, read, text = list(context), 0, len(context), ""
+    for token in ids:
+        all_ids.append(token)
+        before = tokenizer.decode(all_ids[prefix:read])
+        full = tokenizer.decode(all_ids[prefix:])
+        if len(full) > len(before) and not full.endswith("\ufffd"):
+            text += full[len(before) :]
+            prefix, read = read, len(all_ids)
+    return text
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_ids_release_what_windowed_decoding_releases(seed):
+    """The default model's byte-level vocabulary, random ids (lone UTF-8 lead and
+    continuation bytes, special tokens included) after a random prompt."""
+    import random
+
+    from tests.helpers.checkpoints import DEFAULT_MODEL
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    rng = random.Random(seed)
+    vocab = tokenizer.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+    ids = [rng.randrange(vocab) if rng.random() < 0.7 else rng.randrange(40) for _ in range(60)]
+    detok = IncrementalDetokenizer.for_prompt(tokenizer, prompt, ())
+    released = "".join(detok.add(t) for t in ids)
+    assert released == _windowed_text(tokenizer, prompt[-5:], ids)
