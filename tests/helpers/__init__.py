@@ -2,7 +2,8 @@
 
 * ``checkpoints``: the tiny checkpoint families and the default model's path.
 * ``procs``: worker, scheduler and gateway processes (svc_common.processes).
-* ``worker_client``: worker.v1 steps built by hand, logits decoded.
+* ``worker_client``: worker.v1 steps described per sequence, laid out as columns and read
+  back; replies' sampled columns read per sequence, logits decoded.
 * ``worker_under_test``: a worker process beside the transformers model it serves.
 * ``cluster``: transformers' greedy reference; waiting for a scheduler to go idle.
 * ``recorder``: greedy streams in background threads, and waiting for conditions.
