@@ -424,7 +424,7 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             t["w_validate"] = _ms(start)
             out = StepOutput(
                 reply.step_id,
-                [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
+                [SampledToken(seq_id, token, logprob) for seq_id, (token, logprob) in result.sampled.items()],
                 reply.num_tokens,
                 {"total_ms": timings.total_ms},
             )

@@ -186,7 +186,7 @@ class Harness:
         t["worker_validate"] = _ms(start)
         if inproc_first is False:
             t["inproc"] = self._inproc(plan)
-        t["worker_reply"] = self._reply_cost(reply)
+        t["worker_reply"] = self._reply_cost(reply, result.sampled)
         t["bytes"] = len(payload)
         t["seqs"], t["tokens"] = len(plan.seqs), plan.num_tokens
         return t
@@ -230,12 +230,12 @@ class Harness:
         return _ms(start)
 
     @staticmethod
-    def _reply_cost(reply: worker_pb2.StepResponse) -> float:
+    def _reply_cost(reply: worker_pb2.StepResponse, sampled: dict[int, tuple[int, float]]) -> float:
         from worker_svc.model_runner import SampledToken, StepOutput
 
         out = StepOutput(
             reply.step_id,
-            [SampledToken(s.seq_id, s.token_id, s.logprob) for s in reply.sampled],
+            [SampledToken(seq_id, token, logprob) for seq_id, (token, logprob) in sampled.items()],
             reply.num_tokens,
             {"total_ms": reply.timings.total_ms},
         )

@@ -64,6 +64,12 @@ BENCHMARKS = [
     Benchmark("routing", ("--seeds", "2"), "prefix-aware routing vs round-robin, two workers", plot=False),
     Benchmark("scheduler_routing", ("--seeds", "2"), "gateway over two schedulers: prefix-aware vs random", plot=False),
     Benchmark(
+        "step_wire",
+        ("--repeats", "100"),
+        "worker.v1 Step conversion + (de)serialization per step, both sides, vs the baseline revision",
+        plot=False,
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",

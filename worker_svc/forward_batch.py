@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker_svc.step_input import InvalidStep, SeqInput, StepArrays, StepInput, ranges
+from worker_svc.step_input import InvalidStep, SeqInput, StepArrays, StepInput, ranges, row_field
 
 if TYPE_CHECKING:
     from worker_svc.model_runner import LastSamples
@@ -295,6 +295,7 @@ def check_references(step: StepInput, previous: LastSamples | None) -> None:
             continue
         if previous is None or previous.step_id != step.previous_step_id or seq.seq_id not in previous.rows:
             raise InvalidStep(
-                f"seqs[{i}].token_from_previous_step",
-                f"seq_id {seq.seq_id} sampled nothing in step {step.previous_step_id}",
+                row_field("flags", i),
+                f"SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP: seq_id {seq.seq_id} sampled nothing in step "
+                f"{step.previous_step_id}",
             )

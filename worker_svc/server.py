@@ -22,7 +22,16 @@ from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import StepOutput
 from worker_svc.parallel.group import WorkerDown
-from worker_svc.step_input import InvalidStep, Penalties, Sampling, SeqInput, StaleStep, StepArrays, StepInput
+from worker_svc.step_input import (
+    InvalidStep,
+    Penalties,
+    Sampling,
+    SeqInput,
+    StaleStep,
+    StepArrays,
+    StepInput,
+    check_columns,
+)
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -30,54 +39,99 @@ T = TypeVar("T")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
+# Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
+_PER_ROW = ("start_pos", "num_tokens", "table_lens", "flags", "temperature", "top_p", "top_k", "seeds")
+_KNOWN_FLAGS = sum(worker_pb2.SeqFlag.values())  # the bits are distinct powers of two
+_SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
+_FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
+_RETURN_LOGITS = worker_pb2.SEQ_FLAG_RETURN_LOGITS
+_SEEDED = worker_pb2.SEQ_FLAG_SEEDED
+
+
 def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
-    """The step's numbers go straight into flat arrays (one extend per field per
-    sequence, then one numpy array each); each SeqInput views its slices."""
-    tokens: list[int] = []
-    slots: list[int] = []
-    tables: list[int] = []
-    seq_lens, slot_lens, table_lens, starts = [], [], [], []
-    for s in req.seqs:
-        tokens.extend(s.token_ids)
-        slots.extend(s.slot_mapping)
-        tables.extend(s.block_table)
-        seq_lens.append(len(s.token_ids))
-        slot_lens.append(len(s.slot_mapping))
-        table_lens.append(len(s.block_table))
-        starts.append(s.start_pos)
-    i64 = lambda values: np.array(values, dtype=np.int64)
-    arrays = StepArrays(
-        i64(tokens), i64(seq_lens), i64(starts), i64(slots), i64(slot_lens), i64(tables), i64(table_lens)
+    """One numpy array per column (numpy copies a packed repeated field in one
+    go), their shapes checked before any is sliced; each SeqInput views its
+    row's slices. Rows without extras share their Sampling."""
+    c = req.seqs
+    i64 = lambda column: np.array(column, dtype=np.int64)
+    num_tokens, table_lens, flags = i64(c.num_tokens), i64(c.table_lens), i64(c.flags)
+    token_ids, slot_mapping, block_tables = i64(c.token_ids), i64(c.slot_mapping), i64(c.block_tables)
+    check_columns(
+        len(c.seq_ids),
+        {name: len(getattr(c, name)) for name in _PER_ROW},
+        {
+            "token_ids": (len(token_ids), "num_tokens", num_tokens),
+            "slot_mapping": (len(slot_mapping), "num_tokens", num_tokens),
+            "block_tables": (len(block_tables), "table_lens", table_lens),
+        },
+        flags,
+        _KNOWN_FLAGS,
+        c.extras.keys(),
     )
-    views = zip(
-        np.split(arrays.token_ids, np.cumsum(arrays.seq_lens)[:-1]),
-        np.split(arrays.block_tables, np.cumsum(arrays.table_lens)[:-1]),
-        np.split(arrays.slot_mapping, np.cumsum(arrays.slot_lens)[:-1]),
-    )
+    arrays = StepArrays(token_ids, num_tokens, i64(c.start_pos), slot_mapping, num_tokens, block_tables, table_lens)
+    extras = dict(c.extras.items())
+    token_bounds = _bounds(num_tokens)
+    bit = lambda flag: ((flags & flag) != 0).tolist()
     seqs = [
-        SeqInput(
-            s.seq_id,
-            token_ids,
-            s.start_pos,
-            table,
-            slot_mapping,
-            s.sample,
-            _sampling(s.sampling, s.token_from_previous_step),
-            s.return_logits,
-            s.token_from_previous_step,
-            _plain(s.prompt_logprob_targets),
-            s.prompt_top_logprobs,
+        SeqInput(seq_id, tokens, start, table, slots, sample, sampling, return_logits, from_previous)
+        for seq_id, tokens, start, table, slots, sample, sampling, return_logits, from_previous in zip(
+            c.seq_ids,
+            _slices(token_ids, token_bounds),
+            arrays.start_pos.tolist(),
+            _slices(block_tables, _bounds(table_lens)),
+            _slices(slot_mapping, token_bounds),
+            bit(_SAMPLE),
+            _samplings(c, flags, extras),
+            bit(_RETURN_LOGITS),
+            bit(_FROM_PREVIOUS),
         )
-        for s, (token_ids, table, slot_mapping) in zip(req.seqs, views)
     ]
+    for row, more in extras.items():
+        seqs[row].prompt_logprob_targets = _plain(more.prompt_logprob_targets)
+        seqs[row].prompt_top_logprobs = more.prompt_top_logprobs
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
-    return StepInput(req.step_id, [(c.src, c.dst) for c in req.copies], seqs, arrays, previous)
+    return StepInput(req.step_id, [(copy.src, copy.dst) for copy in req.copies], seqs, arrays, previous)
 
 
-def _sampling(sp: worker_pb2.SamplingParams, input_is_previous_sample: bool) -> Sampling:
+def _bounds(lens: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each row's slice of a flat column."""
+    ends = np.cumsum(lens)
+    return list(zip((ends - lens).tolist(), ends.tolist()))
+
+
+def _slices(flat: np.ndarray, bounds: list[tuple[int, int]]) -> list[np.ndarray]:
+    return [flat[start:end] for start, end in bounds]
+
+
+def _samplings(c: worker_pb2.SeqColumns, flags: np.ndarray, extras: dict[int, worker_pb2.SeqExtras]) -> list[Sampling]:
+    """Each row's Sampling: equal plain rows share one; a row with extras gets its own."""
+    seeds = np.array(c.seeds, dtype=np.uint64).tolist()
+    keys = list(
+        zip(
+            np.array(c.temperature, dtype=np.float32).tolist(),
+            np.array(c.top_p, dtype=np.float32).tolist(),
+            np.array(c.top_k, dtype=np.int64).tolist(),
+            [seed if seeded else None for seed, seeded in zip(seeds, ((flags & _SEEDED) != 0).tolist())],
+        )
+    )
+    plain = {key: Sampling(*key) for key in set(keys)}
+    out = [plain[key] for key in keys]
+    for row, more in extras.items():
+        out[row] = _sampling(*keys[row], more, bool(flags[row] & _FROM_PREVIOUS))
+    return out
+
+
+def _sampling(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    extras: worker_pb2.SeqExtras,
+    input_is_previous_sample: bool,
+) -> Sampling:
     penalties = None
-    if sp.HasField("penalties"):
-        p = sp.penalties
+    if extras.HasField("penalties"):
+        p = extras.penalties
         penalties = Penalties(
             p.presence,
             p.frequency,
@@ -87,14 +141,14 @@ def _sampling(sp: worker_pb2.SamplingParams, input_is_previous_sample: bool) -> 
             input_is_previous_sample,
         )
     return Sampling(
-        sp.temperature,
-        sp.top_p,
-        sp.top_k,
-        sp.seed if sp.HasField("seed") else None,
-        sp.top_logprobs,
-        _plain(sp.blocked_token_ids),
-        _plain(sp.logit_bias_token_ids),
-        _plain(sp.logit_bias_values),
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        extras.top_logprobs,
+        _plain(extras.blocked_token_ids),
+        _plain(extras.logit_bias_token_ids),
+        _plain(extras.logit_bias_values),
         penalties,
     )
 
@@ -106,17 +160,21 @@ def _plain(field: Sequence[T]) -> tuple[T, ...]:
 
 
 def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
-    sampled = [
-        worker_pb2.SampledToken(
-            seq_id=t.seq_id,
-            token_id=t.token_id,
-            logprob=t.logprob,
-            logits=t.logits.float().numpy().astype("<f4").tobytes() if t.logits is not None else b"",
-            top_token_ids=t.top_token_ids,
-            top_logprobs=t.top_logprobs,
-        )
-        for t in out.sampled
-    ]
+    """The samples as columns; logits rows only for the rows that asked."""
+    tokens = out.sampled
+    sampled = worker_pb2.SampledColumns(
+        seq_ids=[t.seq_id for t in tokens],
+        token_ids=[t.token_id for t in tokens],
+        logprobs=[t.logprob for t in tokens],
+        top_counts=[len(t.top_token_ids) for t in tokens],
+        top_token_ids=[i for t in tokens for i in t.top_token_ids],
+        top_logprobs=[lp for t in tokens for lp in t.top_logprobs],
+        logits={
+            row: t.logits.float().numpy().astype("<f4").tobytes()
+            for row, t in enumerate(tokens)
+            if t.logits is not None
+        },
+    )
     prompt_logprobs = [
         worker_pb2.PromptLogprobs(
             seq_id=p.seq_id,
@@ -165,7 +223,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:  # a bug must not take the worker down
             step_log.exception("step failed")
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
-        step_log.debug("step done", seqs=len(request.seqs), tokens=out.num_tokens, **out.timings_ms)
+        step_log.debug("step done", seqs=len(request.seqs.seq_ids), tokens=out.num_tokens, **out.timings_ms)
         return step_to_proto(out, self.worker.info.instance_id)
 
 

@@ -8,7 +8,7 @@ are a few numpy operations per step, not Python loops over tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,7 +75,7 @@ class StepArrays:
     seq_lens: np.ndarray  # [S] tokens per sequence
     start_pos: np.ndarray  # [S]
     slot_mapping: np.ndarray  # [sum(slot_lens)]
-    slot_lens: np.ndarray  # [S] (validated to equal seq_lens)
+    slot_lens: np.ndarray  # [S] (validated to equal seq_lens; from the wire they are seq_lens)
     block_tables: np.ndarray  # [sum(table_lens)]
     table_lens: np.ndarray  # [S]
 
@@ -157,6 +157,35 @@ def _flat(parts: Sequence[Sequence[int]]) -> np.ndarray:
     return np.array(flat, dtype=np.int64)
 
 
+def row_field(column: str, row: int) -> str:
+    """How an error names a row of a column (or of its flat slice): `seqs.token_ids[row 3]`."""
+    return f"seqs.{column}[row {row}]"
+
+
+def check_columns(
+    rows: int,
+    per_row: Mapping[str, int],
+    flat: Mapping[str, tuple[int, str, np.ndarray]],
+    flags: np.ndarray,
+    known_flags: int,
+    extras_rows: Iterable[int],
+) -> None:
+    """The wire's columns agree before any is read: every per-row column has one
+    entry per row (`per_row`: column -> entries), every flat column as many as
+    its counts sum to (`flat`: column -> (entries, counts column, counts)), no
+    row sets an unknown flag, and extras name existing rows."""
+    for name, entries in per_row.items():
+        if entries != rows:
+            raise InvalidStep(f"seqs.{name}", f"{entries} entries for {rows} rows (one per seqs.seq_ids entry)")
+    for name, (entries, counts_name, counts) in flat.items():
+        if entries != (total := int(counts.sum())):
+            raise InvalidStep(f"seqs.{name}", f"{entries} entries, but the rows' seqs.{counts_name} sum to {total}")
+    if (i := _first(flags & ~known_flags)) is not None:
+        raise InvalidStep(row_field("flags", i), f"unknown bits {int(flags[i]) & ~known_flags:#x}")
+    if stray := sorted(row for row in extras_rows if row >= rows):
+        raise InvalidStep(f"seqs.extras[row {stray[0]}]", f"no such row ({rows} rows)")
+
+
 def validate(step: StepInput, limits: Limits) -> None:
     if not step.seqs and not step.copies:
         raise InvalidStep("seqs", "a step needs at least one sequence or block copy")
@@ -195,56 +224,57 @@ def _validate_seqs(step: StepInput, limits: Limits) -> None:
         seen: set[int] = set()
         for i, seq_id in enumerate(ids):
             if seq_id in seen:
-                raise InvalidStep(f"seqs[{i}].seq_id", f"seq_id {seq_id} appears twice in one step")
+                raise InvalidStep(row_field("seq_ids", i), f"seq_id {seq_id} appears twice in one step")
             seen.add(seq_id)
     if (i := _first(a.seq_lens == 0)) is not None:
-        raise InvalidStep(f"seqs[{i}].token_ids", "empty")
+        raise InvalidStep(row_field("token_ids", i), "empty (num_tokens 0)")
     if (i := _first(a.start_pos < 0)) is not None:
-        raise InvalidStep(f"seqs[{i}].start_pos", f"negative ({a.start_pos[i]})")
+        raise InvalidStep(row_field("start_pos", i), f"negative ({a.start_pos[i]})")
     context = a.context_lens
     if (i := _first(context > limits.max_model_len)) is not None:
         raise InvalidStep(
-            f"seqs[{i}].start_pos",
-            f"start_pos + len(token_ids) = {context[i]} exceeds max model length {limits.max_model_len}",
+            row_field("start_pos", i),
+            f"start_pos + num_tokens = {context[i]} exceeds max model length {limits.max_model_len}",
         )
     if (t := _first((a.token_ids < 0) | (a.token_ids >= limits.vocab_size))) is not None:
         raise InvalidStep(
-            f"seqs[{_seq_of(t, a.seq_lens)}].token_ids",
+            row_field("token_ids", _seq_of(t, a.seq_lens)),
             f"token id {a.token_ids[t]} outside the vocabulary [0, {limits.vocab_size})",
         )
     _validate_tables(a, context, limits)
     if (i := _first(a.slot_lens != a.seq_lens)) is not None:
-        raise InvalidStep(f"seqs[{i}].slot_mapping", f"{a.slot_lens[i]} slots for {a.seq_lens[i]} tokens")
+        raise InvalidStep(row_field("slot_mapping", i), f"{a.slot_lens[i]} slots for {a.seq_lens[i]} tokens")
     _validate_slots(a, limits.block_size)
     for i, seq in enumerate(step.seqs):
         s = seq.sampling
-        if seq.sample and (s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0):
-            raise InvalidStep(f"seqs[{i}].sampling", "need temperature >= 0, top_p in [0, 1], top_k >= 0")
+        if seq.sample and not (s.temperature >= 0 and 0 <= s.top_p <= 1 and s.top_k >= 0):
+            _reject_sampling(i, s)
         if seq.sample and (s.top_logprobs or s.processes_logits):
-            _validate_logit_processing(f"seqs[{i}].sampling", s, limits.vocab_size)
+            _validate_logit_processing(row_field("extras", i), s, limits.vocab_size)
         if len(seq.prompt_logprob_targets) or seq.prompt_top_logprobs:
-            _validate_prompt_logprobs(f"seqs[{i}]", seq, limits.vocab_size)
+            _validate_prompt_logprobs(i, seq, limits.vocab_size)
         if seq.token_from_previous_step and (len(seq.token_ids) != 1 or step.previous_step_id is None):
             raise InvalidStep(
-                f"seqs[{i}].token_from_previous_step",
-                "needs exactly one (placeholder) token and the step's previous_step_id",
+                row_field("flags", i),
+                "SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP needs exactly one (placeholder) token and the step's "
+                "previous_step_id",
             )
 
 
 def _validate_tables(a: StepArrays, context: np.ndarray, limits: Limits) -> None:
     if limits.kv_layout == "contiguous" and (i := _first(a.table_lens != 1)) is not None:
         raise InvalidStep(
-            f"seqs[{i}].block_table",
+            row_field("block_tables", i),
             f"a contiguous cache takes exactly one slot per sequence ([slot]), got {a.table_lens[i]} entries",
         )
     needed = -(-context // limits.block_size)
     if (i := _first(a.table_lens < needed)) is not None:
         raise InvalidStep(
-            f"seqs[{i}].block_table", f"{a.table_lens[i]} blocks cannot hold {context[i]} tokens (need {needed[i]})"
+            row_field("block_tables", i), f"{a.table_lens[i]} blocks cannot hold {context[i]} tokens (need {needed[i]})"
         )
     if (b := _first((a.block_tables < 0) | (a.block_tables >= limits.num_blocks))) is not None:
         raise InvalidStep(
-            f"seqs[{_seq_of(b, a.table_lens)}].block_table",
+            row_field("block_tables", _seq_of(b, a.table_lens)),
             f"block {a.block_tables[b]} outside [0, {limits.num_blocks})",
         )
 
@@ -259,8 +289,8 @@ def _validate_slots(a: StepArrays, block_size: int) -> None:
     expected = blocks * block_size + positions % block_size
     if (t := _first((a.slot_mapping >= 0) & (a.slot_mapping != expected))) is not None:
         raise InvalidStep(
-            f"seqs[{_seq_of(t, a.seq_lens)}].slot_mapping",
-            f"slot {a.slot_mapping[t]} for position {positions[t]} does not match block_table",
+            row_field("slot_mapping", _seq_of(t, a.seq_lens)),
+            f"slot {a.slot_mapping[t]} for position {positions[t]} does not match the block table",
         )
 
 
@@ -268,6 +298,14 @@ def _check_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
     values = np.asarray(ids, dtype=np.int64)
     if values.size and (values.min() < 0 or values.max() >= vocab_size):
         raise InvalidStep(field_name, f"token ids must be in the vocabulary [0, {vocab_size})")
+
+
+def _reject_sampling(row: int, s: Sampling) -> None:
+    if not s.temperature >= 0:
+        raise InvalidStep(row_field("temperature", row), f"must be >= 0, got {s.temperature}")
+    if not 0 <= s.top_p <= 1:
+        raise InvalidStep(row_field("top_p", row), f"must be in [0, 1], got {s.top_p}")
+    raise InvalidStep(row_field("top_k", row), f"must be >= 0, got {s.top_k}")
 
 
 def _validate_logit_processing(field_name: str, s: Sampling, vocab_size: int) -> None:
@@ -286,7 +324,8 @@ def _validate_logit_processing(field_name: str, s: Sampling, vocab_size: int) ->
     _check_ids(f"{field_name}.penalties.prompt_token_ids", p.prompt_token_ids, vocab_size)
 
 
-def _validate_prompt_logprobs(field_name: str, seq: SeqInput, vocab_size: int) -> None:
+def _validate_prompt_logprobs(row: int, seq: SeqInput, vocab_size: int) -> None:
+    field_name = row_field("extras", row)
     if len(seq.prompt_logprob_targets) > len(seq.token_ids):
         raise InvalidStep(
             f"{field_name}.prompt_logprob_targets",

@@ -53,41 +53,75 @@ class StepResult:
     logprobs: StepLogprobs = field(default_factory=StepLogprobs)  # alternatives, prompt logprobs
 
 
+_SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
+_FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
+_SEEDED = worker_pb2.SEQ_FLAG_SEEDED
+
+
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
-    seqs = [
-        worker_pb2.SequenceStep(
-            seq_id=s.seq_id,
-            token_ids=s.token_ids,
-            start_pos=s.start_pos,
-            block_table=s.block_table,
-            slot_mapping=s.slot_mapping,
-            sample=s.sample,
-            sampling=_sampling_to_proto(s),
-            token_from_previous_step=s.token_from_previous_step,
-            prompt_logprob_targets=s.prompt_logprob_targets,
-            prompt_top_logprobs=s.sampling.prompt_logprobs or 0,
-        )
-        for s in plan.seqs
-    ]
+    """The plan's sequences as worker.v1 columns: one list per column, extended
+    once per sequence, and a SeqExtras only for the rows that need one."""
+    seqs = plan.seqs
+    token_ids: list[int] = []
+    slot_mapping: list[int] = []
+    block_tables: list[int] = []
+    for s in seqs:
+        token_ids += s.token_ids
+        slot_mapping += s.slot_mapping
+        block_tables += s.block_table
+    options = [s.sampling for s in seqs]
+    columns = worker_pb2.SeqColumns(
+        seq_ids=[s.seq_id for s in seqs],
+        start_pos=[s.start_pos for s in seqs],
+        num_tokens=[len(s.token_ids) for s in seqs],
+        table_lens=[len(s.block_table) for s in seqs],
+        flags=[_flags(s) for s in seqs],
+        temperature=[o.temperature for o in options],
+        top_p=[o.top_p for o in options],
+        top_k=[o.top_k for o in options],
+        seeds=[o.seed or 0 for o in options],
+        token_ids=token_ids,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+    )
+    for row, s in enumerate(seqs):
+        if _has_extras(s):
+            _fill_extras(columns.extras[row], s)
     copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
     return worker_pb2.StepRequest(
-        step_id=plan.step_id, copies=copies, seqs=seqs, previous_step_id=plan.previous_step_id
+        step_id=plan.step_id, copies=copies, seqs=columns, previous_step_id=plan.previous_step_id
     )
 
 
-def _sampling_to_proto(s: ScheduledSeq) -> worker_pb2.SamplingParams:
+def _flags(s: ScheduledSeq) -> int:
+    return (
+        (_SAMPLE if s.sample else 0)
+        | (_FROM_PREVIOUS if s.token_from_previous_step else 0)
+        | (_SEEDED if s.sampling.seed is not None else 0)
+    )
+
+
+def _has_extras(s: ScheduledSeq) -> bool:
     o = s.sampling
-    sampling = worker_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
+    asks_sampled = s.sample and (o.logprobs or s.blocked_token_ids or o.logit_bias or o.has_penalties)
+    return bool(asks_sampled or s.prompt_logprob_targets)
+
+
+def _fill_extras(extras: worker_pb2.SeqExtras, s: ScheduledSeq) -> None:
+    o = s.sampling
+    if s.prompt_logprob_targets:
+        extras.prompt_logprob_targets.extend(s.prompt_logprob_targets)
+        extras.prompt_top_logprobs = o.prompt_logprobs or 0
     if not s.sample:
-        return sampling
-    sampling.top_logprobs = o.logprobs or 0
-    sampling.blocked_token_ids.extend(s.blocked_token_ids)
+        return
+    extras.top_logprobs = o.logprobs or 0
+    extras.blocked_token_ids.extend(s.blocked_token_ids)
     if o.logit_bias:
         ids, values = zip(*o.logit_bias)
-        sampling.logit_bias_token_ids.extend(ids)
-        sampling.logit_bias_values.extend(values)
+        extras.logit_bias_token_ids.extend(ids)
+        extras.logit_bias_values.extend(values)
     if o.has_penalties:
-        sampling.penalties.CopyFrom(
+        extras.penalties.CopyFrom(
             worker_pb2.Penalties(
                 presence=o.presence_penalty,
                 frequency=o.frequency_penalty,
@@ -96,14 +130,23 @@ def _sampling_to_proto(s: ScheduledSeq) -> worker_pb2.SamplingParams:
                 prompt_token_ids=s.penalty_prompt_ids,
             )
         )
-    return sampling
 
 
 def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
-    top = {t.seq_id: tuple(zip(t.top_token_ids, t.top_logprobs)) for t in reply.sampled if t.top_token_ids}
+    """The sampled columns in one pass; alternatives only for the rows that have some."""
+    c = reply.sampled
+    seq_ids = list(c.seq_ids)
+    top: dict[int, tuple[tuple[int, float], ...]] = {}
+    if c.top_token_ids:
+        pairs = list(zip(c.top_token_ids, c.top_logprobs))
+        end = 0
+        for seq_id, count in zip(seq_ids, c.top_counts):
+            if count:
+                top[seq_id] = tuple(pairs[end : end + count])
+                end += count
     prompt = {p.seq_id: _prompt_rows(p) for p in reply.prompt_logprobs}
     return StepResult(
-        sampled={t.seq_id: (t.token_id, t.logprob) for t in reply.sampled},
+        sampled=dict(zip(seq_ids, zip(c.token_ids, c.logprobs))),
         instance_id=reply.instance_id,
         forward_ms=reply.timings.forward_ms,
         logprobs=StepLogprobs(top, prompt),

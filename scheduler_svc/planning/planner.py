@@ -90,7 +90,7 @@ class PlannerConfig:
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence's share of a step; maps 1:1 onto worker.v1.SequenceStep."""
+    """One sequence's share of a step: one row of worker.v1.SeqColumns."""
 
     request_id: str
     seq_id: int

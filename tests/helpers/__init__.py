@@ -3,7 +3,8 @@
 * ``checkpoints``: the tiny checkpoint families and the default model's path.
 * ``procs``: worker, scheduler and gateway processes (svc_common.processes), started
   side by side (``running``); a free port.
-* ``worker_client``: worker.v1 steps built by hand, logits decoded.
+* ``worker_client``: worker.v1 steps described per sequence, laid out as columns and read
+  back; replies' sampled columns read per sequence, logits decoded.
 * ``worker_under_test``: a worker process beside the transformers model it serves.
 * ``cluster``: transformers' model and greedy output as the reference; waiting for a
   scheduler to go idle.

@@ -11,6 +11,7 @@ import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.worker_client import seqs_of, step_response
 
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -41,15 +42,11 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         plan = SimpleNamespace(
             step_id=request.step_id,
             copies=[(c.src, c.dst) for c in request.copies],
-            seqs=request.seqs,
+            seqs=seqs_of(request),
             previous_step_id=previous,
         )
         sampled = self.fake.execute(plan)
-        return worker_pb2.StepResponse(
-            step_id=request.step_id,
-            instance_id=self.info.instance_id,
-            sampled=[worker_pb2.SampledToken(seq_id=s, token_id=t, logprob=lp) for s, (t, lp) in sampled.items()],
-        )
+        return step_response(request.step_id, self.info.instance_id, sampled)
 
 
 async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grpc.aio.Server, str, FakeWorkerServicer]:

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from proto import worker_pb2, worker_pb2_grpc
 from tests.helpers.procs import ServiceProcess
+from tests.helpers.worker_client import step_request
 
 NUM_BLOCKS = 64
 
@@ -28,11 +29,7 @@ class WorkerUnderTest:
 
     def step(self, seqs, copies=()):
         self.step_id += 1
-        return self.stub.Step(
-            worker_pb2.StepRequest(
-                step_id=self.step_id, seqs=seqs, copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies]
-            )
-        )
+        return self.stub.Step(step_request(self.step_id, seqs, copies))
 
     def ref_logits(self, ids: list[int]) -> np.ndarray:
         with torch.no_grad():

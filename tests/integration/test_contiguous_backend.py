@@ -6,6 +6,7 @@ give transformers' logits; malformed contiguous steps are rejected."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import grpc
@@ -13,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from proto import worker_pb2
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.worker_client import by_seq, logits_of
+from tests.helpers.worker_client import Seq, by_seq, logits_of
 from tests.helpers.worker_under_test import WorkerUnderTest
 
 MAX_BATCH = 4
@@ -36,15 +36,14 @@ def worker(request):
 
 def slot_step(
     seq_id: int, token_ids: list[int], start_pos: int, slot: int, *, sample: bool = True, logits: bool = True
-) -> worker_pb2.SequenceStep:
-    return worker_pb2.SequenceStep(
-        seq_id=seq_id,
-        token_ids=token_ids,
-        start_pos=start_pos,
-        block_table=[slot],
-        slot_mapping=[slot * MAX_LEN + p for p in range(start_pos, start_pos + len(token_ids))],
+) -> Seq:
+    return Seq(
+        seq_id,
+        token_ids,
+        start_pos,
+        [slot],
+        [slot * MAX_LEN + p for p in range(start_pos, start_pos + len(token_ids))],
         sample=sample,
-        sampling=worker_pb2.SamplingParams(temperature=0.0),
         return_logits=logits,
     )
 
@@ -133,20 +132,18 @@ def test_slot_copy_then_decode_from_the_copy(worker):
 @pytest.mark.parametrize(
     "bad, field",
     [
-        (dict(block_table=[0, 1]), "block_table"),  # two slots for one sequence
-        (dict(block_table=[MAX_BATCH]), "block_table"),  # no such slot
-        (dict(slot_mapping=[1 * MAX_LEN + p for p in range(4)]), "slot_mapping"),  # another slot's positions
-        (dict(slot_mapping=[p * 16 for p in range(4)]), "slot_mapping"),  # paged-style slots
-        (dict(start_pos=MAX_LEN - 2), "start_pos"),  # past max_seq_len
+        (dict(block_table=[0, 1]), "seqs.block_tables[row 0]"),  # two slots for one sequence
+        (dict(block_table=[MAX_BATCH]), "seqs.block_tables[row 0]"),  # no such slot
+        (
+            dict(slot_mapping=[1 * MAX_LEN + p for p in range(4)]),
+            "seqs.slot_mapping[row 0]",
+        ),  # another slot's positions
+        (dict(slot_mapping=[p * 16 for p in range(4)]), "seqs.slot_mapping[row 0]"),  # paged-style slots
+        (dict(start_pos=MAX_LEN - 2), "seqs.start_pos[row 0]"),  # past max_seq_len
     ],
 )
 def test_malformed_contiguous_steps_are_rejected(worker, bad, field):
-    seq = slot_step(50, [5, 6, 7, 8], 0, 0)
-    for name, value in bad.items():
-        if isinstance(value, list):
-            getattr(seq, name)[:] = value
-        else:
-            setattr(seq, name, value)
+    seq = dataclasses.replace(slot_step(50, [5, 6, 7, 8], 0, 0), **bad)
     with pytest.raises(grpc.RpcError) as err:
         worker.step([seq])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

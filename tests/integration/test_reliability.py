@@ -21,7 +21,7 @@ from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess
 from tests.helpers.recorder import Recorder, join, wait_for
-from tests.helpers.worker_client import seq_step
+from tests.helpers.worker_client import sampled_rows, seq_step, step_request
 
 MODEL = tiny_checkpoint("llama")
 WORKER_ARGS = ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "4096"]
@@ -229,12 +229,12 @@ def test_worker_sigterm_finishes_the_step_in_flight(worker):
     with grpc.insecure_channel(worker.address, options=limit) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         stub.Info(worker_pb2.InfoRequest(), timeout=10)
-        future = stub.Step.future(worker_pb2.StepRequest(step_id=7, seqs=seqs), timeout=60)
+        future = stub.Step.future(step_request(7, seqs), timeout=60)
         time.sleep(0.1)
         assert not future.done(), "the step finished before SIGTERM; make it bigger"
         worker.proc.send_signal(signal.SIGTERM)
         reply = future.result()
-        assert reply.step_id == 7 and len(reply.sampled) == 128
+        assert reply.step_id == 7 and len(sampled_rows(reply)) == 128
         assert worker.proc.wait(30) == 0
         with pytest.raises(grpc.RpcError) as err:
             stub.Info(worker_pb2.InfoRequest(), timeout=5)

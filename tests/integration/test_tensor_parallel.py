@@ -27,7 +27,7 @@ from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, wait_idle
 from tests.helpers.procs import ServiceProcess
 from tests.helpers.recorder import Recorder, join, wait_for
-from tests.helpers.worker_client import by_seq, logits_of, seq_step
+from tests.helpers.worker_client import by_seq, logits_of, seq_step, step_request
 
 NUM_BLOCKS = 64
 ATOL = 1e-4
@@ -49,12 +49,7 @@ def scripted_steps(stub) -> list[tuple[int, np.ndarray]]:
     out = []
 
     def run(step_id, seqs, copies=(), previous=None):
-        request = worker_pb2.StepRequest(
-            step_id=step_id, seqs=seqs, copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies]
-        )
-        if previous is not None:
-            request.previous_step_id = previous
-        reply = by_seq(stub.Step(request, timeout=120))
+        reply = by_seq(stub.Step(step_request(step_id, seqs, copies, previous), timeout=120))
         out.extend((reply[s.seq_id].token_id, logits_of(reply[s.seq_id])) for s in seqs if s.sample)
         return reply
 

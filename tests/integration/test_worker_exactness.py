@@ -118,7 +118,7 @@ def test_block_copy_then_decode_from_the_copy(worker):
     src_table, dst_table = [40, 41], [42, 43]
     first = by_seq(worker.step([seq_step(7, prompt, 0, src_table)]))[7]
     copied = worker.step([], copies=[(40, 42), (41, 43)])
-    assert not copied.sampled
+    assert not by_seq(copied)
     from_src = by_seq(worker.step([seq_step(7, [first.token_id], 20, src_table)]))[7]
     from_copy = by_seq(worker.step([seq_step(8, [first.token_id], 20, dst_table)]))[8]
     np.testing.assert_array_equal(logits_of(from_copy), logits_of(from_src))

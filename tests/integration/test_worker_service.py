@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from proto import worker_pb2, worker_pb2_grpc
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.procs import ServiceProcess
-from tests.helpers.worker_client import by_seq, logits_of, seq_step
+from tests.helpers.worker_client import Seq, by_seq, logits_of, seq_step, step_request
 
 NUM_BLOCKS = 32
 VICTIM_TABLE = [30, 31]
@@ -36,95 +38,119 @@ def stub():
             yield worker_pb2_grpc.WorkerStub(channel), channel
 
 
-def _seq(**overrides) -> worker_pb2.SequenceStep:
-    seq = seq_step(5, [3, 4, 5], 0, [1])
-    for name, value in overrides.items():
-        field = getattr(seq, name)
-        if isinstance(value, list):
-            del field[:]
-            field.extend(value)
-        else:
-            setattr(seq, name, value)
-    return seq
+def _seq(**overrides) -> Seq:
+    return dataclasses.replace(seq_step(5, [3, 4, 5], 0, [1]), **overrides)
 
 
-def _with_sampling(**kw) -> worker_pb2.SequenceStep:
-    seq = _seq()
-    for k, v in kw.items():
-        if isinstance(v, list):
-            getattr(seq.sampling, k).extend(v)
-        elif isinstance(v, worker_pb2.Penalties):
-            seq.sampling.penalties.CopyFrom(v)
-        else:
-            setattr(seq.sampling, k, v)
-    return seq
-
-
+# Row 0 of every bad step is the clobbering sequence below: the bad row is row 1.
 BAD_STEPS = [
     # (case, seqs, copies, field named in the error)
-    ("slot outside the pool", [_seq(slot_mapping=[NUM_BLOCKS * 16 + 1, 17, 18])], [], "slot_mapping"),
-    ("slot not where the table says", [_seq(slot_mapping=[16, 17, 19])], [], "slot_mapping"),
-    ("block id outside the pool", [_seq(block_table=[NUM_BLOCKS])], [], "block_table"),
-    ("negative block id", [_seq(block_table=[-1])], [], "block_table"),
-    ("table too short", [_seq(token_ids=list(range(3, 20)), slot_mapping=list(range(16, 33)))], [], "block_table"),
-    ("token id = vocab", [_seq(token_ids=[3, 10**6, 5])], [], "token_ids"),
-    ("negative token id", [_seq(token_ids=[3, -4, 5])], [], "token_ids"),
-    ("negative start_pos", [_seq(start_pos=-1)], [], "start_pos"),
-    ("past max model len", [_seq(start_pos=254, block_table=list(range(16)))], [], "start_pos"),
-    ("slots and tokens differ in length", [_seq(slot_mapping=[16, 17])], [], "slot_mapping"),
-    ("no tokens", [_seq(token_ids=[], slot_mapping=[])], [], "token_ids"),
-    ("seq id twice", [_seq(), _seq(block_table=[2], slot_mapping=[32, 33, 34])], [], "seq_id"),
-    ("negative temperature", [_with_sampling(temperature=-1.0)], [], "sampling"),
-    ("top_p above 1", [_with_sampling(top_p=1.5)], [], "sampling"),
-    ("more alternatives than tokens", [_with_sampling(top_logprobs=10**6)], [], "sampling.top_logprobs"),
-    ("blocked id outside the vocabulary", [_with_sampling(blocked_token_ids=[-1])], [], "blocked_token_ids"),
+    ("slot outside the pool", [_seq(slot_mapping=[NUM_BLOCKS * 16 + 1, 17, 18])], [], "seqs.slot_mapping[row 1]"),
+    ("slot not where the table says", [_seq(slot_mapping=[16, 17, 19])], [], "seqs.slot_mapping[row 1]"),
+    ("block id outside the pool", [_seq(block_table=[NUM_BLOCKS])], [], "seqs.block_tables[row 1]"),
+    ("negative block id", [_seq(block_table=[-1])], [], "seqs.block_tables[row 1]"),
+    (
+        "table too short",
+        [_seq(token_ids=list(range(3, 20)), slot_mapping=list(range(16, 33)))],
+        [],
+        "seqs.block_tables[row 1]",
+    ),
+    ("token id = vocab", [_seq(token_ids=[3, 10**6, 5])], [], "seqs.token_ids[row 1]"),
+    ("negative token id", [_seq(token_ids=[3, -4, 5])], [], "seqs.token_ids[row 1]"),
+    ("negative start_pos", [_seq(start_pos=-1)], [], "seqs.start_pos[row 1]"),
+    ("past max model len", [_seq(start_pos=254, block_table=list(range(16)))], [], "seqs.start_pos[row 1]"),
+    ("slots and tokens differ in length", [_seq(slot_mapping=[16, 17])], [], "seqs.slot_mapping"),
+    ("no tokens", [_seq(token_ids=[], slot_mapping=[])], [], "seqs.token_ids[row 1]"),
+    ("seq id twice", [_seq(), _seq(block_table=[2], slot_mapping=[32, 33, 34])], [], "seqs.seq_ids[row 2]"),
+    ("negative temperature", [_seq(temperature=-1.0)], [], "seqs.temperature[row 1]"),
+    ("top_p above 1", [_seq(top_p=1.5)], [], "seqs.top_p[row 1]"),
+    ("negative top_k", [_seq(top_k=-1)], [], "seqs.top_k[row 1]"),
+    ("more alternatives than tokens", [_seq(top_logprobs=10**6)], [], "seqs.extras[row 1].top_logprobs"),
+    ("blocked id outside the vocabulary", [_seq(blocked_token_ids=[-1])], [], "seqs.extras[row 1].blocked_token_ids"),
     (
         "logit bias id outside the vocabulary",
-        [_with_sampling(logit_bias_token_ids=[10**6], logit_bias_values=[1.0])],
+        [_seq(logit_bias_token_ids=[10**6], logit_bias_values=[1.0])],
         [],
-        "logit_bias_token_ids",
+        "seqs.extras[row 1].logit_bias_token_ids",
     ),
-    ("logit bias without its value", [_with_sampling(logit_bias_token_ids=[5])], [], "logit_bias_values"),
-    ("repetition penalty 0", [_with_sampling(penalties=worker_pb2.Penalties(repetition=0.0))], [], "penalties"),
+    ("logit bias without its value", [_seq(logit_bias_token_ids=[5])], [], "seqs.extras[row 1].logit_bias_values"),
+    (
+        "repetition penalty 0",
+        [_seq(penalties=worker_pb2.Penalties(repetition=0.0))],
+        [],
+        "seqs.extras[row 1].penalties",
+    ),
     (
         "penalised id outside the vocabulary",
-        [_with_sampling(penalties=worker_pb2.Penalties(repetition=1.0, output_token_ids=[10**6]))],
+        [_seq(penalties=worker_pb2.Penalties(repetition=1.0, output_token_ids=[10**6]))],
         [],
-        "penalties.output_token_ids",
+        "seqs.extras[row 1].penalties.output_token_ids",
     ),
-    ("more prompt targets than positions", [_seq(prompt_logprob_targets=[4, 5, 6, 7])], [], "prompt_logprob_targets"),
-    ("prompt target outside the vocabulary", [_seq(prompt_logprob_targets=[10**6])], [], "prompt_logprob_targets"),
+    (
+        "more prompt targets than positions",
+        [_seq(prompt_logprob_targets=[4, 5, 6, 7])],
+        [],
+        "seqs.extras[row 1].prompt_logprob_targets",
+    ),
+    (
+        "prompt target outside the vocabulary",
+        [_seq(prompt_logprob_targets=[10**6])],
+        [],
+        "seqs.extras[row 1].prompt_logprob_targets",
+    ),
+    (
+        "input from a previous step that the step does not name",
+        [_seq(token_ids=[3], slot_mapping=[16], token_from_previous_step=True)],
+        [],
+        "seqs.flags[row 1]",
+    ),
     ("copy source outside the pool", [], [(NUM_BLOCKS, 3)], "copies[0].src"),
     ("copy onto itself", [], [(3, 3)], "copies[0].dst"),
     ("empty step", [], [], "seqs"),
+]
+
+# Columns that disagree in shape: a well-formed [clobber, _seq()] step, then corrupted.
+BAD_COLUMNS = [
+    # (case, corruption of the SeqColumns, text of the error)
+    ("a per-row column one short", lambda c: c.top_k.pop(), "seqs.top_k: 1 entries for 2 rows"),
+    ("a per-row column one long", lambda c: c.start_pos.append(0), "seqs.start_pos: 3 entries for 2 rows"),
+    ("seq_ids one short", lambda c: c.seq_ids.pop(), "seqs.start_pos: 2 entries for 1 rows"),
+    ("a token more than num_tokens", lambda c: c.token_ids.append(5), "seqs.token_ids: 24 entries"),
+    ("num_tokens one more than the tokens", lambda c: c.num_tokens.__setitem__(1, 4), "seqs.token_ids: 23 entries"),
+    ("a slot less than num_tokens", lambda c: c.slot_mapping.pop(), "seqs.slot_mapping: 22 entries"),
+    ("table_lens past block_tables", lambda c: c.table_lens.__setitem__(1, 2), "seqs.block_tables: 3 entries"),
+    ("extras of a row that does not exist", lambda c: c.extras[2].SetInParent(), "seqs.extras[row 2]"),
+    ("an unknown flag bit", lambda c: c.flags.__setitem__(1, c.flags[1] | 16), "seqs.flags[row 1]: unknown bits 0x10"),
 ]
 
 
 def test_bad_steps_are_rejected_whole_and_write_nothing(stub):
     worker, _ = stub
     prompt = list(range(10, 30))
-    first = by_seq(worker.Step(worker_pb2.StepRequest(step_id=1, seqs=[seq_step(9, prompt, 0, VICTIM_TABLE)])))[9]
-    before = by_seq(
-        worker.Step(worker_pb2.StepRequest(step_id=2, seqs=[seq_step(9, [first.token_id], 20, VICTIM_TABLE)]))
-    )[9]
+    first = by_seq(worker.Step(step_request(1, [seq_step(9, prompt, 0, VICTIM_TABLE)])))[9]
+    before = by_seq(worker.Step(step_request(2, [seq_step(9, [first.token_id], 20, VICTIM_TABLE)])))[9]
 
-    for i, (case, seqs, copies, field) in enumerate(BAD_STEPS):
-        # A well-formed sequence that would overwrite the victim's blocks rides
-        # along: if the step were partly applied, the victim's logits change.
-        clobber = seq_step(99, list(range(40, 60)), 0, VICTIM_TABLE)
-        request = worker_pb2.StepRequest(
-            step_id=100 + i, seqs=[clobber, *seqs], copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies]
-        )
+    # A well-formed sequence that would overwrite the victim's blocks rides
+    # along: if the step were partly applied, the victim's logits change.
+    clobber = seq_step(99, list(range(40, 60)), 0, VICTIM_TABLE)
+    requests = []
+    for case, seqs, copies, field in BAD_STEPS:
+        request = step_request(100 + len(requests), [clobber, *seqs], copies)
         if case == "empty step":
-            request = worker_pb2.StepRequest(step_id=100 + i)
+            request = step_request(100 + len(requests))
+        requests.append((case, request, field))
+    for case, corrupt, field in BAD_COLUMNS:
+        request = step_request(100 + len(requests), [clobber, _seq()])
+        corrupt(request.seqs)
+        requests.append((case, request, field))
+
+    for case, request, field in requests:
         with pytest.raises(grpc.RpcError) as err:
             worker.Step(request)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
         assert field in err.value.details(), (case, err.value.details())
 
-    after = by_seq(
-        worker.Step(worker_pb2.StepRequest(step_id=3, seqs=[seq_step(9, [first.token_id], 20, VICTIM_TABLE)]))
-    )[9]
+    after = by_seq(worker.Step(step_request(3, [seq_step(9, [first.token_id], 20, VICTIM_TABLE)])))[9]
     np.testing.assert_array_equal(logits_of(after), logits_of(before))
 
 

@@ -16,24 +16,11 @@ import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common.processes import ServiceProcess
+from tests.helpers.worker_client import BLOCK_SIZE as BLOCK
+from tests.helpers.worker_client import sampled_rows, seq_step, step_request
 from tests.load.common import default_model, fail, percentile, print_table
 
-BLOCK = 16
 LIMIT = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
-
-
-def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int]) -> worker_pb2.SequenceStep:
-    end = start + len(tokens)
-    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-    return worker_pb2.SequenceStep(
-        seq_id=seq_id,
-        token_ids=tokens,
-        start_pos=start,
-        block_table=table[: -(-end // BLOCK)],
-        slot_mapping=slots,
-        sample=True,
-        sampling=worker_pb2.SamplingParams(temperature=0.0),
-    )
 
 
 def run_batch(stub, batch: int, context: int, decode_steps: int, budget_s: float, vocab: int) -> list:
@@ -41,28 +28,27 @@ def run_batch(stub, batch: int, context: int, decode_steps: int, budget_s: float
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     prompts = [[(7 * i + j) % (vocab - 4) + 4 for j in range(context)] for i in range(batch)]
     started = time.perf_counter()
-    reply = stub.Step(
-        worker_pb2.StepRequest(step_id=0, seqs=[seq_step(i, prompts[i], 0, tables[i]) for i in range(batch)]),
-        timeout=600,
-    )
+    prefill = [seq_step(i, prompts[i], 0, tables[i], logits=False) for i in range(batch)]
+    reply = stub.Step(step_request(0, prefill), timeout=600)
     prefill_ms = (time.perf_counter() - started) * 1e3
-    last = {t.seq_id: t.token_id for t in reply.sampled}
+    last = {t.seq_id: t.token_id for t in sampled_rows(reply)}
     latencies, forwards, request_bytes = [], [], 0
     deadline = time.monotonic() + budget_s
     for step in range(decode_steps):
         if time.monotonic() > deadline:
             break
-        request = worker_pb2.StepRequest(
-            step_id=step + 1, seqs=[seq_step(i, [last[i]], context + step, tables[i]) for i in range(batch)]
+        request = step_request(
+            step + 1, [seq_step(i, [last[i]], context + step, tables[i], logits=False) for i in range(batch)]
         )
         request_bytes = request.ByteSize()
         started = time.perf_counter()
         reply = stub.Step(request, timeout=120)
         latencies.append((time.perf_counter() - started) * 1e3)
         forwards.append(reply.timings.forward_ms)
-        if len(reply.sampled) != batch:
-            fail(f"batch {batch}: {len(reply.sampled)} sampled tokens")
-        last = {t.seq_id: t.token_id for t in reply.sampled}
+        sampled = sampled_rows(reply)
+        if len(sampled) != batch:
+            fail(f"batch {batch}: {len(sampled)} sampled tokens")
+        last = {t.seq_id: t.token_id for t in sampled}
     total_s = sum(latencies) / 1e3
     return [
         batch,
