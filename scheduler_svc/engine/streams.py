@@ -109,17 +109,19 @@ class RequestStream:
             reason = FinishReason.STOP if hit_stop else update.finish_reason
             self._finish(text + self.detokenizer.flush(), update, reason, progress)
         elif text or update.new_token_ids:
-            self._put(
-                StreamEvent(
-                    text=text,
-                    token_ids=update.new_token_ids,
-                    logprobs=update.new_logprobs,
-                    top_logprobs=update.new_top_logprobs,
-                    prompt_logprobs=self._prompt_logprobs(update),
-                    progress=progress,
-                )
-            )
+            self._put(self._tokens_event(text, update, progress))
         return hit_stop
+
+    def _tokens_event(self, text: str, update: RequestUpdate, progress: tuple[int, int] | None) -> StreamEvent:
+        """The event carrying an update's tokens, their text and logprobs."""
+        return StreamEvent(
+            text=text,
+            token_ids=update.new_token_ids,
+            logprobs=update.new_logprobs,
+            top_logprobs=update.new_top_logprobs,
+            prompt_logprobs=self._prompt_logprobs(update),
+            progress=progress,
+        )
 
     def _prompt_logprobs(self, update: RequestUpdate) -> list[TokenLogprob] | None:
         """The update's prompt logprobs, from the first prompt token (which has none)."""
@@ -142,20 +144,10 @@ class RequestStream:
         r = self.request
         if not self.closed and not r.prefill_only:
             self.timing.finish(str(reason or FinishReason.STOP))
-        usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
-        self._put(
-            StreamEvent(
-                text=text,
-                token_ids=update.new_token_ids,
-                logprobs=update.new_logprobs,
-                top_logprobs=update.new_top_logprobs,
-                prompt_logprobs=self._prompt_logprobs(update),
-                finished=True,
-                finish_reason=str(reason or FinishReason.STOP),
-                usage=usage,
-                progress=progress,
-            )
-        )
+        event = self._tokens_event(text, update, progress)
+        event.finished, event.finish_reason = True, str(reason or FinishReason.STOP)
+        event.usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
+        self._put(event)
         self.closed = True
 
     def _put(self, event: StreamEvent) -> None:
