@@ -333,7 +333,7 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
     from scheduler_svc.planning.planner import Planner, PlannerConfig
     from scheduler_svc.request import Request, SamplingOptions
     from scheduler_svc.text.tokenizer import load_tokenizer
-    from worker_svc.model_runner import SampledToken, StepOutput
+    from worker_svc.model_runner import SampledRows, StepOutput
     from worker_svc.server import step_from_proto, step_to_proto
     from worker_svc.step_input import Limits, validate
 
@@ -424,7 +424,7 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             t["w_validate"] = _ms(start)
             out = StepOutput(
                 reply.step_id,
-                [SampledToken(seq_id, token, logprob) for seq_id, (token, logprob) in result.sampled.items()],
+                SampledRows.of(result.sampled),
                 reply.num_tokens,
                 {"total_ms": timings.total_ms},
             )

@@ -231,11 +231,11 @@ class Harness:
 
     @staticmethod
     def _reply_cost(reply: worker_pb2.StepResponse, sampled: dict[int, tuple[int, float]]) -> float:
-        from worker_svc.model_runner import SampledToken, StepOutput
+        from worker_svc.model_runner import SampledRows, StepOutput
 
         out = StepOutput(
             reply.step_id,
-            [SampledToken(seq_id, token, logprob) for seq_id, (token, logprob) in sampled.items()],
+            SampledRows.of(sampled),
             reply.num_tokens,
             {"total_ms": reply.timings.total_ms},
         )

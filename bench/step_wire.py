@@ -85,7 +85,7 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
 def measure_case(repeats: int, seqs: int, tokens: int, start: int, blocks: int) -> dict[str, float]:
     from proto import worker_pb2
     from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
-    from worker_svc.model_runner import SampledToken, StepOutput
+    from worker_svc.model_runner import SampledRows, StepOutput
     from worker_svc.server import step_from_proto, step_to_proto
     from worker_svc.step_input import Limits, validate
 
@@ -96,7 +96,7 @@ def measure_case(repeats: int, seqs: int, tokens: int, start: int, blocks: int) 
     parsed = worker_pb2.StepRequest.FromString(payload)
     step = step_from_proto(parsed)
     validate(step, limits)  # well formed: the figures are those of a step that passes
-    sampled = [SampledToken(i, (3 * i) % VOCAB, -0.25 - i / seqs) for i in range(seqs)]
+    sampled = SampledRows.of({i: ((3 * i) % VOCAB, -0.25 - i / seqs) for i in range(seqs)})
     output = StepOutput(1, sampled, seqs * tokens, {"total_ms": 1.0})
     reply = step_to_proto(output, "instance").SerializeToString()
 

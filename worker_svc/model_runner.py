@@ -8,8 +8,10 @@ decode-only step replays a captured CUDA graph when the worker has them
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from worker_svc.attention import CacheAttention
@@ -50,13 +52,49 @@ class LastSamples:
     token_ids: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    """A step's samples as columns, one row per sampling sequence in batch order,
+    taken out of the sampler's one host copy without a Python object per row."""
+
+    seq_ids: np.ndarray  # [N] int64
+    token_ids: np.ndarray  # [N] int64
+    logprobs: np.ndarray  # [N] float64
+    top: dict[int, np.ndarray] = field(default_factory=dict)  # row -> [k, 2] (id, logprob), rows that asked
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> fp32 [vocab], rows that asked
+
+    @classmethod
+    def empty(cls) -> SampledRows:
+        return cls.of({})
+
+    @classmethod
+    def of(cls, sampled: Mapping[int, tuple[int, float]]) -> SampledRows:
+        """From seq_id -> (token id, logprob), e.g. a reply read back (benchmarks)."""
+        pairs = np.array(list(sampled.values()), dtype=np.float64).reshape(-1, 2)
+        return cls(np.array(list(sampled), dtype=np.int64), pairs[:, 0].astype(np.int64), pairs[:, 1])
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def row(self, i: int) -> SampledToken:
+        top = self.top.get(i)
+        ids, logprobs = ([], []) if top is None else (top[:, 0].astype(int).tolist(), top[:, 1].tolist())
+        token_id, logprob = int(self.token_ids[i]), float(self.logprobs[i])
+        return SampledToken(int(self.seq_ids[i]), token_id, logprob, self.logits.get(i), ids, logprobs)
+
+
 @dataclass(slots=True)
 class StepOutput:
     step_id: int
-    sampled: list[SampledToken]
+    samples: SampledRows
     num_tokens: int
     timings_ms: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[PromptLogprobsOut] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[SampledToken]:
+        """The samples row by row (tests, benchmarks; the server reads the columns)."""
+        return [self.samples.row(i) for i in range(len(self.samples))]
 
 
 class ModelRunner:
@@ -110,12 +148,12 @@ class ModelRunner:
         if not step.seqs:  # block copies only (validated: there are some)
             batch, _ = self._prepare(step, None, use_graphs=False)
             self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
-            return StepOutput(step.step_id, [], 0, {"total_ms": _ms(t0)})
+            return StepOutput(step.step_id, SampledRows.empty(), 0, {"total_ms": _ms(t0)})
         previous, self.last_samples = self.last_samples, None  # a failed step leaves nothing to name
         batch, graphs = self._prepare(step, previous, use_graphs=True)
         t1 = time.perf_counter()
         hidden = self._hidden(batch, graphs)
-        sampled: list[SampledToken] = []
+        samples = SampledRows.empty()
         prompt_logprobs: list[PromptLogprobsOut] = []
         t2 = time.perf_counter()
         prompt = PromptRows.of(batch.seqs)  # None unless a chunk asks for prompt logprobs
@@ -137,12 +175,7 @@ class ModelRunner:
             by_seq = {s.seq_id: i for i, s in enumerate(batch.sample_seqs)}
             self.last_samples = LastSamples(step.step_id, by_seq, packed.token_ids)
             host = packed.tensor.cpu().numpy()
-            tops = packed.layout.top(host)
-            for i, seq in enumerate(batch.sample_seqs):
-                row = logits[i].cpu() if seq.return_logits else None
-                top = tops.get(i, host[:0])[: seq.sampling.top_logprobs]
-                ids, logprobs = top[:, 0].astype(int).tolist(), top[:, 1].tolist()
-                sampled.append(SampledToken(seq.seq_id, int(host[i, 0]), float(host[i, 1]), row, ids, logprobs))
+            samples = _sampled_rows(batch, host, packed.layout.top(host), logits)
             if prompt is not None:
                 prompt_logprobs = prompt.unpack(host, packed.layout)
         t3 = time.perf_counter()
@@ -152,7 +185,24 @@ class ModelRunner:
             "sample_ms": (t3 - t2) * 1e3,
             "total_ms": (t3 - t0) * 1e3,
         }
-        return StepOutput(step.step_id, sampled, len(step.arrays.token_ids), timings, prompt_logprobs)
+        return StepOutput(step.step_id, samples, len(step.arrays.token_ids), timings, prompt_logprobs)
+
+
+def _sampled_rows(
+    batch: ForwardBatch, host: np.ndarray, tops: dict[int, np.ndarray], logits: torch.Tensor
+) -> SampledRows:
+    """The samples' columns from the packed host copy: ids and logprobs sliced out
+    whole; alternatives (cut to what each row asked) and logits rows only for the
+    rows that asked."""
+    seqs = batch.sample_seqs
+    n = len(seqs)
+    return SampledRows(
+        seq_ids=np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=n),
+        token_ids=host[:n, 0].astype(np.int64),
+        logprobs=host[:n, 1].copy(),
+        top={i: block[: seqs[i].sampling.top_logprobs] for i, block in tops.items()},
+        logits={i: logits[i].cpu() for i, s in enumerate(seqs) if s.return_logits},
+    )
 
 
 def _ms(start: float) -> float:

@@ -160,20 +160,21 @@ def _plain(field: Sequence[T]) -> tuple[T, ...]:
 
 
 def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
-    """The samples as columns; logits rows only for the rows that asked."""
-    tokens = out.sampled
+    """The samples as columns; alternatives and logits rows only for the rows that asked."""
+    rows = out.samples
+    top_counts = [0] * len(rows)
+    for i, block in rows.top.items():
+        top_counts[i] = len(block)
+    tops = [rows.top[i] for i in sorted(rows.top)]
+    top = np.concatenate(tops) if tops else np.zeros((0, 2))
     sampled = worker_pb2.SampledColumns(
-        seq_ids=[t.seq_id for t in tokens],
-        token_ids=[t.token_id for t in tokens],
-        logprobs=[t.logprob for t in tokens],
-        top_counts=[len(t.top_token_ids) for t in tokens],
-        top_token_ids=[i for t in tokens for i in t.top_token_ids],
-        top_logprobs=[lp for t in tokens for lp in t.top_logprobs],
-        logits={
-            row: t.logits.float().numpy().astype("<f4").tobytes()
-            for row, t in enumerate(tokens)
-            if t.logits is not None
-        },
+        seq_ids=rows.seq_ids.tolist(),
+        token_ids=rows.token_ids.tolist(),
+        logprobs=rows.logprobs.tolist(),
+        top_counts=top_counts,
+        top_token_ids=top[:, 0].astype(np.int64).tolist(),
+        top_logprobs=top[:, 1].tolist(),
+        logits={row: t.float().numpy().astype("<f4").tobytes() for row, t in rows.logits.items()},
     )
     prompt_logprobs = [
         worker_pb2.PromptLogprobs(
