@@ -1,0 +1,1 @@
+"""Developer tools: test checkpoints, default-model preparation and process launchers (never imported by a service)."""
