@@ -60,7 +60,7 @@ TP ?= 1
 # 127.0.0.1:$(SCHEDULER_PORT) and the OpenAI-compatible HTTP gateway on
 # 127.0.0.1:$(GATEWAY_PORT) (GATEWAY_PORT=-1: no gateway); Ctrl-C stops all of them.
 serve: setup model
-	$(PY) -m svc_common.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
+	$(PY) -m tools.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
 	    --gateway-port $(GATEWAY_PORT) --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
@@ -74,16 +74,16 @@ RUN_DIR ?= run
 CELLS ?= 1
 
 cluster: setup model
-	$(PY) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
+	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP)"
 
 cluster-status:
-	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) status
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) status
 
 down:
-	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) down
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) down
 
 # What CI checks of the containers (no Docker engine here): the compose file parses.
 compose-config:

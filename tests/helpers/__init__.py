@@ -1,7 +1,7 @@
 """What several test files share, so that no test module imports another.
 
 * ``checkpoints``: the tiny checkpoint families and the default model's path.
-* ``procs``: worker, scheduler and gateway processes (svc_common.processes), started
+* ``procs``: worker, scheduler and gateway processes (tools.processes), started
   side by side (``running``); a free port.
 * ``worker_client``: worker.v1 steps described per sequence, laid out as columns and read
   back; replies' sampled columns read per sequence, logits decoded.

@@ -1,4 +1,4 @@
-"""`make down` (svc_common.cluster_ctl): stops the whole process group of each
+"""`make down` (tools.cluster_ctl): stops the whole process group of each
 service it started, and never signals a process a stale pid file points at."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from svc_common import cluster_ctl
+from tools import cluster_ctl
 
 # Looks like a service started by `up` (names the module and the run dir), spawns
 # a child into its process group, and optionally ignores SIGTERM.

@@ -2,7 +2,7 @@
 processes on 127.0.0.1 and keep them running until Ctrl-C / SIGTERM (what
 `make serve` runs).
 
-    python -m svc_common.local_cluster --model models/SmolLM2-135M-Instruct --workers 1 --port 50051 \\
+    python -m tools.local_cluster --model models/SmolLM2-135M-Instruct --workers 1 --port 50051 \\
         --gateway-port 8000
 """
 
@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from svc_common.processes import Cluster
+from tools.processes import Cluster
 
 PROMPT = "The capital of France is"
 QUESTION = "What is 2 + 2?"

@@ -4,10 +4,10 @@
 `--cells C`, C schedulers each with their own N workers, and the gateway in
 front of all of them (`--schedulers`): the multi-scheduler topology.
 
-    python -m svc_common.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 2 --port 50051
-    python -m svc_common.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 1 --cells 2
-    python -m svc_common.cluster_ctl status
-    python -m svc_common.cluster_ctl down
+    python -m tools.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 2 --port 50051
+    python -m tools.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 1 --cells 2
+    python -m tools.cluster_ctl status
+    python -m tools.cluster_ctl down
 
 Everything lives in --run-dir (default run/): <name>.pid, <name>.log and
 <name>.ready.json per service, cluster.json with the addresses. Each service
