@@ -45,7 +45,7 @@ test-slow: setup model
 	$(PY) -m pytest -q -m slow
 
 # ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc,
-# kernels and svc_common (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
+# kernels, svc_common, gateway_svc and tools (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

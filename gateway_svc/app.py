@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes over a SchedulerClient.
+"""The FastAPI app: OpenAI routes over a Scheduler (one, or a pool).
 
 Routes parse and validate (openai_types), convert (convert), run the Generate
 calls (generation) and answer as JSON or server-sent events. Every error leaves
@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
@@ -29,7 +30,7 @@ from gateway_svc.convert import OpenAIError, ResponseShape, Sample
 from gateway_svc.generation import ClientGone, Generation
 from gateway_svc.metrics import install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tokenize import max_model_len, tokenize_router
 
 log = structlog.get_logger("gateway")
@@ -39,7 +40,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 
-def create_app(client: SchedulerClient, config: GatewayConfig) -> FastAPI:
+def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     template = ChatTemplate.load(config.model_dir) if config.model_dir else None
     if config.model_dir and template is None:
@@ -126,7 +127,7 @@ def _forwarded_key(request: Request) -> str | None:
 
 
 async def _generate(
-    client: SchedulerClient, request: Request, body: SamplingFields, shape: ResponseShape, samples: list[Sample]
+    client: Scheduler, request: Request, body: SamplingFields, shape: ResponseShape, samples: list[Sample]
 ) -> Response:
     generation = Generation(client, samples, _forwarded_key(request))
     try:
@@ -178,7 +179,7 @@ class _GenerationStream(StreamingResponse):
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self._generation = generation
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -196,8 +197,8 @@ async def _sse(
     mid-stream (the 200 is already sent), then [DONE]."""
     results = convert.Results(samples)
     try:
-        for chunk in shape.start_chunks([s.index for s in samples], include_usage):
-            yield _sse_event(chunk)
+        for start in shape.start_chunks([s.index for s in samples], include_usage):
+            yield _sse_event(start)
         by_index = {s.index: s for s in samples}
         async for index, message in generation.events():
             delta = results.add(index, message)

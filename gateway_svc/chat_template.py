@@ -29,7 +29,11 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

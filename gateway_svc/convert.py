@@ -64,7 +64,9 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
         raise bad_request(
             "max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)", "max_tokens"
         )
-    prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts]
+    prompts: list[dict[str, Any]] = [
+        {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts
+    ]
     if body.echo:
         # The prompt's logprobs, and for token ids its tokens' texts; and max_tokens 0 needs them.
         for prompt in prompts:
@@ -100,7 +102,7 @@ def chat_samples(
 
 
 def _samples(
-    prompts: list[dict],
+    prompts: list[dict[str, Any]],
     body: SamplingFields,
     max_tokens: int | None,
     response_id: str,
@@ -111,7 +113,7 @@ def _samples(
         raise bad_request(f"n must be <= {max_n}", "n")
     # serving.v1's max_tokens and top_k are int32: a larger value means the same as
     # INT32_MAX there (the context length and the vocabulary are both far smaller).
-    params = {
+    params: dict[str, Any] = {
         "max_tokens": _int32(max_tokens),
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -259,7 +261,7 @@ class ResponseShape:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def _envelope(self, obj: str, choices: list[dict], usage: Any = ...) -> dict[str, Any]:
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Any = ...) -> dict[str, Any]:
         # usage: ... = no "usage" key at all; None = "usage": null (include_usage chunks).
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not ...:
@@ -301,15 +303,19 @@ class ResponseShape:
         reason = finish_reason(message)
         if not delta.text and not delta.entries and reason is None:
             return None
-        if self.kind == "chat":
-            content = {"delta": {"content": delta.text} if delta.text else {}}
-        else:
-            content = {"text": delta.text}
+        content: dict[str, Any] = (
+            {"delta": {"content": delta.text} if delta.text else {}} if self.kind == "chat" else {"text": delta.text}
+        )
         logprobs = self._logprobs(sample, delta.entries, delta.offsets)
         return self._chunk(sample.index, content, reason, include_usage, logprobs)
 
     def _chunk(
-        self, index: int, content: dict, reason: str | None, include_usage: bool, logprobs: dict | None = None
+        self,
+        index: int,
+        content: dict[str, Any],
+        reason: str | None,
+        include_usage: bool,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
         # With stream_options.include_usage every chunk carries "usage": null but the last.
@@ -331,10 +337,10 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict
     }
 
 
-def _top_dict(entry: LogprobEntry) -> dict[str, float]:
+def _top_dict(entry: LogprobEntry) -> dict[str, float | None]:
     """Token text -> logprob. Texts can repeat (byte pieces of a character all read
     U+FFFD): the most likely token keeps the key, and the chosen token is there too."""
-    top: dict[str, float] = {}
+    top: dict[str, float | None] = {}
     for token, logprob in [*entry.top, (entry.token, entry.logprob)]:
         top.setdefault(token, logprob)
     return top

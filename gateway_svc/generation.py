@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import grpc
-
 from gateway_svc.convert import Sample
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 
 _DONE = None  # queue item: a call ended normally
+# What a reader puts on the queue: a message, _DONE, or the error that ended its call.
+_Item = serving_pb2.GenerateResponse | BaseException | None
 
 
 class ClientGone(Exception):
@@ -26,15 +26,15 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, client: SchedulerClient, samples: list[Sample], api_key: str | None):
+    def __init__(self, client: Scheduler, samples: list[Sample], api_key: str | None):
         self._calls = {s.index: client.generate(s.request, api_key) for s in samples}
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, _Item]] = asyncio.Queue()
         self._readers = [asyncio.create_task(self._read(i, call)) for i, call in self._calls.items()]
         self._running = len(self._calls)
         self._head: list[tuple[int, serving_pb2.GenerateResponse | None]] = []
         self._cancelled = False
 
-    async def _read(self, index: int, call: grpc.aio.UnaryStreamCall) -> None:
+    async def _read(self, index: int, call: GenerateCall) -> None:
         try:
             async for message in call:
                 self._queue.put_nowait((index, message))

@@ -142,8 +142,8 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "".join(texts)
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content or ""}
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name:
             message["name"] = self.name
         return message

@@ -59,16 +59,16 @@ class GatewayServer:
             self._server = uvicorn.Server(uv_config)
             self._server.should_exit = self._stop_requested
             serving = asyncio.create_task(self._server.serve(sockets=[sock]))
-            await self._announce_when_started(serving)
+            await self._announce_when_started(self._server, serving)
             await serving
         finally:
             await client.close()
             sock.close()
 
-    async def _announce_when_started(self, serving: asyncio.Task) -> None:
-        while not self._server.started and not serving.done():
+    async def _announce_when_started(self, server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
+        while not server.started and not serving.done():
             await asyncio.sleep(0.01)
-        if not self._server.started:
+        if not server.started:
             return
         write_ready_file(self.config.ready_file, self.config.host, self.port)  # no-op without --ready-file
         log.info(

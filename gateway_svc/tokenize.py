@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
 from gateway_svc.convert import bad_request
 from gateway_svc.openai_types import ChatMessage, TokenId
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.scheduler_client import Scheduler
 
 ForwardedKey = Callable[[Request], str | None]
 
@@ -46,7 +46,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-def tokenize_router(client: SchedulerClient, template: ChatTemplate | None, forwarded_key: ForwardedKey) -> APIRouter:
+def tokenize_router(client: Scheduler, template: ChatTemplate | None, forwarded_key: ForwardedKey) -> APIRouter:
     router = APIRouter()
 
     @router.post("/tokenize")
@@ -94,7 +94,7 @@ def _text(body: TokenizeRequest, template: ChatTemplate | None) -> tuple[str, bo
     return text, body.add_special_tokens is True
 
 
-async def max_model_len(client: SchedulerClient, api_key: str | None) -> dict[str, int]:
+async def max_model_len(client: Scheduler, api_key: str | None) -> dict[str, int]:
     """{"max_model_len": N} from the scheduler, or {} when it cannot say (down,
     or an older scheduler): /v1/models answers either way."""
     try:
