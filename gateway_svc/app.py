@@ -24,12 +24,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert
-from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
+from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
 from gateway_svc.generation import ClientGone, Generation
 from gateway_svc.metrics import install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway_svc.openapi import (
+    ERROR_RESPONSES,
+    GATEWAY_VERSION,
+    GENERATION_RESPONSES,
+    HEALTH_RESPONSES,
+    publish_openapi,
+)
 from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tokenize import max_model_len, tokenize_router
 
@@ -41,48 +48,65 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody
 
 
 def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
-    app = FastAPI(title="pagedserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedserve gateway", version=GATEWAY_VERSION, docs_url=None, redoc_url=None)
     template = ChatTemplate.load(config.model_dir) if config.model_dir else None
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
     require_key = _key_checker(config.api_key)
+    served = _model_checker(config.model_id)
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        served(body.model)
         shape = ResponseShape("completion", config.model_id)
         samples = convert.completion_samples(body, shape.id, config.max_n)
         return await _generate(client, request, body, shape, samples)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        if template is None:
-            raise convert.bad_request(f"model {config.model_id} has no chat template; use /v1/completions")
-        try:
-            prompt = template.render([m.for_template() for m in body.messages])
-        except ChatTemplateError as exc:
-            raise convert.bad_request(str(exc), "messages") from exc
+        served(body.model)
+        prompt = convert.chat_prompt(template, body.messages, body)
         shape = ResponseShape("chat", config.model_id)
-        samples = convert.chat_samples(body, prompt, shape.id, config.max_n, config.chat_max_tokens)
+        samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
         return await _generate(client, request, body, shape, samples)
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
-    async def models(request: Request) -> dict[str, Any]:
-        model = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        model |= await max_model_len(client, _forwarded_key(request))
-        return {"object": "list", "data": [model]}
+    async def model_card(request: Request) -> dict[str, Any]:
+        card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
+        return card | await max_model_len(client, _forwarded_key(request))
 
-    @app.get("/health")
+    @app.get("/v1/models", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [await model_card(request)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        if model_id != config.model_id:
+            raise convert.model_not_found(model_id)
+        return await model_card(request)
+
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
         ok, why = await client.check_health(config.api_key or None)
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
-    app.include_router(tokenize_router(client, template, _forwarded_key), dependencies=[Depends(require_key)])
+    app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
     install_metrics(app)
     _add_error_handlers(app)
+    publish_openapi(app)
     return app
+
+
+def _model_checker(model_id: str) -> Callable[[str | None], None]:
+    """One model per gateway: a request may leave `model` out or name it; another name is a 404."""
+
+    def served(model: str | None) -> None:
+        if model and model != model_id:
+            raise convert.model_not_found(model)
+
+    return served
 
 
 # ---------------------------------------------------------------- auth
@@ -245,9 +269,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # No route (404) or not this method (405): still OpenAI's shape, saying what was asked.
         type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return JSONResponse(convert.error_body(str(err.detail), type_), status_code=err.status_code)
+        message = f"{err.detail}: {request.method} {request.url.path}"
+        return JSONResponse(convert.error_body(message, type_), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
@@ -258,11 +284,28 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _validation_to_openai(err: RequestValidationError) -> OpenAIError:
     """Pydantic's first error as one readable message; `param` is the field's dotted path."""
     first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return convert.bad_request(_json_error(first, err.body))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
     loc = [
         p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "list", "dict", "bool", "float")
     ]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return convert.bad_request(message, param)
+    if first.get("type") == "extra_forbidden":
+        message = "unrecognized request argument (this server does not support it)"
+    else:
+        message = str(first.get("msg")).removeprefix("Value error, ")
+    return convert.bad_request(f"{param}: {message}" if param else message, param)
+
+
+def _json_error(error: Any, body: Any) -> str:
+    """Where the body stops being JSON, as line, column and character, and why."""
+    position = next((p for p in error.get("loc", ()) if isinstance(p, int)), None)
+    why = error.get("ctx", {}).get("error", "not JSON")
+    if position is None or not isinstance(body, str | bytes):
+        return f"the request body is not valid JSON: {why}"
+    text = body if isinstance(body, str) else body.decode(errors="replace")
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    return f"the request body is not valid JSON: {why} at line {line}, column {column} (character {position})"

@@ -150,8 +150,9 @@ def test_tokenize_messages_renders_the_chat_template_first(http, fake):
 
 
 def test_detokenize(http):
-    r = http.post("/detokenize", json={"model": "x", "tokens": [72, 105]})
+    r = http.post("/detokenize", json={"model": "tok-model", "tokens": [72, 105]})
     assert r.status_code == 200 and r.json() == {"prompt": "Hi"}
+    assert http.post("/detokenize", json={"model": "x", "tokens": [72]}).json()["error"]["code"] == "model_not_found"
     assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
 
 
