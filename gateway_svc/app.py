@@ -27,8 +27,8 @@ from gateway_svc import convert
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
-from gateway_svc.generation import ClientGone, Generation
-from gateway_svc.metrics import install_metrics
+from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.openapi import (
     ERROR_RESPONSES,
@@ -55,13 +55,15 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     started = int(time.time())
     require_key = _key_checker(config.api_key)
     served = _model_checker(config.model_id)
+    live = LiveGenerations()
+    app.state.live = live  # the server drains them on shutdown (server.py)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
         samples = convert.completion_samples(body, shape.id, config.max_n)
-        return await _generate(client, request, body, shape, samples)
+        return await _generate(client, live, request, body, shape, samples)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -69,7 +71,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         prompt = convert.chat_prompt(template, body.messages, body)
         shape = ResponseShape("chat", config.model_id)
         samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
-        return await _generate(client, request, body, shape, samples)
+        return await _generate(client, live, request, body, shape, samples)
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
@@ -93,7 +95,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
     app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
-    install_metrics(app)
+    install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
     publish_openapi(app)
     return app
@@ -151,21 +153,30 @@ def _forwarded_key(request: Request) -> str | None:
 
 
 async def _generate(
-    client: Scheduler, request: Request, body: SamplingFields, shape: ResponseShape, samples: list[Sample]
+    client: Scheduler,
+    live: LiveGenerations,
+    request: Request,
+    body: SamplingFields,
+    shape: ResponseShape,
+    samples: list[Sample],
 ) -> Response:
     generation = Generation(client, samples, _forwarded_key(request))
+    live.add(generation)
     try:
         if body.stream:
             async with _cancel_on_disconnect(request, generation.cancel):
                 await generation.start()
-            return _GenerationStream(generation, _sse(generation, shape, samples, body.include_usage))
+            stream = _sse(generation, shape, samples, body.include_usage)
+            return _GenerationStream(generation, stream, lambda: live.discard(generation))
         results = convert.Results(samples)
         async with _cancel_on_disconnect(request, generation.cancel):
             async for index, message in generation.events():
                 results.add(index, message)
+        live.discard(generation)
         return JSONResponse(shape.body(results))
     except BaseException:
         generation.cancel()
+        live.discard(generation)
         raise
 
 
@@ -199,15 +210,16 @@ class _GenerationStream(StreamingResponse):
     not run), hence the cancel here, around the whole response.
     """
 
-    def __init__(self, generation: Generation, events: AsyncIterator[str]):
+    def __init__(self, generation: Generation, events: AsyncIterator[str], ended: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._generation = generation
+        self._generation, self._ended = generation, ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._generation.cancel()  # a no-op on calls that finished
+            self._ended()
 
 
 def _sse_event(payload: dict[str, Any]) -> str:
@@ -236,6 +248,8 @@ async def _sse(
         yield _sse_event(convert.grpc_error(err.code(), err.details()).body())
     except ClientGone:
         return
+    except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
+        yield _sse_event(convert.shutting_down(str(exc)).body())
     except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
         log.exception("stream failed", error=repr(exc))
         yield _sse_event(convert.error_body("internal error", "internal_error"))
@@ -263,6 +277,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         mapped = convert.grpc_error(err.code(), err.details())
         log.info("scheduler error", code=err.code().name, status=mapped.status, details=err.details())
         return _error_response(mapped)
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
+        return _error_response(convert.shutting_down(str(err)))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:

@@ -87,6 +87,20 @@ class GatewayConfig:
     health_timeout_s: float = field(
         default=2.0, metadata={"help": "deadline of the scheduler health check behind /health"}
     )
+    scheduler_metrics: str = field(
+        default="",
+        metadata={
+            "help": "the schedulers' Prometheus endpoints, HOST:PORT comma-separated (their --metrics-port): GET "
+            "/metrics serves their engine and vllm:* series after the gateway's own ('' = the gateway's only)"
+        },
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "after SIGTERM / Ctrl-C: how long requests in flight may take to finish; then each stream "
+            "ends with an error event and [DONE] (a non-streamed request: 503)"
+        },
+    )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
@@ -126,6 +140,12 @@ class GatewayConfig:
             ),
             (self.request_timeout_s >= 0, "--request-timeout-s", ">= 0"),
             (self.health_timeout_s > 0, "--health-timeout-s", "> 0"),
+            (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
+            (
+                all(host_port_problem(t.strip()) is None for t in self.scheduler_metrics.split(",") if t.strip()),
+                "--scheduler-metrics",
+                "HOST:PORT, comma-separated",
+            ),
             (1 <= self.max_n <= 128, "--max-n", "in 1..128"),
             (
                 self.log_level.lower() in ("debug", "info", "warning", "error"),

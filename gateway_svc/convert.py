@@ -48,6 +48,10 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
 
 
+def shutting_down(why: str) -> OpenAIError:
+    return OpenAIError(503, why, "service_unavailable_error", None, "shutting_down")
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
