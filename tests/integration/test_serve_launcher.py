@@ -23,6 +23,7 @@ import pytest
 
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.procs import REPO, free_port
+from tests.helpers.recorder import read_events
 
 WAIT_S = 60.0
 MODEL = "llama"  # the gateway's model id: the tiny checkpoint's directory name
@@ -146,16 +147,8 @@ def assert_nothing_left(launcher: Launcher, timeout_s: float = WAIT_S) -> None:
 
 
 def stream_events(url: str, events: list[str], **body) -> threading.Thread:
-    def read() -> None:
-        request = {"model": MODEL, "prompt": "The quick brown fox", "temperature": 0, "stream": True, **body}
-        with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=WAIT_S) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
+    request = {"model": MODEL, "prompt": "The quick brown fox", "temperature": 0, "stream": True, **body}
+    return read_events(url, request, events, WAIT_S)
 
 
 def text_of(events: list[str]) -> str:

@@ -27,23 +27,9 @@ from tests.helpers.fake_scheduler import (
     assert_openai_error,
     chat_model_dir,
     running_gateway,
-    serve_fake_scheduler,
     sse_payloads,
 )
 from tests.helpers.procs import REPO, ServiceProcess, free_port
-
-
-@pytest.fixture(scope="module")
-def fake_scheduler():
-    with serve_fake_scheduler() as servicer:
-        yield servicer
-
-
-@pytest.fixture(autouse=True)
-def _fresh_fake(request):
-    if "fake_scheduler" in request.fixturenames:
-        request.getfixturevalue("fake_scheduler").reset()
-
 
 # ---------------------------------------------------------------- gateways
 

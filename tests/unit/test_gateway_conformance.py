@@ -20,7 +20,6 @@ from tests.helpers.fake_scheduler import (
     assert_openai_error,
     chat_model_dir,
     running_gateway,
-    serve_fake_scheduler,
 )
 
 USER = [{"role": "user", "content": "hi"}]
@@ -32,17 +31,6 @@ TOOL_TEMPLATE = (
     "{% if m.get('tool_call_id') %}[result of {{ m['tool_call_id'] }}]{% endif %}{{ m['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}{% if enable_thinking %}<think>{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def fake_scheduler():
-    with serve_fake_scheduler() as servicer:
-        yield servicer
-
-
-@pytest.fixture(autouse=True)
-def _fresh_fake(fake_scheduler):
-    fake_scheduler.reset()
 
 
 @pytest.fixture(scope="module")

@@ -19,19 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway_svc.config import GatewayConfig
 from gateway_svc.server import GatewayServer
-from tests.helpers.fake_scheduler import WAIT_S, serve_fake_scheduler
+from tests.helpers.fake_scheduler import WAIT_S
 from tests.helpers.procs import REPO, free_port
-
-
-@pytest.fixture(scope="module")
-def fake_scheduler():
-    with serve_fake_scheduler() as servicer:
-        yield servicer
-
-
-@pytest.fixture(autouse=True)
-def _fresh_fake(fake_scheduler):
-    fake_scheduler.reset()
+from tests.helpers.recorder import read_events, wait_for
 
 
 def start_gateway(**overrides) -> tuple[GatewayServer, threading.Thread, str]:
@@ -45,25 +35,7 @@ def start_gateway(**overrides) -> tuple[GatewayServer, threading.Thread, str]:
 
 
 def stream_in_thread(url: str, events: list[str]) -> threading.Thread:
-    """Read one streamed completion's events into `events` in the background."""
-
-    def read() -> None:
-        body = {"prompt": "x", "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
-def wait_for(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    return read_events(url, {"prompt": "x", "stream": True}, events, WAIT_S)
 
 
 # ---- drain -------------------------------------------------------------------------------------
@@ -72,7 +44,7 @@ def test_a_stream_that_outlives_the_drain_ends_with_an_error_event_and_done(fake
     server, thread, url = start_gateway(scheduler=fake_scheduler.address, drain_timeout_s=0.5)
     events: list[str] = []
     reader = stream_in_thread(url, events)
-    wait_for(lambda: len(events) >= 3)
+    wait_for(lambda: len(events) >= 3, WAIT_S, "3 events")
     started = time.monotonic()
     server.stop()
     reader.join(WAIT_S)
@@ -91,7 +63,7 @@ def test_a_stream_that_ends_within_the_drain_finishes_whole(fake_scheduler):
     server, thread, url = start_gateway(scheduler=fake_scheduler.address, drain_timeout_s=10)
     events: list[str] = []
     reader = stream_in_thread(url, events)
-    wait_for(lambda: len(events) >= 2)
+    wait_for(lambda: len(events) >= 2, WAIT_S, "2 events")
     server.stop()
     reader.join(WAIT_S)
     thread.join(WAIT_S)
