@@ -82,9 +82,11 @@ class GatewayServer:
             self._server.should_exit = self._stop_requested
             serving = asyncio.create_task(self._server.serve(sockets=[sock]))
             draining = asyncio.create_task(self._drain_when_stopping(self._server, app.state.live))
-            await self._announce_when_started(self._server, serving)
-            await serving
-            draining.cancel()
+            try:
+                await self._announce_when_started(self._server, serving)
+                await serving
+            finally:
+                draining.cancel()
         finally:
             await client.close()
             sock.close()
