@@ -23,7 +23,7 @@ import grpc
 from bench.common import RESULTS, markdown_table
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common import defaults
-from svc_common.processes import REPO, ServiceProcess
+from tools.processes import REPO, ServiceProcess
 
 DEFAULT_MODEL = REPO / defaults.DEFAULT_MODEL
 

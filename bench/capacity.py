@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from bench.common import RESULTS, markdown_table, write_result
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import REPO, Cluster
+from tools.processes import REPO, Cluster
 
 MAX_SEQ_LEN = 4096
 CONTIGUOUS_BATCH = 8

@@ -47,7 +47,7 @@ from bench.bench_util import (
 )
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import ServiceProcess
+from tools.processes import ServiceProcess
 
 NAME = "chunked_prefill"
 NUM_DECODES = 8

@@ -30,7 +30,7 @@ import httpx
 from bench.common import markdown_table, median, write_result
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import REPO, Cluster, ServiceProcess
+from tools.processes import REPO, Cluster, ServiceProcess
 
 PROMPTS = [
     "The capital of France is",

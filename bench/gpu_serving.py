@@ -67,7 +67,7 @@ from bench.bench_util import (
     save_plot,
 )
 from bench.common import markdown_table, write_result
-from svc_common.processes import REPO
+from tools.processes import REPO
 
 NAME = "gpu_serving"
 SECTIONS = ("kernels", "step", "serving", "transformers")
@@ -396,7 +396,7 @@ def _step_split(model: Path, batch: int, graphs: bool, quick: bool) -> dict:
 def serving(model: Path, streams: list[int], max_tokens: int) -> dict:
     from bench.loop import drive
     from scheduler_svc.client import SchedulerClient
-    from svc_common.processes import Cluster
+    from tools.processes import Cluster
 
     worker_args = [
         "--device", "cuda", "--dtype", "bfloat16", "--kv-cache-memory-mb", str(KV_CACHE_MB),

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.common import markdown_table, write_result
-from svc_common.processes import REPO
+from tools.processes import REPO
 from worker_svc.attention import CacheAttention
 from worker_svc.config import WorkerConfig
 from worker_svc.forward_batch import build_forward_batch

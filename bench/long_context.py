@@ -57,7 +57,7 @@ from bench.bench_util import (
 )
 from bench.common import markdown_table, write_result
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import Cluster
+from tools.processes import Cluster
 
 NAME = "long_context"
 NUM_DECODES = 8

@@ -76,7 +76,7 @@ from bench.bench_util import fmt, load_average, percentile, pyplot, save_plot
 from bench.common import commit, markdown_table, write_result
 from proto import serving_pb2, serving_pb2_grpc
 from svc_common.grpc_options import channel_options
-from svc_common.processes import REPO
+from tools.processes import REPO
 
 NAME = "loop"
 DEFAULT_BASELINE = "1b3f5f4"

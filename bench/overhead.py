@@ -74,7 +74,7 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
 from scheduler_svc.request import Request, SamplingOptions
 from svc_common.grpc_options import channel_options
-from svc_common.processes import Cluster, ServiceProcess
+from tools.processes import Cluster, ServiceProcess
 from worker_svc.config import WorkerConfig
 from worker_svc.server import step_from_proto, step_to_proto
 from worker_svc.step_input import Sampling, SeqInput, StepInput, validate

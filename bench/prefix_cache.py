@@ -42,7 +42,7 @@ from bench.bench_util import (
 )
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import Cluster
+from tools.processes import Cluster
 
 NAME = "prefix_cache"
 GOAL_TTFT_FRACTION = 0.20

@@ -40,7 +40,7 @@ from bench import bench_util
 from bench.common import write_result
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import ServiceProcess
+from tools.processes import ServiceProcess
 
 NAME = "routing"
 POLICIES = ("prefix", "round-robin", "least-loaded")

@@ -36,7 +36,7 @@ import httpx
 from bench import bench_util
 from bench.common import write_result
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import ServiceProcess
+from tools.processes import ServiceProcess
 
 NAME = "scheduler_routing"
 # label -> the gateway's routing flags

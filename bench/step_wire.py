@@ -148,7 +148,7 @@ def main() -> None:
         print("STEPWIRE " + json.dumps(measure(args.repeats)))
         return
     from bench.loop import make_worktree, remove_worktree
-    from svc_common.processes import REPO
+    from tools.processes import REPO
 
     trees = {"current": REPO}
     if not args.no_baseline:

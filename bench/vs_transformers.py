@@ -52,7 +52,7 @@ from bench.bench_util import (
 )
 from bench.common import markdown_table, median, write_result
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import Cluster
+from tools.processes import Cluster
 from worker_svc.allocator import keep_freed_memory
 
 NAME = "vs_transformers"

@@ -31,6 +31,30 @@ class RequestRejected(ValueError):
         self.message = message
 
 
+def output_limit(requested: int | None, prompt_tokens: int, max_model_len: int, default: int = 0) -> int:
+    """The context rule (vLLM's, and so the gateway's): prompt + max_tokens must fit
+    in max_model_len, or the request is refused naming the maximum context length;
+    an unset max_tokens means "up to the context" (within `default`, when > 0: the
+    scheduler's --default-max-tokens)."""
+    room = max_model_len - prompt_tokens
+    if requested is None:
+        if room < 1:
+            raise RequestRejected(
+                "prompt",
+                f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+                f"{prompt_tokens}: no room is left to generate (at most {max_model_len - 1} prompt tokens)",
+            )
+        return min(default, room) if default > 0 else room
+    if requested > room:
+        raise RequestRejected(
+            "max_tokens",
+            f"this model's maximum context length is {max_model_len} tokens, but {prompt_tokens + requested} were "
+            f"asked for ({prompt_tokens} in the prompt, max_tokens {requested}): reduce the prompt or max_tokens "
+            f"(at most {max(room, 0)} here), or leave max_tokens unset to generate up to the context",
+        )
+    return requested
+
+
 def check_sampling(s: SamplingOptions) -> None:
     if s.max_tokens < 1 and not (s.max_tokens == 0 and s.prompt_logprobs is not None):
         raise RequestRejected(

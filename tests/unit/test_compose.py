@@ -274,6 +274,7 @@ SLIM_IMAGES = {
             "jinja2": "jinja2",
             "prometheus_client": "prometheus_client",
             "tokenizers": "tokenizers",  # prefix routing over several schedulers
+            "httpx": "httpx",  # /metrics scrapes the schedulers' endpoints
         },
     ),
 }
