@@ -118,11 +118,13 @@ class GrammarCompiler:
                 self.stats.hits += 1
                 return future
             future = self._running.get(key)
-            if future is None:
-                self.stats.misses += 1
-                future = self._running[key] = self._pool.submit(self._build, constraint)
-                future.add_done_callback(lambda f: self._finished(key, f))
-            return future
+            if future is not None:
+                return future
+            self.stats.misses += 1
+            future = self._running[key] = self._pool.submit(self._build, constraint)
+        # Outside the lock: a compile already done calls back at once, in this thread.
+        future.add_done_callback(lambda f: self._finished(key, f))
+        return future
 
     def _finished(self, key: tuple[str, Constraint], future: Future[CompiledGrammar]) -> None:
         with self._lock:
