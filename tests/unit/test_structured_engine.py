@@ -311,7 +311,10 @@ def test_the_parallel_fill_equals_each_matchers_own_mask(compiler):
         assert np.array_equal(rows.bits[i], matcher.mask()), i
     few = filler.fill(matchers[:2])  # the serial path below PARALLEL_MIN_ROWS
     assert np.array_equal(few.bits, rows.bits[:2])
+    serial = MaskFiller(vocab.mask_words, threads=0)
+    assert np.array_equal(serial.fill(matchers).bits, rows.bits)
     filler.close()
+    serial.close()
 
 
 # ---- the numpy reference of applying a mask -------------------------------------
