@@ -129,20 +129,18 @@ class ToolStream(ABC):
 
 class ToolParser(ABC):
     name: ClassVar[str]
+    stream_type: ClassVar[type[ToolStream]]
+    arguments_key: ClassVar[str]  # the body's key for the arguments, as the format writes it
 
     def __init__(self, make_id: IdMaker = new_call_id) -> None:
         self._make_id = make_id
 
     @abstractmethod
-    def stream(self) -> ToolStream: ...
-
-    @abstractmethod
-    def _call_grammar(self, tool: ToolSpec) -> str:
-        """Lark for one call of `tool` in this format (a %json line for its body)."""
-
-    @abstractmethod
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
         """Lark `start` for one call (or one or more with `parallel`) of rule `call_rule`."""
+
+    def stream(self) -> ToolStream:
+        return self.stream_type(self._make_id)
 
     def parse(self, text: str) -> ParsedOutput:
         stream = self.stream()
@@ -152,7 +150,7 @@ class ToolParser(ABC):
         """Lark forcing the output to be tool calls of `tools` (tool_choice `required`;
         a named function: one tool, parallel=False)."""
         assert tools, "a tool-call grammar needs at least one tool"
-        rules = [f"fn_{i}: {self._call_grammar(tool)}" for i, tool in enumerate(tools)]
+        rules = [f"fn_{i}: {_body_schema(tool, self.arguments_key)}" for i, tool in enumerate(tools)]
         call = "call: " + " | ".join(f"fn_{i}" for i in range(len(tools)))
         return "\n".join([self._calls_grammar("call", parallel), call, *rules]) + "\n"
 
@@ -272,12 +270,8 @@ class HermesStream(ToolStream):
 
 class HermesParser(ToolParser):
     name = "hermes"
-
-    def stream(self) -> ToolStream:
-        return HermesStream(self._make_id)
-
-    def _call_grammar(self, tool: ToolSpec) -> str:
-        return _body_schema(tool, "arguments")
+    stream_type = HermesStream
+    arguments_key = "arguments"
 
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
         one = f'"<tool_call>\\n" {call_rule} "\\n</tool_call>"'
@@ -346,12 +340,8 @@ class Llama3JsonStream(ToolStream):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
-
-    def stream(self) -> ToolStream:
-        return Llama3JsonStream(self._make_id)
-
-    def _call_grammar(self, tool: ToolSpec) -> str:
-        return _body_schema(tool, "parameters")
+    stream_type = Llama3JsonStream
+    arguments_key = "parameters"
 
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
         return f"start: {call_rule}" + (f' ("; " {call_rule})*' if parallel else "")
