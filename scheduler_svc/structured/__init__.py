@@ -13,7 +13,7 @@ compiled to token masks by llguidance, without torch (docs/structured_outputs.md
 from scheduler_svc.structured.bitmask import allowed_ids, apply_bitmask, pack, unpack
 from scheduler_svc.structured.compiler import CompiledGrammar, GrammarCompiler
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
-from scheduler_svc.structured.errors import ConstraintRejected, TokenRejected
+from scheduler_svc.structured.errors import ConstraintRejected, GrammarFailed, TokenRejected
 from scheduler_svc.structured.fill import MaskFiller, MaskRows
 from scheduler_svc.structured.matcher import GrammarMatcher
 from scheduler_svc.structured.vocab import GrammarVocab, mask_words
@@ -24,6 +24,7 @@ __all__ = [
     "ConstraintKind",
     "ConstraintRejected",
     "GrammarCompiler",
+    "GrammarFailed",
     "GrammarMatcher",
     "GrammarVocab",
     "MaskFiller",

@@ -103,6 +103,14 @@ class GrammarCompiler:
         except TimeoutError:
             raise self._too_slow(constraint) from None
 
+    def forget(self, constraint: Constraint) -> None:
+        """Drop a compiled grammar from the cache. Its matchers share the lexer states the template
+        builds lazily; once one of them hit a limit (GrammarFailed) the states are spent for every
+        later copy, so the next request with this constraint compiles afresh."""
+        with self._lock:
+            if self._done.pop((self.vocab.key, constraint), None) is not None:
+                self.stats.size = len(self._done)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -173,5 +181,5 @@ def llguidance_grammar(constraint: Constraint) -> str:
 
 
 def clip_error(message: str) -> str:
-    message = message.strip()
+    message = message.split("\n<state>")[0].strip()  # llguidance appends its parser state and the grammar
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."

@@ -23,3 +23,8 @@ class TokenRejected(ValueError):
         super().__init__(f"token {token_id} is not allowed by the grammar after {position} tokens")
         self.token_id = token_id
         self.position = position
+
+
+class GrammarFailed(RuntimeError):
+    """A matcher hit one of llguidance's limits mid-output (lexer or parser too
+    complex for this text): it stays failed and its request ends with an error."""

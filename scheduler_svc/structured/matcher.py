@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from scheduler_svc.structured.compiler import CompiledGrammar, clip_error
-from scheduler_svc.structured.errors import TokenRejected
+from scheduler_svc.structured.errors import GrammarFailed, TokenRejected
 
 
 class GrammarMatcher:
@@ -83,12 +83,13 @@ class GrammarMatcher:
         return self._matcher.validate_tokens([token_id]) == 1
 
     def advance(self, token_id: int) -> None:
-        """Take the sampled token; TokenRejected (state unchanged) if the grammar forbids it."""
+        """Take the sampled token; TokenRejected (state unchanged) if the grammar forbids it,
+        GrammarFailed if taking it hit a limit (the matcher stays failed)."""
         if self.active:
             if not self.allows(token_id):
                 raise TokenRejected(token_id, self.num_tokens)
-            consumed = self._matcher.consume_token(token_id)
-            assert consumed, self._matcher.get_error()
+            if not self._matcher.consume_token(token_id):
+                raise GrammarFailed(self.error or "the grammar failed")
         self._tokens.append(token_id)
         if not self.active and tuple(self._tokens[-len(self._trigger) :]) == self._trigger:
             self._start = len(self._tokens)

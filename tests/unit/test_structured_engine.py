@@ -11,6 +11,7 @@ import re
 import threading
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from scheduler_svc.structured import (
     Constraint,
     ConstraintRejected,
     GrammarCompiler,
+    GrammarFailed,
     GrammarMatcher,
     GrammarVocab,
     MaskFiller,
@@ -359,3 +361,37 @@ def test_a_real_mask_applied_to_logits_keeps_only_grammar_tokens():
     assert len(kept) == allowed_count(matcher.mask(), vocab.vocab_size) > 0
     assert all("cat".startswith(vocab.decode([int(t)])) or "dog".startswith(vocab.decode([int(t)])) for t in kept)
     assert TINY_EOS not in kept
+
+
+def test_a_grammar_that_hits_a_limit_mid_output_fails_its_request_and_is_compiled_afresh():
+    # A lexer-state cap low enough that random walks through the issue schema exceed it.
+    vocab = tiny_vocab()
+    compiler = GrammarCompiler(vocab, limits=llguidance.LLParserLimits(max_lexer_states=200, verbose_errors=False))
+    constraint = Constraint.json_schema(REAL_SCHEMAS["github_issue"])
+    grammar = compiler.compile(constraint)
+    filler = MaskFiller(vocab.mask_words)
+    matchers = [GrammarMatcher(grammar) for _ in range(4)]
+    rng = random.Random(0)
+    failed: dict[int, str] = {}
+    for _ in range(300):
+        rows = filler.fill(matchers)
+        failed.update(rows.errors)
+        for i, matcher in enumerate(matchers):
+            if i in rows.errors:
+                continue
+            try:
+                matcher.advance(int(rng.choice(allowed_ids(rows.bits[i], vocab.vocab_size))))
+            except GrammarFailed as exc:
+                failed[i] = str(exc)
+        if failed:
+            break
+    assert failed and all(message.startswith("lexer error: too many states") for message in failed.values())
+    assert all("<state>" not in message for message in failed.values())  # llguidance's dump is cut off
+    broken = matchers[next(iter(failed))]
+    assert broken.error and not broken.needs_mask and not broken.is_complete
+    # The cached grammar's lexer is spent: forgetting it gives the next request a fresh one.
+    compiler.forget(constraint)
+    fresh = compiler.compile(constraint)
+    assert fresh is not grammar and GrammarMatcher(fresh).needs_mask
+    filler.close()
+    compiler.close()
