@@ -70,13 +70,19 @@ BENCHMARKS = [
         plot=False,
     ),
     Benchmark(
+        "structured_masks",
+        ("--steps", "200"),
+        "issue 26: llguidance token masks per step (1 and 32 rows), schema compile times",
+        plot=False,
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",
     ),
 ]
 # Modules in bench/ that are not benchmarks.
-HELPERS = {"__init__", "common", "bench_util", "run_all"}
+HELPERS = {"__init__", "common", "bench_util", "run_all", "structured_schemas"}
 # Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
 GPU_ONLY = {"gpu_serving"}
 

@@ -258,6 +258,8 @@ SLIM_IMAGES = {
             "rich": "rich",
             "zmq": "pyzmq",
             "msgpack": "msgpack",
+            "llguidance": "llguidance",
+            "numpy": "numpy",
         },
     ),
     "gateway": (
