@@ -36,7 +36,7 @@ $(STUBS): $(PROTOS) $(STAMP)
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | setup
-	$(PY) -m worker_svc.prepare_default_model --out $(MODEL_DIR)
+	$(PY) -m tools.prepare_default_model --out $(MODEL_DIR)
 
 test: setup model
 	$(PY) -m pytest -q

@@ -545,7 +545,7 @@ def main() -> None:
     if args.model:
         model = Path(args.model).resolve()
     else:
-        from worker_svc.tiny_checkpoints import ensure_checkpoint
+        from tools.tiny_checkpoints import ensure_checkpoint
 
         model = ensure_checkpoint("llama")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]

@@ -363,7 +363,7 @@ def test_worker_sizes_pool_with_scales_and_reports_them(kv_dtype, expected):
 
     from proto import worker_pb2
     from worker_svc.config import WorkerConfig
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     worker = Worker(
@@ -415,7 +415,7 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     decode step and a decode from copied blocks."""
     from worker_svc.config import WorkerConfig
     from worker_svc.step_input import SeqInput, StepInput
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))

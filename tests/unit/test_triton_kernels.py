@@ -459,7 +459,7 @@ def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
         monkeypatch.setattr(triton_ops, "MIN_SPLIT_TOKENS", 16)
     from worker_svc.config import WorkerConfig
     from worker_svc.step_input import SeqInput, StepInput
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))

@@ -12,7 +12,7 @@ deterministic: two builds produce byte-identical files.
 
     ensure_checkpoint("gemma3")          # -> .cache/tiny_checkpoints/gemma3, built once
     verify_checkpoint(path)              # loads in transformers, greedy-generates 20 tokens
-    python -m worker_svc.tiny_checkpoints --out DIR [--family llama --family qwen3 ...]
+    python -m tools.tiny_checkpoints --out DIR [--family llama --family qwen3 ...]
 
 `PAGEDSERVE_TINY_CKPT_DIR` overrides the cache root. Bump VERSION whenever the output
 changes, so stale cached checkpoints are rebuilt.
