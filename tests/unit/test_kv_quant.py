@@ -362,8 +362,8 @@ def test_worker_sizes_pool_with_scales_and_reports_them(kv_dtype, expected):
     import dataclasses
 
     from proto import worker_pb2
-    from worker_svc.config import WorkerConfig
     from tools.tiny_checkpoints import ensure_checkpoint
+    from worker_svc.config import WorkerConfig
     from worker_svc.worker import Worker
 
     worker = Worker(
@@ -413,9 +413,9 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     """The whole model (Gemma3: GQA, sliding-window layers) over a quantized cache:
     the Triton backend gives the torch backend's logits over a prefill, a chunk +
     decode step and a decode from copied blocks."""
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
     from worker_svc.step_input import SeqInput, StepInput
-    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))

@@ -457,9 +457,9 @@ def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
     if split_kv:
         monkeypatch.setattr(triton_ops, "num_sms", lambda device: 132)
         monkeypatch.setattr(triton_ops, "MIN_SPLIT_TOKENS", 16)
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
     from worker_svc.step_input import SeqInput, StepInput
-    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))

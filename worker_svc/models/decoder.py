@@ -4,6 +4,7 @@ The model holds weights only; the KV cache and the per-step attention metadata
 come in with each call, so the same model serves any mix of prefill chunks and
 decodes in one pass.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,12 +22,12 @@ from worker_svc.models.spec import ModelSpec, load_spec
 
 @dataclass
 class LayerWeights:
-    qkv: Linear                 # q, k, v projections fused: one matmul
+    qkv: Linear  # q, k, v projections fused: one matmul
     o: Linear
-    gate_up: Linear             # gate and up projections fused
+    gate_up: Linear  # gate and up projections fused
     down: Linear
-    attn_norm: torch.Tensor     # before attention
-    mlp_norm: torch.Tensor      # before the MLP
+    attn_norm: torch.Tensor  # before attention
+    mlp_norm: torch.Tensor  # before the MLP
     post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms
     post_mlp_norm: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
@@ -34,8 +35,14 @@ class LayerWeights:
 
 
 class DecoderModel:
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: Linear):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: Linear,
+    ):
         self.spec = spec
         self.embed = embed
         self.layers = layers
@@ -48,9 +55,14 @@ class DecoderModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-             transform: Callable[[ModelSpec, dict[str, torch.Tensor]], tuple[ModelSpec, dict[str, torch.Tensor]]]
-             | None = None) -> "DecoderModel":
+    def load(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        transform: Callable[[ModelSpec, dict[str, torch.Tensor]], tuple[ModelSpec, dict[str, torch.Tensor]]]
+        | None = None,
+    ) -> DecoderModel:
         """`transform`: applied to the checkpoint before it reaches the device (a
         tensor-parallel rank keeps its slice, worker_svc/parallel/sharding.py)."""
         spec = load_spec(model_dir)
@@ -60,8 +72,9 @@ class DecoderModel:
         return cls.from_tensors(spec, tensors, dtype, device)
 
     @classmethod
-    def from_tensors(cls, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device) -> "DecoderModel":
+    def from_tensors(
+        cls, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> DecoderModel:
         def take(name: str) -> torch.Tensor:
             return tensors.pop(name).to(device=device, dtype=dtype)
 
@@ -76,18 +89,24 @@ class DecoderModel:
             qkv = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")])
             gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
             sandwich = spec.sandwich_norm
-            layers.append(LayerWeights(
-                qkv=Linear(qkv), o=Linear(take(attn + "o_proj.weight")), gate_up=Linear(gate_up),
-                down=Linear(take(mlp + "down_proj.weight")),
-                attn_norm=norm(p + "input_layernorm.weight"),
-                # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma's
-                # normalizes the attention output and has its own pre-MLP norm.
-                mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                post_attn_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
-                post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
-                q_norm=norm(attn + "q_norm.weight") if spec.qk_norm else None,
-                k_norm=norm(attn + "k_norm.weight") if spec.qk_norm else None,
-            ))
+            layers.append(
+                LayerWeights(
+                    qkv=Linear(qkv),
+                    o=Linear(take(attn + "o_proj.weight")),
+                    gate_up=Linear(gate_up),
+                    down=Linear(take(mlp + "down_proj.weight")),
+                    attn_norm=norm(p + "input_layernorm.weight"),
+                    # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma's
+                    # normalizes the attention output and has its own pre-MLP norm.
+                    mlp_norm=norm(
+                        p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
+                    ),
+                    post_attn_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+                    post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+                    q_norm=norm(attn + "q_norm.weight") if spec.qk_norm else None,
+                    k_norm=norm(attn + "k_norm.weight") if spec.qk_norm else None,
+                )
+            )
         embed = take("model.embed_tokens.weight")
         lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
         return cls(spec, embed, layers, norm("model.norm.weight"), Linear(lm_head))

@@ -6,6 +6,7 @@ batch sizes costs about as much as the multiply (bench/results/vs_transformers.m
 fp32 weights stay plain, so the fp32 exactness tests run the same matmul as
 transformers; CUDA weights stay plain too (cuBLAS needs no reorder).
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Each family differs from Llama in a handful of switches; they are collected here
 so the decoder has one code path (see decoder.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,14 +29,14 @@ class ModelSpec:
     rms_norm_eps: float
     max_model_len: int
     tie_word_embeddings: bool
-    activation: str                   # silu | gelu_tanh
+    activation: str  # silu | gelu_tanh
     attention_scale: float
-    qk_norm: bool                     # Qwen3, Gemma3: RMSNorm on q and k per head
-    norm_offset: float                # Gemma: weights are stored as (w - 1)
-    embed_scale: float                # Gemma: embeddings times sqrt(hidden)
-    sandwich_norm: bool               # Gemma: extra norms after attention and MLP
-    layer_windows: tuple[int, ...]    # sliding window per layer, 0 = full attention
-    layer_rope: tuple[int, ...]       # index into rope_inv_freqs per layer
+    qk_norm: bool  # Qwen3, Gemma3: RMSNorm on q and k per head
+    norm_offset: float  # Gemma: weights are stored as (w - 1)
+    embed_scale: float  # Gemma: embeddings times sqrt(hidden)
+    sandwich_norm: bool  # Gemma: extra norms after attention and MLP
+    layer_windows: tuple[int, ...]  # sliding window per layer, 0 = full attention
+    layer_rope: tuple[int, ...]  # index into rope_inv_freqs per layer
     rope_inv_freqs: tuple[tuple[float, ...], ...]
     eos_token_ids: tuple[int, ...]
 
