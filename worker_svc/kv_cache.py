@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from kernels import quant, reference
+from kernels.quant import KVScales
 
 if TYPE_CHECKING:
     from worker_svc.forward_batch import AttentionGroup
@@ -98,20 +99,10 @@ class _KVTensors:
         shape = (num_layers, num_ids, num_kv_heads, tokens_per_id, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
-        if quant.is_quantized(dtype):
-            self.k_scale = torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE, device=device)
-            if quant.has_zero_point(dtype):
-                self.k_zero = torch.zeros(shape[:-1], dtype=quant.ZERO_DTYPE, device=device)
-                self.v_zero = torch.zeros(shape[:-1], dtype=quant.ZERO_DTYPE, device=device)
+        self.scales = KVScales.zeros(shape, dtype, device)  # None unquantized
         self.num_blocks = num_ids
         self.block_size = tokens_per_id
         self.dtype = dtype
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
 
     @staticmethod
     def scale_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
@@ -140,35 +131,34 @@ class _KVTensors:
     @property
     def total_bytes(self) -> int:
         """What the pool's tensors take, scales included (== num_blocks * block_bytes)."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.scale_tensors().values()))
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the pool: K, V, then the scales and zero points if any."""
+        return (self.k, self.v, *(self.scales.tensors if self.scales is not None else ()))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
-    def layer_scales(self, i: int) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the ops for layer i: its scales (and zero points);
-        empty for an unquantized cache, so the ops' unquantized call is unchanged."""
-        return {name: t[i] for name, t in self.scale_tensors().items()}
-
-    def scale_tensors(self) -> dict[str, torch.Tensor]:
-        """The all-layer scale / zero-point tensors by op keyword (empty unquantized)."""
-        tensors = dict(k_scale=self.k_scale, v_scale=self.v_scale, k_zero=self.k_zero, v_zero=self.v_zero)
-        return {name: t for name, t in tensors.items() if t is not None}
+    def layer_scales(self, i: int) -> KVScales | None:
+        """Layer i's scales (and zero points), as the ops take them; None unquantized."""
+        return None if self.scales is None else self.scales[i]
 
     def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
         if len(src):
             # A step's copies arrive as device tensors (its one upload); lists become them here.
             index = lambda ids: torch.as_tensor(ids, dtype=torch.long, device=self.k.device)
-            reference.copy_blocks(self.k, self.v, index(src), index(dst), **self.scale_tensors())
+            reference.copy_blocks(self.k, self.v, index(src), index(dst), scales=self.scales)
 
     def zero_blocks(self, ids: Sequence[int]) -> None:
-        for tensor in (self.k, self.v, *self.scale_tensors().values()):
+        for tensor in self.tensors:
             tensor[:, list(ids)] = 0
 
     def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # slot // tokens_per_id, slot % tokens_per_id: the same op for blocks and slots.
         k_cache, v_cache = self.layer(layer)
-        ops.write_kv(key, value, k_cache, v_cache, slot_mapping, **self.layer_scales(layer))
+        ops.write_kv(key, value, k_cache, v_cache, slot_mapping, scales=self.layer_scales(layer))
 
     def decode(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
         raise NotImplementedError
@@ -197,8 +187,9 @@ class PagedKVCache(_KVTensors):
 
     def decode(self, ops, layer, query, group, scale, window):
         k_cache, v_cache = self.layer(layer)
+        scales = self.layer_scales(layer)
         return ops.paged_decode_attention(
-            query, k_cache, v_cache, group.block_tables, group.context_lens, scale, window, **self.layer_scales(layer)
+            query, k_cache, v_cache, group.block_tables, group.context_lens, scale, window, scales=scales
         )
 
     def prefill(self, ops, layer, query, group, scale, window):
@@ -212,7 +203,7 @@ class PagedKVCache(_KVTensors):
             group.context_lens,
             scale,
             window,
-            **self.layer_scales(layer),
+            scales=self.layer_scales(layer),
         )
 
 
@@ -253,7 +244,7 @@ class ContiguousKVCache(_KVTensors):
             group.context_lens,
             scale,
             window,
-            **self.layer_scales(layer),
+            scales=self.layer_scales(layer),
         )
 
     def prefill(self, ops, layer, query, group, scale, window):
@@ -267,7 +258,7 @@ class ContiguousKVCache(_KVTensors):
             group.context_lens,
             scale,
             window,
-            **self.layer_scales(layer),
+            scales=self.layer_scales(layer),
         )
 
 

@@ -50,17 +50,18 @@ def test_contiguous_ops_equal_the_paged_ops(dtype, window):
     ctx = torch.tensor(context_lens, dtype=torch.int32)
     k, v = contiguous.layer(0)
     ours = reference.contiguous_prefill_attention(
-        query, k, v, slots, cu, ctx, SCALE, window, **contiguous.layer_scales(0)
+        query, k, v, slots, cu, ctx, SCALE, window, scales=contiguous.layer_scales(0)
     )
     pk, pv = paged.layer(0)
-    want = reference.paged_prefill_attention(query, pk, pv, blocks, cu, ctx, SCALE, window, **paged.layer_scales(0))
+    scales = paged.layer_scales(0)
+    want = reference.paged_prefill_attention(query, pk, pv, blocks, cu, ctx, SCALE, window, scales=scales)
     torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
 
     decode_q = torch.randn(len(context_lens), HEADS, D, generator=torch.Generator().manual_seed(3))
     ours = reference.contiguous_decode_attention(
-        decode_q, k, v, slots, ctx, SCALE, window, **contiguous.layer_scales(0)
+        decode_q, k, v, slots, ctx, SCALE, window, scales=contiguous.layer_scales(0)
     )
-    want = reference.paged_decode_attention(decode_q, pk, pv, blocks, ctx, SCALE, window, **paged.layer_scales(0))
+    want = reference.paged_decode_attention(decode_q, pk, pv, blocks, ctx, SCALE, window, scales=paged.layer_scales(0))
     torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
 
 
@@ -118,5 +119,5 @@ def test_slot_copy_moves_values_and_scales():
     contiguous, _, slots, _ = _write_both([30, 12], torch.int8)
     src, dst = int(slots[0]), ({0, 1, 2} - {int(s) for s in slots}).pop()
     contiguous.copy_blocks([src], [dst])
-    for t in (contiguous.k, contiguous.v, *contiguous.scale_tensors().values()):
+    for t in contiguous.tensors:
         assert torch.equal(t[:, dst], t[:, src])

@@ -49,11 +49,11 @@ def _attend_in_chunks(ops, dtype, prompt, bounds: list[int], prefix_cache=None, 
     outs = []
     for start, end in zip(bounds, bounds[1:]):
         slots = torch.arange(start, end, device=DEVICE)
-        ops.write_kv(k[start:end], v[start:end], cache.k[0], cache.v[0], slots, **scales)
+        ops.write_kv(k[start:end], v[start:end], cache.k[0], cache.v[0], slots, scales=scales)
         cu = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([end], dtype=torch.int32, device=DEVICE)
         out = ops.paged_prefill_attention(
-            q[start:end], cache.k[0], cache.v[0], table, cu, lens, HEAD_DIM**-0.5, window, **scales
+            q[start:end], cache.k[0], cache.v[0], table, cu, lens, HEAD_DIM**-0.5, window, scales=scales
         )
         outs.append(out)
     return torch.cat(outs), cache
