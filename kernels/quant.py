@@ -161,14 +161,17 @@ class KVScales:
         if not is_quantized(dtype):
             return None
         shape = values_shape[:-1]
-        scale = lambda: torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
-        zero = lambda: torch.zeros(shape, dtype=ZERO_DTYPE, device=device) if has_zero_point(dtype) else None
-        return cls(scale(), scale(), zero(), zero())
+        k_scale, v_scale = (torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(2))
+        if not has_zero_point(dtype):
+            return cls(k_scale, v_scale)
+        k_zero, v_zero = (torch.zeros(shape, dtype=ZERO_DTYPE, device=device) for _ in range(2))
+        return cls(k_scale, v_scale, k_zero, v_zero)
 
     def __getitem__(self, index: int) -> KVScales:
         """One layer's (or one id's) scales."""
-        pick = lambda t: None if t is None else t[index]
-        return KVScales(self.k_scale[index], self.v_scale[index], pick(self.k_zero), pick(self.v_zero))
+        k_zero = None if self.k_zero is None else self.k_zero[index]
+        v_zero = None if self.v_zero is None else self.v_zero[index]
+        return KVScales(self.k_scale[index], self.v_scale[index], k_zero, v_zero)
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:

@@ -313,7 +313,7 @@ def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 # Values that change from step to step are not specialised on (Triton would compile
 # a variant per value == 1 or divisible by 16): the worker compiles every variant
-# it needs before serving (worker_svc/cuda_graphs.py), which needs a small, known set.
+# it needs before serving (worker_svc/runner/warm_up.py), which needs a small, known set.
 @triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
@@ -644,7 +644,9 @@ def _launch_attention(
         grid: tuple[int, ...] = (num_seqs, num_kv_heads, num_splits)
     else:  # the partial slots take any tensor; they are never written
         part_out = part_max = part_sum = out
-        grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + 2 * num_seqs, num_kv_heads)
+        block_q = meta["BLOCK_Q"]
+        assert isinstance(block_q, int)
+        grid = (num_seqs if decode else num_tokens // block_q + 2 * num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         query,

@@ -28,7 +28,7 @@ from kernels import (
     triton_ops,
 )
 from kernels.quant import KVScales
-from worker_svc.kv_cache import PagedKVCache
+from worker_svc.attention.kv_cache import PagedKVCache
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 QDTYPES = [quant.FP8_DTYPE, torch.int8]
@@ -414,9 +414,9 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     """The whole model (Gemma3: GQA, sliding-window layers) over a quantized cache:
     the Triton backend gives the torch backend's logits over a prefill, a chunk +
     decode step and a decode from copied blocks."""
+    from tests.helpers.worker_steps import Seq, sampled, step_input
     from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
-    from worker_svc.step_input import SeqInput, StepInput
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))
@@ -432,18 +432,18 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
 
     def seq(seq_id, tokens, start, table):
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return SeqInput(seq_id, tokens, start, table, slots, sample=True, return_logits=True)
+        return Seq(seq_id, tokens, start, table, slots, sample=True, return_logits=True)
 
     def run(step):
         outs = {name: w.step(step) for name, w in workers.items()}
-        for want, got in zip(outs["torch"].sampled, outs["triton"].sampled, strict=True):
+        for want, got in zip(sampled(outs["torch"]), sampled(outs["triton"]), strict=True):
             assert want.token_id == got.token_id
             torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
-        return outs["torch"].sampled[0].token_id
+        return sampled(outs["torch"])[0].token_id
 
-    token = run(StepInput(1, [], [seq(1, prompt[:13], 0, [9, 2])]))
-    token = run(StepInput(2, [], [seq(1, prompt[13:] + [token], 13, [9, 2])]))
-    run(StepInput(3, [(9, 4), (2, 7)], [seq(2, [token], 21, [4, 7])]))  # decode from the copy
+    token = run(step_input(1, [], [seq(1, prompt[:13], 0, [9, 2])]))
+    token = run(step_input(2, [], [seq(1, prompt[13:] + [token], 13, [9, 2])]))
+    run(step_input(3, [(9, 4), (2, 7)], [seq(2, [token], 21, [4, 7])]))  # decode from the copy
     # Layer 0's K/V come straight from the embeddings, so both backends quantize the
     # same inputs: same bits. (Deeper layers' inputs differ in the last fp32 bits.)
     caches = [w.cache for w in workers.values()]

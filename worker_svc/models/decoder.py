@@ -10,22 +10,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
 from worker_svc.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
-from worker_svc.models.linear import Linear
+from worker_svc.models.linear import Linear, Projection
 from worker_svc.models.spec import ModelSpec, load_spec
+
+
+class Attention(Protocol):
+    """The attention a forward runs per layer (worker_svc/attention/cache_attention.py):
+    writes k/v [T, kv_heads, d] into the KV cache and returns the attention output
+    [T, q_heads, d] of q [T, q_heads, d]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor: ...
 
 
 @dataclass
 class LayerWeights:
-    qkv: Linear  # q, k, v projections fused: one matmul
-    o: Linear
-    gate_up: Linear  # gate and up projections fused
-    down: Linear
+    qkv: Projection  # q, k, v projections fused: one matmul
+    o: Projection
+    gate_up: Projection  # gate and up projections fused
+    down: Projection
     attn_norm: torch.Tensor  # before attention
     mlp_norm: torch.Tensor  # before the MLP
     post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms
@@ -41,7 +50,7 @@ class DecoderModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
-        lm_head: Linear,
+        lm_head: Projection,
     ):
         self.spec = spec
         self.embed = embed
@@ -111,12 +120,8 @@ class DecoderModel:
         lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
         return cls(spec, embed, layers, norm("model.norm.weight"), Linear(lm_head))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm.
-
-        `attention(layer_idx, q, k, v, window)` writes k/v into the paged cache
-        and returns the attention output [T, q_heads, head_dim].
-        """
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
         spec = self.spec
         hidden = F.embedding(input_ids, self.embed)
         if spec.embed_scale != 1.0:
@@ -127,15 +132,23 @@ class DecoderModel:
             hidden = self._layer(i, layer, hidden, cos, sin, attention)
         return rms_norm(hidden, self.final_norm, spec.rms_norm_eps)
 
-    def _layer(self, i: int, w: LayerWeights, hidden: torch.Tensor, cos, sin, attention) -> torch.Tensor:
+    def _layer(
+        self,
+        i: int,
+        w: LayerWeights,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: Attention,
+    ) -> torch.Tensor:
         spec, eps = self.spec, self.spec.rms_norm_eps
         num_tokens = hidden.shape[0]
         x = rms_norm(hidden, w.attn_norm, eps)
-        q, k, v = w.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = torch.split(w.qkv(x), [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_q_heads, spec.head_dim)
         k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm:
+        if w.q_norm is not None and w.k_norm is not None:  # spec.qk_norm
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attention(i, q, k, v, spec.layer_windows[i]).reshape(num_tokens, self.q_size)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker_svc.models.linear import Projection
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32; `weight` already includes any family offset (Gemma's 1 + w)."""
@@ -29,7 +31,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def gated_mlp(x: torch.Tensor, gate_up, down, activation: str) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, gate_up: Projection, down: Projection, activation: str) -> torch.Tensor:
     """gate_up and down are the projections (callables x -> x @ W.T, models/linear.py)."""
     gate, up = gate_up(x).chunk(2, dim=-1)
     if activation == "silu":

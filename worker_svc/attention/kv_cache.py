@@ -19,24 +19,30 @@ differs (a gather through the block tables vs a direct read of each slot).
 
 A quantized cache (FP8 e4m3 or INT8, kernels/quant.py) also owns its per-token,
 per-KV-head scales (fp32) and, for INT8, zero points (int8), shaped like the
-values without head_dim: written with their token by write_kv, read by the
-attention ops, copied with their block (or slot) by copy_blocks.
+values without head_dim (one quant.KVScales): written with their token by
+write_kv, read by the attention ops, copied with their block (or slot) by
+copy_blocks.
+
+A cache is built with one backend's ops (backend.AttentionOps) and calls them
+itself: callers say what to do with a layer (write, decode, prefill), never
+which op.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kernels import quant, reference
 from kernels.quant import KVScales
+from worker_svc.attention.backend import AttentionOps, DecodeAttention, PrefillAttention
+from worker_svc.attention.metadata import AttentionGroup
 
-if TYPE_CHECKING:
-    from worker_svc.forward_batch import AttentionGroup
-
-KV_LAYOUTS = ("paged", "contiguous")
+BlockIds = Sequence[int] | npt.NDArray[np.int64] | torch.Tensor
 
 
 @runtime_checkable
@@ -51,29 +57,34 @@ class KVCachePool(Protocol):
     @property
     def block_bytes(self) -> int:
         """Bytes of one id (block or slot), all layers, K and V, scales included."""
+        ...
 
     @property
     def scale_block_bytes(self) -> int:
         """The scales' and zero points' part of block_bytes (0 unquantized)."""
+        ...
 
     @property
     def total_bytes(self) -> int:
         """What the cache's tensors take (== num_blocks * block_bytes)."""
+        ...
 
-    def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V [T, kv_heads, d] of one layer at their slots."""
 
     def decode(
-        self, ops, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
+        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
     ) -> torch.Tensor:
         """Attention of one query row per sequence of `group` [S, q_heads, d] over its context."""
+        ...
 
     def prefill(
-        self, ops, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
+        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
     ) -> torch.Tensor:
         """Causal attention of `group`'s chunks [T, q_heads, d] over their contexts."""
+        ...
 
-    def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+    def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         """Copy whole blocks (or slots) src[i] -> dst[i] in every layer."""
 
     def zero_blocks(self, ids: Sequence[int]) -> None:
@@ -82,7 +93,8 @@ class KVCachePool(Protocol):
 
 class _KVTensors:
     """K/V values (+ scales) shaped [layers, ids, kv_heads, tokens per id, head_dim]
-    and what both layouts do alike: write, copy, the decode/prefill split."""
+    and what both layouts do alike: write, copy, zero, and attend through the ops
+    of their layout."""
 
     layout = ""
 
@@ -95,6 +107,7 @@ class _KVTensors:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        ops: AttentionOps = reference,
     ):
         shape = (num_layers, num_ids, num_kv_heads, tokens_per_id, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -103,6 +116,7 @@ class _KVTensors:
         self.num_blocks = num_ids
         self.block_size = tokens_per_id
         self.dtype = dtype
+        self.ops = ops
 
     @staticmethod
     def scale_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
@@ -145,25 +159,44 @@ class _KVTensors:
         """Layer i's scales (and zero points), as the ops take them; None unquantized."""
         return None if self.scales is None else self.scales[i]
 
-    def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+    def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         if len(src):
-            # A step's copies arrive as device tensors (its one upload); lists become them here.
-            index = lambda ids: torch.as_tensor(ids, dtype=torch.long, device=self.k.device)
-            reference.copy_blocks(self.k, self.v, index(src), index(dst), scales=self.scales)
+            # A step's copies arrive as device tensors (its one upload); others become them here.
+            src_t, dst_t = (torch.as_tensor(ids, dtype=torch.long, device=self.k.device) for ids in (src, dst))
+            self.ops.copy_blocks(self.k, self.v, src_t, dst_t, scales=self.scales)
 
     def zero_blocks(self, ids: Sequence[int]) -> None:
         for tensor in self.tensors:
             tensor[:, list(ids)] = 0
 
-    def write(self, ops, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # slot // tokens_per_id, slot % tokens_per_id: the same op for blocks and slots.
         k_cache, v_cache = self.layer(layer)
-        ops.write_kv(key, value, k_cache, v_cache, slot_mapping, scales=self.layer_scales(layer))
+        self.ops.write_kv(key, value, k_cache, v_cache, slot_mapping, scales=self.layer_scales(layer))
 
-    def decode(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
+    def decode(self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int) -> torch.Tensor:
+        k_cache, v_cache = self.layer(layer)
+        index, scales = self._index(group), self.layer_scales(layer)
+        return self._decode_op(query, k_cache, v_cache, index, group.context_lens, scale, window, scales=scales)
+
+    def prefill(
+        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.layer(layer)
+        index, lens, scales = self._index(group), (group.cu_query_lens, group.context_lens), self.layer_scales(layer)
+        return self._prefill_op(query, k_cache, v_cache, index, *lens, scale, window, scales=scales)
+
+    # What differs between the layouts: the ops that read them, and what a sequence's
+    # table says (its blocks, or its slot).
+    @property
+    def _decode_op(self) -> DecodeAttention:
         raise NotImplementedError
 
-    def prefill(self, ops, layer, query, group: AttentionGroup, scale, window) -> torch.Tensor:
+    @property
+    def _prefill_op(self) -> PrefillAttention:
+        raise NotImplementedError
+
+    def _index(self, group: AttentionGroup) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -173,108 +206,47 @@ class PagedKVCache(_KVTensors):
 
     layout = "paged"
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        num_kv_heads: int,
-        block_size: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
+    @property
+    def _decode_op(self) -> DecodeAttention:
+        return self.ops.paged_decode_attention
 
-    def decode(self, ops, layer, query, group, scale, window):
-        k_cache, v_cache = self.layer(layer)
-        scales = self.layer_scales(layer)
-        return ops.paged_decode_attention(
-            query, k_cache, v_cache, group.block_tables, group.context_lens, scale, window, scales=scales
-        )
+    @property
+    def _prefill_op(self) -> PrefillAttention:
+        return self.ops.paged_prefill_attention
 
-    def prefill(self, ops, layer, query, group, scale, window):
-        k_cache, v_cache = self.layer(layer)
-        return ops.paged_prefill_attention(
-            query,
-            k_cache,
-            v_cache,
-            group.block_tables,
-            group.cu_query_lens,
-            group.context_lens,
-            scale,
-            window,
-            scales=self.layer_scales(layer),
-        )
+    def _index(self, group: AttentionGroup) -> torch.Tensor:
+        return group.block_tables
 
 
 class ContiguousKVCache(_KVTensors):
     """[layers, max_batch, kv_heads, max_seq_len, head_dim]: one slot of
-    max_seq_len positions per sequence. A sequence's block table is [slot], and
-    attention reads that slot's first context_len positions directly."""
+    max_seq_len positions per sequence (num_blocks slots of block_size
+    positions). A sequence's block table is [slot], and attention reads that
+    slot's first context_len positions directly."""
 
     layout = "contiguous"
 
-    def __init__(
-        self,
-        num_layers: int,
-        max_batch: int,
-        num_kv_heads: int,
-        max_seq_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__(num_layers, max_batch, num_kv_heads, max_seq_len, head_dim, dtype, device)
+    @property
+    def _decode_op(self) -> DecodeAttention:
+        return self.ops.contiguous_decode_attention
 
     @property
-    def max_batch(self) -> int:
-        return self.num_blocks
+    def _prefill_op(self) -> PrefillAttention:
+        return self.ops.contiguous_prefill_attention
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.block_size
-
-    def decode(self, ops, layer, query, group, scale, window):
-        k_cache, v_cache = self.layer(layer)
-        return ops.contiguous_decode_attention(
-            query,
-            k_cache,
-            v_cache,
-            group.block_tables[:, 0],
-            group.context_lens,
-            scale,
-            window,
-            scales=self.layer_scales(layer),
-        )
-
-    def prefill(self, ops, layer, query, group, scale, window):
-        k_cache, v_cache = self.layer(layer)
-        return ops.contiguous_prefill_attention(
-            query,
-            k_cache,
-            v_cache,
-            group.block_tables[:, 0],
-            group.cu_query_lens,
-            group.context_lens,
-            scale,
-            window,
-            scales=self.layer_scales(layer),
-        )
+    def _index(self, group: AttentionGroup) -> torch.Tensor:
+        return group.block_tables[:, 0]
 
 
-def make_kv_cache(
-    layout: str,
-    num_layers: int,
-    num_ids: int,
-    num_kv_heads: int,
-    tokens_per_id: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> KVCachePool:
-    """num_ids blocks of tokens_per_id tokens (paged), or num_ids slots of
-    tokens_per_id = max_seq_len positions (contiguous)."""
-    classes = {"paged": PagedKVCache, "contiguous": ContiguousKVCache}
-    if layout not in classes:
-        raise ValueError(f"kv layout must be one of {KV_LAYOUTS}, got {layout!r}")
-    return classes[layout](num_layers, num_ids, num_kv_heads, tokens_per_id, head_dim, dtype, device)
+KV_LAYOUTS: dict[str, type[PagedKVCache | ContiguousKVCache]] = {
+    "paged": PagedKVCache,
+    "contiguous": ContiguousKVCache,
+}
+
+
+def kv_cache_class(layout: str) -> type[PagedKVCache | ContiguousKVCache]:
+    """--kv-layout's cache: num_ids blocks of tokens_per_id tokens (paged), or
+    num_ids slots of tokens_per_id = max_seq_len positions (contiguous)."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"kv layout must be one of {tuple(KV_LAYOUTS)}, got {layout!r}")
+    return KV_LAYOUTS[layout]

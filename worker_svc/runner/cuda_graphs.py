@@ -6,48 +6,36 @@ launch. Graphs need fixed shapes and fixed addresses, so:
 
 * a ladder of batch sizes (1, 2, 4, 8, then every 8 up to --max-num-seqs) is
   captured at start-up, and a decode batch is padded up to the next rung
-  (forward_batch.pad_decode says what a padding row does: writes nothing, reads
-  one finite position);
+  (batch.pad_decode says what a padding row does: writes nothing, reads one
+  finite position);
 * every input the forward reads (ids, positions, slots, block tables as wide as
   the longest sequence allowed, context lengths) lives in one persistent device
   buffer, which each step fills with its one host->device copy
-  (forward_batch.upload_batch into that buffer) before replaying;
+  (upload.upload_batch into that buffer) before replaying;
 * prefill and mixed steps, bigger batches, and steps whose tables or block
   copies do not fit stay eager.
 
 The capture goes through a `GraphBackend`: `CudaGraphBackend` records real
 graphs; `EagerReplay` runs the forward again at each replay, so on CPU the same
 buffer filling, padding and un-padding run and can be tested against eager.
-`check_against_eager` compares one captured size with the eager forward at
-start-up; the worker drops its graphs (one warning) if they differ.
+warm_up.py compares one captured size with the eager forward at start-up; the
+runner drops its graphs (one warning) if they differ.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
-import structlog
+import numpy.typing as npt
 import torch
 
-from worker_svc.forward_batch import (
-    ForwardBatch,
-    HostBatch,
-    HostGroup,
-    InputUploader,
-    packed_layout,
-    pad_decode,
-    upload_batch,
-)
-from worker_svc.sampler import Sampler
-from worker_svc.step_input import Sampling, SeqInput, StepInput
-
-if TYPE_CHECKING:
-    from worker_svc.model_runner import LastSamples, ModelRunner
-
-log = structlog.get_logger(__name__)
+from worker_svc.runner.batch import ForwardBatch, HostBatch, HostGroup, pad_decode
+from worker_svc.runner.last_samples import LastSamples
+from worker_svc.runner.upload import InputUploader, packed_layout, upload_batch
 
 Replay = Callable[[], torch.Tensor]
 
@@ -125,7 +113,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         for size in reversed(self.ladder):  # largest first: see CudaGraphBackend
             batch = upload_batch(padding_batch(size, self.table_width), self.uploader, into=self.buffer)
-            self.replays[size] = self.backend.capture(lambda batch=batch: self.forward(batch))
+            self.replays[size] = self.backend.capture(functools.partial(self.forward, batch))
 
     def covers(self, host: HostBatch) -> bool:
         """A decode-only batch within the ladder whose tables and copies fit the buffer."""
@@ -162,8 +150,8 @@ def padding_batch(size: int, table_width: int) -> HostBatch:
         ref_rows=empty,
         ref_sources=empty,
         copies=np.zeros((2, 0), dtype=np.int64),
-        seqs=[],
-        sample_seqs=[],
+        order=empty,
+        sample_order=empty,
     )
     return pad_decode(host, size, table_width)
 
@@ -172,7 +160,7 @@ def _buffer_words(max_num_seqs: int, table_width: int) -> int:
     """Words of the largest upload a covered step makes: the top rung's inputs, a
     sample and a reference per row, and up to max_num_seqs block copies."""
     rows = np.zeros(max_num_seqs, dtype=np.int64)
-    shapes = [
+    shapes: list[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = [
         rows,
         rows,
         rows,
@@ -185,102 +173,3 @@ def _buffer_words(max_num_seqs: int, table_width: int) -> int:
         np.zeros((2, max_num_seqs), np.int64),
     ]
     return packed_layout(shapes)[1]
-
-
-def decode_peak_bytes(runner: ModelRunner, max_num_seqs: int, table_width: int) -> int:
-    """Device memory a decode of max_num_seqs rows takes beyond what is allocated
-    (activations, split-KV partials, logits): what the graphs' shared pool will
-    hold, measured by one eager run over `runner`'s (scratch, one-block) cache
-    before the KV pool is sized. CUDA only."""
-    device = runner.model.device
-    assert device.type == "cuda", device
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    with torch.inference_mode():
-        batch = upload_batch(padding_batch(max_num_seqs, table_width), InputUploader(device))
-        runner.model.logits(runner.forward(batch))
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
-
-
-# --------------------------------------------------------------------------- start-up check
-
-CHECK_SEQS = 3  # padded to the rung of 4: the check covers padding too
-CHECK_PROMPT = 5  # tokens per sequence before the checked decode (within one block of any size)
-CHECK_FIRST_CHUNK = 3  # the prompt goes in two chunks
-LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}  # of max |logit|
-
-
-def start_up_check(runner: ModelRunner, graphs: DecodeGraphs | None, num_blocks: int) -> str | None:
-    """An eager prefill (in two chunks) and decode of a few sequences (compiling
-    the kernels a first request runs, and sampling once), then the same decode through `graphs`:
-    None when they agree (compare_logits), else what differs. Uses blocks (or
-    contiguous slots) 0..n-1 and zeroes them after: the pool is unused at start."""
-    n = min(CHECK_SEQS, graphs.max_num_seqs if graphs else CHECK_SEQS, num_blocks)
-    block_size = runner.cache.block_size
-    prompt = CHECK_PROMPT  # block sizes are >= 8: the prompt and the decoded token fit one block
-    vocab = runner.model.spec.vocab_size
-
-    def seqs(start: int, length: int) -> list[SeqInput]:
-        return [
-            SeqInput(
-                seq_id=i,
-                token_ids=[(7 + 13 * i + 31 * p) % vocab for p in range(start, start + length)],
-                start_pos=start,
-                block_table=[i],
-                slot_mapping=[i * block_size + p for p in range(start, start + length)],
-                sample=True,
-            )
-            for i in range(n)
-        ]
-
-    try:
-        # Two chunks: the first starts at 0 (the SDPA route where it is on), the second continues it (paged).
-        runner.logits(StepInput(0, [], seqs(0, CHECK_FIRST_CHUNK)), use_graphs=False)
-        runner.logits(StepInput(0, [], seqs(CHECK_FIRST_CHUNK, prompt - CHECK_FIRST_CHUNK)), use_graphs=False)
-        decode = StepInput(1, [], seqs(prompt, 1))
-        eager = runner.logits(decode, use_graphs=False)
-        # A throwaway sampler: the worker's own generator must not move.
-        mixed = [Sampling(), Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=0)]
-        Sampler(0).sample_packed(eager.repeat(2, 1), mixed * n, [prompt] * 2 * n).tensor.cpu()
-        if runner.model.device.type == "cuda":
-            _compile_split_variants(runner)
-        if graphs is None:
-            return None
-        assert runner.graphs is graphs, "the runner must hold the graphs under check"
-        graph = runner.logits(decode, use_graphs=True)
-    finally:
-        runner.cache.zero_blocks(range(n))
-    return compare_logits(graph, eager, runner.model.dtype)
-
-
-def _compile_split_variants(runner: ModelRunner) -> None:
-    """Eager decodes (those of mixed steps) pick their split-KV partition count
-    from their table width: compile each count's merge kernel now, through one
-    1-row decode per power of two over a table that wide (reading block 0)."""
-    from kernels.triton_ops import MAX_SPLITS, MIN_SPLIT_TOKENS
-
-    splits = 2
-    with torch.inference_mode():
-        while splits <= MAX_SPLITS:
-            width = -(-splits * MIN_SPLIT_TOKENS // runner.cache.block_size)
-            runner.forward(upload_batch(padding_batch(1, width), runner.uploader))
-            splits *= 2
-
-
-def compare_logits(graph: torch.Tensor, eager: torch.Tensor, model_dtype: torch.dtype) -> str | None:
-    """None when the graph's logits match eager's: every greedy token the same
-    (unless eager's best two are within the tolerance: a near tie either way is
-    right), and every logit within the model dtype's tolerance of the largest."""
-    tol = LOGIT_TOLERANCE.get(model_dtype, 1e-3) * max(1.0, float(eager.abs().max()))
-    if not torch.isfinite(graph).all():
-        return "the graph's logits are not finite"
-    err = float((graph - eager).abs().max())
-    if err > tol:
-        return f"max |logit difference| {err:.3g} > {tol:.3g}"
-    top2 = eager.topk(2, dim=-1).values
-    decided = (top2[:, 0] - top2[:, 1]) > tol
-    if not torch.equal(graph.argmax(-1)[decided], eager.argmax(-1)[decided]):
-        return "different greedy tokens"
-    return None
