@@ -78,11 +78,11 @@ def test_plan_batch_orders_fresh_chunks_after_decodes():
     step = step_input(1, [], [seq(0, 5, 10), seq(1, 1, 7), seq(2, 3, 0), seq(3, 4, 0)])
     host = plan_batch(step, split_fresh=True)
     assert step.seqs.seq_ids[host.order].tolist() == [1, 2, 3, 0]
-    assert host.decode.num_seqs == 1 and host.fresh.num_seqs == 2 and host.prefill.num_seqs == 1
+    assert [len(g.context_lens) for g in (host.decode, host.fresh, host.prefill)] == [1, 2, 1]
     assert host.fresh.cu_query_lens.tolist() == [0, 3, 7]
     assert host.sample_rows.tolist() == [0, 3, 7, 12]
     merged = plan_batch(step)
-    assert merged.fresh is None and merged.prefill.num_seqs == 3
+    assert merged.fresh is None and len(merged.prefill.context_lens) == 3
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ torch.distributed group (NCCL on CUDA, gloo on CPU; rendezvous through a
 FileStore in a private temporary directory) for the forward's collectives.
 Steps travel to the other ranks over one pipe each, pickled once: a rank
 waiting for the next step blocks on its pipe with no timeout, and sees rank 0
-go away as the pipe's end.
+go away as the pipe's end. The group knows nothing of the worker: `launch` is
+handed the ranks' entry point (worker.run_rank), which builds each rank's
+worker and runs rank.serve_rank.
 
 Failure. A rank that exits (crash, OOM kill), or a step that fails on rank 0
 after the others were sent it (their collectives may be waiting for it), makes

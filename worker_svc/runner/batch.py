@@ -37,10 +37,6 @@ class HostGroup:
     context_lens: Int32Array  # [S] cached + new tokens
     cu_query_lens: Int32Array  # [S + 1]
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
-
 
 @dataclass(frozen=True, slots=True)
 class HostBatch:

@@ -56,6 +56,8 @@ def validate(step: StepInput, limits: Limits) -> None:
 
 
 def _validate_copies(copies: IntArray, limits: Limits) -> None:
+    if not copies.size:  # most steps
+        return
     for column, name in ((0, "src"), (1, "dst")):
         if (i := _first((copies[:, column] < 0) | (copies[:, column] >= limits.num_blocks))) is not None:
             raise InvalidStep(f"copies[{i}].{name}", f"block {copies[i, column]} outside [0, {limits.num_blocks})")
@@ -81,8 +83,9 @@ def _row_of(flat_index: int, lens: IntArray) -> int:
 
 def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limits) -> None:
     ids = seqs.seq_ids
-    unique, first_of = np.unique(ids, return_index=True)
-    if unique.size != ids.size:
+    ordered = np.sort(ids)
+    if (ordered[1:] == ordered[:-1]).any():
+        _, first_of = np.unique(ids, return_index=True)
         repeated = np.ones(ids.size, dtype=bool)
         repeated[first_of] = False
         again = int(np.flatnonzero(repeated)[0])
@@ -161,6 +164,8 @@ def _validate_sampling(seqs: SeqColumns) -> None:
         ("top_p", (s.top_p >= 0) & (s.top_p <= 1), "must be in [0, 1]"),
         ("top_k", s.top_k >= 0, "must be >= 0"),
     )
+    if not (seqs.sample & ~(checks[0][1] & checks[1][1] & checks[2][1])).any():
+        return
     for column, ok, rule in checks:
         if (i := _first(seqs.sample & ~ok)) is not None:
             raise InvalidStep(row_field(column, i), f"{rule}, got {getattr(s, column)[i]}")
