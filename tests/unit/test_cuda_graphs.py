@@ -20,7 +20,7 @@ from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
 from worker_svc.runner.batch import pad_decode, plan_batch
-from worker_svc.runner.cuda_graphs import DecodeGraphs, EagerReplay, batch_ladder, ladder_rung
+from worker_svc.runner.cuda_graphs import DecodeGraphs, Replay, batch_ladder, ladder_rung
 from worker_svc.runner.memory import kv_budget_bytes
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.runner.warm_up import compare_logits
@@ -28,6 +28,15 @@ from worker_svc.worker import Worker
 
 BLOCK = 16
 MAX_SEQS = 24  # ladder 1, 2, 4, 8, 16, 24
+
+
+class EagerReplay:
+    """A GraphBackend without graphs: each replay runs the forward again, over the
+    same persistent buffers."""
+
+    def capture(self, forward: Replay) -> Replay:
+        forward()
+        return forward
 
 
 class CountingReplay(EagerReplay):

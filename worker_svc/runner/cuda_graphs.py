@@ -16,8 +16,9 @@ launch. Graphs need fixed shapes and fixed addresses, so:
   copies do not fit stay eager.
 
 The capture goes through a `GraphBackend`: `CudaGraphBackend` records real
-graphs; `EagerReplay` runs the forward again at each replay, so on CPU the same
-buffer filling, padding and un-padding run and can be tested against eager.
+graphs; the CPU tests' EagerReplay (tests/unit/test_cuda_graphs.py) runs the
+forward again at each replay, so the same buffer filling, padding and
+un-padding run there and are tested against eager.
 warm_up.py compares one captured size with the eager forward at start-up; the
 runner drops its graphs (one warning) if they differ.
 """
@@ -79,14 +80,6 @@ class CudaGraphBackend:
             return out
 
         return replay
-
-
-class EagerReplay:
-    """No graph: each replay runs the forward again, over the same persistent buffers."""
-
-    def capture(self, forward: Replay) -> Replay:
-        forward()
-        return forward
 
 
 class DecodeGraphs:
