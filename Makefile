@@ -44,7 +44,7 @@ test: setup model
 test-slow: setup model
 	$(PY) -m pytest -q -m slow
 
-# ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc,
+# ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc, worker_svc,
 # kernels and svc_common (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
 lint: setup
 	$(PY) -m ruff check .
