@@ -319,7 +319,7 @@ def routing_args(description: str, step_tokens_help: str) -> argparse.Namespace:
     parser.add_argument("--gap-ms", type=float, default=20.0, help="paced arrivals: time between two requests")
     args = parser.parse_args()
     if not args.model:
-        from worker_svc.tiny_checkpoints import ensure_checkpoint
+        from tools.tiny_checkpoints import ensure_checkpoint
 
         args.model = str(ensure_checkpoint("llama"))
     return args

@@ -212,7 +212,7 @@ def measure_capacity(address: str, length: int, count: int, vocab: int, seed: in
 def part_capacity(args) -> list[list]:
     """Each layout's pool of 32,768 positions on a tiny long-context llama (the
     count does not depend on the model; the tiny one makes the bursts fast)."""
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
 
     model = ensure_checkpoint("llama_long")
     from transformers import AutoConfig
@@ -396,7 +396,7 @@ which already hold every position it writes: it never grows, and stays resident
 while the rest of the burst arrives. The scheduler runs with a step budget of
 {4 * TOKENS:,} tokens, chunk size 4,096 and prefix caching off, so admission allocates
 each whole prompt and only a full pool (contiguous: no free slot) stops it. The
-worker serves the tiny `llama_long` checkpoint (worker_svc/tiny_checkpoints.py,
+worker serves the tiny `llama_long` checkpoint (tools/tiny_checkpoints.py,
 262k positions): the count depends only on the pool, and the tiny model makes the 10
 bursts of up to ~40k prompt tokens take seconds. The "computed" column is the seed's
 formula, for comparison. At 4,096 = max_seq_len both layouts hold 8: the paged

@@ -177,7 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.prompt_tokens + 64 > args.max_model_len:
         raise SystemExit("--prompt-tokens + 64 must be <= --max-model-len")
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
 
     model = ensure_checkpoint("llama_long")
     started, load_before = time.perf_counter(), load_average()

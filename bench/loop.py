@@ -330,6 +330,8 @@ def summarize(runs: list[dict]) -> dict:
 
 # ---- part B: in-process split (current revision) ----------------------------------------
 def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: int, steps: int) -> dict:
+    import numpy as np
+
     from proto import worker_pb2
     from scheduler_svc.api.serving import event_to_proto
     from scheduler_svc.engine.streams import RequestStream
@@ -339,9 +341,9 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
     from scheduler_svc.planning.planner import Planner, PlannerConfig
     from scheduler_svc.request import Request, SamplingOptions
     from scheduler_svc.text.tokenizer import load_tokenizer
-    from worker_svc.model_runner import SampledRows, StepOutput
     from worker_svc.server import step_from_proto, step_to_proto
-    from worker_svc.step_input import Limits, validate
+    from worker_svc.step.output import SampledRows, StepOutput
+    from worker_svc.step.validation import Limits, validate
 
     channel = grpc.insecure_channel(worker_address, options=channel_options())
     try:
@@ -430,7 +432,11 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             t["w_validate"] = _ms(start)
             out = StepOutput(
                 reply.step_id,
-                SampledRows.of(result.sampled),
+                SampledRows(
+                    np.array(reply.sampled.seq_ids, np.uint64),
+                    np.array(reply.sampled.token_ids, np.int64),
+                    np.array(reply.sampled.logprobs, np.float64),
+                ),
                 reply.num_tokens,
                 {"total_ms": timings.total_ms},
             )
@@ -545,7 +551,7 @@ def main() -> None:
     if args.model:
         model = Path(args.model).resolve()
     else:
-        from worker_svc.tiny_checkpoints import ensure_checkpoint
+        from tools.tiny_checkpoints import ensure_checkpoint
 
         model = ensure_checkpoint("llama")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]

@@ -53,6 +53,7 @@ from datetime import datetime
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from bench.bench_util import (
     DEFAULT_MODEL,
@@ -77,7 +78,9 @@ from svc_common.grpc_options import channel_options
 from tools.processes import Cluster, ServiceProcess
 from worker_svc.config import WorkerConfig
 from worker_svc.server import step_from_proto, step_to_proto
-from worker_svc.step_input import Sampling, SeqInput, StepInput, validate
+from worker_svc.step.builder import StepBuilder
+from worker_svc.step.input import StepInput
+from worker_svc.step.validation import validate
 from worker_svc.worker import Worker
 
 NAME = "overhead"
@@ -98,19 +101,22 @@ def prompts_for(n: int, context: int, rng: random.Random) -> list[list[int]]:
 
 def step_input_of(plan: StepPlan) -> StepInput:
     """What the worker would get from the proto, built straight from the plan (the in-process path)."""
-    seqs = [
-        SeqInput(
+    builder = StepBuilder()
+    for s in plan.seqs:
+        o = s.sampling
+        builder.add(
             s.seq_id,
-            list(s.token_ids),
+            s.token_ids,
             s.start_pos,
-            list(s.block_table),
-            list(s.slot_mapping),
-            s.sample,
-            Sampling(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed),
+            s.block_table,
+            s.slot_mapping,
+            sample=s.sample,
+            temperature=o.temperature,
+            top_p=o.top_p,
+            top_k=o.top_k,
+            seed=o.seed,
         )
-        for s in plan.seqs
-    ]
-    return StepInput(plan.step_id, list(plan.copies), seqs)
+    return builder.build(plan.step_id, list(plan.copies))
 
 
 class Harness:
@@ -186,7 +192,7 @@ class Harness:
         t["worker_validate"] = _ms(start)
         if inproc_first is False:
             t["inproc"] = self._inproc(plan)
-        t["worker_reply"] = self._reply_cost(reply, result.sampled)
+        t["worker_reply"] = self._reply_cost(reply)
         t["bytes"] = len(payload)
         t["seqs"], t["tokens"] = len(plan.seqs), plan.num_tokens
         return t
@@ -230,12 +236,13 @@ class Harness:
         return _ms(start)
 
     @staticmethod
-    def _reply_cost(reply: worker_pb2.StepResponse, sampled: dict[int, tuple[int, float]]) -> float:
-        from worker_svc.model_runner import SampledRows, StepOutput
+    def _reply_cost(reply: worker_pb2.StepResponse) -> float:
+        from worker_svc.step.output import SampledRows, StepOutput
 
+        c = reply.sampled
         out = StepOutput(
             reply.step_id,
-            SampledRows.of(sampled),
+            SampledRows(np.array(c.seq_ids, np.uint64), np.array(c.token_ids, np.int64), np.array(c.logprobs)),
             reply.num_tokens,
             {"total_ms": reply.timings.total_ms},
         )

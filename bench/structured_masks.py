@@ -43,7 +43,7 @@ from scheduler_svc.structured import (
     allowed_ids,
 )
 from scheduler_svc.text.tokenizer import load_tokenizer
-from svc_common.processes import REPO
+from tools.processes import REPO
 
 NAME = "structured_masks"
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
@@ -56,7 +56,7 @@ def rss_mb() -> float:
 
 
 def vocabularies() -> list[tuple[str, Callable[[], GrammarVocab]]]:
-    from worker_svc.tiny_checkpoints import train_tokenizer_json
+    from tools.tiny_checkpoints import train_tokenizer_json
 
     tiny_json = train_tokenizer_json()
     return [
