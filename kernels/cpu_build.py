@@ -92,4 +92,14 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
-    return hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "paged_attention")
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    """Shapes for torch.compile's tracing: the op returns a tensor like its query."""
+
+    def fake(query: torch.Tensor, *_args: object) -> torch.Tensor:
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+    torch.library.register_fake(f"{NAMESPACE}::paged_attention", fake)

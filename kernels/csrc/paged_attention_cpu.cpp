@@ -9,11 +9,13 @@
 // the reference's `.to(query.dtype)` does, then attended in fp32 with an online
 // softmax over one block at a time; the output is rounded to the query's dtype.
 //
-// Work item: (sequence, KV head, tile of up to kRowTile query rows). The item's
-// K and V blocks are each converted once into small fp32 buffers (K transposed,
-// so a query's 16 scores are one vector FMA per head_dim element) and used by all
-// its rows and by every query head of the KV head's group: a block is read from
-// the cache once per item, never copied into a gathered context.
+// Work item: a sequence's tile of up to kRowTile query rows, for all its KV heads
+// when there are enough sequences to keep every thread busy (the block's heads are
+// then read as one run), else for one KV head. Per block and KV head, K and V are
+// converted once into small fp32 buffers and used by all the item's rows and by every
+// query head of the KV head's group: a block is read from the cache once per item,
+// never copied into a gathered context. The next block is prefetched in software:
+// blocks lie anywhere in the cache, where the hardware prefetcher cannot follow.
 //
 // Built by kernels/cpu_build.py with torch.utils.cpp_extension (-O3 -march=native
 // -fopenmp: the loops below are written for the compiler's vectorizer).
@@ -188,20 +190,78 @@ inline void read_block(const typename C<Q>::T* src, const float* scale, const in
 }
 
 struct WorkItem {
-  int seq, kv_head, row_begin, row_end;  // query rows [row_begin, row_end) of seq
+  int seq, head_begin, head_end;  // KV heads [head_begin, head_end) of seq
+  int row_begin, row_end;         // query rows [row_begin, row_end) of seq
 };
 
-template <typename Q, template <typename> class C>
+// The largest head_dim the kernel takes (a query's running output lives on the stack).
+constexpr int kMaxHeadDim = 512;
+
+// Attention of one query vector (head g of row r) over keys [lo, hi) of the block in
+// kb / vb: scores, the online-softmax update of (m, l), and the running output o.
+// D > 0: head_dim as a compile-time constant, so q and o stay in registers.
+template <int D>
+inline void attend_block(const float* __restrict__ q_in, const float* __restrict__ kb,
+                         const float* __restrict__ vb, int d, int lo, int hi, float* __restrict__ scores,
+                         float& m, float& l, float* __restrict__ o_io) {
+  constexpr int kLocal = D > 0 ? D : kMaxHeadDim;
+  float q[kLocal], o[kLocal];
+  for (int i = 0; i < d; ++i) q[i] = q_in[i];
+  float block_max = kNegBig;
+  for (int j = lo; j < hi; ++j) {
+    const float* __restrict__ k = kb + j * d;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int i = 0; i < d; ++i) dot += q[i] * k[i];
+    scores[j] = dot;
+    block_max = std::max(block_max, dot);
+  }
+  const float m_new = std::max(m, block_max);
+  const float correction = exp_neg(m - m_new);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = lo; j < hi; ++j) {
+    scores[j] = exp_neg(scores[j] - m_new);
+    sum += scores[j];
+  }
+  m = m_new;
+  l = l * correction + sum;
+#pragma omp simd
+  for (int i = 0; i < d; ++i) o[i] = o_io[i] * correction;
+  for (int j = lo; j < hi; ++j) {
+    const float p = scores[j];
+    const float* __restrict__ v = vb + j * d;
+#pragma omp simd
+    for (int i = 0; i < d; ++i) o[i] += p * v[i];
+  }
+  for (int i = 0; i < d; ++i) o_io[i] = o[i];
+}
+
+// Start fetching a block's K and V of heads [h0, h1): the block lies anywhere in the
+// cache, so the hardware prefetcher cannot guess it.
+template <typename CT>
+inline void prefetch_block(const CT* k_cache, const CT* v_cache, int64_t offset, int64_t elements) {
+  const char* k = reinterpret_cast<const char*>(k_cache + offset);
+  const char* v = reinterpret_cast<const char*>(v_cache + offset);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(CT));
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(k + off);
+    __builtin_prefetch(v + off);
+  }
+}
+
+template <typename Q, template <typename> class C, int D>
 void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
   using QT = typename Q::T;
   using CT = typename C<Q>::T;
-  const int d = a.head_dim, bs = a.block_size, group = a.num_heads / a.num_kv_heads;
-  const int rows = w.row_end - w.row_begin, nq = rows * group;
+  const int d = D > 0 ? D : a.head_dim, bs = a.block_size, group = a.num_heads / a.num_kv_heads;
+  const int rows = w.row_end - w.row_begin, heads = w.head_end - w.head_begin;
+  const int nq = heads * rows * group;  // query vectors: [head][row][group]
   const int q_begin = a.cu_query_lens ? a.cu_query_lens[w.seq] : w.seq;
   const int q_len = a.cu_query_lens ? a.cu_query_lens[w.seq + 1] - q_begin : 1;
   const int ctx = a.context_lens[w.seq];
 
-  // scratch: q [nq][d] | acc [nq][d] | k, v [bs][d] | m, l [nq] | s [bs]
+  // scratch: q [nq][d] | acc [nq][d] | k, v [bs][d] | m, l [nq] | scores [bs]
   scratch.resize(static_cast<size_t>(2 * nq * d + 2 * bs * d + 2 * nq + bs));
   float* qf = scratch.data();
   float* acc = qf + nq * d;
@@ -209,17 +269,17 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
   float* vb = kb + bs * d;
   float* m = vb + bs * d;
   float* l = m + nq;
-  float* s = l + nq;
+  float* scores = l + nq;
 
   const QT* query = static_cast<const QT*>(a.query);
-  for (int r = 0; r < rows; ++r) {
-    const int t = q_begin + w.row_begin + r;
-    for (int g = 0; g < group; ++g) {
-      const QT* src = query + t * a.q_stride_t + (w.kv_head * group + g) * a.q_stride_h;
-      float* dst = qf + (r * group + g) * d;
-      for (int i = 0; i < d; ++i) dst[i] = Q::load(src[i]) * a.scale;
-    }
-  }
+  for (int h = 0; h < heads; ++h)
+    for (int r = 0; r < rows; ++r)
+      for (int g = 0; g < group; ++g) {
+        const int t = q_begin + w.row_begin + r;
+        const QT* src = query + t * a.q_stride_t + ((w.head_begin + h) * group + g) * a.q_stride_h;
+        float* dst = qf + ((h * rows + r) * group + g) * d;
+        for (int i = 0; i < d; ++i) dst[i] = Q::load(src[i]) * a.scale;
+      }
   std::fill(acc, acc + nq * d, 0.0f);
   std::fill(m, m + nq, kNegBig);
   std::fill(l, l + nq, 0.0f);
@@ -232,86 +292,58 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
   const int32_t* table = a.block_tables + static_cast<int64_t>(w.seq) * a.table_stride;
   const int64_t head_stride = static_cast<int64_t>(bs) * d;
   const int64_t block_stride = a.num_kv_heads * head_stride;
+  const CT* k_cache = static_cast<const CT*>(a.k_cache);
+  const CT* v_cache = static_cast<const CT*>(a.v_cache);
 
   for (int blk = key_lo / bs; blk * bs < key_hi; ++blk) {
     const int64_t phys = table[blk];
     const int j0 = blk * bs;
     const int n = std::min(bs, key_hi - j0);
-    const int64_t base = phys * block_stride + w.kv_head * head_stride;
-    const int64_t sbase = (phys * a.num_kv_heads + w.kv_head) * bs;
-    if ((blk + 1) * bs < key_hi) {  // the next block lies elsewhere: start fetching it now
-      const int64_t next = table[blk + 1] * block_stride + w.kv_head * head_stride;
-      const char* nk = reinterpret_cast<const char*>(static_cast<const CT*>(a.k_cache) + next);
-      const char* nv = reinterpret_cast<const char*>(static_cast<const CT*>(a.v_cache) + next);
-      for (int64_t off = 0; off < head_stride * static_cast<int64_t>(sizeof(CT)); off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
-    }
-    read_block<Q, C>(static_cast<const CT*>(a.k_cache) + base, a.k_scale, a.k_zero, sbase, n, d, kb);
-    read_block<Q, C>(static_cast<const CT*>(a.v_cache) + base, a.v_scale, a.v_zero, sbase, n, d, vb);
-
-    for (int r = 0; r < rows; ++r) {
-      const int pos = first_pos + r;
-      const int lo = std::max(j0, a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0) - j0;
-      const int hi = std::min(j0 + n, pos + 1) - j0;  // keys [lo, hi) of this block
-      if (lo >= hi) continue;
-      for (int g = 0; g < group; ++g) {
-        const int qi = r * group + g;
-        const float* __restrict__ q = qf + qi * d;
-        float block_max = kNegBig;
-        for (int j = lo; j < hi; ++j) {
-          const float* __restrict__ k = kb + j * d;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int i = 0; i < d; ++i) dot += q[i] * k[i];
-          s[j] = dot;
-          block_max = std::max(block_max, dot);
-        }
-        const float m_new = std::max(m[qi], block_max);
-        const float correction = exp_neg(m[qi] - m_new);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = lo; j < hi; ++j) {
-          s[j] = exp_neg(s[j] - m_new);
-          sum += s[j];
-        }
-        m[qi] = m_new;
-        l[qi] = l[qi] * correction + sum;
-        float* __restrict__ o = acc + qi * d;
-        if (correction != 1.0f) {
-#pragma omp simd
-          for (int i = 0; i < d; ++i) o[i] *= correction;
-        }
-        for (int j = lo; j < hi; ++j) {
-          const float p = s[j];
-          const float* __restrict__ v = vb + j * d;
-#pragma omp simd
-          for (int i = 0; i < d; ++i) o[i] += p * v[i];
+    if ((blk + 1) * bs < key_hi)
+      prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
+    for (int h = 0; h < heads; ++h) {
+      const int kv_head = w.head_begin + h;
+      const int64_t base = phys * block_stride + kv_head * head_stride;
+      const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
+      read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, d, kb);
+      read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, d, vb);
+      for (int r = 0; r < rows; ++r) {
+        const int pos = first_pos + r;
+        const int lo = std::max(j0, a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0) - j0;
+        const int hi = std::min(j0 + n, pos + 1) - j0;  // keys [lo, hi) of this block
+        if (lo >= hi) continue;
+        for (int g = 0; g < group; ++g) {
+          const int qi = (h * rows + r) * group + g;
+          attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, scores, m[qi], l[qi], acc + qi * d);
         }
       }
     }
   }
 
   QT* out = static_cast<QT*>(a.out);
-  for (int r = 0; r < rows; ++r) {
-    const int t = q_begin + w.row_begin + r;
-    for (int g = 0; g < group; ++g) {
-      const int qi = r * group + g;
-      const float inv = 1.0f / l[qi];
-      QT* dst = out + (static_cast<int64_t>(t) * a.num_heads + w.kv_head * group + g) * d;
-      const float* o = acc + qi * d;
-      for (int i = 0; i < d; ++i) dst[i] = Q::store(o[i] * inv);
-    }
-  }
+  for (int h = 0; h < heads; ++h)
+    for (int r = 0; r < rows; ++r)
+      for (int g = 0; g < group; ++g) {
+        const int qi = (h * rows + r) * group + g;
+        const int t = q_begin + w.row_begin + r;
+        const float inv = 1.0f / l[qi];
+        QT* dst = out + (static_cast<int64_t>(t) * a.num_heads + (w.head_begin + h) * group + g) * d;
+        const float* o = acc + qi * d;
+        for (int i = 0; i < d; ++i) dst[i] = Q::store(o[i] * inv);
+      }
 }
 
-std::vector<WorkItem> work_items(const Args& a) {
+std::vector<WorkItem> work_items(const Args& a, int threads) {
+  // All KV heads of a sequence in one item when there are enough sequences to keep every
+  // thread busy (its blocks are then read as one run of kv_heads * block_size rows);
+  // one item per head otherwise (a single long sequence still spreads over the threads).
+  const int heads_per_item = a.num_seqs >= 4 * threads ? a.num_kv_heads : 1;
   std::vector<WorkItem> items;
   for (int s = 0; s < a.num_seqs; ++s) {
     const int q_len = a.cu_query_lens ? a.cu_query_lens[s + 1] - a.cu_query_lens[s] : 1;
-    for (int h = 0; h < a.num_kv_heads; ++h)
-      for (int r = 0; r < q_len; r += kRowTile) items.push_back({s, h, r, std::min(q_len, r + kRowTile)});
+    for (int h = 0; h < a.num_kv_heads; h += heads_per_item)
+      for (int r = 0; r < q_len; r += kRowTile)
+        items.push_back({s, h, std::min(a.num_kv_heads, h + heads_per_item), r, std::min(q_len, r + kRowTile)});
   }
   // Longest contexts first, so the dynamic schedule ends with the short items.
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
@@ -326,14 +358,22 @@ std::vector<WorkItem> work_items(const Args& a) {
 
 template <typename Q, template <typename> class C>
 void run(const Args& a) {
-  const std::vector<WorkItem> items = work_items(a);
+  const std::vector<WorkItem> items = work_items(a, at::get_num_threads());
   const int n = static_cast<int>(items.size());
   const int threads = std::max(1, std::min(at::get_num_threads(), n));
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) attend_item<Q, C>(a, items[i], scratch);
+    for (int i = 0; i < n; ++i) {
+      if (a.head_dim == 64) {
+        attend_item<Q, C, 64>(a, items[i], scratch);
+      } else if (a.head_dim == 128) {
+        attend_item<Q, C, 128>(a, items[i], scratch);
+      } else {
+        attend_item<Q, C, 0>(a, items[i], scratch);
+      }
+    }
   }
 }
 
@@ -380,6 +420,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables and context_lens disagree on S");
   const int64_t heads = query.size(1), kv_heads = k_cache.size(1), head_dim = query.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "query heads / head_dim do not fit the cache");
+  TORCH_CHECK(head_dim <= kMaxHeadDim, "head_dim ", head_dim, " > ", kMaxHeadDim);
   const bool quantized = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(quantized == k_scale.has_value() && quantized == v_scale.has_value(),
               "a quantized cache needs k_scale and v_scale, an unquantized one none");
