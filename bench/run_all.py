@@ -82,13 +82,15 @@ BENCHMARKS = [
     ),
 ]
 # Modules in bench/ that are not benchmarks.
-HELPERS = {"__init__", "common", "bench_util", "run_all", "structured_schemas"}
+HELPERS = {"__init__", "common", "bench_util", "run_all", "structured_schemas", "stream_ceiling"}
 # Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
 GPU_ONLY = {"gpu_serving"}
+# Benchmarks with a make target of their own (they install peers or run for long).
+OWN_TARGET = {"peers"}
 
 
 def unlisted() -> list[str]:
-    listed = {b.name for b in BENCHMARKS} | HELPERS | GPU_ONLY
+    listed = {b.name for b in BENCHMARKS} | HELPERS | GPU_ONLY | OWN_TARGET
     return sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in listed)
 
 

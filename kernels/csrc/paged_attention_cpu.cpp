@@ -1,0 +1,489 @@
+// Paged attention for the CPU that reads K/V blocks where they lie in the cache.
+//
+// One op, pagedserve_cpu::paged_attention, covers decode (one query row per
+// sequence: cu_query_lens = None) and prefill with context (varlen rows), every
+// cache dtype (fp32 / bf16 / fp16, and fp8 e4m3 / int8 with per-token-per-head
+// scales and zero points), GQA/MQA and sliding windows. Its semantics are those of
+// kernels/reference.py (paged_prefill_attention / paged_decode_attention), the
+// test oracle: K/V are dequantized to fp32 and rounded to the query's dtype, as
+// the reference's `.to(query.dtype)` does, then attended in fp32 with an online
+// softmax over one block at a time; the output is rounded to the query's dtype.
+//
+// Work item: a sequence's tile of up to kRowTile query rows, for all its KV heads
+// when there are enough sequences to keep every thread busy (the block's heads are
+// then read as one run), else for one KV head. Per block and KV head, K and V are
+// converted once into small fp32 buffers and used by all the item's rows and by every
+// query head of the KV head's group: a block is read from the cache once per item,
+// never copied into a gathered context. The next block is prefetched in software:
+// blocks lie anywhere in the cache, where the hardware prefetcher cannot follow.
+//
+// Built by kernels/cpu_build.py with torch.utils.cpp_extension (-O3 -march=native
+// -fopenmp: the loops below are written for the compiler's vectorizer).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kRowTile = 16;
+constexpr float kNegBig = -1e30f;  // a finite "minus infinity": exp underflows to 0
+
+// ---- element conversions ----------------------------------------------------------
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // a select, no branch
+}
+
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+// The query dtype: how a value is rounded to it (K/V after dequantization, the output).
+struct QF32 {
+  using T = float;
+  static float load(T x) { return x; }
+  static float round(float x) { return x; }
+  static T store(float x) { return x; }
+};
+struct QBF16 {
+  using T = uint16_t;
+  static float load(T x) { return bf16_to_float(x); }
+  static float round(float x) { return bf16_to_float(float_to_bf16_bits(x)); }
+  static T store(float x) { return float_to_bf16_bits(x); }
+};
+struct QF16 {
+  using T = _Float16;
+  static float load(T x) { return static_cast<float>(x); }
+  static float round(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
+  static T store(float x) { return static_cast<_Float16>(x); }
+};
+
+// The cache dtype: reading `n` consecutive values of one token into fp32, rounded
+// to the query's dtype (scale / zero: that token's, for the quantized dtypes).
+template <typename Q>
+struct CF32 {
+  using T = float;
+  static void read(const T* src, int n, float, int8_t, float* dst) {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) dst[i] = Q::round(src[i]);
+  }
+};
+template <typename Q>
+struct CBF16 {
+  using T = uint16_t;
+  static void read(const T* src, int n, float, int8_t, float* dst) {
+    if constexpr (std::is_same_v<Q, QBF16> || std::is_same_v<Q, QF32>) {  // exact in the query's dtype
+#pragma omp simd
+      for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+      return;
+    }
+#pragma omp simd
+    for (int i = 0; i < n; ++i) dst[i] = Q::round(bf16_to_float(src[i]));
+  }
+};
+template <typename Q>
+struct CF16 {
+  using T = _Float16;
+  static void read(const T* src, int n, float, int8_t, float* dst) {
+    if constexpr (std::is_same_v<Q, QF16> || std::is_same_v<Q, QF32>) {  // exact in the query's dtype
+#pragma omp simd
+      for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+      return;
+    }
+#pragma omp simd
+    for (int i = 0; i < n; ++i) dst[i] = Q::round(static_cast<float>(src[i]));
+  }
+};
+template <typename Q>
+struct CFP8 {
+  using T = uint8_t;
+  static void read(const T* src, int n, float scale, int8_t, float* dst) {
+    const float* table = fp8_table().data();
+    for (int i = 0; i < n; ++i) dst[i] = Q::round(table[src[i]] * scale);
+  }
+};
+template <typename Q>
+struct CINT8 {
+  using T = int8_t;
+  static void read(const T* src, int n, float scale, int8_t zero, float* dst) {
+    const float z = static_cast<float>(zero);
+#pragma omp simd
+    for (int i = 0; i < n; ++i) dst[i] = Q::round((static_cast<float>(src[i]) - z) * scale);
+  }
+};
+
+// exp for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r) with
+// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (~1 ulp).
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+struct Args {
+  const void* query;
+  int64_t q_stride_t, q_stride_h;
+  const void* k_cache;
+  const void* v_cache;
+  const float* k_scale;
+  const float* v_scale;
+  const int8_t* k_zero;
+  const int8_t* v_zero;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* cu_query_lens;  // nullptr: decode, row s of sequence s
+  const int32_t* context_lens;
+  void* out;
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int sliding_window;
+};
+
+// n tokens of one block and KV head, [n][d] in the cache, into fp32 dst [n][d].
+template <typename Q, template <typename> class C>
+inline void read_block(const typename C<Q>::T* src, const float* scale, const int8_t* zero, int64_t sbase, int n,
+                       int d, float* dst) {
+  if (scale == nullptr) {
+    C<Q>::read(src, n * d, 1.0f, 0, dst);  // one contiguous run: the whole [n][d]
+    return;
+  }
+  for (int j = 0; j < n; ++j)
+    C<Q>::read(src + j * d, d, scale[sbase + j], zero ? zero[sbase + j] : int8_t{0}, dst + j * d);
+}
+
+struct WorkItem {
+  int seq, head_begin, head_end;  // KV heads [head_begin, head_end) of seq
+  int row_begin, row_end;         // query rows [row_begin, row_end) of seq
+};
+
+// The largest head_dim the kernel takes (a query's running output lives on the stack).
+constexpr int kMaxHeadDim = 512;
+
+// Attention of one query vector (head g of row r) over keys [lo, hi) of the block in
+// kb / vb: scores, the online-softmax update of (m, l), and the running output o.
+// D > 0: head_dim as a compile-time constant, so q and o stay in registers.
+template <int D>
+inline void attend_block(const float* __restrict__ q_in, const float* __restrict__ kb,
+                         const float* __restrict__ vb, int d, int lo, int hi, float* __restrict__ scores,
+                         float& m, float& l, float* __restrict__ o_io) {
+  constexpr int kLocal = D > 0 ? D : kMaxHeadDim;
+  float q[kLocal], o[kLocal];
+  for (int i = 0; i < d; ++i) q[i] = q_in[i];
+  float block_max = kNegBig;
+  for (int j = lo; j < hi; ++j) {
+    const float* __restrict__ k = kb + j * d;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int i = 0; i < d; ++i) dot += q[i] * k[i];
+    scores[j] = dot;
+    block_max = std::max(block_max, dot);
+  }
+  const float m_new = std::max(m, block_max);
+  const float correction = exp_neg(m - m_new);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = lo; j < hi; ++j) {
+    scores[j] = exp_neg(scores[j] - m_new);
+    sum += scores[j];
+  }
+  m = m_new;
+  l = l * correction + sum;
+#pragma omp simd
+  for (int i = 0; i < d; ++i) o[i] = o_io[i] * correction;
+  for (int j = lo; j < hi; ++j) {
+    const float p = scores[j];
+    const float* __restrict__ v = vb + j * d;
+#pragma omp simd
+    for (int i = 0; i < d; ++i) o[i] += p * v[i];
+  }
+  for (int i = 0; i < d; ++i) o_io[i] = o[i];
+}
+
+// Start fetching a block's K and V of heads [h0, h1): the block lies anywhere in the
+// cache, so the hardware prefetcher cannot guess it.
+template <typename CT>
+inline void prefetch_block(const CT* k_cache, const CT* v_cache, int64_t offset, int64_t elements) {
+  const char* k = reinterpret_cast<const char*>(k_cache + offset);
+  const char* v = reinterpret_cast<const char*>(v_cache + offset);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(CT));
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(k + off);
+    __builtin_prefetch(v + off);
+  }
+}
+
+template <typename Q, template <typename> class C, int D>
+void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
+  using QT = typename Q::T;
+  using CT = typename C<Q>::T;
+  const int d = D > 0 ? D : a.head_dim, bs = a.block_size, group = a.num_heads / a.num_kv_heads;
+  const int rows = w.row_end - w.row_begin, heads = w.head_end - w.head_begin;
+  const int nq = heads * rows * group;  // query vectors: [head][row][group]
+  const int q_begin = a.cu_query_lens ? a.cu_query_lens[w.seq] : w.seq;
+  const int q_len = a.cu_query_lens ? a.cu_query_lens[w.seq + 1] - q_begin : 1;
+  const int ctx = a.context_lens[w.seq];
+
+  // scratch: q [nq][d] | acc [nq][d] | k, v [bs][d] | m, l [nq] | scores [bs]
+  scratch.resize(static_cast<size_t>(2 * nq * d + 2 * bs * d + 2 * nq + bs));
+  float* qf = scratch.data();
+  float* acc = qf + nq * d;
+  float* kb = acc + nq * d;
+  float* vb = kb + bs * d;
+  float* m = vb + bs * d;
+  float* l = m + nq;
+  float* scores = l + nq;
+
+  const QT* query = static_cast<const QT*>(a.query);
+  for (int h = 0; h < heads; ++h)
+    for (int r = 0; r < rows; ++r)
+      for (int g = 0; g < group; ++g) {
+        const int t = q_begin + w.row_begin + r;
+        const QT* src = query + t * a.q_stride_t + ((w.head_begin + h) * group + g) * a.q_stride_h;
+        float* dst = qf + ((h * rows + r) * group + g) * d;
+        for (int i = 0; i < d; ++i) dst[i] = Q::load(src[i]) * a.scale;
+      }
+  std::fill(acc, acc + nq * d, 0.0f);
+  std::fill(m, m + nq, kNegBig);
+  std::fill(l, l + nq, 0.0f);
+
+  // Positions of the tile's rows: first_pos .. first_pos + rows - 1.
+  const int first_pos = ctx - q_len + w.row_begin;
+  const int last_pos = first_pos + rows - 1;
+  const int key_lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
+  const int key_hi = last_pos + 1;  // exclusive
+  const int32_t* table = a.block_tables + static_cast<int64_t>(w.seq) * a.table_stride;
+  const int64_t head_stride = static_cast<int64_t>(bs) * d;
+  const int64_t block_stride = a.num_kv_heads * head_stride;
+  const CT* k_cache = static_cast<const CT*>(a.k_cache);
+  const CT* v_cache = static_cast<const CT*>(a.v_cache);
+
+  for (int blk = key_lo / bs; blk * bs < key_hi; ++blk) {
+    const int64_t phys = table[blk];
+    const int j0 = blk * bs;
+    const int n = std::min(bs, key_hi - j0);
+    if ((blk + 1) * bs < key_hi)
+      prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
+    for (int h = 0; h < heads; ++h) {
+      const int kv_head = w.head_begin + h;
+      const int64_t base = phys * block_stride + kv_head * head_stride;
+      const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
+      read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, d, kb);
+      read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, d, vb);
+      for (int r = 0; r < rows; ++r) {
+        const int pos = first_pos + r;
+        const int lo = std::max(j0, a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0) - j0;
+        const int hi = std::min(j0 + n, pos + 1) - j0;  // keys [lo, hi) of this block
+        if (lo >= hi) continue;
+        for (int g = 0; g < group; ++g) {
+          const int qi = (h * rows + r) * group + g;
+          attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, scores, m[qi], l[qi], acc + qi * d);
+        }
+      }
+    }
+  }
+
+  QT* out = static_cast<QT*>(a.out);
+  for (int h = 0; h < heads; ++h)
+    for (int r = 0; r < rows; ++r)
+      for (int g = 0; g < group; ++g) {
+        const int qi = (h * rows + r) * group + g;
+        const int t = q_begin + w.row_begin + r;
+        const float inv = 1.0f / l[qi];
+        QT* dst = out + (static_cast<int64_t>(t) * a.num_heads + (w.head_begin + h) * group + g) * d;
+        const float* o = acc + qi * d;
+        for (int i = 0; i < d; ++i) dst[i] = Q::store(o[i] * inv);
+      }
+}
+
+std::vector<WorkItem> work_items(const Args& a, int threads) {
+  // All KV heads of a sequence in one item when there are enough sequences to keep every
+  // thread busy (its blocks are then read as one run of kv_heads * block_size rows);
+  // one item per head otherwise (a single long sequence still spreads over the threads).
+  const int heads_per_item = a.num_seqs >= 4 * threads ? a.num_kv_heads : 1;
+  std::vector<WorkItem> items;
+  for (int s = 0; s < a.num_seqs; ++s) {
+    const int q_len = a.cu_query_lens ? a.cu_query_lens[s + 1] - a.cu_query_lens[s] : 1;
+    for (int h = 0; h < a.num_kv_heads; h += heads_per_item)
+      for (int r = 0; r < q_len; r += kRowTile)
+        items.push_back({s, h, std::min(a.num_kv_heads, h + heads_per_item), r, std::min(q_len, r + kRowTile)});
+  }
+  // Longest contexts first, so the dynamic schedule ends with the short items.
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
+    auto end = [&](const WorkItem& w) {
+      const int q_len = a.cu_query_lens ? a.cu_query_lens[w.seq + 1] - a.cu_query_lens[w.seq] : 1;
+      return a.context_lens[w.seq] - q_len + w.row_end;
+    };
+    return end(x) > end(y);
+  });
+  return items;
+}
+
+template <typename Q, template <typename> class C>
+void run(const Args& a) {
+  const std::vector<WorkItem> items = work_items(a, at::get_num_threads());
+  const int n = static_cast<int>(items.size());
+  const int threads = std::max(1, std::min(at::get_num_threads(), n));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) {
+      if (a.head_dim == 64) {
+        attend_item<Q, C, 64>(a, items[i], scratch);
+      } else if (a.head_dim == 128) {
+        attend_item<Q, C, 128>(a, items[i], scratch);
+      } else {
+        attend_item<Q, C, 0>(a, items[i], scratch);
+      }
+    }
+  }
+}
+
+template <typename Q>
+void dispatch_cache(const Args& a, at::ScalarType cache) {
+  switch (cache) {
+    case at::kFloat: return run<Q, CF32>(a);
+    case at::kBFloat16: return run<Q, CBF16>(a);
+    case at::kHalf: return run<Q, CF16>(a);
+    case at::kFloat8_e4m3fn: return run<Q, CFP8>(a);
+    case at::kChar: return run<Q, CINT8>(a);
+    default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", cache);
+  }
+}
+
+const float* optional_f32(const std::optional<at::Tensor>& t, const at::Tensor& cache, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), name, " must be contiguous fp32");
+  TORCH_CHECK(t->sizes() == cache.sizes().slice(0, 3), name, " must be shaped like the cache minus head_dim");
+  return t->data_ptr<float>();
+}
+
+const int8_t* optional_i8(const std::optional<at::Tensor>& t, const at::Tensor& cache, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kChar && t->is_contiguous(), name, " must be contiguous int8");
+  TORCH_CHECK(t->sizes() == cache.sizes().slice(0, 3), name, " must be shaped like the cache minus head_dim");
+  return t->data_ptr<int8_t>();
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const std::optional<at::Tensor>& cu_query_lens,
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& k_zero, const std::optional<at::Tensor>& v_zero) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, heads, head_dim], head_dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be int32 [S, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens must be int32");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables and context_lens disagree on S");
+  const int64_t heads = query.size(1), kv_heads = k_cache.size(1), head_dim = query.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "query heads / head_dim do not fit the cache");
+  TORCH_CHECK(head_dim <= kMaxHeadDim, "head_dim ", head_dim, " > ", kMaxHeadDim);
+  const bool quantized = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized == k_scale.has_value() && quantized == v_scale.has_value(),
+              "a quantized cache needs k_scale and v_scale, an unquantized one none");
+  TORCH_CHECK((k_cache.scalar_type() == at::kChar) == k_zero.has_value() && k_zero.has_value() == v_zero.has_value(),
+              "an int8 cache needs k_zero and v_zero, other caches none");
+
+  Args a{};
+  a.query = query.data_ptr();
+  a.q_stride_t = query.stride(0);
+  a.q_stride_h = query.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.k_scale = optional_f32(k_scale, k_cache, "k_scale");
+  a.v_scale = optional_f32(v_scale, k_cache, "v_scale");
+  a.k_zero = optional_i8(k_zero, k_cache, "k_zero");
+  a.v_zero = optional_i8(v_zero, k_cache, "v_zero");
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.table_stride = block_tables.stride(0);
+  a.context_lens = context_lens.data_ptr<int32_t>();
+  if (cu_query_lens.has_value()) {
+    TORCH_CHECK(cu_query_lens->scalar_type() == at::kInt && cu_query_lens->is_contiguous() &&
+                    cu_query_lens->size(0) == num_seqs + 1,
+                "cu_query_lens must be int32 [S + 1]");
+    a.cu_query_lens = cu_query_lens->data_ptr<int32_t>();
+    TORCH_CHECK(a.cu_query_lens[num_seqs] == query.size(0), "cu_query_lens[-1] must be the number of query rows");
+  } else {
+    TORCH_CHECK(query.size(0) == num_seqs, "decode takes one query row per sequence");
+  }
+  a.num_seqs = static_cast<int>(num_seqs);
+  a.num_heads = static_cast<int>(heads);
+  a.num_kv_heads = static_cast<int>(kv_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  a.block_size = static_cast<int>(k_cache.size(2));
+  a.scale = static_cast<float>(scale);
+  a.sliding_window = static_cast<int>(sliding_window);
+  // Every position a row attends must have its block in the table.
+  const int64_t table_width = block_tables.size(1);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int ctx = a.context_lens[s];
+    const int q_len = a.cu_query_lens ? a.cu_query_lens[s + 1] - a.cu_query_lens[s] : 1;
+    TORCH_CHECK(q_len >= 0 && ctx >= q_len, "sequence ", s, ": context_len ", ctx, " < query rows ", q_len);
+    TORCH_CHECK(q_len == 0 || (ctx + a.block_size - 1) / a.block_size <= table_width, "sequence ", s,
+                ": block table too narrow for context_len ", ctx);
+  }
+
+  at::Tensor out = at::empty({query.size(0), heads, head_dim}, query.options());
+  a.out = out.data_ptr();
+  switch (query.scalar_type()) {
+    case at::kFloat: dispatch_cache<QF32>(a, k_cache.scalar_type()); break;
+    case at::kBFloat16: dispatch_cache<QBF16>(a, k_cache.scalar_type()); break;
+    case at::kHalf: dispatch_cache<QF16>(a, k_cache.scalar_type()); break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor? cu_query_lens, "
+      "Tensor context_lens, float scale, int sliding_window, Tensor? k_scale, Tensor? v_scale, Tensor? k_zero, "
+      "Tensor? v_zero) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
