@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kernels import cpu_build, reference
+from kernels.quant import KVScales
 from kernels.reference import copy_blocks, write_kv
 
 __all__ = [
@@ -42,6 +43,13 @@ def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def _scale_args(scales: KVScales | None) -> tuple[Tensor | None, ...]:
+    """The kernel's four optional scale arguments (k/v scales, k/v zero points)."""
+    if scales is None:
+        return (None, None, None, None)
+    return (scales.k_scale, scales.v_scale, scales.k_zero, scales.v_zero)
+
+
 def _attend(
     query: Tensor,
     k_cache: Tensor,
@@ -51,7 +59,7 @@ def _attend(
     context_lens: Tensor,
     scale: float,
     sliding_window: int,
-    scales: tuple[Tensor | None, ...],
+    scales: KVScales | None,
 ) -> Tensor:
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -65,7 +73,7 @@ def _attend(
         _int32(context_lens),
         float(scale),
         int(sliding_window),
-        *scales,
+        *_scale_args(scales),
     )
     return out
 
@@ -79,18 +87,14 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    k_zero: Tensor | None = None,
-    v_zero: Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> Tensor:
     """reference.paged_decode_attention, reading the blocks in place."""
     if not _kernel_takes(query):
         return reference.paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
-            k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+            scales=scales,
         )  # fmt: skip
-    scales = (k_scale, v_scale, k_zero, v_zero)
     return _attend(query, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, scales)
 
 
@@ -104,18 +108,14 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    k_zero: Tensor | None = None,
-    v_zero: Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> Tensor:
     """reference.paged_prefill_attention, reading the blocks in place."""
     if not _kernel_takes(query):
         return reference.paged_prefill_attention(
             query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window,
-            k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+            scales=scales,
         )  # fmt: skip
-    scales = (k_scale, v_scale, k_zero, v_zero)
     return _attend(query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window, scales)
 
 
@@ -128,18 +128,15 @@ def contiguous_decode_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    k_zero: Tensor | None = None,
-    v_zero: Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> Tensor:
     """reference.contiguous_decode_attention: each slot is one block of max_seq_len tokens."""
     return paged_decode_attention(
         query, k_cache, v_cache, slots[:, None], context_lens, scale, sliding_window,
-        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+        scales=scales,
     ) if _kernel_takes(query) else reference.contiguous_decode_attention(
         query, k_cache, v_cache, slots, context_lens, scale, sliding_window,
-        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+        scales=scales,
     )  # fmt: skip
 
 
@@ -153,16 +150,13 @@ def contiguous_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    k_zero: Tensor | None = None,
-    v_zero: Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> Tensor:
     """reference.contiguous_prefill_attention: each slot is one block of max_seq_len tokens."""
     return paged_prefill_attention(
         query, k_cache, v_cache, slots[:, None], cu_query_lens, context_lens, scale, sliding_window,
-        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+        scales=scales,
     ) if _kernel_takes(query) else reference.contiguous_prefill_attention(
         query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale, sliding_window,
-        k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+        scales=scales,
     )  # fmt: skip

@@ -50,11 +50,8 @@ def setup(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, cache
     shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
     k_cache = torch.zeros(shape, dtype=cache_dtype)
     v_cache = torch.zeros(shape, dtype=cache_dtype)
-    scales: dict[str, torch.Tensor] = {}
-    if quant.is_quantized(cache_dtype):
-        scales = {n: torch.zeros(shape[:-1]) for n in ("k_scale", "v_scale")}
-        if quant.has_zero_point(cache_dtype):
-            scales |= {n: torch.zeros(shape[:-1], dtype=torch.int8) for n in ("k_zero", "v_zero")}
+    kv_scales = quant.KVScales.zeros(shape, cache_dtype, k_cache.device)
+    scales = {} if kv_scales is None else {"scales": kv_scales}
     tokens = num_blocks * BLOCK
     reference.write_kv(
         torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g),

@@ -40,11 +40,8 @@ def make_cache(num_blocks, kv_heads, head_dim, cache_dtype, block_size=16, seed=
     shape = (num_blocks, kv_heads, block_size, head_dim)
     k_cache = torch.zeros(shape, dtype=cache_dtype)
     v_cache = torch.zeros(shape, dtype=cache_dtype)
-    scales = {}
-    if quant.is_quantized(cache_dtype):
-        scales = {name: torch.zeros(shape[:-1], dtype=quant.SCALE_DTYPE) for name in ("k_scale", "v_scale")}
-        if quant.has_zero_point(cache_dtype):
-            scales |= {name: torch.zeros(shape[:-1], dtype=quant.ZERO_DTYPE) for name in ("k_zero", "v_zero")}
+    kv_scales = quant.KVScales.zeros(shape, cache_dtype, k_cache.device)
+    scales = {} if kv_scales is None else {"scales": kv_scales}
     tokens = num_blocks * block_size
     key = torch.randn(tokens, kv_heads, head_dim, generator=g) * 2 + 0.5
     value = torch.randn(tokens, kv_heads, head_dim, generator=g)
@@ -237,7 +234,8 @@ def test_long_bf16_chunks_are_as_accurate_as_the_reference(cache_dtype):
         values = cache if scale is None else quant.dequantize(cache, scale, zero)
         return values.to(torch.bfloat16).double()
 
-    k_seen = seen(k_cache, scales.get("k_scale"), scales.get("k_zero"))
-    v_seen = seen(v_cache, scales.get("v_scale"), scales.get("v_zero"))
+    kv = scales.get("scales")
+    k_seen = seen(k_cache, kv and kv.k_scale, kv and kv.k_zero)
+    v_seen = seen(v_cache, kv and kv.v_scale, kv and kv.v_zero)
     truth = reference.paged_prefill_attention(query.double(), k_seen, v_seen, tables, cu, ctx, SCALE)
     assert (ours - truth).abs().max() <= 1.1 * (ref - truth).abs().max()
