@@ -32,7 +32,7 @@ import structlog
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
-from scheduler_svc.planning.validation import RequestRejected, check_sampling
+from scheduler_svc.planning.validation import RequestRejected, check_prompt_fits, check_prompt_ids, check_sampling
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions, TokenLogprob
 
 log = structlog.get_logger(__name__)
@@ -271,9 +271,6 @@ class Planner:
         """No live request, no step in flight, no ended request still holding blocks
         until its step comes back: nothing left for this worker to do (draining)."""
         return not (self.waiting or self.running or self._in_flight or self._free_after_step)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
 
     def add(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (never fits / bad args) or QueueFull."""
@@ -649,28 +646,8 @@ class Planner:
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in (r.request_id for r in self._free_after_step):
             raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise RequestRejected("prompt", "prompt is empty")
-        if min(request.prompt_token_ids) < 0:
-            raise RequestRejected("prompt", "token ids must be >= 0")
-        if n >= self.config.max_model_len:
-            raise RequestRejected(
-                "prompt",
-                f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}, so at most "
-                f"{self.config.max_model_len - 1} prompt tokens fit (one more for the first generated token)",
-            )
-        capacity = self.kv.max_request_tokens
-        if n >= capacity:
-            u = self.kv.usage()
-            held = (
-                f"{u.num_blocks} blocks x {u.block_size}"
-                if capacity == u.num_blocks * u.block_size
-                else f"one slot of {u.block_size} per request"
-            )  # contiguous
-            raise RequestRejected(
-                "prompt",
-                f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({held}), so at most "
-                f"{capacity - 1} prompt tokens fit",
-            )
+        check_prompt_ids(request.prompt_token_ids, vocab_size=None)
+        capacity, blocks, size = self.kv.max_request_tokens, self.kv.pool.num_blocks, self.kv.block_size
+        layout = f"{blocks} blocks x {size}" if capacity == blocks * size else f"one slot of {size} per request"
+        check_prompt_fits(request.num_prompt_tokens, self.config.max_model_len, capacity, layout)
         check_sampling(request.sampling)

@@ -258,11 +258,11 @@ def test_split_step_tokens_classifies_decodes_and_chunks():
     a = req("a", range(100, 120))
     planner.add(a)
     plan = planner.schedule()
-    assert split_step_tokens(plan, planner.get_request) == (20, 0, 1)
+    assert split_step_tokens(plan, planner.requests.get) == (20, 0, 1)
     plan.seqs[0].token_ids, plan.seqs[0].start_pos = [5], 20  # one token past the prompt: a decode
-    assert split_step_tokens(plan, planner.get_request) == (0, 1, 0)
+    assert split_step_tokens(plan, planner.requests.get) == (0, 1, 0)
     plan.seqs[0].start_pos = 19  # the last prompt token alone (a fork sample): prefill
-    assert split_step_tokens(plan, planner.get_request) == (1, 0, 1)
+    assert split_step_tokens(plan, planner.requests.get) == (1, 0, 1)
 
 
 # ---- vLLM's names --------------------------------------------------------------
@@ -281,10 +281,10 @@ def test_vllm_series_count_as_vllm_does():
     assert vllm(got, "vllm:num_requests_running") == 2 and vllm(got, "vllm:num_requests_waiting") == 0
     assert vllm(got, "vllm:kv_cache_usage_perc") == planner.kv.pool.num_used_blocks / 8
     assert vllm(got, "vllm:prompt_tokens_total") == 0  # nobody sampled yet
-    while planner.get_request("b").num_output_tokens == 0:
+    while planner.requests["b"].num_output_tokens == 0:
         run_step(core, worker)
     # b's prompt counts once b samples its first token, the cached part included; a's not yet.
-    assert planner.get_request("a").num_output_tokens == 0
+    assert planner.requests["a"].num_output_tokens == 0
     assert vllm(scrape(engine), "vllm:prompt_tokens_total") == 20
     while planner.has_work():
         run_step(core, worker)

@@ -71,7 +71,7 @@ def test_largest_prompt_that_fits_gets_one_token():
     ("field", "kwargs", "prompt"),
     [
         ("prompt", {}, []),
-        ("prompt", {}, [1, -2]),
+        ("prompt_token_ids", {}, [1, -2]),
         ("max_tokens", {"max_tokens": 0}, [1]),
         ("temperature", {"temperature": -1.0}, [1]),
         ("temperature", {"temperature": float("nan")}, [1]),
@@ -107,7 +107,7 @@ def test_single_request_matches_reference():
     plans = run(planner, worker)
     assert r.output_token_ids == reference(range(1, 40), 12)
     assert r.output_logprobs == [-t / VOCAB for t in r.output_token_ids]
-    assert r.finish_reason is FinishReason.LENGTH and r.is_finished
+    assert r.finish_reason is FinishReason.LENGTH and r.status is RequestStatus.FINISHED
     assert len(plans) == 12 and [len(p.seqs[0].token_ids) for p in plans] == [39] + [1] * 11
 
 
@@ -134,10 +134,10 @@ def test_lazy_allocation_long_context_limit():
     step(planner, worker)  # prefill
     assert len(planner.kv.tables["a"]) == math.ceil(100 / 16) == 7
     grew_at = []
-    while not r.is_finished:
+    while r.status is not RequestStatus.FINISHED:
         before = len(planner.kv.tables["a"])
         plan, _ = step(planner, worker)
-        if not r.is_finished and len(planner.kv.tables["a"]) > before:
+        if r.status is not RequestStatus.FINISHED and len(planner.kv.tables["a"]) > before:
             grew_at.append(plan.seqs[0].start_pos)
     assert grew_at == [112, 128, 144]  # one new block per 16 decoded tokens, no more
     assert r.output_token_ids == reference(range(100), 60)
@@ -401,7 +401,7 @@ def test_abort_waiting_and_running_frees_immediately():
     assert planner.num_running == 1 and planner.num_waiting == 1
     assert planner.abort("b") and planner.num_waiting == 0
     assert planner.abort("a") and planner.kv.pool.num_used_blocks == 0
-    assert a.finish_reason is FinishReason.ABORT and a.is_finished
+    assert a.finish_reason is FinishReason.ABORT and a.status is RequestStatus.FINISHED
     assert not planner.abort("a") and not planner.has_work()
     planner.audit()
 

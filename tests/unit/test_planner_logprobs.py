@@ -80,7 +80,7 @@ def test_a_request_still_needing_prompt_logprobs_reads_no_cached_block():
     planner.add(request("scored", seq_id=2, max_tokens=1, prompt_logprobs=0))
     plan = planner.schedule()
     [seq] = plan.seqs
-    assert seq.start_pos == 0 and planner.get_request("scored").num_cached_prompt_tokens == 0
+    assert seq.start_pos == 0 and planner.requests["scored"].num_cached_prompt_tokens == 0
     assert seq.prompt_logprob_targets == PROMPT[1:]
     planner.update(plan, worker.execute(plan), scored(plan))
     planner.add(request("after", seq_id=3, max_tokens=1))  # the cache still serves everyone else
