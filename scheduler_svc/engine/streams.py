@@ -31,9 +31,8 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str = ""
     usage: Usage | None = None
-    # Set when the stream must end with a gRPC error instead (e.g. UNAVAILABLE).
-    error_code: str = ""
-    error_message: str = ""
+    # Set when the stream ends with an error instead (a domain error: api/status.py gives its code).
+    error: Exception | None = None
     index: int = 0  # which of a request's n samples
 
     def absorb(self, later: StreamEvent) -> None:
@@ -55,9 +54,9 @@ def coalesce(events: asyncio.Queue[StreamEvent], first: StreamEvent) -> tuple[St
     the queue that must follow it, or None). Only for one-sample requests, whose
     events all belong to the same stream."""
     error = None
-    while not (first.finished or first.error_code or events.empty()):
+    while not (first.finished or first.error or events.empty()):
         later = events.get_nowait()
-        if later.error_code:
+        if later.error:
             error = later
             break
         first.absorb(later)
@@ -132,10 +131,10 @@ class RequestStream:
     def abort(self) -> None:
         self._finish("", RequestUpdate(self.request.request_id), FinishReason.ABORT)
 
-    def fail(self, code: str, message: str) -> None:
+    def fail(self, error: Exception) -> None:
         if not self.closed and not self.request.prefill_only:
             self.timing.finish("error")
-        self._put(StreamEvent(error_code=code, error_message=message))
+        self._put(StreamEvent(error=error))
         self.closed = True
 
     def _finish(

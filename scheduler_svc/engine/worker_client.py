@@ -44,6 +44,24 @@ class WorkerInfo:
     kv_layout: str = "paged"
     max_batch: int = 0
 
+    def mismatch(self, other: WorkerInfo, same_pool: bool = False) -> str | None:
+        """Why `other` cannot serve beside (or, same_pool, in place of) this worker:
+        every worker serves the same model, vocabulary and block size; a worker that
+        comes back must bring a pool of the same size too. None if it can."""
+        fields = ("model_name", "vocab_size", "block_size") + (("num_blocks",) if same_pool else ())
+        if all(getattr(self, f) == getattr(other, f) for f in fields):
+            return None
+        return (
+            f"worker {other.address} serves {other.model_name} (vocab {other.vocab_size}, block {other.block_size}, "
+            f"{other.num_blocks} blocks), unlike {self.address} ({self.model_name}, vocab {self.vocab_size}, "
+            f"block {self.block_size}, {self.num_blocks} blocks): "
+            + (
+                "a worker must come back with the same model and pool"
+                if same_pool
+                else "all workers must serve the same model"
+            )
+        )
+
 
 @dataclass
 class StepResult:

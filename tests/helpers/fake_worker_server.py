@@ -68,3 +68,9 @@ def slow_down_steps(monkeypatch, delay_s: float) -> None:
         return await step(self, request, context)
 
     monkeypatch.setattr(FakeWorkerServicer, "Step", slow)
+
+
+def audit_engine(engine) -> None:
+    """Every worker's pool accounted for (Planner.audit raises LeakError otherwise)."""
+    for core in engine.cores:
+        core.planner.audit()
