@@ -404,3 +404,9 @@ def routing_table(
 def mean_by_key(by_key: dict[tuple[str, str], list[RoutingRun]], value: Callable[[RoutingRun], float]) -> dict:
     """value's mean over the seeds, per (arrival, policy)."""
     return {k: statistics.mean(value(r) for r in rs) for k, rs in by_key.items()}
+
+
+def sampled_pairs(samples) -> dict[int, tuple[int, float]]:
+    """A step's sampled columns (the scheduler's StepSamples) as (token id, logprob) per
+    seq_id, the form the worker's SampledRows.of takes to build a reply."""
+    return dict(zip(samples.seq_ids, zip(samples.token_ids, samples.logprobs)))

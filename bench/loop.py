@@ -72,7 +72,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.bench_util import fmt, load_average, percentile, pyplot, save_plot
+from bench.bench_util import fmt, load_average, percentile, pyplot, sampled_pairs, save_plot
 from bench.common import commit, markdown_table, write_result
 from proto import serving_pb2, serving_pb2_grpc
 from svc_common.grpc_options import channel_options
@@ -398,7 +398,7 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             result = result_from_proto(reply)
             t["parse_reply"] = _ms(start)
             start = time.perf_counter()
-            updates = planner.update(plan, result.sampled)
+            updates = planner.update(plan, result.samples)
             t["update"] = _ms(start)
             start = time.perf_counter()
             for update in updates:  # as EngineCore._dispatch
@@ -430,7 +430,7 @@ def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: 
             t["w_validate"] = _ms(start)
             out = StepOutput(
                 reply.step_id,
-                SampledRows.of(result.sampled),
+                SampledRows.of(sampled_pairs(result.samples)),
                 reply.num_tokens,
                 {"total_ms": timings.total_ms},
             )

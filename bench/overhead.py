@@ -62,6 +62,7 @@ from bench.bench_util import (
     pyplot,
     random_token_ids,
     require_model,
+    sampled_pairs,
     save_plot,
     worker_info,
 )
@@ -173,7 +174,7 @@ class Harness:
         result = result_from_proto(reply)
         t["parse_reply"] = _ms(start)
         start = time.perf_counter()
-        self.planner.update(plan, result.sampled)
+        self.planner.update(plan, result.samples)
         t["update"] = _ms(start)
         t["worker_execute"] = reply.timings.total_ms
         t["worker_forward"] = reply.timings.forward_ms
@@ -186,7 +187,7 @@ class Harness:
         t["worker_validate"] = _ms(start)
         if inproc_first is False:
             t["inproc"] = self._inproc(plan)
-        t["worker_reply"] = self._reply_cost(reply, result.sampled)
+        t["worker_reply"] = self._reply_cost(reply, sampled_pairs(result.samples))
         t["bytes"] = len(payload)
         t["seqs"], t["tokens"] = len(plan.seqs), plan.num_tokens
         return t

@@ -278,7 +278,7 @@ class EngineCore:
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
-        updates = self.planner.update(plan, result.sampled, result.logprobs)
+        updates = self.planner.update(plan, result.samples)
         self._publish_kv_events()
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
@@ -303,7 +303,7 @@ class EngineCore:
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
-            self.counters.generation_tokens += len(update.new_token_ids)
+            self.counters.generation_tokens += update.token_id is not None
             stream = self.streams.get(update.request_id)
             if stream is None:
                 continue

@@ -22,6 +22,8 @@ class Usage:
 
 @dataclass(slots=True)
 class StreamEvent:
+    """One message to a client: what one or more steps (coalesce) added to one sample's stream."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -36,11 +38,12 @@ class StreamEvent:
     index: int = 0  # which of a request's n samples
 
     def absorb(self, later: StreamEvent) -> None:
-        """Append a later event of the same sample, so one message carries both."""
+        """Append a later event of the same sample, so one message carries both
+        (each event owns its lists)."""
         self.text += later.text
-        self.token_ids = self.token_ids + later.token_ids
-        self.logprobs = self.logprobs + later.logprobs
-        self.top_logprobs = self.top_logprobs + later.top_logprobs
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.progress = later.progress or self.progress
         if later.finished:
@@ -94,30 +97,33 @@ class RequestStream:
         if update.forked:
             self.closed = True  # a fork parent: its children's streams take over
             return False
-        if update.new_token_ids and not self.closed:
-            self.timing.on_tokens(len(update.new_token_ids))
-        if update.prefill_progress is not None and not (update.new_token_ids or update.finished):
+        token_id = update.token_id
+        if token_id is not None and not self.closed:
+            self.timing.on_tokens(1)
+        if update.prefill_progress is not None and token_id is None and not update.finished:
             self._put(StreamEvent(progress=update.prefill_progress))
             self.reported_progress = True
             return False
         # A prompt that took several chunks gets its final (total, total) with the first token.
         progress = update.prefill_progress if self.reported_progress else None
-        text = "".join(self.detokenizer.add(t) for t in update.new_token_ids)
+        text = self.detokenizer.add(token_id) if token_id is not None else ""
         hit_stop = self.detokenizer.stopped and not update.finished
         if update.finished or hit_stop:
             reason = FinishReason.STOP if hit_stop else update.finish_reason
             self._finish(text + self.detokenizer.flush(), update, reason, progress)
-        elif text or update.new_token_ids:
+        elif token_id is not None:
             self._put(self._tokens_event(text, update, progress))
         return hit_stop
 
     def _tokens_event(self, text: str, update: RequestUpdate, progress: tuple[int, int] | None) -> StreamEvent:
-        """The event carrying an update's tokens, their text and logprobs."""
+        """The event carrying an update's token (if any), its text and logprobs."""
+        if update.token_id is None:
+            return StreamEvent(text=text, prompt_logprobs=self._prompt_logprobs(update), progress=progress)
         return StreamEvent(
             text=text,
-            token_ids=update.new_token_ids,
-            logprobs=update.new_logprobs,
-            top_logprobs=update.new_top_logprobs,
+            token_ids=[update.token_id],
+            logprobs=[update.logprob],
+            top_logprobs=[] if update.top_logprobs is None else [update.top_logprobs],
             prompt_logprobs=self._prompt_logprobs(update),
             progress=progress,
         )

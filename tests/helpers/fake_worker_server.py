@@ -45,8 +45,8 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             seqs=seqs_of(request),
             previous_step_id=previous,
         )
-        sampled = self.fake.execute(plan)
-        return step_response(request.step_id, self.info.instance_id, sampled)
+        self.fake.execute(plan)
+        return step_response(request.step_id, self.info.instance_id, self.fake.last_sampled)
 
 
 async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grpc.aio.Server, str, FakeWorkerServicer]:

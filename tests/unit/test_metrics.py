@@ -85,12 +85,11 @@ def run_step(core, worker, metrics=None, forward_ms=2.0):
 
     plan = core.planner.schedule()
     started = time.perf_counter()
-    sampled = worker.execute(plan)
-    result = StepResult(sampled=sampled, instance_id="i1", forward_ms=forward_ms)
+    result = StepResult(worker.execute(plan), instance_id="i1", forward_ms=forward_ms)
     observe_step(core, plan, result, started, metrics=metrics)
-    updates = core.planner.update(plan, sampled)
+    updates = core.planner.update(plan, result.samples)
     core.counters.steps_run += 1
-    core.counters.generation_tokens += sum(len(u.new_token_ids) for u in updates)
+    core.counters.generation_tokens += sum(u.token_id is not None for u in updates)
     return plan, updates
 
 
@@ -409,7 +408,7 @@ def test_request_stream_drives_its_timing():
         request.append_output(token, -1.0)
         last = token == 44
         stream.on_update(
-            RequestUpdate("s", [token], [-1.0], finished=last, finish_reason=FinishReason.LENGTH if last else None)
+            RequestUpdate("s", token, -1.0, finished=last, finish_reason=FinishReason.LENGTH if last else None)
         )
     g = metrics.registry.get_sample_value
     assert g("pagedserve_time_to_first_token_seconds_sum") == 1.0

@@ -11,7 +11,7 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import FinishReason, RequestStatus
-from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker, samples_of
 from tests.helpers.planner_sim import BS, VOCAB, check_plan, reference, req, run, step
 
 
@@ -447,10 +447,10 @@ def test_update_protocol_is_enforced():
     with pytest.raises(RuntimeError, match="oldest step in flight"):
         planner.update(ahead, worker.execute(plan))  # results apply in order
     with pytest.raises(ValueError, match="no sampled token"):
-        planner.update(plan, {})
+        planner.update(plan, samples_of({}))
     planner.update(plan, worker.execute(plan))  # the failed update changed nothing
     with pytest.raises(RuntimeError):
-        planner.update(plan, {})
+        planner.update(plan, samples_of({}))
     empty_planner, _ = make()
     empty = empty_planner.schedule()
     assert empty.is_empty and empty_planner.update(empty, {}) == []
@@ -515,7 +515,7 @@ def test_random_workload_with_aborts(seed):
             planner.abort(rid)
             aborted.add(rid)
         planner.audit()
-        sampled = worker.execute(plan) if plan.seqs else {}
+        sampled = worker.execute(plan) if plan.seqs else samples_of({})
         planner.update(plan, sampled)
         planner.audit()
     assert planner.kv.pool.num_used_blocks == 0
