@@ -70,6 +70,12 @@ BENCHMARKS = [
         plot=False,
     ),
     Benchmark(
+        "scheduler_step",
+        ("--steps", "40", "--rounds", "2"),
+        "the scheduler's CPU per decode step (plan, send, apply the result), vs the baseline revision",
+        plot=False,
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",
