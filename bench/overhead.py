@@ -5,11 +5,11 @@ in-process for comparison; and the same batch through the real services.
 
     python -m bench.overhead [--seqs 1 64 256] [--context 2048] [--steps 5] [--e2e-seqs 1 64 256]
 
-Part A, attribution (one bench process driving a real worker process):
-the scheduler's own Planner + KVCacheManager run in this process and plan real
-steps; each plan goes to a real worker process over gRPC exactly as the
-scheduler sends it (scheduler_svc.worker_client.plan_to_proto, serialized
-bytes on a plain unary call), and the result is applied with Planner.update.
+Part A, attribution (one bench process driving a real worker process, through
+bench/harness/step_driver.py): the scheduler's own Planner + KVCacheManager run
+in this process and plan real steps; each plan goes to a real worker process
+over gRPC exactly as the scheduler sends it (plan_to_proto, serialized bytes on
+a plain unary call), and the result is applied with Planner.update.
 The N sequences are 2,048-token prompts sharing their first 2,032 tokens (the
 prefix cache shares those 127 blocks; each computes its own last 16), so 256
 sequences x 2k contexts fit in memory: every sequence still attends over its
