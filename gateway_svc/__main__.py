@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 from gateway_svc.config import GatewayConfig
 from svc_common.cli import parse_config
@@ -18,13 +19,16 @@ def main(argv: list[str] | None = None) -> None:
         argv,
     )
     configure_logging(config.log_format, config.log_level)
-    from gateway_svc.server import GatewayServer  # FastAPI/uvicorn load after the CLI is validated
+    from gateway_svc.server import GatewayServer, PortInUse  # FastAPI/uvicorn load after the CLI is validated
 
-    # uvicorn handles SIGINT/SIGTERM while serving (graceful shutdown) and then
-    # re-raises the signal; these no-op handlers turn that into a clean exit 0.
+    # uvicorn handles SIGINT/SIGTERM while serving (graceful shutdown: server.py drains)
+    # and then re-raises the signal; these no-op handlers turn that into a clean exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    asyncio.run(GatewayServer(config).serve())
+    try:
+        asyncio.run(GatewayServer(config).serve())
+    except PortInUse as exc:
+        sys.exit(f"gateway: {exc.strerror}")
 
 
 if __name__ == "__main__":

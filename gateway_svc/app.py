@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes over a SchedulerClient.
+"""The FastAPI app: OpenAI routes over a Scheduler (one, or a pool).
 
 Routes parse and validate (openai_types), convert (convert), run the Generate
 calls (generation) and answer as JSON or server-sent events. Every error leaves
@@ -21,15 +21,23 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert
-from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
+from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
-from gateway_svc.generation import ClientGone, Generation
-from gateway_svc.metrics import install_metrics
+from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.openapi import (
+    ERROR_RESPONSES,
+    GATEWAY_VERSION,
+    GENERATION_RESPONSES,
+    HEALTH_RESPONSES,
+    publish_openapi,
+)
+from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tokenize import max_model_len, tokenize_router
 
 log = structlog.get_logger("gateway")
@@ -39,49 +47,68 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 
-def create_app(client: SchedulerClient, config: GatewayConfig) -> FastAPI:
-    app = FastAPI(title="pagedserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
+    app = FastAPI(title="pagedserve gateway", version=GATEWAY_VERSION, docs_url=None, redoc_url=None)
     template = ChatTemplate.load(config.model_dir) if config.model_dir else None
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
     require_key = _key_checker(config.api_key)
+    served = _model_checker(config.model_id)
+    live = LiveGenerations()
+    app.state.live = live  # the server drains them on shutdown (server.py)
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        served(body.model)
         shape = ResponseShape("completion", config.model_id)
         samples = convert.completion_samples(body, shape.id, config.max_n)
-        return await _generate(client, request, body, shape, samples)
+        return await _generate(client, live, request, body, shape, samples)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        if template is None:
-            raise convert.bad_request(f"model {config.model_id} has no chat template; use /v1/completions")
-        try:
-            prompt = template.render([m.for_template() for m in body.messages])
-        except ChatTemplateError as exc:
-            raise convert.bad_request(str(exc), "messages") from exc
+        served(body.model)
+        prompt = convert.chat_prompt(template, body.messages, body)
         shape = ResponseShape("chat", config.model_id)
-        samples = convert.chat_samples(body, prompt, shape.id, config.max_n, config.chat_max_tokens)
-        return await _generate(client, request, body, shape, samples)
+        samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
+        return await _generate(client, live, request, body, shape, samples)
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def model_card(request: Request) -> dict[str, Any]:
+        card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
+        return card | await max_model_len(client, _forwarded_key(request))
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
-        model = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        model |= await max_model_len(client, _forwarded_key(request))
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [await model_card(request)]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        if model_id != config.model_id:
+            raise convert.model_not_found(model_id)
+        return await model_card(request)
+
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
         ok, why = await client.check_health(config.api_key or None)
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
-    app.include_router(tokenize_router(client, template, _forwarded_key), dependencies=[Depends(require_key)])
-    install_metrics(app)
+    app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
+    install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
+    publish_openapi(app)
     return app
+
+
+def _model_checker(model_id: str) -> Callable[[str | None], None]:
+    """One model per gateway: a request may leave `model` out or name it; another name is a 404."""
+
+    def served(model: str | None) -> None:
+        if model and model != model_id:
+            raise convert.model_not_found(model)
+
+    return served
 
 
 # ---------------------------------------------------------------- auth
@@ -126,21 +153,30 @@ def _forwarded_key(request: Request) -> str | None:
 
 
 async def _generate(
-    client: SchedulerClient, request: Request, body: SamplingFields, shape: ResponseShape, samples: list[Sample]
+    client: Scheduler,
+    live: LiveGenerations,
+    request: Request,
+    body: SamplingFields,
+    shape: ResponseShape,
+    samples: list[Sample],
 ) -> Response:
     generation = Generation(client, samples, _forwarded_key(request))
+    live.add(generation)
     try:
         if body.stream:
             async with _cancel_on_disconnect(request, generation.cancel):
                 await generation.start()
-            return _GenerationStream(generation, _sse(generation, shape, samples, body.include_usage))
+            stream = _sse(generation, shape, samples, body.include_usage)
+            return _GenerationStream(generation, stream, lambda: live.discard(generation))
         results = convert.Results(samples)
         async with _cancel_on_disconnect(request, generation.cancel):
             async for index, message in generation.events():
                 results.add(index, message)
+        live.discard(generation)
         return JSONResponse(shape.body(results))
     except BaseException:
         generation.cancel()
+        live.discard(generation)
         raise
 
 
@@ -174,15 +210,16 @@ class _GenerationStream(StreamingResponse):
     not run), hence the cancel here, around the whole response.
     """
 
-    def __init__(self, generation: Generation, events: AsyncIterator[str]):
+    def __init__(self, generation: Generation, events: AsyncIterator[str], ended: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._generation = generation
+        self._generation, self._ended = generation, ended
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._generation.cancel()  # a no-op on calls that finished
+            self._ended()
 
 
 def _sse_event(payload: dict[str, Any]) -> str:
@@ -196,8 +233,8 @@ async def _sse(
     mid-stream (the 200 is already sent), then [DONE]."""
     results = convert.Results(samples)
     try:
-        for chunk in shape.start_chunks([s.index for s in samples], include_usage):
-            yield _sse_event(chunk)
+        for start in shape.start_chunks([s.index for s in samples], include_usage):
+            yield _sse_event(start)
         by_index = {s.index: s for s in samples}
         async for index, message in generation.events():
             delta = results.add(index, message)
@@ -211,6 +248,8 @@ async def _sse(
         yield _sse_event(convert.grpc_error(err.code(), err.details()).body())
     except ClientGone:
         return
+    except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
+        yield _sse_event(convert.shutting_down(str(exc)).body())
     except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
         log.exception("stream failed", error=repr(exc))
         yield _sse_event(convert.error_body("internal error", "internal_error"))
@@ -239,14 +278,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.info("scheduler error", code=err.code().name, status=mapped.status, details=err.details())
         return _error_response(mapped)
 
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
+        return _error_response(convert.shutting_down(str(err)))
+
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # No route (404) or not this method (405): still OpenAI's shape, saying what was asked.
         type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return JSONResponse(convert.error_body(str(err.detail), type_), status_code=err.status_code)
+        message = f"{err.detail}: {request.method} {request.url.path}"
+        return JSONResponse(convert.error_body(message, type_), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
@@ -257,11 +302,28 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _validation_to_openai(err: RequestValidationError) -> OpenAIError:
     """Pydantic's first error as one readable message; `param` is the field's dotted path."""
     first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return convert.bad_request(_json_error(first, err.body))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
     loc = [
         p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "list", "dict", "bool", "float")
     ]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return convert.bad_request(message, param)
+    if first.get("type") == "extra_forbidden":
+        message = "unrecognized request argument (this server does not support it)"
+    else:
+        message = str(first.get("msg")).removeprefix("Value error, ")
+    return convert.bad_request(f"{param}: {message}" if param else message, param)
+
+
+def _json_error(error: Any, body: Any) -> str:
+    """Where the body stops being JSON, as line, column and character, and why."""
+    position = next((p for p in error.get("loc", ()) if isinstance(p, int)), None)
+    why = error.get("ctx", {}).get("error", "not JSON")
+    if position is None or not isinstance(body, str | bytes):
+        return f"the request body is not valid JSON: {why}"
+    text = body if isinstance(body, str) else body.decode(errors="replace")
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    return f"the request body is not valid JSON: {why} at line {line}, column {column} (character {position})"

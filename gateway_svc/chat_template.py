@@ -29,7 +29,11 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -48,13 +52,31 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self._template = _environment().from_string(source)  # syntax errors surface at start-up
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text. `continue_final_message`: the last message stays open, the
+        text ends where its content ends (transformers' rule); `variables`: more
+        names for the template (chat_template_kwargs)."""
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            text = self._template.render(
+                **{**self.special_tokens, **(variables or {})},
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from exc
+        if not continue_final_message:
+            return text
+        final = str(messages[-1].get("content") or "").strip()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ChatTemplateError("chat template: the final message's content is not in the rendered prompt")
+        return text[: end + len(final)]
 
     @classmethod
     def load(cls, model_dir: str | Path) -> ChatTemplate | None:

@@ -10,7 +10,6 @@ from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.targets import targets_check
 
-INT32_MAX = 2**31 - 1  # serving.v1's int32 fields (max_tokens, top_k, token ids)
 # How the gateway picks one of several schedulers (gateway_svc/prefix_routing.py).
 SCHEDULER_ROUTING = ("prefix", "least-loaded", "random")
 
@@ -71,7 +70,12 @@ class GatewayConfig:
         },
     )
     model_name: str = field(
-        default="", metadata={"help": "model id shown by /v1/models and in responses; default: --model-dir's name"}
+        default="",
+        metadata={
+            "help": "the model id: listed by /v1/models, named in responses; requests naming another model get 404 "
+            "model_not_found; default: --model-dir's name",
+            "aliases": ("--served-model-name",),
+        },
     )
     api_key: str = field(
         default="",
@@ -83,13 +87,18 @@ class GatewayConfig:
     health_timeout_s: float = field(
         default=2.0, metadata={"help": "deadline of the scheduler health check behind /health"}
     )
-    chat_max_tokens: int = field(
-        default=0,
+    scheduler_metrics: str = field(
+        default="",
         metadata={
-            "help": "max_tokens of a chat request that sets neither max_tokens nor max_completion_tokens; "
-            "0 = no limit of ours: the answer runs to its end (EOS or a stop string) or until prompt + answer "
-            "fill the scheduler's max_model_len (finish_reason 'length'), as OpenAI's chat API does. "
-            "/v1/completions keeps the scheduler's --default-max-tokens (16, OpenAI's default there too)"
+            "help": "the schedulers' Prometheus endpoints, HOST:PORT comma-separated (their --metrics-port): GET "
+            "/metrics serves their engine and vllm:* series after the gateway's own ('' = the gateway's only)"
+        },
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "after SIGTERM / Ctrl-C: how long requests in flight may take to finish; then each stream "
+            "ends with an error event and [DONE] (a non-streamed request: 503)"
         },
     )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
@@ -131,7 +140,12 @@ class GatewayConfig:
             ),
             (self.request_timeout_s >= 0, "--request-timeout-s", ">= 0"),
             (self.health_timeout_s > 0, "--health-timeout-s", "> 0"),
-            (0 <= self.chat_max_tokens <= INT32_MAX, "--chat-max-tokens", f"in 0..{INT32_MAX} (0 = up to the context)"),
+            (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
+            (
+                all(host_port_problem(t.strip()) is None for t in self.scheduler_metrics.split(",") if t.strip()),
+                "--scheduler-metrics",
+                "HOST:PORT, comma-separated",
+            ),
             (1 <= self.max_n <= 128, "--max-n", "in 1..128"),
             (
                 self.log_level.lower() in ("debug", "info", "warning", "error"),

@@ -18,9 +18,19 @@ from typing import Any
 
 import grpc
 
-from gateway_svc.config import INT32_MAX
-from gateway_svc.openai_types import UINT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
+from gateway_svc.openai_types import (
+    UINT64_MAX,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatRendering,
+    CompletionRequest,
+    SamplingFields,
+)
 from proto import serving_pb2
+
+# /v1/completions' max_tokens when the body leaves it unset (OpenAI's and vLLM's default there).
+COMPLETION_MAX_TOKENS = 16
 
 
 class OpenAIError(Exception):
@@ -36,6 +46,14 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
+
+
+def shutting_down(why: str) -> OpenAIError:
+    return OpenAIError(503, why, "service_unavailable_error", None, "shutting_down")
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -64,13 +82,16 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
         raise bad_request(
             "max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)", "max_tokens"
         )
-    prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts]
+    prompts: list[dict[str, Any]] = [
+        {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts
+    ]
     if body.echo:
         # The prompt's logprobs, and for token ids its tokens' texts; and max_tokens 0 needs them.
         for prompt in prompts:
             if body.logprobs is not None or body.max_tokens == 0 or "prompt_token_ids" in prompt:
                 prompt["prompt_logprobs"] = body.logprobs or 0
-    samples = _samples(prompts, body, body.max_tokens, response_id, max_n, body.logprobs)
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    samples = _samples(prompts, body, max_tokens, response_id, max_n, body.logprobs)
     texts = [p if isinstance(p, str) else None for p in body.prompts]
     return [
         dataclasses.replace(s, logprobs=body.logprobs is not None, echo=body.echo, prompt_text=texts[s.group])
@@ -78,29 +99,47 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
     ]
 
 
-def chat_samples(
-    body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int, default_max_tokens: int = 0
-) -> list[Sample]:
-    """`default_max_tokens` applies when the body sets no limit; 0 = up to the model's context.
+def chat_prompt(template: ChatTemplate | None, messages: list[ChatMessage], rendering: ChatRendering) -> str:
+    """The messages rendered by the model's chat template, as the prompt text."""
+    if template is None:
+        raise bad_request("this model has no chat template: use /v1/completions (or tokenize a prompt)", "messages")
+    if rendering.add_generation_prompt and rendering.continue_final_message:
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt: false (the reply cannot both start and go on)",
+            "continue_final_message",
+        )
+    if rendering.continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message: the last message must be the assistant's", "continue_final_message")
+    try:
+        turns = [m.for_template() for m in messages]
+        return template.render(
+            turns, rendering.add_generation_prompt, rendering.continue_final_message, rendering.chat_template_kwargs
+        )
+    except (ChatTemplateError, ValueError) as exc:  # ValueError: a tool call's arguments are not JSON
+        raise bad_request(str(exc), "messages") from exc
 
-    OpenAI's chat API has no default output limit (an answer ends at its end or
-    at the context length), and a chat answer cut at the scheduler's default of
-    16 tokens is rarely what a caller wants. The scheduler stops a request when
-    prompt + output reach its max_model_len (finish_reason "length") and accepts
-    a larger max_tokens, so "no limit" is the largest max_tokens serving.v1 takes.
-    """
-    max_tokens = body.output_limit
-    if max_tokens is None:
-        max_tokens = default_max_tokens or INT32_MAX
+
+def chat_samples(body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int) -> list[Sample]:
+    """Without max_tokens / max_completion_tokens the answer may run up to the
+    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does."""
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    samples = _samples([{"prompt": prompt}], body, max_tokens, response_id, max_n, logprobs)
+    samples = _samples([{"prompt": _utf8_prompt(prompt)}], body, body.output_limit, response_id, max_n, logprobs)
     return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 
 
+def _utf8_prompt(prompt: str) -> str:
+    """A rendered prompt is sent as serving.v1 text: chat_template_kwargs could put a lone surrogate in it."""
+    try:
+        prompt.encode()
+    except UnicodeEncodeError:
+        raise bad_request("the rendered prompt is not valid UTF-8 text", "messages") from None
+    return prompt
+
+
 def _samples(
-    prompts: list[dict],
+    prompts: list[dict[str, Any]],
     body: SamplingFields,
     max_tokens: int | None,
     response_id: str,
@@ -109,13 +148,12 @@ def _samples(
 ) -> list[Sample]:
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}", "n")
-    # serving.v1's max_tokens and top_k are int32: a larger value means the same as
-    # INT32_MAX there (the context length and the vocabulary are both far smaller).
-    params = {
-        "max_tokens": _int32(max_tokens),
+    # Every value is in serving.v1's range already (openai_types.py checked them).
+    params: dict[str, Any] = {
+        "max_tokens": max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "top_k": _int32(body.top_k),
+        "top_k": body.top_k_or_none,
         "stop": body.stop_list,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
@@ -125,6 +163,7 @@ def _samples(
         "logit_bias": body.logit_bias_ids,
         "min_tokens": body.min_tokens,
         "stop_token_ids": body.stop_token_ids,
+        "cache_salt": body.cache_salt,
     }
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []
@@ -138,10 +177,6 @@ def _samples(
                 request.seed = (body.seed + i) & UINT64_MAX
             samples.append(Sample(index, group, request))
     return samples
-
-
-def _int32(value: int | None) -> int | None:
-    return None if value is None else min(value, INT32_MAX)
 
 
 # ---------------------------------------------------------------- responses
@@ -259,7 +294,7 @@ class ResponseShape:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def _envelope(self, obj: str, choices: list[dict], usage: Any = ...) -> dict[str, Any]:
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Any = ...) -> dict[str, Any]:
         # usage: ... = no "usage" key at all; None = "usage": null (include_usage chunks).
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not ...:
@@ -301,15 +336,19 @@ class ResponseShape:
         reason = finish_reason(message)
         if not delta.text and not delta.entries and reason is None:
             return None
-        if self.kind == "chat":
-            content = {"delta": {"content": delta.text} if delta.text else {}}
-        else:
-            content = {"text": delta.text}
+        content: dict[str, Any] = (
+            {"delta": {"content": delta.text} if delta.text else {}} if self.kind == "chat" else {"text": delta.text}
+        )
         logprobs = self._logprobs(sample, delta.entries, delta.offsets)
         return self._chunk(sample.index, content, reason, include_usage, logprobs)
 
     def _chunk(
-        self, index: int, content: dict, reason: str | None, include_usage: bool, logprobs: dict | None = None
+        self,
+        index: int,
+        content: dict[str, Any],
+        reason: str | None,
+        include_usage: bool,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
         # With stream_options.include_usage every chunk carries "usage": null but the last.
@@ -331,10 +370,10 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict
     }
 
 
-def _top_dict(entry: LogprobEntry) -> dict[str, float]:
+def _top_dict(entry: LogprobEntry) -> dict[str, float | None]:
     """Token text -> logprob. Texts can repeat (byte pieces of a character all read
     U+FFFD): the most likely token keeps the key, and the chosen token is there too."""
-    top: dict[str, float] = {}
+    top: dict[str, float | None] = {}
     for token, logprob in [*entry.top, (entry.token, entry.logprob)]:
         top.setdefault(token, logprob)
     return top

@@ -12,29 +12,33 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import grpc
-
 from gateway_svc.convert import Sample
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 
 _DONE = None  # queue item: a call ended normally
+# What a reader puts on the queue: a message, _DONE, or the error that ended its call.
+_Item = serving_pb2.GenerateResponse | BaseException | None
 
 
 class ClientGone(Exception):
     """The generation was cancelled (the HTTP client went away) while being read."""
 
 
+class ShuttingDown(Exception):
+    """The gateway is stopping and the drain timeout has passed: the generation ends now."""
+
+
 class Generation:
-    def __init__(self, client: SchedulerClient, samples: list[Sample], api_key: str | None):
+    def __init__(self, client: Scheduler, samples: list[Sample], api_key: str | None):
         self._calls = {s.index: client.generate(s.request, api_key) for s in samples}
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, _Item]] = asyncio.Queue()
         self._readers = [asyncio.create_task(self._read(i, call)) for i, call in self._calls.items()]
         self._running = len(self._calls)
         self._head: list[tuple[int, serving_pb2.GenerateResponse | None]] = []
         self._cancelled = False
 
-    async def _read(self, index: int, call: grpc.aio.UnaryStreamCall) -> None:
+    async def _read(self, index: int, call: GenerateCall) -> None:
         try:
             async for message in call:
                 self._queue.put_nowait((index, message))
@@ -71,8 +75,9 @@ class Generation:
                 continue
             yield index, message
 
-    def cancel(self) -> None:
-        """Cancel every call still running; idempotent, and a no-op on finished calls."""
+    def cancel(self, why: Exception | None = None) -> None:
+        """Cancel every call still running; idempotent, and a no-op on finished calls.
+        Whoever reads the generation then gets `why` (default: ClientGone)."""
         if self._cancelled:
             return
         self._cancelled = True
@@ -81,4 +86,29 @@ class Generation:
         for reader in self._readers:
             reader.cancel()
         # Wake a consumer blocked in _next(): the readers will never put anything now.
-        self._queue.put_nowait((-1, ClientGone("generation cancelled")))
+        self._queue.put_nowait((-1, why or ClientGone("generation cancelled")))
+
+
+class LiveGenerations:
+    """The generations in flight, so that a stopping gateway can wait for them and,
+    past its drain timeout, end them with an error instead of cutting them."""
+
+    def __init__(self) -> None:
+        self._live: set[Generation] = set()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, generation: Generation) -> None:
+        self._live.add(generation)
+
+    def discard(self, generation: Generation) -> None:
+        self._live.discard(generation)
+
+    def shut_down(self, why: str) -> int:
+        """End every live generation: its reader gets ShuttingDown(why). Returns how many."""
+        ended = list(self._live)
+        for generation in ended:
+            generation.cancel(ShuttingDown(why))
+        self._live.clear()
+        return len(ended)

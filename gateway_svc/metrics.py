@@ -1,18 +1,33 @@
-"""The gateway's `GET /metrics` (Prometheus text, prometheus_client): HTTP
-requests counted by route, method and status, and their latency up to the
-last byte sent, so a streamed completion counts whole. Routes are the app's
-path templates; a path that matches none is `other`, so scanners cannot grow
-the label set."""
+"""The gateway's `GET /metrics` (Prometheus text, prometheus_client), where a
+vLLM user scrapes:
+
+* its own HTTP series: requests counted by route, method and status, and their
+  latency up to the last byte sent, so a streamed completion counts whole.
+  Routes are the app's path templates; a path that matches none is `other`, so
+  scanners cannot grow the label set;
+* the engine's series (`pagedserve_*` and vLLM's `vllm:*`), scraped from the
+  schedulers' own endpoints (--scheduler-metrics: their --metrics-port) at each
+  request and served after the gateway's. With several schedulers each series
+  gets a `scheduler` label; `pagedserve_gateway_scheduler_scrape_up` says which
+  answered.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+import httpx
+import structlog
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+log = structlog.get_logger("gateway")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -72,12 +87,68 @@ class MetricsMiddleware:
             self.metrics.observe(route, scope["method"], status, time.perf_counter() - started)
 
 
-def install_metrics(app: FastAPI) -> None:
-    """Count every request of `app` and serve the counts on GET /metrics (no API key, like /health)."""
+class SchedulerMetrics:
+    """The schedulers' Prometheus endpoints, scraped on demand and merged into one exposition."""
+
+    def __init__(self, targets: str, timeout_s: float) -> None:
+        self.targets = [t.strip() for t in targets.split(",") if t.strip()]
+        self.timeout_s = timeout_s
+
+    async def exposition(self) -> bytes:
+        if not self.targets:
+            return b""
+        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            texts = await asyncio.gather(*(self._scrape(http, t) for t in self.targets))
+        up = GaugeMetricFamily(
+            "pagedserve_gateway_scheduler_scrape_up",
+            "1 if the scheduler's metrics endpoint answered this scrape",
+            labels=["scheduler"],
+        )
+        families: dict[str, Metric] = {}
+        for target, text in zip(self.targets, texts):
+            up.add_metric([target], 0.0 if text is None else 1.0)
+            if text is not None:
+                extra = {"scheduler": target} if len(self.targets) > 1 else {}
+                _merge(families, text_string_to_metric_families(text), extra)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Fixed([up, *families.values()]))
+        return generate_latest(registry)
+
+    async def _scrape(self, http: httpx.AsyncClient, target: str) -> str | None:
+        try:
+            reply = await http.get(f"http://{target}/metrics")
+            reply.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("scheduler metrics not scraped", scheduler=target, error=repr(exc))
+            return None
+        return reply.text
+
+
+def _merge(into: dict[str, Metric], families: Iterable[Metric], extra: dict[str, str]) -> None:
+    """Add the parsed families' samples (with `extra` labels) to `into`, one family per name."""
+    for family in families:
+        merged = into.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+        merged.samples += [s._replace(labels={**s.labels, **extra}) for s in family.samples]
+
+
+class _Fixed:
+    """A collector of families already built (prometheus_client renders them)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def install_metrics(app: FastAPI, schedulers: SchedulerMetrics) -> None:
+    """Count every request of `app` and serve the counts, then the schedulers' series,
+    on GET /metrics (no API key, like /health)."""
     metrics = HttpMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     async def serve_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        own = generate_latest(metrics.registry)
+        return Response(own + await schedulers.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_api_route("/metrics", serve_metrics, methods=["GET"], include_in_schema=False)

@@ -1,87 +1,175 @@
-"""OpenAI request bodies as pydantic models: what we accept, and what we reject.
+"""OpenAI request bodies as pydantic models: what we accept, and what we refuse.
 
-Unknown fields are ignored (clients send `user`, `metadata`, ...), but fields
-that would change the answer and that we cannot honour (suffix, tools) are
-rejected with a 400 naming the field, instead of silently returning something
-the caller did not ask for. Ranges are OpenAI's (logprobs up to 20 as vLLM
-allows); the scheduler checks them again (scheduler_svc/planning/validation.py).
+The one place request fields are checked (FastAPI runs these models before a
+route sees the body), with the limits serving.v1 can carry (int32 counts and
+token ids, UTF-8 text), so nothing that passes here fails in the proto
+conversion. Every field is honoured or refused with a 400 naming it:
+
+* unknown fields are refused (`extra="forbid"`), as OpenAI answers
+  "Unrecognized request argument supplied"; fields that cannot change the
+  answer (`user`, `metadata`, `service_tier`, ...) are accepted and named here;
+* known fields we cannot honour yet (tools, structured outputs, legacy
+  functions, `min_p` > 0, ...) are declared with a refusal saying why, so the
+  400 is specific.
+
+Ranges are OpenAI's (logprobs up to 20 as vLLM allows); the scheduler checks
+them again (scheduler_svc/planning/validation.py) for its gRPC clients.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+INT32_MAX = 2**31 - 1  # serving.v1's int32 fields (max_tokens, min_tokens, top_k, token ids)
 UINT64_MAX = 2**64 - 1
 INT64_MIN = -(2**63)
-# serving.v1 token ids are int32; the scheduler checks them against the vocabulary.
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_LOGPROBS = 20
+
+# Strictly: a request that names an unknown field is refused, not half-served.
+STRICT = ConfigDict(extra="forbid")
 
 
-def _only(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
+def _utf8(value: str) -> str:
+    """serving.v1 strings are UTF-8: a lone surrogate (JSON "\\ud800") cannot be sent."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid UTF-8 text (character {exc.start} is a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Int32  # the scheduler checks them against the vocabulary
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def _only(ok: Callable[[Any], bool], why: str) -> AfterValidator:
+    """A field accepted only at values for which `ok` holds; otherwise a 400 saying `why`."""
+
     def check(value: Any) -> Any:
         if not ok(value):
-            raise ValueError(f"not supported by this server (only {allowed})")
+            raise ValueError(f"not supported by this server: {why}")
         return value
 
     return AfterValidator(check)
 
 
-MAX_LOGPROBS = 20
-Penalty = Annotated[float, Field(ge=-2, le=2)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+def _is_unset(value: Any) -> bool:
+    return value is None
+
+
+_STRUCTURED = "structured outputs are not supported yet"
+_TOOLS = "tool calling is not supported yet"
+# Fields known and refused (any value but null), and why.
+_REFUSED = {
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "functions": "legacy function calling; use tools",
+    "function_call": "legacy function calling; use tools and tool_choice",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning_effort",
+    "audio": "audio",
+    "web_search_options": "web search",
+}
+
+
+def _refuse(value: Any, info: ValidationInfo) -> Any:
+    if value is not None:
+        raise ValueError(f"not supported by this server: {_REFUSED[info.field_name or '']}")
+    return value
+
+
+Refused = Annotated[Any, AfterValidator(_refuse)]
+
+
+_TOKEN_ID_KEY = re.compile(r"\s*[0-9]+\s*")  # ASCII digits: str.isdigit() also takes "²", which int() refuses
 
 
 def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     for key in value or {}:
-        if not key.strip().isdigit():
-            raise ValueError(f"keys must be token ids, got {key!r}")
+        if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
+            raise ValueError(f"keys must be token ids in 0..{INT32_MAX}, got {key!r}")
     return value
 
 
 # OpenAI: token id (a JSON object key, so a string) -> bias in [-100, 100].
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None, AfterValidator(_token_id_keys)]
-# Accepted only at their no-op value.
-NoTools = Annotated[list[Any] | None, _only(lambda v: not v, "no tools")]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: Annotated[bool | None, _only(lambda v: not v, "continuous_usage_stats")] = None
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
-    # One model per gateway: `model` is not checked; responses name the served model.
+    # The served model's id (--model-name), or absent; another id is a 404 (app.py).
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    # top_k and ignore_eos are vLLM-style extensions (openai: extra_body=...).
-    top_k: int | None = Field(default=None, ge=0)
+    # top_k, min_p, ignore_eos, ... are vLLM's extensions (openai: extra_body=...). top_k -1 = off, as in vLLM.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: Annotated[
+        float | None, Field(ge=0, le=1), _only(lambda v: not v, "min_p > 0 (the worker's sampler has no min-p filter)")
+    ] = None
     ignore_eos: bool = False
     # OpenAI seeds are signed 64-bit; serving.v1 takes uint64 (we wrap negatives).
     seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: LogitBias = None
-    # vLLM-style extensions (openai: extra_body=...).
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: Int32 = 0
     stop_token_ids: list[TokenId] | None = None
+    # Requests share prefix-cache blocks only with requests of the same salt (vLLM's field).
+    cache_salt: Text | None = None
+    # Fields that cannot change the answer: accepted.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    store: Annotated[bool | None, _only(lambda v: not v, "store: true (nothing is stored)")] = None
+    # vLLM's structured-output fields.
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    guided_decoding_backend: Refused = None
+    guided_whitespace_pattern: Refused = None
+    structured_outputs: Refused = None
+    response_format: Annotated[
+        dict[str, Any] | None, _only(lambda v: v is None or v == {"type": "text"}, _STRUCTURED)
+    ] = None
 
     @property
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        """serving.v1's top_k: -1 (off in vLLM) is unset, the scheduler's 0 = off; capped to int32
+        (no vocabulary is larger)."""
+        return None if self.top_k is None or self.top_k < 0 else min(self.top_k, INT32_MAX)
 
     @property
     def stop_list(self) -> list[str]:
@@ -96,12 +184,12 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    # 0 only with echo: the prompt scored, nothing generated.
-    max_tokens: int | None = Field(default=None, ge=0)
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    # 0 only with echo: the prompt scored, nothing generated. Unset: OpenAI's 16 (convert.py).
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: Logprobs | None = None
-    suffix: Annotated[str | None, _only(lambda v: not v, "null")] = None
+    suffix: Annotated[str | None, _only(lambda v: not v, "suffix (insertion)")] = None
     best_of: int | None = Field(default=None, ge=1)
 
     @field_validator("prompt")
@@ -122,12 +210,40 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """Chat templates read `function.arguments` as an object (HF's convention, as vLLM passes it)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"function.arguments of tool call {self.id!r} is not JSON: {exc}") from None
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool turn: which call it answers
+    # What the openai client sends back when a previous answer is put in the history.
+    refusal: Annotated[str | None, _only(_is_unset, "refusal")] = None
+    annotations: Annotated[list[Any] | None, _only(lambda v: not v, "annotations")] = None
+    audio: Refused = None
+    function_call: Refused = None
 
     @field_validator("content")
     @classmethod
@@ -139,26 +255,72 @@ class ChatMessage(BaseModel):
         for part in value:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-            texts.append(part["text"])
+            texts.append(_utf8(part["text"]))
         return "".join(texts)
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content or ""}
+    @model_validator(mode="after")
+    def _tool_turns(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatRendering(BaseModel):
+    """How the chat template renders the messages (vLLM's fields; /tokenize takes them too)."""
+
+    model_config = STRICT
+
+    add_generation_prompt: bool = True
+    # The last (assistant) message is left open for the model to go on with.
+    continue_final_message: bool = False
+    # More variables for the template (e.g. enable_thinking); they cannot replace the ones above.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted((value or {}).keys() & {"messages", "add_generation_prompt", "continue_final_message"})
+        if reserved:
+            raise ValueError(f"must not set {', '.join(reserved)} (use the request's own fields)")
+        return value
+
+
+class ChatCompletionRequest(ChatRendering, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # Newer OpenAI name for max_tokens; it wins when both are given.
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    tools: NoTools = None
-    response_format: Annotated[
-        dict[str, Any] | None, _only(lambda v: v is None or v.get("type") == "text", "{'type': 'text'}")
-    ] = None
+    tools: Annotated[list[Any] | None, _only(lambda v: not v, _TOOLS)] = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Refused = None
+    function_call: Refused = None
+    echo: Annotated[bool, _only(lambda v: not v, "echo on chat completions")] = False
+    modalities: Annotated[list[str] | None, _only(lambda v: v in (None, ["text"]), "modalities other than text")] = None
+    prediction: Refused = None
+    reasoning_effort: Refused = None
+    audio: Refused = None
+    web_search_options: Refused = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, "none") and not info.data.get("tools"):
+            raise ValueError("needs tools (none were given)")
+        return value
 
     @property
     def output_limit(self) -> int | None:

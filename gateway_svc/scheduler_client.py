@@ -8,24 +8,64 @@ running event loop that will use it.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Protocol
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import serving_pb2, serving_pb2_grpc
 
 
+class GenerateCall(Protocol):
+    """One Generate stream: iterate it for messages, cancel() it to abort the request."""
+
+    def __aiter__(self) -> AsyncIterator[serving_pb2.GenerateResponse]: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Scheduler(Protocol):
+    """What the app uses of serving.v1: one scheduler (SchedulerClient) or several
+    (scheduler_pool.SchedulerPool) answer alike, so the routes do not know which."""
+
+    @property
+    def target(self) -> str: ...
+
+    def generate(self, request: serving_pb2.GenerateRequest, api_key: str | None) -> GenerateCall: ...
+
+    async def tokenize(
+        self, prompt: str, add_special_tokens: bool, return_token_strs: bool, api_key: str | None
+    ) -> serving_pb2.TokenizeResponse: ...
+
+    async def detokenize(self, token_ids: list[int], api_key: str | None) -> serving_pb2.DetokenizeResponse: ...
+
+    async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse: ...
+
+    async def check_health(self, api_key: str | None = None) -> tuple[bool, str]: ...
+
+    async def close(self) -> None: ...
+
+
 class SchedulerClient:
     def __init__(self, target: str, request_timeout_s: float = 0.0, health_timeout_s: float = 2.0):
-        self.target = target
+        self._target = target
         self._request_timeout = request_timeout_s or None  # 0 = no deadline
         self._health_timeout = health_timeout_s
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = serving_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def generate(self, request: serving_pb2.GenerateRequest, api_key: str | None) -> grpc.aio.UnaryStreamCall:
+    @property
+    def target(self) -> str:
+        return self._target
+
+    def generate(self, request: serving_pb2.GenerateRequest, api_key: str | None) -> GenerateCall:
         """Start one Generate stream; iterate it for messages, cancel() it to abort the request."""
-        return self._stub.Generate(request, metadata=_auth_metadata(api_key), timeout=self._request_timeout)
+        call: GenerateCall = self._stub.Generate(
+            request, metadata=_auth_metadata(api_key), timeout=self._request_timeout
+        )
+        return call
 
     async def tokenize(
         self, prompt: str, add_special_tokens: bool, return_token_strs: bool, api_key: str | None
@@ -33,16 +73,23 @@ class SchedulerClient:
         request = serving_pb2.TokenizeRequest(
             prompt=prompt, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs
         )
-        return await self._stub.Tokenize(request, metadata=_auth_metadata(api_key), timeout=self._request_timeout)
+        reply: serving_pb2.TokenizeResponse = await self._stub.Tokenize(
+            request, metadata=_auth_metadata(api_key), timeout=self._request_timeout
+        )
+        return reply
 
     async def detokenize(self, token_ids: list[int], api_key: str | None) -> serving_pb2.DetokenizeResponse:
         request = serving_pb2.DetokenizeRequest(token_ids=token_ids)
-        return await self._stub.Detokenize(request, metadata=_auth_metadata(api_key), timeout=self._request_timeout)
+        reply: serving_pb2.DetokenizeResponse = await self._stub.Detokenize(
+            request, metadata=_auth_metadata(api_key), timeout=self._request_timeout
+        )
+        return reply
 
     async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse:
-        return await self._stub.ModelInfo(
+        reply: serving_pb2.ModelInfoResponse = await self._stub.ModelInfo(
             serving_pb2.ModelInfoRequest(), metadata=_auth_metadata(api_key), timeout=self._health_timeout
         )
+        return reply
 
     async def check_health(self, api_key: str | None = None) -> tuple[bool, str]:
         """(serving?, why not) from grpc.health.v1 Check of the whole server ("")."""

@@ -2,9 +2,11 @@
 scheduler, each request routed to one of them (prefix_routing.py), their health
 watched, their dns:/// names followed.
 
-`SchedulerPool` offers what the app uses of `SchedulerClient` (`generate`,
-`check_health`, `close`, `target`), so the routes do not know which one they
-have. Each scheduler owns its workers and their KV blocks; the pool only picks.
+`SchedulerPool` and `SchedulerClient` both implement the app's `Scheduler`
+protocol (scheduler_client.py), so the routes do not know which one they have.
+Each scheduler owns its workers and their KV blocks; the pool only picks. What
+needs no KV (Tokenize, Detokenize, ModelInfo: every scheduler serves the same
+model) goes to any healthy scheduler, the next one if it is UNAVAILABLE.
 
 * **Routed around.** A scheduler whose health check fails or says NOT_SERVING
   (no worker, shutting down) gets no new request until a check says SERVING
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -32,11 +35,13 @@ from tokenizers import Tokenizer
 
 from gateway_svc.config import GatewayConfig
 from gateway_svc.prefix_routing import HashRing, PrefixKeys, choose, least_loaded
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.scheduler_client import GenerateCall, Scheduler, SchedulerClient
 from proto import serving_pb2
 from svc_common.targets import Resolver, parse_targets, resolve_dns, resolve_targets
 
 log = structlog.get_logger("gateway")
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -51,7 +56,6 @@ class _Member:
 class SchedulerPool:
     def __init__(self, config: GatewayConfig, resolver: Resolver = resolve_dns):
         self.config = config
-        self.target = config.schedulers  # for /health's message
         self.targets = parse_targets(config.schedulers)
         self.keys = (
             PrefixKeys(Tokenizer.from_file(str(config.tokenizer_path)), config.routing_prefix_tokens)
@@ -72,6 +76,11 @@ class SchedulerPool:
         await pool.refresh_members()
         pool._task = asyncio.create_task(pool._watch(), name="scheduler-pool")
         return pool
+
+    @property
+    def target(self) -> str:
+        """The --schedulers list, for /health's message."""
+        return self.config.schedulers
 
     @property
     def members(self) -> dict[str, bool]:
@@ -101,6 +110,32 @@ class SchedulerPool:
             chosen = random.choice(order) if random_pick else least_loaded(order, loads)
         log.debug("request routed", scheduler=chosen, keyed=key is not None, load=loads[chosen])
         return [by_address[chosen], *(by_address[a] for a in order if a != chosen)]
+
+    # ---- calls any scheduler answers alike ------------------------------------
+    async def tokenize(
+        self, prompt: str, add_special_tokens: bool, return_token_strs: bool, api_key: str | None
+    ) -> serving_pb2.TokenizeResponse:
+        return await self._any(lambda c: c.tokenize(prompt, add_special_tokens, return_token_strs, api_key))
+
+    async def detokenize(self, token_ids: list[int], api_key: str | None) -> serving_pb2.DetokenizeResponse:
+        return await self._any(lambda c: c.detokenize(token_ids, api_key))
+
+    async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse:
+        return await self._any(lambda c: c.model_info(api_key))
+
+    async def _any(self, call: Callable[[SchedulerClient], Awaitable[T]]) -> T:
+        """`call` on a healthy scheduler; UNAVAILABLE moves on to the next (marking it down)."""
+        members = sorted(self._members.values(), key=lambda m: (not m.healthy, m.in_flight))
+        if not members:
+            raise _unavailable("no scheduler is known (--schedulers resolved to nothing)")
+        for member in members[:-1]:
+            try:
+                return await call(member.client)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                member.healthy, member.why = False, f"UNAVAILABLE: {err.details()}"
+        return await call(members[-1].client)
 
     # ---- health and membership ------------------------------------------------
     async def check_health(self, api_key: str | None = None) -> tuple[bool, str]:
@@ -169,7 +204,7 @@ class RoutedCall:
         self._order = order
         self._request = request
         self._api_key = api_key
-        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._call: GenerateCall | None = None
         self._holder: _Member | None = None
         self._cancelled = False
         if order:
@@ -224,7 +259,7 @@ def _unavailable(details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-async def open_scheduler_client(config: GatewayConfig) -> SchedulerClient | SchedulerPool:
+async def open_scheduler_client(config: GatewayConfig) -> Scheduler:
     """--schedulers: a pool; otherwise the one --scheduler, as always."""
     if config.schedulers:
         return await SchedulerPool.open(config)

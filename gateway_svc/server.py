@@ -3,26 +3,38 @@
 Binding first is what makes `--port 0` usable: we learn the OS-picked port
 before uvicorn starts and publish it in the ready file (tests and scripts read
 it there). `GatewayServer` also runs in a background thread for tests.
+
+Stopping (SIGTERM, Ctrl-C, `stop()`) drains: no new connection is accepted,
+requests in flight get --drain-timeout-s to finish, and what is still running
+then ends cleanly (a stream with an error event and [DONE]) before uvicorn
+would cancel it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import threading
+import time
 
 import structlog
 import uvicorn
 
 from gateway_svc.app import create_app
 from gateway_svc.config import GatewayConfig
+from gateway_svc.generation import LiveGenerations
 from gateway_svc.scheduler_pool import open_scheduler_client
 from svc_common.ready_file import write_ready_file
 
 log = structlog.get_logger("gateway")
 
-# In-flight streams get this long to finish on shutdown before uvicorn cancels them.
-GRACEFUL_SHUTDOWN_S = 5
+# uvicorn waits this much longer than the drain for the streams we ended to close.
+_SHUTDOWN_MARGIN_S = 5.0
+
+
+class PortInUse(OSError):
+    """The --port is taken: one line naming it."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -33,7 +45,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     # after the previous one) waits for the client's delayed ACK: ~40 ms per write.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(exc.errno, f"{host}:{port} is in use: choose another --port") from None
+        raise
     sock.listen(2048)  # connections queue from here on, before uvicorn accepts them
     return sock
 
@@ -54,21 +72,29 @@ class GatewayServer:
         try:
             app = create_app(client, self.config)
             uv_config = uvicorn.Config(
-                app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+                app,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=int(self.config.drain_timeout_s + _SHUTDOWN_MARGIN_S),
             )
             self._server = uvicorn.Server(uv_config)
             self._server.should_exit = self._stop_requested
             serving = asyncio.create_task(self._server.serve(sockets=[sock]))
-            await self._announce_when_started(serving)
-            await serving
+            draining = asyncio.create_task(self._drain_when_stopping(self._server, app.state.live))
+            try:
+                await self._announce_when_started(self._server, serving)
+                await serving
+            finally:
+                draining.cancel()
         finally:
             await client.close()
             sock.close()
 
-    async def _announce_when_started(self, serving: asyncio.Task) -> None:
-        while not self._server.started and not serving.done():
+    async def _announce_when_started(self, server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
+        while not server.started and not serving.done():
             await asyncio.sleep(0.01)
-        if not self._server.started:
+        if not server.started:
             return
         write_ready_file(self.config.ready_file, self.config.host, self.port)  # no-op without --ready-file
         log.info(
@@ -80,6 +106,18 @@ class GatewayServer:
             api_key=bool(self.config.api_key),
         )
         self.ready.set()
+
+    async def _drain_when_stopping(self, server: uvicorn.Server, live: LiveGenerations) -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.05)
+        timeout_s = self.config.drain_timeout_s
+        log.info("gateway draining", in_flight=len(live), drain_timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if live:
+            ended = live.shut_down(f"the server is shutting down (requests still running after {timeout_s:g} s)")
+            log.warning("drain timeout: requests ended", ended=ended)
 
     def stop(self) -> None:
         """Ask uvicorn to shut down (safe from another thread: it polls the flag)."""

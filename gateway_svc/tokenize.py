@@ -18,39 +18,41 @@ from typing import Any
 
 import grpc
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
-from gateway_svc.convert import bad_request
-from gateway_svc.openai_types import ChatMessage, TokenId
-from gateway_svc.scheduler_client import SchedulerClient
+from gateway_svc.chat_template import ChatTemplate
+from gateway_svc.convert import bad_request, chat_prompt
+from gateway_svc.openai_types import STRICT, ChatMessage, ChatRendering, Text, TokenId
+from gateway_svc.openapi import ERROR_RESPONSES
+from gateway_svc.scheduler_client import Scheduler
 
 ForwardedKey = Callable[[Request], str | None]
+ModelCheck = Callable[[str | None], None]
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None  # one model per gateway: not checked
-    prompt: str | None = None
+class TokenizeRequest(ChatRendering):
+    model: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     tokens: list[TokenId]
 
 
-def tokenize_router(client: SchedulerClient, template: ChatTemplate | None, forwarded_key: ForwardedKey) -> APIRouter:
+def tokenize_router(
+    client: Scheduler, template: ChatTemplate | None, forwarded_key: ForwardedKey, served: ModelCheck
+) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        served(body.model)
         prompt, add_special_tokens = _text(body, template)
         reply = await client.tokenize(prompt, add_special_tokens, body.return_token_strs, forwarded_key(request))
         tokens = list(reply.token_ids)
@@ -61,8 +63,9 @@ def tokenize_router(client: SchedulerClient, template: ChatTemplate | None, forw
             "token_strs": list(reply.token_strs) if body.return_token_strs else None,
         }
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+        served(body.model)
         try:
             reply = await client.detokenize(body.tokens, forwarded_key(request))
         except grpc.aio.AioRpcError as err:
@@ -85,16 +88,10 @@ def _text(body: TokenizeRequest, template: ChatTemplate | None) -> tuple[str, bo
     assert body.messages is not None
     if not body.messages:
         raise bad_request("messages: must not be empty", "messages")
-    if template is None:
-        raise bad_request("this model has no chat template: tokenize a prompt instead", "messages")
-    try:
-        text = template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from exc
-    return text, body.add_special_tokens is True
+    return chat_prompt(template, body.messages, body), body.add_special_tokens is True
 
 
-async def max_model_len(client: SchedulerClient, api_key: str | None) -> dict[str, int]:
+async def max_model_len(client: Scheduler, api_key: str | None) -> dict[str, int]:
     """{"max_model_len": N} from the scheduler, or {} when it cannot say (down,
     or an older scheduler): /v1/models answers either way."""
     try:

@@ -64,7 +64,12 @@ class SchedulerConfig:
     max_pinned_blocks: int = field(
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
     )
-    default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request leaves it unset"})
+    default_max_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "cap on max_tokens for a request that leaves it unset; 0 = none: it generates up to the context (prompt + output = max_model_len). A request's own max_tokens with prompt + max_tokens > max_model_len is refused"
+        },
+    )
     connect_timeout_s: float = field(
         default=30.0,
         metadata={
@@ -201,7 +206,7 @@ class SchedulerConfig:
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
-            (self.default_max_tokens >= 1, "--default-max-tokens", ">= 1"),
+            (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
             (self.worker_timeout_s > 0, "--worker-timeout-s", "> 0"),
             (self.health_interval_s > 0, "--health-interval-s", "> 0"),

@@ -1,7 +1,8 @@
 """Build an argparse CLI from a config dataclass; every flag also reads an env var.
 
 A field `num_blocks` becomes `--num-blocks` and `<PREFIX>_NUM_BLOCKS`; the flag
-wins over the env var, which wins over the default. Help text comes from
+wins over the env var, which wins over the default. `metadata={"aliases": (...)}`
+adds other spellings of the flag (the names vLLM users type). Help text comes from
 `field(metadata={"help": ...})`. After parsing, `config.validate()` runs and a
 ValueError there becomes a clean argparse error naming the flag.
 """
@@ -53,13 +54,14 @@ def build_parser(cls: type[Any], prefix: str, description: str) -> argparse.Argu
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         help_text = f"{f.metadata.get('help', '')} (env {env})"
         choices = f.metadata.get("choices")
+        flags = [flag_name(f.name), *f.metadata.get("aliases", ())]
         if hints[f.name] is bool:
             parser.add_argument(
-                flag_name(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
+                *flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
             )
         else:
             parser.add_argument(
-                flag_name(f.name),
+                *flags,
                 dest=f.name,
                 default=None,
                 type=_converter(hints[f.name]),

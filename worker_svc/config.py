@@ -42,6 +42,7 @@ class WorkerConfig:
         metadata={
             "help": "KV cache dtype, independent of --dtype (auto = --dtype); fp8 = e4m3 and int8 = scale + zero point, per token and KV head (~half an fp16 pool plus scales); fp8 falls back to int8 on CUDA below compute capability 8.9",
             "choices": KV_DTYPES,
+            "aliases": ("--kv-cache-dtype",),
         },
     )
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N"})

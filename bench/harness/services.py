@@ -1,4 +1,4 @@
-"""The processes a benchmark measures: the services of this tree (svc_common's
+"""The processes a benchmark measures: the services of this tree (tools/processes.py's
 launchers, imported here only, so a benchmark names no launcher module), the
 services of another revision checked out in a temporary git worktree (a baseline
 measured in the same run), a child process running a benchmark's own code from
@@ -22,7 +22,7 @@ import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common import defaults
-from svc_common.processes import REPO, Cluster, ServiceProcess
+from tools.processes import REPO, Cluster, ServiceProcess
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -25,6 +25,7 @@ from scheduler_svc.planning.validation import (
     check_prompt_ids,
     check_sampling,
     check_sampling_token_ids,
+    output_limit,
 )
 from scheduler_svc.request import Request, SamplingOptions, TokenLogprob
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -51,7 +52,9 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     """Validate and convert; raises RequestRejected naming the field. With n > 1,
     returns a prefill-only parent whose children are the n samples."""
     prompt_ids = prompt_from_proto(msg, engine)
-    sampling = _sampling_from_proto(msg, default_max_tokens)
+    requested = msg.max_tokens if msg.HasField("max_tokens") else None
+    max_tokens = output_limit(requested, len(prompt_ids), engine.max_model_len, default_max_tokens)
+    sampling = _sampling_from_proto(msg, max_tokens)
     check_sampling_token_ids(sampling, engine.tokenizer.vocab_size)
     n = msg.n if msg.HasField("n") else 1
     check_num_samples(n, len(prompt_ids), sampling)
@@ -91,13 +94,13 @@ def _sample_seed(sampling: SamplingOptions, index: int) -> SamplingOptions:
     return dataclasses.replace(sampling, seed=(sampling.seed + index) % SEED_SPACE)
 
 
-def _sampling_from_proto(msg: serving_pb2.GenerateRequest, default_max_tokens: int) -> SamplingOptions:
+def _sampling_from_proto(msg: serving_pb2.GenerateRequest, max_tokens: int) -> SamplingOptions:
     sampling = SamplingOptions(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        max_tokens=max_tokens,
         stop=tuple(s for s in msg.stop if s),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,

@@ -31,6 +31,25 @@ class RequestRejected(ValueError):
         self.message = message
 
 
+def output_limit(requested: int | None, prompt_tokens: int, max_model_len: int, default: int = 0) -> int:
+    """The context rule (vLLM's, and so the gateway's): prompt + max_tokens must fit
+    in max_model_len, or the request is refused naming the maximum context length;
+    an unset max_tokens means "up to the context" (within `default`, when > 0: the
+    scheduler's --default-max-tokens)."""
+    room = max_model_len - prompt_tokens
+    if requested is None:
+        check_context_room(prompt_tokens, max_model_len)
+        return min(default, room) if default > 0 else room
+    if requested > room:
+        raise RequestRejected(
+            "max_tokens",
+            f"this model's maximum context length is {max_model_len} tokens, but {prompt_tokens + requested} were "
+            f"asked for ({prompt_tokens} in the prompt, max_tokens {requested}): reduce the prompt or max_tokens "
+            f"(at most {max(room, 0)} here), or leave max_tokens unset to generate up to the context",
+        )
+    return requested
+
+
 def check_sampling(s: SamplingOptions) -> None:
     if s.max_tokens < 1 and not (s.max_tokens == 0 and s.prompt_logprobs is not None):
         raise RequestRejected(
@@ -94,16 +113,21 @@ def check_prompt_ids(token_ids: Sequence[int], vocab_size: int | None) -> None:
         raise RequestRejected("prompt_token_ids", f"token ids must be >= 0, got {min(token_ids)}")
 
 
-def check_prompt_fits(num_tokens: int, max_model_len: int, cache_tokens: int, cache_layout: str) -> None:
-    """A prompt leaves room for its first generated token within max_model_len and
-    within the cache_tokens the KV cache can hold for one request (cache_layout: how
-    it holds them, for the message)."""
-    if num_tokens >= max_model_len:
+def check_context_room(prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt leaves room for at least one generated token within max_model_len."""
+    if prompt_tokens >= max_model_len:
         raise RequestRejected(
             "prompt",
-            f"prompt has {num_tokens} tokens; max_model_len is {max_model_len}, so at most "
-            f"{max_model_len - 1} prompt tokens fit (one more for the first generated token)",
+            f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+            f"{prompt_tokens}: no room is left to generate (at most {max_model_len - 1} prompt tokens)",
         )
+
+
+def check_prompt_fits(num_tokens: int, max_model_len: int, cache_tokens: int, cache_layout: str) -> None:
+    """A prompt leaves room for its first generated token within max_model_len
+    (check_context_room) and within the cache_tokens the KV cache can hold for one
+    request (cache_layout: how it holds them, for the message)."""
+    check_context_room(num_tokens, max_model_len)
     if num_tokens >= cache_tokens:
         raise RequestRejected(
             "prompt",

@@ -1,7 +1,7 @@
 """What several test files share, so that no test module imports another.
 
 * ``checkpoints``: the tiny checkpoint families and the default model's path.
-* ``procs``: worker, scheduler and gateway processes (svc_common.processes), started
+* ``procs``: worker, scheduler and gateway processes (tools.processes), started
   side by side (``running``); a free port.
 * ``worker_client``: worker.v1 steps described per sequence, laid out as columns and read
   back; replies' sampled columns read per sequence, logits decoded.
@@ -14,6 +14,8 @@
   slowed down on demand.
 * ``aio_generate``: a serving.v1 Generate from asyncio tests, read to its end.
 * ``stub_dns``: a resolver answering what the test sets (DNS discovery without DNS).
+* ``fake_scheduler``: a serving.v1 scheduler faked in process, gateways in front of it, the
+  OpenAI error and event-stream checks.
 * ``planner_sim``: requests, a Planner stepped against the fake worker, the reference output.
 * ``host_copies``: the sampling path's device-to-host copies, counted.
 

@@ -1,4 +1,4 @@
-"""Service processes for tests (see svc_common.processes): starting several side
+"""Service processes for tests (see tools.processes): starting several side
 by side, and a free port to hand a service."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from svc_common.processes import REPO, Cluster, ServiceProcess
+from tools.processes import REPO, Cluster, ServiceProcess
 
 __all__ = ["REPO", "Cluster", "ServiceProcess", "free_port", "running"]
 

@@ -1,5 +1,6 @@
 """Greedy streams run in background threads (their tokens as they arrive, how
-each ended), and polling for a condition with a deadline."""
+each ended; or an HTTP event stream's `data:` payloads), and polling for a
+condition with a deadline."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 
 import grpc
+import httpx
 
 from scheduler_svc.client import SchedulerClient
 
@@ -33,6 +35,21 @@ class Recorder(threading.Thread):
         except grpc.RpcError as err:
             self.error = err
         self.ended_at = time.monotonic()
+
+
+def read_events(url: str, body: dict, events: list[str], timeout_s: float = 60.0) -> threading.Thread:
+    """POST `body` (stream: true) to the gateway's /v1/completions at `url` in the background;
+    each event's `data:` payload is appended to `events` as it arrives."""
+
+    def read() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def join(recorders: list[Recorder], timeout_s: float = 90.0) -> None:

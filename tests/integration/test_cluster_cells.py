@@ -1,4 +1,4 @@
-"""`make cluster CELLS=2` (svc_common.cluster_ctl up --cells 2): two schedulers, each
+"""`make cluster CELLS=2` (tools.cluster_ctl up --cells 2): two schedulers, each
 with its own worker, and the gateway in front of both (--schedulers), as detached
 processes; a request through the gateway is served, `status` lists every service,
 `down` stops them all."""
@@ -9,8 +9,8 @@ import json
 
 import httpx
 
-from svc_common import cluster_ctl
 from tests.helpers.checkpoints import tiny_checkpoint
+from tools import cluster_ctl
 
 
 def test_two_cells_behind_one_gateway(tmp_path, capsys):

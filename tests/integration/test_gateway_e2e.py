@@ -27,6 +27,7 @@ WAIT_S = 30.0  # upper bound on any single request or wait in this file
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 IGNORE_EOS = {"ignore_eos": True}  # random weights: make output lengths deterministic
+MODEL = "llama"  # the gateway's model id: the tiny checkpoint's directory name
 pytestmark = pytest.mark.usefixtures("no_leak")  # after every test: idle, no block in use
 
 
@@ -90,7 +91,7 @@ def test_tokenize_detokenize_and_max_model_len_with_the_models_tokenizer(oai, ht
     # Messages: the chat template, as /v1/chat/completions renders it for the model.
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["tokens"] == reference(chat_prompt(model_dir, MESSAGES), add_special_tokens=False)["input_ids"]
-    done = oai.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1)
+    done = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
     assert done.usage.prompt_tokens == chat["count"]
     bad = http.post("/detokenize", json={"tokens": [5, 10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
@@ -104,7 +105,7 @@ def test_tokenize_detokenize_and_max_model_len_with_the_models_tokenizer(oai, ht
 
 def test_completion_greedy_equals_grpc(oai, grpc_client):
     want = grpc_client.generate(PROMPT, max_tokens=24, temperature=0.0, timeout=WAIT_S)
-    done = oai.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     [choice] = done.choices
     assert choice.text == want.text and want.text
     assert choice.finish_reason == want.finish_reason
@@ -112,7 +113,7 @@ def test_completion_greedy_equals_grpc(oai, grpc_client):
     # Streamed: the same text, in more than one piece.
     pieces = [
         c.choices[0].text
-        for c in oai.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+        for c in oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
     ]
     assert "".join(pieces) == want.text
     assert sum(1 for p in pieces if p) > 1
@@ -121,7 +122,7 @@ def test_completion_greedy_equals_grpc(oai, grpc_client):
 def test_completion_token_id_prompt_and_cached_tokens(oai, grpc_client):
     ids = list(range(5, 45))  # 40 tokens: two full blocks the second request finds cached
     want = grpc_client.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True, timeout=WAIT_S)
-    done = oai.completions.create(model="any", prompt=ids, max_tokens=8, temperature=0, extra_body=IGNORE_EOS)
+    done = oai.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body=IGNORE_EOS)
     assert done.choices[0].text == want.text and done.choices[0].finish_reason == "length"
     assert done.usage.prompt_tokens == 40 and done.usage.completion_tokens == 8
     assert done.usage.prompt_tokens_details.cached_tokens == 32
@@ -132,7 +133,7 @@ def test_chat_greedy_equals_grpc_on_the_rendered_template(oai, grpc_client, mode
         chat_prompt(model_dir, MESSAGES), max_tokens=20, temperature=0.0, ignore_eos=True, timeout=WAIT_S
     )
     done = oai.chat.completions.create(
-        model="any", messages=MESSAGES, max_tokens=20, temperature=0, extra_body=IGNORE_EOS
+        model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, extra_body=IGNORE_EOS
     )
     [choice] = done.choices
     assert choice.message.role == "assistant" and choice.message.content == want.text
@@ -141,7 +142,7 @@ def test_chat_greedy_equals_grpc_on_the_rendered_template(oai, grpc_client, mode
     # Streamed with usage: role first, then the same text, then a usage chunk.
     chunks = list(
         oai.chat.completions.create(
-            model="any",
+            model=MODEL,
             messages=MESSAGES,
             max_completion_tokens=20,
             temperature=0,
@@ -158,7 +159,7 @@ def test_chat_greedy_equals_grpc_on_the_rendered_template(oai, grpc_client, mode
 
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(oai):
     """Not the scheduler's default of 16: a chat answer is limited only by max_model_len."""
-    done = oai.chat.completions.create(model="any", messages=MESSAGES, temperature=0, extra_body=IGNORE_EOS)
+    done = oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, extra_body=IGNORE_EOS)
     assert done.choices[0].finish_reason == "length"
     assert done.usage.prompt_tokens + done.usage.completion_tokens == MAX_MODEL_LEN
 
@@ -166,7 +167,7 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(oai):
 def test_seeded_sampling_is_reproducible_and_n_choices(oai):
     def run():
         return oai.completions.create(
-            model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=3, extra_body=IGNORE_EOS
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=3, extra_body=IGNORE_EOS
         )
 
     first, second = run(), run()
@@ -203,7 +204,7 @@ def test_disconnect_mid_stream_frees_the_blocks(cluster, http, grpc_client, path
     # 4 choices of up to ~500 tokens each: far longer than reading 4 events takes,
     # even on this fast tiny model (every choice is a Generate call to cancel).
     n = 4
-    body = {"max_tokens": 10_000, "temperature": 0, "stream": True, "ignore_eos": True, "n": n}
+    body = {"max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True, "n": n}
     body.update({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})
     got, during = [], None
     with http.stream("POST", path, json=body) as r:
@@ -231,7 +232,7 @@ def test_client_timeout_on_a_non_streaming_request_frees_the_blocks(cluster, grp
     n, before = 4, grpc_client.stats()
     with httpx.Client(base_url=cluster.gateway_url, timeout=0.3) as short:
         with pytest.raises(httpx.ReadTimeout):
-            short.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10_000, "ignore_eos": True, "n": n})
+            short.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": n})
     stats = wait_idle(grpc_client)
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0), stats
     # Cancelled, not run to the end: the 4 choices stopped well short of max_model_len.
@@ -272,8 +273,22 @@ def test_prompt_too_long_is_400_with_the_schedulers_message(http, stream):
     long_prompt = " ".join(["fox"] * (2 * MAX_MODEL_LEN))
     error = assert_openai_error(http.post("/v1/completions", json={"prompt": long_prompt, "stream": stream}), 400)
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_argument"
-    assert f"max_model_len is {MAX_MODEL_LEN}" in error["message"]
-    assert f"at most {MAX_MODEL_LEN - 1} prompt tokens" in error["message"]
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_plus_max_tokens_beyond_the_context_is_400_naming_it(oai, grpc_client, stream):
+    """vLLM's rule, not a silent cut: the answer would have stopped short of max_tokens."""
+    prompt_tokens = grpc_client.generate(PROMPT, max_tokens=1, timeout=WAIT_S).prompt_tokens
+    fits = MAX_MODEL_LEN - prompt_tokens
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=fits, temperature=0, extra_body=IGNORE_EOS)
+    assert done.usage.completion_tokens == fits
+    for max_tokens in (fits + 1, 2**31 - 1):
+        with pytest.raises(openai.BadRequestError, match=f"maximum context length is {MAX_MODEL_LEN} tokens") as err:
+            oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=stream)
+        assert err.value.body["param"] is None and err.value.code == "invalid_argument"
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=stream)
 
 
 def test_token_id_outside_the_vocabulary_is_400_with_the_schedulers_message(http, grpc_client):
@@ -284,19 +299,20 @@ def test_token_id_outside_the_vocabulary_is_400_with_the_schedulers_message(http
     assert error["param"] == "prompt"
 
 
-def test_huge_max_tokens_and_top_k_mean_no_limit(oai):
+def test_huge_top_k_means_no_limit_and_max_tokens_beyond_int32_is_400(oai, http):
     done = oai.completions.create(
-        model="any", prompt=PROMPT, max_tokens=2**40, temperature=0, extra_body={"top_k": 2**40, **IGNORE_EOS}
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"top_k": 2**40, **IGNORE_EOS}
     )
-    assert done.choices[0].finish_reason == "length"
-    assert done.usage.prompt_tokens + done.usage.completion_tokens == MAX_MODEL_LEN
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2**40}), 400)
+    assert error["param"] == "max_tokens"
 
 
 def test_openai_client_raises_bad_request_with_the_message(oai):
-    with pytest.raises(openai.BadRequestError, match=f"max_model_len is {MAX_MODEL_LEN}"):
-        oai.completions.create(model="any", prompt=" ".join(["fox"] * (2 * MAX_MODEL_LEN)))
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {MAX_MODEL_LEN}"):
+        oai.completions.create(model=MODEL, prompt=" ".join(["fox"] * (2 * MAX_MODEL_LEN)))
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        oai.chat.completions.create(model="any", messages=MESSAGES, temperature=-1)
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1)
 
 
 # ---------------------------------------------------------------- latency: Nagle is off

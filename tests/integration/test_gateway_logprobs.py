@@ -16,6 +16,7 @@ PROMPT_IDS = [(37 * i + 11) % 700 + 4 for i in range(30)]
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 IGNORE_EOS = {"ignore_eos": True}
+MODEL = "llama"  # the gateway's model id: the tiny checkpoint's directory name
 pytestmark = pytest.mark.usefixtures("no_leak")  # after every test: idle, no block in use
 
 
@@ -62,7 +63,7 @@ def assert_legacy_logprobs(logprobs, ids, reference, top_n, token_text, first_is
 
 def test_completion_logprobs_equal_transformers(oai, model, token_text):
     done = oai.completions.create(
-        model="any", prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=3, extra_body=IGNORE_EOS
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=3, extra_body=IGNORE_EOS
     )
     [choice] = done.choices
     generated = hf_greedy(model, PROMPT_IDS, 6)
@@ -73,7 +74,7 @@ def test_completion_logprobs_equal_transformers(oai, model, token_text):
 
 def test_echo_with_max_tokens_zero_scores_the_prompt(oai, model, token_text):
     """What lm-eval's loglikelihood requests look like."""
-    done = oai.completions.create(model="any", prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    done = oai.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=1, temperature=0)
     [choice] = done.choices
     assert choice.finish_reason == "length" and done.usage.completion_tokens == 0
     assert choice.text == "".join(token_text(t) for t in PROMPT_IDS)
@@ -85,24 +86,24 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(oai, model, token_text):
 def test_echo_of_a_text_prompt_with_a_completion(oai, grpc_client, model, token_text):
     ids = prompt_ids(grpc_client, PROMPT_TEXT)
     done = oai.completions.create(
-        model="any", prompt=PROMPT_TEXT, max_tokens=5, echo=True, logprobs=2, temperature=0, extra_body=IGNORE_EOS
+        model=MODEL, prompt=PROMPT_TEXT, max_tokens=5, echo=True, logprobs=2, temperature=0, extra_body=IGNORE_EOS
     )
     [choice] = done.choices
     generated = hf_greedy(model, ids, 5)
-    plain = oai.completions.create(model="any", prompt=PROMPT_TEXT, max_tokens=5, temperature=0, extra_body=IGNORE_EOS)
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT_TEXT, max_tokens=5, temperature=0, extra_body=IGNORE_EOS)
     assert choice.text == PROMPT_TEXT + plain.choices[0].text
     reference = position_logprobs(model, ids + generated)
     assert_legacy_logprobs(choice.logprobs, ids + generated, [None, *reference], 2, token_text, first_is_prompt=True)
     # Without logprobs: the same text, no logprobs object.
     bare = oai.completions.create(
-        model="any", prompt=PROMPT_TEXT, max_tokens=5, echo=True, temperature=0, extra_body=IGNORE_EOS
+        model=MODEL, prompt=PROMPT_TEXT, max_tokens=5, echo=True, temperature=0, extra_body=IGNORE_EOS
     )
     assert bare.choices[0].text == choice.text and bare.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("echo", [False, True])
 def test_streamed_logprobs_equal_the_whole_response(oai, echo):
-    params = dict(model="any", prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2, echo=echo)
+    params = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2, echo=echo)
     whole = oai.completions.create(**params, extra_body=IGNORE_EOS).choices[0]
     chunks = [c.choices[0] for c in oai.completions.create(**params, stream=True, extra_body=IGNORE_EOS)]
     assert "".join(c.text for c in chunks) == whole.text
@@ -119,7 +120,7 @@ def test_chat_logprobs_equal_transformers(oai, grpc_client, model, token_text, m
         MESSAGES, tokenize=False, add_generation_prompt=True
     )
     ids = prompt_ids(grpc_client, rendered)
-    params = dict(model="any", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    params = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
     done = oai.chat.completions.create(**params, extra_body=IGNORE_EOS)
     content = done.choices[0].logprobs.content
     generated = hf_greedy(model, ids, 6)
@@ -141,7 +142,7 @@ def test_chat_logprobs_equal_transformers(oai, grpc_client, model, token_text, m
     ]
     assert [e.model_dump() for e in entries] == [e.model_dump() for e in content]
     # logprobs false: none.
-    assert oai.chat.completions.create(model="any", messages=MESSAGES, max_tokens=2).choices[0].logprobs is None
+    assert oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].logprobs is None
 
 
 CONTROLS = {
@@ -182,16 +183,16 @@ def test_sampling_controls_pass_through(oai, grpc_client, model):
     )
     assert want.token_ids == reference
     done = oai.completions.create(
-        model="any", prompt=PROMPT_IDS, max_tokens=10, temperature=0, logprobs=0, extra_body=EXTRA, **CONTROLS
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=10, temperature=0, logprobs=0, extra_body=EXTRA, **CONTROLS
     )
     assert done.choices[0].text == want.text and done.choices[0].finish_reason == want.finish_reason
     assert done.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-6)
-    plain = oai.completions.create(model="any", prompt=PROMPT_IDS, max_tokens=10, temperature=0)
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=10, temperature=0)
     assert plain.choices[0].text != done.choices[0].text
 
 
 def test_chat_passes_the_controls_too(oai):
-    params = dict(model="any", messages=MESSAGES, max_tokens=8, temperature=0, extra_body={**EXTRA, **IGNORE_EOS})
+    params = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, extra_body={**EXTRA, **IGNORE_EOS})
     controlled = oai.chat.completions.create(**params, **CONTROLS).choices[0].message.content
     again = oai.chat.completions.create(**params, **CONTROLS).choices[0].message.content
     plain = oai.chat.completions.create(**params).choices[0].message.content
@@ -211,12 +212,12 @@ def test_chat_passes_the_controls_too(oai):
 )
 def test_out_of_range_values_are_400_naming_the_field(oai, params, param):
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model="any", prompt=PROMPT_IDS, **params)
+        oai.completions.create(model=MODEL, prompt=PROMPT_IDS, **params)
     assert err.value.body["param"] == param, err.value.body
 
 
 def test_token_ids_outside_the_vocabulary_are_400_with_the_schedulers_message(oai):
     with pytest.raises(openai.BadRequestError, match="logit_bias: token id 100000 is outside the vocabulary"):
-        oai.completions.create(model="any", prompt=PROMPT_IDS, logit_bias={"100000": 1.0})
+        oai.completions.create(model=MODEL, prompt=PROMPT_IDS, logit_bias={"100000": 1.0})
     with pytest.raises(openai.BadRequestError, match="stop_token_ids: token id 9999"):
-        oai.completions.create(model="any", prompt=PROMPT_IDS, extra_body={"stop_token_ids": [9999]})
+        oai.completions.create(model=MODEL, prompt=PROMPT_IDS, extra_body={"stop_token_ids": [9999]})

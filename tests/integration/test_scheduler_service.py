@@ -186,9 +186,15 @@ def test_extreme_but_valid_values_are_served(client, case, fields):
     assert_still_serving(client)
 
 
-def test_huge_max_tokens_is_clamped_by_max_model_len(client):
+def test_max_tokens_beyond_the_context_is_refused_and_unset_runs_up_to_it(client):
+    """The context rule (validation.output_limit): never a silent cut."""
     prompt = list(range(10, 30))
-    out = client.generate(prompt_token_ids=prompt, max_tokens=INT32_MAX, temperature=0.0, ignore_eos=True, timeout=60)
+    for max_tokens in (INT32_MAX, MAX_MODEL_LEN - len(prompt) + 1):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(prompt_token_ids=prompt, max_tokens=max_tokens, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err.value.details()
+    out = client.generate(prompt_token_ids=prompt, temperature=0.0, ignore_eos=True, timeout=60)
     assert out.finish_reason == "length"
     assert out.completion_tokens == MAX_MODEL_LEN - len(prompt)
     assert_still_serving(client)

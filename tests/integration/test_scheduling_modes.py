@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import Cluster
 from tests.helpers.checkpoints import TINY_FAMILIES, tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, wait_idle
+from tools.processes import Cluster
 
 MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 # 20 blocks of 16 for 16 requests of up to ~90 tokens: requests wait and get preempted.

@@ -17,8 +17,8 @@ import grpc
 
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import Cluster
 from tests.load.common import default_model, fail, percentile, print_table
+from tools.processes import Cluster
 
 
 @dataclass

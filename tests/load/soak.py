@@ -24,8 +24,8 @@ import grpc
 
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from svc_common.processes import Cluster
 from tests.load.common import default_model, fail, print_table
+from tools.processes import Cluster
 
 GREEDY_PROMPTS = 8  # fixed greedy prompts whose outputs are compared across the run
 EXPECTED_ENDINGS = {"finished", "cancelled", "deadline"}

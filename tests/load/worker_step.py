@@ -15,10 +15,10 @@ import time
 import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
-from svc_common.processes import ServiceProcess
 from tests.helpers.worker_client import BLOCK_SIZE as BLOCK
 from tests.helpers.worker_client import sampled_rows, seq_step, step_request
 from tests.load.common import default_model, fail, percentile, print_table
+from tools.processes import ServiceProcess
 
 LIMIT = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 

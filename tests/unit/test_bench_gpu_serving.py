@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import gpu_serving
-from svc_common.processes import REPO
+from tools.processes import REPO
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

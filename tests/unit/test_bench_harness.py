@@ -49,7 +49,7 @@ def test_benchmarks_share_the_harness():
         tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not imported & {"svc_common.processes", "subprocess", "tempfile"} or path.stem in run_all.HELPERS, (
+        assert not imported & {"tools.processes", "subprocess", "tempfile"} or path.stem in run_all.HELPERS, (
             f"{path.name} launches processes itself: use bench/harness/services.py"
         )
         defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}

@@ -1,4 +1,4 @@
-"""`make down` (svc_common.cluster_ctl): stops the whole process group of each
+"""`make down` (tools.cluster_ctl): stops the whole process group of each
 service it started, and never signals a process a stale pid file points at."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from svc_common import cluster_ctl
+from tools import cluster_ctl
 
 # Looks like a service started by `up` (names the module and the run dir), spawns
 # a child into its process group, and optionally ignores SIGTERM.
@@ -82,3 +82,23 @@ def test_service_names_map_to_their_modules():
         "scheduler_svc",
         "gateway_svc",
     ]
+
+
+def test_status_reports_a_dead_service_and_fails(tmp_path, capsys):
+    """`make cluster-status` never leaves a dead worker out (it exited 0 listing the live ones)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    scheduler, _ = fake_service(run_dir, "scheduler", "scheduler_svc")
+    worker, _ = fake_service(run_dir, "worker-0", "worker_svc")
+    try:
+        assert cluster_ctl.main(["--run-dir", str(run_dir), "status"]) == 0
+        capsys.readouterr()
+        worker.kill()
+        worker.wait(10)
+        assert cluster_ctl.main(["--run-dir", str(run_dir), "status"]) == 1
+        out = capsys.readouterr().out
+        assert f"worker-0     DEAD    pid {worker.pid}" in out and "scheduler    running" in out
+        assert "1 of 2 services are dead: worker-0" in out
+    finally:
+        cluster_ctl.stop_all(run_dir, timeout_s=1.0, quiet=True)
+        scheduler.wait(10)

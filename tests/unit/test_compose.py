@@ -258,6 +258,8 @@ SLIM_IMAGES = {
             "rich": "rich",
             "zmq": "pyzmq",
             "msgpack": "msgpack",
+            "llguidance": "llguidance",
+            "numpy": "numpy",
         },
     ),
     "gateway": (
@@ -274,6 +276,7 @@ SLIM_IMAGES = {
             "jinja2": "jinja2",
             "prometheus_client": "prometheus_client",
             "tokenizers": "tokenizers",  # prefix routing over several schedulers
+            "httpx": "httpx",  # /metrics scrapes the schedulers' endpoints
         },
     ),
 }

@@ -37,3 +37,14 @@ def test_planner_options_are_checked_once_with_their_flag():
         SchedulerConfig(chunk_size=0).validate()
     with pytest.raises(ValueError, match="--dynamic-chunk-min"):
         SchedulerConfig(dynamic_chunk_min=4096, dynamic_chunk_max=512).validate()
+
+
+def test_vllm_flag_spellings_are_aliases():
+    """`--kv-cache-dtype` and `--served-model-name`, as vLLM users type them."""
+    from gateway_svc.config import GatewayConfig
+    from svc_common.cli import build_parser
+
+    worker = build_parser(WorkerConfig, "PAGEDSERVE_WORKER", "").parse_args(["--kv-cache-dtype", "int8"])
+    assert worker.kv_dtype == "int8"
+    gateway = build_parser(GatewayConfig, "PAGEDSERVE_GATEWAY", "").parse_args(["--served-model-name", "smollm2"])
+    assert gateway.model_name == "smollm2"

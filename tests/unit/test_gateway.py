@@ -1,165 +1,42 @@
 """gateway_svc against an in-process fake serving.v1 scheduler (no model, no torch).
 
-The fake streams canned deltas and records every GenerateRequest, its gRPC
-metadata and whether its call was cancelled. Gateways run as real uvicorn
-servers on 127.0.0.1 port 0 (in a thread, or as a `python -m gateway_svc`
-process for the CLI); clients are httpx and the official `openai` package.
+The fake (tests/helpers/fake_scheduler.py) streams canned deltas and records
+every GenerateRequest. Gateways run as real uvicorn servers on 127.0.0.1 port 0
+(in a thread, or as a `python -m gateway_svc` process for the CLI); clients are
+httpx and the official `openai` package.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import subprocess
 import sys
-import threading
-import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from gateway_svc.chat_template import ChatTemplate
-from gateway_svc.config import GatewayConfig
-from gateway_svc.server import GatewayServer
-from proto import serving_pb2, serving_pb2_grpc
-from tests.helpers.procs import REPO, ServiceProcess, free_port
-
-MODEL_NAME = "tiny-chat-model"
-# A small template in tokenizer_config.json that uses bos/eos and raise_exception.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if loop.first and m['role'] == 'assistant' %}{{ raise_exception('conversation must not start with assistant') }}{% endif %}"  # noqa: E501
-    "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from tests.helpers.fake_scheduler import (
+    DELTAS,
+    MODEL_NAME,
+    WAIT_S,
+    assert_openai_error,
+    chat_model_dir,
+    running_gateway,
+    sse_payloads,
 )
-DELTAS = ["Hello", ",", " world"]
-USAGE = serving_pb2.Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=4)
-WAIT_S = 10.0  # upper bound on any single wait in these tests
-
-
-# ---------------------------------------------------------------- fake scheduler
-
-
-class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests: list[serving_pb2.GenerateRequest] = []
-        self.metadata: list[dict[str, str]] = []
-        self.cancelled = threading.Event()
-        self.reset()
-
-    def reset(self) -> None:
-        with self.lock:
-            self.requests.clear()
-            self.metadata.clear()
-        self.cancelled.clear()
-        self.deltas = list(DELTAS)
-        self.delay_s = 0.0  # before each delta
-        self.first_delay_s = 0.0  # before the first message (a long queue wait or prefill)
-        self.finish_reason = "length"
-        self.abort: tuple[grpc.StatusCode, str] | None = None
-        self.abort_after: int | None = None  # with `abort`: fail after this many deltas (mid-stream)
-        self.required_key: str | None = None
-
-    def Generate(self, request, context):
-        metadata = dict(context.invocation_metadata())
-        with self.lock:
-            self.requests.append(request)
-            self.metadata.append(metadata)
-        if self.required_key and metadata.get("authorization") != f"Bearer {self.required_key}":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this scheduler wants an API key")
-        if self.abort and self.abort_after is None:
-            context.abort(*self.abort)
-        completed = False
-        try:
-            if not self._wait(context, self.first_delay_s):
-                return
-            # A progress-only message first: the gateway must not turn it into output.
-            yield serving_pb2.GenerateResponse(
-                request_id=request.request_id,
-                prefill_progress=serving_pb2.PrefillProgress(processed_tokens=5, total_tokens=5),
-            )
-            for i, text in enumerate(self.deltas):
-                if not self._wait(context, self.delay_s):
-                    return
-                if self.abort and i == self.abort_after:
-                    completed = True  # an error, not a cancellation
-                    context.abort(*self.abort)
-                yield serving_pb2.GenerateResponse(request_id=request.request_id, text=text, token_ids=[i])
-            yield serving_pb2.GenerateResponse(
-                request_id=request.request_id, finished=True, finish_reason=self.finish_reason, usage=USAGE
-            )
-            completed = True
-        finally:
-            if not completed:
-                self.cancelled.set()
-
-    @staticmethod
-    def _wait(context, seconds: float) -> bool:
-        """Sleep up to `seconds`; False as soon as the call is cancelled."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if not context.is_active():
-                return False
-            time.sleep(0.005)
-        return context.is_active()
-
-
-@pytest.fixture(scope="module")
-def fake_scheduler():
-    servicer, health_servicer = FakeScheduler(), health.HealthServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    serving_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    servicer.address = f"127.0.0.1:{port}"
-    servicer.health = health_servicer
-    yield servicer
-    server.stop(grace=None)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_fake(request):
-    if "fake_scheduler" in request.fixturenames:
-        request.getfixturevalue("fake_scheduler").reset()
-
+from tests.helpers.procs import REPO, ServiceProcess, free_port
 
 # ---------------------------------------------------------------- gateways
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("models") / MODEL_NAME
-    directory.mkdir()
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}})
-    )
-    return directory
-
-
-@contextlib.contextmanager
-def running_gateway(**overrides):
-    """A real uvicorn gateway on 127.0.0.1 port 0, in a background thread."""
-    config = GatewayConfig(**{"host": "127.0.0.1", "port": 0, "log_level": "warning", **overrides})
-    config.validate()
-    server = GatewayServer(config)
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
-    thread.start()
-    try:
-        assert server.ready.wait(WAIT_S), "gateway did not start"
-        yield f"http://127.0.0.1:{server.port}"
-    finally:
-        server.stop()
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "gateway did not stop"
+    return chat_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -172,23 +49,6 @@ def gateway(fake_scheduler, model_dir):
 def http(gateway):
     with httpx.Client(base_url=gateway, timeout=WAIT_S) as client:
         yield client
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
-
-
-def sse_payloads(response: httpx.Response) -> list[str]:
-    """The `data:` payloads of a fully read event stream, checking the framing."""
-    text = response.text
-    assert text.endswith("data: [DONE]\n\n"), text[-200:]
-    events = text.split("\n\n")[:-1]
-    assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: ") :] for e in events]
 
 
 # ---------------------------------------------------------------- completions
@@ -227,7 +87,8 @@ def test_unset_parameters_stay_unset_and_stop_string_becomes_list(http, fake_sch
     assert r.status_code == 200, r.text
     [req] = fake_scheduler.requests
     assert list(req.prompt_token_ids) == [1, 2, 3] and req.prompt == ""
-    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+    assert req.max_tokens == 16  # OpenAI's default for /v1/completions (a chat answer may run to the context)
+    for name in ("temperature", "top_p", "top_k"):
         assert not req.HasField(name), name  # the scheduler's defaults apply
     assert list(req.stop) == ["END"]
     assert req.seed == 2**64 - 1  # OpenAI's signed seed wrapped into serving.v1's uint64

@@ -150,8 +150,9 @@ def test_tokenize_messages_renders_the_chat_template_first(http, fake):
 
 
 def test_detokenize(http):
-    r = http.post("/detokenize", json={"model": "x", "tokens": [72, 105]})
+    r = http.post("/detokenize", json={"model": "tok-model", "tokens": [72, 105]})
     assert r.status_code == 200 and r.json() == {"prompt": "Hi"}
+    assert http.post("/detokenize", json={"model": "x", "tokens": [72]}).json()["error"]["code"] == "model_not_found"
     assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
 
 
@@ -234,3 +235,20 @@ def test_metrics_count_requests_by_route_method_status_and_time_streams_whole(ht
     assert got[(f"{latency}_bucket", labels("/v1/completions", "POST", 200, le="0.25"))] == 0
     assert (total, labels("/metrics", "GET", 200)) not in got  # counted once it has answered
     assert samples(http)[(total, labels("/metrics", "GET", 200))] == 1
+
+
+# ---- behind --schedulers ------------------------------------------------------------------
+def test_tokenize_detokenize_and_models_behind_several_schedulers(fake, model_dir):
+    """The pool answers every route the single-scheduler client does, from any healthy scheduler."""
+    client, stop = gateway(fake, model_dir, schedulers=f"{fake.address},127.0.0.1:1", scheduler_routing="least-loaded")
+    try:
+        r = client.post("/tokenize", json={"prompt": "Hi"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == [BOS, 72, 105] and r.json()["max_model_len"] == MAX_MODEL_LEN
+        r = client.post("/detokenize", json={"tokens": [72, 105]})
+        assert r.status_code == 200 and r.json() == {"prompt": "Hi"}, r.text
+        assert "outside the vocabulary" in error(client.post("/detokenize", json={"tokens": [999]}), "tokens")
+        [model] = client.get("/v1/models").json()["data"]
+        assert model["max_model_len"] == MAX_MODEL_LEN
+    finally:
+        stop()

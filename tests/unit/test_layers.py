@@ -17,14 +17,15 @@ PACKAGE = ROOT / "scheduler_svc"
 ALLOWED: dict[str, set[str]] = {
     "request": set(),
     "text": set(),
+    "structured": {"text"},
     "kv": {"request"},
-    "planning": {"request", "kv"},
+    "planning": {"request", "kv", "structured"},
     "config": {"request", "kv", "planning"},
-    "engine": {"request", "kv", "planning", "text", "config"},
-    "api": {"request", "kv", "planning", "text", "config", "engine"},
+    "engine": {"request", "kv", "planning", "text", "structured", "config"},
+    "api": {"request", "kv", "planning", "text", "structured", "config", "engine"},
     "observability": {"request", "kv", "planning", "engine"},
     "client": set(),
-    "__main__": {"request", "kv", "planning", "text", "config", "engine", "api", "observability"},
+    "__main__": {"request", "kv", "planning", "text", "structured", "config", "engine", "api", "observability"},
 }
 
 

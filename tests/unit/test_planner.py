@@ -49,7 +49,7 @@ def test_block_size_must_match_kv_cache():
 
 def test_prompt_that_can_never_fit_is_rejected():
     planner, _ = make(num_blocks=8, max_model_len=100)  # pool holds 128 tokens
-    with pytest.raises(RequestRejected, match="max_model_len is 100") as e:
+    with pytest.raises(RequestRejected, match="maximum context length is 100 tokens") as e:
         planner.add(req("a", range(100)))
     assert e.value.field == "prompt"
     planner2, _ = make(num_blocks=4, max_model_len=1000)  # pool holds 64 tokens

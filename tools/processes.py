@@ -2,10 +2,13 @@
 
 Each service writes its bound port to a ready file once it serves; a service
 that dies or stays silent past the timeout raises with its log. Used by the
-tests, the benchmarks and `make serve`."""
+tests, the benchmarks and `make serve` (tools/local_cluster.py, which starts
+them `supervised`: in sessions of their own, so a terminal's Ctrl-C reaches
+only the launcher, and with a parent-death signal, so none outlives it)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -19,6 +22,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when the thread that started it ends
+    (its parent dies, however it dies: even SIGKILL), as PR_SET_PDEATHSIG does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
 
 
 @dataclass
@@ -29,10 +41,15 @@ class ServiceProcess:
     timeout_s: float = 120.0
     inherit_output: bool = False  # True: log to our stdout/stderr instead of a file
     bind_port: int = 0  # 0: the OS picks; the bound port is read back into `port`
+    # Own session (a terminal's signals do not reach it) and SIGTERM when the thread that
+    # started it ends: only for processes started and restarted from one long-lived thread.
+    supervised: bool = False
+    stop_timeout_s: float = 15.0  # SIGTERM, then this long before SIGKILL
     proc: subprocess.Popen[bytes] | None = None
     port: int = 0
     ready_info: dict[str, Any] = field(default_factory=dict)  # the ready file's JSON (the scheduler adds admin_port)
     _dir: tempfile.TemporaryDirectory[str] | None = None
+    _deadline: float = 0.0
 
     @property
     def address(self) -> str:
@@ -43,9 +60,14 @@ class ServiceProcess:
         assert self._dir is not None, "not started"
         return Path(self._dir.name) / "service.log"
 
-    def start(self) -> ServiceProcess:
+    @property
+    def ready_path(self) -> Path:
+        assert self._dir is not None, "not started"
+        return Path(self._dir.name) / "ready.json"
+
+    def launch(self) -> None:
+        """Start the process; `poll_ready()` says when it serves."""
         self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
-        ready = Path(self._dir.name) / "ready.json"
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         cmd = [
             sys.executable,
@@ -57,23 +79,36 @@ class ServiceProcess:
             "--port",
             str(self.bind_port),
             "--ready-file",
-            str(ready),
+            str(self.ready_path),
         ]
+        options: dict[str, Any] = {"cwd": REPO, "env": env}
+        if self.supervised:
+            options |= {"start_new_session": True, "preexec_fn": die_with_parent}
         if self.inherit_output:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+            self.proc = subprocess.Popen(cmd, **options)
         else:
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
-                self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{self.module} not ready after {self.timeout_s}s:\n{self.log()}")
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **options)
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def poll_ready(self) -> bool:
+        """True once the service serves (its port read back); raises if it died or timed out."""
+        assert self.proc is not None, "not launched"
+        if self.ready_path.exists():
+            self.ready_info = json.loads(self.ready_path.read_text())
+            self.port = self.ready_info["port"]
+            return True
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log()}")
+        if time.monotonic() > self._deadline:
+            self.stop()
+            raise TimeoutError(f"{self.module} not ready after {self.timeout_s}s:\n{self.log()}")
+        return False
+
+    def start(self) -> ServiceProcess:
+        self.launch()
+        while not self.poll_ready():
             time.sleep(0.05)
-        self.ready_info = json.loads(ready.read_text())
-        self.port = self.ready_info["port"]
         return self
 
     @property
@@ -98,15 +133,22 @@ class ServiceProcess:
     def restart(self) -> ServiceProcess:
         """Stop if still running (e.g. after kill()), then start again on the same
         port, as a supervisor would: clients keep using the address they know."""
+        self.relaunch()
+        while not self.poll_ready():
+            time.sleep(0.05)
+        return self
+
+    def relaunch(self) -> None:
+        """restart() without waiting: `poll_ready()` says when it serves again."""
         self.stop()
-        self.bind_port = self.port
-        return self.start()
+        self.bind_port = self.port or self.bind_port
+        self.launch()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(15)
+                self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
         if self._dir:
@@ -123,7 +165,9 @@ class ServiceProcess:
 class Cluster:
     """A worker (or several) and a scheduler in front of them, as real processes;
     with `gateway=True` also the OpenAI-compatible HTTP gateway in front of the
-    scheduler (`gateway_url` is its base URL)."""
+    scheduler (`gateway_url` is its base URL). `worker_port`: worker i binds
+    worker_port + i (0: the OS picks); `metrics_port` > 0: the scheduler's
+    Prometheus endpoint, which the gateway's /metrics then serves too."""
 
     def __init__(
         self,
@@ -136,12 +180,23 @@ class Cluster:
         gateway: bool = False,
         gateway_port: int = 0,
         gateway_args: Sequence[str] = (),
+        worker_port: int = 0,
+        metrics_port: int = 0,
+        supervised: bool = False,
     ):
         self.model_dir = model_dir
+        self.supervised = supervised
         self.workers = [
-            ServiceProcess("worker_svc", ["--model", str(model_dir), *worker_args], inherit_output=inherit_output)
-            for _ in range(num_workers)
+            ServiceProcess(
+                "worker_svc",
+                ["--model", str(model_dir), *worker_args],
+                inherit_output=inherit_output,
+                bind_port=worker_port + i if worker_port else 0,
+                supervised=supervised,
+            )
+            for i in range(num_workers)
         ]
+        self.metrics_port = metrics_port
         self.scheduler_args = list(scheduler_args)
         self.inherit_output = inherit_output
         self.scheduler_port = scheduler_port
@@ -170,8 +225,10 @@ class Cluster:
 
     def start(self) -> Cluster:
         try:
-            for w in self.workers:
-                w.start()
+            for w in self.workers:  # they load their models side by side
+                w.launch()
+            while not all(w.poll_ready() for w in self.workers):
+                time.sleep(0.05)
             workers = ",".join(w.address for w in self.workers)
             # An OS-picked scheduler port goes with an OS-picked admin port (not the fixed default).
             admin = (
@@ -179,18 +236,25 @@ class Cluster:
                 if self.scheduler_port == 0 and not any(a.startswith("--admin-port") for a in self.scheduler_args)
                 else []
             )
+            metrics = ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []
             self.scheduler = ServiceProcess(
                 "scheduler_svc",
-                ["--model", str(self.model_dir), "--workers", workers, *admin, *self.scheduler_args],
+                ["--model", str(self.model_dir), "--workers", workers, *admin, *metrics, *self.scheduler_args],
                 inherit_output=self.inherit_output,
                 bind_port=self.scheduler_port,
+                supervised=self.supervised,
             ).start()
             if self.with_gateway:
+                scrape = ["--scheduler-metrics", f"127.0.0.1:{self.metrics_port}"] if self.metrics_port else []
                 self.gateway = ServiceProcess(
                     "gateway_svc",
-                    ["--scheduler", self.scheduler.address, "--model-dir", str(self.model_dir), *self.gateway_args],
+                    ["--scheduler", self.scheduler.address, "--model-dir", str(self.model_dir), *scrape]
+                    + self.gateway_args,
                     inherit_output=self.inherit_output,
                     bind_port=self.gateway_port,
+                    supervised=self.supervised,
+                    # It drains first: give it its --drain-timeout-s and a margin before SIGKILL.
+                    stop_timeout_s=float(flag_value(self.gateway_args, "--drain-timeout-s") or 30.0) + 10.0,
                 ).start()
         except Exception:
             self.stop()
@@ -211,3 +275,14 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in a command line (`--flag V` or `--flag=V`; the last one wins), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+    return value

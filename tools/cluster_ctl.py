@@ -4,10 +4,10 @@
 `--cells C`, C schedulers each with their own N workers, and the gateway in
 front of all of them (`--schedulers`): the multi-scheduler topology.
 
-    python -m svc_common.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 2 --port 50051
-    python -m svc_common.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 1 --cells 2
-    python -m svc_common.cluster_ctl status
-    python -m svc_common.cluster_ctl down
+    python -m tools.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 2 --port 50051
+    python -m tools.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 1 --cells 2
+    python -m tools.cluster_ctl status
+    python -m tools.cluster_ctl down
 
 Everything lives in --run-dir (default run/): <name>.pid, <name>.log and
 <name>.ready.json per service, cluster.json with the addresses. Each service
@@ -29,6 +29,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.ports import free_port
+from tools.processes import flag_value
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_ORDER = ("gateway", "scheduler", "worker")  # front to back: no new work reaches a stopped service
@@ -181,10 +184,11 @@ def up(args: argparse.Namespace) -> int:
             targets = ",".join(addresses[s.name] for s in schedulers)
             # Several cells: the gateway routes each request to one scheduler (gateway_svc/scheduler_pool.py).
             front = ["--schedulers", targets] if args.cells > 1 else ["--scheduler", targets]
+            metrics = ",".join(f"{args.host}:{flag_value(s.args, '--metrics-port')}" for s in schedulers)
             gateway = Service(
                 "gateway",
                 "gateway_svc",
-                [*front, "--model-dir", model, *shlex.split(args.gateway_args)],
+                [*front, "--scheduler-metrics", metrics, "--model-dir", model, *shlex.split(args.gateway_args)],
                 args.host,
                 args.gateway_port,
             )
@@ -233,6 +237,8 @@ def _scheduler(
     name = "scheduler" if args.cells == 1 else f"scheduler-{cell}"
     port = args.port + 2 * cell if args.port else 0
     flags = ["--model", model, "--workers", ",".join(addresses[w.name] for w in workers)]
+    # Its Prometheus endpoint, which the gateway's /metrics serves too.
+    flags += ["--metrics-port", str(free_port(args.host))]
     return Service(name, "scheduler_svc", [*flags, *shlex.split(args.scheduler_args)], args.host, port)
 
 
@@ -299,15 +305,30 @@ def stop_all(run_dir: Path, timeout_s: float = 20.0, quiet: bool = False) -> int
 
 
 def status(run_dir: Path) -> int:
+    """Every service `up` started: running, or dead (exit 1: a dead service is never left out)."""
     alive = _alive_pids(run_dir)
     cluster = run_dir / "cluster.json"
     addresses = json.loads(cluster.read_text()) if cluster.exists() else {}
-    if not alive:
+    started = {p.stem: _read_pid(p) for p in sorted(run_dir.glob("*.pid"))}
+    if not started:
         print(f"nothing running from {run_dir}")
         return 1
-    for name, pid in sorted(alive.items()):
-        print(f"{name:<10} pid {pid:<8} {addresses.get(name, '?')}")
+    dead = sorted(started.keys() - alive.keys())
+    for name in sorted(started):
+        state = "running" if name in alive else "DEAD   "
+        log = f"  (log {run_dir / f'{name}.log'})" if name in dead else ""
+        print(f"{name:<12} {state} pid {started[name]:<8} {addresses.get(name, '?')}{log}")
+    if dead:
+        print(f"{len(dead)} of {len(started)} services are dead: {', '.join(dead)} (`make down`, then `make cluster`)")
+        return 1
     return 0
+
+
+def _read_pid(pid_file: Path) -> int | str:
+    try:
+        return int(pid_file.read_text().strip())
+    except ValueError:
+        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
