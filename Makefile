@@ -66,7 +66,7 @@ $(STUBS): $(PROTOS) $(STAMP)
 model: $(MODEL_DIR)/config.json ## prepare the default model (SmolLM2-135M-Instruct) in models/
 
 $(MODEL_DIR)/config.json: | setup
-	$(PY) -m worker_svc.prepare_default_model --out $(MODEL_DIR)
+	$(PY) -m tools.prepare_default_model --out $(MODEL_DIR)
 
 test: setup setup-test model ## the test suite (~13 min on 2 cores; slow cases excluded)
 	$(PY) -m pytest -q
@@ -74,7 +74,7 @@ test: setup setup-test model ## the test suite (~13 min on 2 cores; slow cases e
 test-slow: setup setup-test model ## the slow cases only (fuzzer, long runs)
 	$(PY) -m pytest -q -m slow
 
-# ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc,
+# ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc, worker_svc,
 # kernels, svc_common, gateway_svc and tools (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
 lint: setup setup-test ## ruff check, ruff format --check, mypy strict
 	$(PY) -m ruff check .

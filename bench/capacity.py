@@ -396,7 +396,7 @@ which already hold every position it writes: it never grows, and stays resident
 while the rest of the burst arrives. The scheduler runs with a step budget of
 {4 * TOKENS:,} tokens, chunk size 4,096 and prefix caching off, so admission allocates
 each whole prompt and only a full pool (contiguous: no free slot) stops it. The
-worker serves the tiny `llama_long` checkpoint (worker_svc/tiny_checkpoints.py,
+worker serves the tiny `llama_long` checkpoint (tools/tiny_checkpoints.py,
 262k positions): the count depends only on the pool, and the tiny model makes the 10
 bursts of up to ~40k prompt tokens take seconds. The "computed" column is the seed's
 formula, for comparison. At 4,096 = max_seq_len both layouts hold 8: the paged

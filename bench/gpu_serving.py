@@ -244,7 +244,7 @@ def _decode_row(label: str, contexts: list[int], reps: int, flush: torch.Tensor)
 
 def _prefill_row(label, lens, q_heads, kv_heads, head_dim, reps, flush) -> dict:
     from kernels import triton_ops
-    from worker_svc.attention import fresh_prefill_attention
+    from worker_svc.attention.prefill_route import fresh_prefill_attention
 
     block, total = 16, sum(lens)
     blocks = [-(-n // block) for n in lens]
@@ -296,7 +296,8 @@ def _step_split(model: Path, batch: int, graphs: bool, quick: bool) -> dict:
     from torch.autograd import DeviceType
 
     from worker_svc.config import WorkerConfig
-    from worker_svc.step_input import SeqInput, StepInput
+    from worker_svc.step.builder import StepBuilder
+    from worker_svc.step.input import StepInput
     from worker_svc.worker import Worker
 
     steps = 10 if quick else 30
@@ -317,26 +318,27 @@ def _step_split(model: Path, batch: int, graphs: bool, quick: bool) -> dict:
     prompts = [p[:context] + [5] * (context - len(p[:context])) for p in prompts_for(batch, vocab, seed=1)]
     tables = [[s * per_seq + b for b in range(per_seq)] for s in range(batch)]
 
-    def seq(s: int, tokens: list[int], start: int, sample: bool) -> SeqInput:
-        slots = [tables[s][p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return SeqInput(s, tokens, start, tables[s], slots, sample=sample)
+    def step_of(step_id: int, rows: list[tuple[int, list[int], int]]) -> StepInput:
+        """(sequence, tokens, start) per row, every row sampled."""
+        builder = StepBuilder(block_size=16)
+        for s, tokens, start in rows:
+            builder.add(s, tokens, start, tables[s], sample=True)
+        return builder.build(step_id)
 
     step_id = 0
     per_step = max(1, 8192 // context)
     for first in range(0, batch, per_step):  # prefill, 8192 tokens a step
         step_id += 1
-        worker.step(
-            StepInput(step_id, [], [seq(s, prompts[s], 0, True) for s in range(first, min(batch, first + per_step))])
-        )
+        worker.step(step_of(step_id, [(s, prompts[s], 0) for s in range(first, min(batch, first + per_step))]))
     position = context
     tokens = [7] * batch
 
     def decode() -> dict:
         nonlocal step_id, position, tokens
         step_id += 1
-        out = worker.step(StepInput(step_id, [], [seq(s, [tokens[s]], position, True) for s in range(batch)]))
+        out = worker.step(step_of(step_id, [(s, [tokens[s]], position) for s in range(batch)]))
         position += 1
-        tokens = [t.token_id for t in out.sampled]
+        tokens = out.samples.token_ids.tolist()
         return out.timings_ms
 
     for _ in range(3):

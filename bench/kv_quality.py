@@ -29,13 +29,13 @@ from transformers import AutoTokenizer
 from bench.harness.machine import announce
 from bench.harness.results import markdown_table, write_result
 from bench.harness.services import REPO
-from worker_svc.attention import CacheAttention
+from worker_svc.attention.kv_cache import PagedKVCache
 from worker_svc.config import WorkerConfig
-from worker_svc.forward_batch import build_forward_batch
-from worker_svc.kv_cache import PagedKVCache
-from worker_svc.model_runner import ModelRunner
-from worker_svc.sampler import Sampler
-from worker_svc.step_input import SeqInput, StepInput
+from worker_svc.runner.batch import plan_batch
+from worker_svc.runner.model_runner import ModelRunner
+from worker_svc.runner.upload import upload_batch
+from worker_svc.sampling.sampler import Sampler
+from worker_svc.step.builder import StepBuilder
 from worker_svc.worker import Worker, resolve_kv_dtype
 
 KV_DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8"]  # the first is the baseline
@@ -67,19 +67,23 @@ class Variant:
         self.name = name
         self.dtype = resolve_kv_dtype(name, torch.float32, worker.device)
         self.model = worker.model
-        self.ops = worker.runner.ops
         self.cache = PagedKVCache(
-            spec.num_layers, num_blocks, spec.num_kv_heads, 16, spec.head_dim, self.dtype, worker.device
+            spec.num_layers,
+            num_blocks,
+            spec.num_kv_heads,
+            16,
+            spec.head_dim,
+            self.dtype,
+            worker.device,
+            worker.cache.ops,
         )
-        self.runner = ModelRunner(worker.model, self.cache, self.ops, Sampler(0))
+        self.runner = ModelRunner(worker.model, self.cache, Sampler(0))
 
     @torch.inference_mode()
     def chunk_logits(self, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
         """fp32 logits [len(tokens), vocab] of a prefill chunk at positions start..."""
-        slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        batch = build_forward_batch(StepInput(0, [], [SeqInput(1, tokens, start, table, slots)]), self.model.device)
-        attention = CacheAttention(self.ops, self.cache, batch, self.model.spec.attention_scale)
-        return self.model.logits(self.model.forward(batch.input_ids, batch.positions, attention))
+        step = StepBuilder(block_size=16).add(1, tokens, start, table).build(0)
+        return self.model.logits(self.runner.forward(upload_batch(plan_batch(step), self.runner.uploader)))
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]  # 256 positions each
@@ -87,11 +91,11 @@ class Variant:
         pending = [list(p) for p in prompts]
         starts = [0] * len(prompts)
         for step in range(max_tokens):
-            seqs = []
+            builder = StepBuilder(block_size=16)
             for i, tokens in enumerate(pending):
-                slots = [tables[i][p // 16] * 16 + p % 16 for p in range(starts[i], starts[i] + len(tokens))]
-                seqs.append(SeqInput(i, tokens, starts[i], tables[i], slots, sample=True))
-            sampled = {s.seq_id: s.token_id for s in self.runner.execute(StepInput(step, [], seqs)).sampled}
+                builder.add(i, tokens, starts[i], tables[i], sample=True)
+            samples = self.runner.execute(builder.build(step)).samples
+            sampled = dict(zip(samples.seq_ids.tolist(), samples.token_ids.tolist()))
             for i in range(len(prompts)):
                 starts[i] += len(pending[i])
                 out[i].append(sampled[i])

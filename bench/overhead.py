@@ -60,7 +60,8 @@ from scheduler_svc.client import SchedulerClient
 from scheduler_svc.planning.planner import StepPlan
 from scheduler_svc.request import Request, SamplingOptions
 from worker_svc.config import WorkerConfig
-from worker_svc.step_input import Sampling, SeqInput, StepInput
+from worker_svc.step.builder import StepBuilder
+from worker_svc.step.input import StepInput
 from worker_svc.worker import Worker
 
 NAME = "overhead"
@@ -77,19 +78,22 @@ def prompts_for(n: int, context: int, rng: random.Random) -> list[list[int]]:
 
 def step_input_of(plan: StepPlan) -> StepInput:
     """What the worker would get from the proto, built straight from the plan (the in-process path)."""
-    seqs = [
-        SeqInput(
+    builder = StepBuilder()
+    for s in plan.seqs:
+        o = s.sampling
+        builder.add(
             s.seq_id,
-            list(s.token_ids),
+            s.token_ids,
             s.start_pos,
-            list(s.block_table),
-            list(s.slot_mapping),
-            s.sample,
-            Sampling(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed),
+            s.block_table,
+            s.slot_mapping,
+            sample=s.sample,
+            temperature=o.temperature,
+            top_p=o.top_p,
+            top_k=o.top_k,
+            seed=o.seed,
         )
-        for s in plan.seqs
-    ]
-    return StepInput(plan.step_id, list(plan.copies), seqs)
+    return builder.build(plan.step_id, list(plan.copies))
 
 
 class InProcess:

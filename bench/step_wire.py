@@ -30,6 +30,8 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
 NAME = "step_wire"
 DEFAULT_BASELINE = "321503c"  # the last commit with one SequenceStep message per sequence
 BLOCK_SIZE = 16
@@ -79,9 +81,9 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
 def measure_case(repeats: int, seqs: int, tokens: int, start: int, blocks: int) -> dict[str, float]:
     from proto import worker_pb2
     from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
-    from worker_svc.model_runner import SampledRows, StepOutput
     from worker_svc.server import step_from_proto, step_to_proto
-    from worker_svc.step_input import Limits, validate
+    from worker_svc.step.output import SampledRows, StepOutput
+    from worker_svc.step.validation import Limits, validate
 
     plan = plan_of(seqs, tokens, start, blocks)
     limits = Limits(VOCAB, seqs * blocks, BLOCK_SIZE, 4096)
@@ -90,7 +92,8 @@ def measure_case(repeats: int, seqs: int, tokens: int, start: int, blocks: int) 
     parsed = worker_pb2.StepRequest.FromString(payload)
     step = step_from_proto(parsed)
     validate(step, limits)  # well formed: the figures are those of a step that passes
-    sampled = SampledRows.of({i: ((3 * i) % VOCAB, -0.25 - i / seqs) for i in range(seqs)})
+    rows = np.arange(seqs)
+    sampled = SampledRows(rows.astype(np.uint64), (3 * rows) % VOCAB, -0.25 - rows / seqs)
     output = StepOutput(1, sampled, seqs * tokens, {"total_ms": 1.0})
     reply = step_to_proto(output, "instance").SerializeToString()
 

@@ -51,7 +51,7 @@ ROWS = 32
 
 
 def vocabularies() -> list[tuple[str, Callable[[], GrammarVocab]]]:
-    from worker_svc.tiny_checkpoints import train_tokenizer_json
+    from tools.tiny_checkpoints import train_tokenizer_json
 
     tiny_json = train_tokenizer_json()
     return [

@@ -102,26 +102,17 @@ def decode_profile(model: str, dtype: str, batch: int, context: int, num_blocks:
     import pstats
 
     from worker_svc.config import WorkerConfig
-    from worker_svc.step_input import Sampling, SeqInput, StepInput
+    from worker_svc.step.builder import StepBuilder
     from worker_svc.worker import Worker
 
     worker = Worker(WorkerConfig(model=model, dtype=dtype, num_blocks=num_blocks))
     per_seq = context // 16 + 1
     if batch * per_seq > num_blocks:
         raise ValueError(f"the profile needs {batch * per_seq} blocks, --num-blocks is {num_blocks}")
-    seqs = [
-        SeqInput(
-            i,
-            [100],
-            context,
-            [i * per_seq + j for j in range(per_seq)],
-            [(i * per_seq + context // 16) * 16 + context % 16],
-            True,
-            Sampling(),
-        )
-        for i in range(batch)
-    ]
-    step = StepInput(1, [], seqs)
+    builder = StepBuilder(block_size=16)
+    for i in range(batch):
+        builder.add(i, [100], context, [i * per_seq + j for j in range(per_seq)], sample=True)
+    step = builder.build(1)
     steps = 5
 
     def run():

@@ -42,7 +42,10 @@ A token whose values are all zero gets s = 0 and dequantizes to exact zeros.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -138,3 +141,67 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None =
     if zero is not None:
         values = values - zero.float()[..., None]
     return values * scale[..., None]
+
+
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """The scales (and, for INT8, zero points) of a quantized K/V cache, shaped
+    like the cache minus head_dim: all layers ([layers, ids, kv_heads, tokens]) in
+    a cache pool, one layer (``scales[layer]``) in an op's call. The ops take one
+    of these or None (an unquantized cache)."""
+
+    k_scale: Tensor
+    v_scale: Tensor
+    k_zero: Tensor | None = None  # INT8 only
+    v_zero: Tensor | None = None
+
+    @classmethod
+    def zeros(cls, values_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> KVScales | None:
+        """Zeroed scales for a cache of `dtype` whose values are `values_shape`; None unquantized."""
+        if not is_quantized(dtype):
+            return None
+        shape = values_shape[:-1]
+        k_scale, v_scale = (torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(2))
+        if not has_zero_point(dtype):
+            return cls(k_scale, v_scale)
+        k_zero, v_zero = (torch.zeros(shape, dtype=ZERO_DTYPE, device=device) for _ in range(2))
+        return cls(k_scale, v_scale, k_zero, v_zero)
+
+    def __getitem__(self, index: int) -> KVScales:
+        """One layer's (or one id's) scales."""
+        k_zero = None if self.k_zero is None else self.k_zero[index]
+        v_zero = None if self.v_zero is None else self.v_zero[index]
+        return KVScales(self.k_scale[index], self.v_scale[index], k_zero, v_zero)
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors held: the scales, then the zero points if any."""
+        return tuple(t for t in (self.k_scale, self.v_scale, self.k_zero, self.v_zero) if t is not None)
+
+    @property
+    def sides(self) -> tuple[tuple[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]:
+        """((k_scale, k_zero), (v_scale, v_zero))."""
+        return (self.k_scale, self.k_zero), (self.v_scale, self.v_zero)
+
+    def check(self, k_cache: Tensor, v_cache: Tensor) -> None:
+        """These are the scales of one layer of this cache: shaped like it minus
+        head_dim, fp32, with int8 zero points exactly when the cache is INT8."""
+        assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+        assert self.k_scale.shape == self.v_scale.shape == k_cache.shape[:-1], (self.k_scale.shape, k_cache.shape)
+        assert self.k_scale.dtype == self.v_scale.dtype == SCALE_DTYPE, self.k_scale.dtype
+        if has_zero_point(k_cache.dtype):
+            assert self.k_zero is not None and self.v_zero is not None, f"a {k_cache.dtype} cache needs zero points"
+            assert self.k_zero.shape == self.v_zero.shape == self.k_scale.shape
+            assert self.k_zero.dtype == self.v_zero.dtype == ZERO_DTYPE
+        else:
+            assert self.k_zero is None and self.v_zero is None, f"a {k_cache.dtype} cache has no zero points"
+
+
+def checked_scales(k_cache: Tensor, v_cache: Tensor, scales: KVScales | None) -> KVScales | None:
+    """`scales` for a quantized cache (checked; a quantized cache without them is
+    refused), None for an unquantized one."""
+    if not is_quantized(k_cache.dtype):
+        return None
+    assert scales is not None, f"a {k_cache.dtype} cache needs its scales"
+    scales.check(k_cache, v_cache)
+    return scales

@@ -12,15 +12,16 @@ Batches are varlen: sequence s owns the query rows
 ``context_lens[s]`` tokens (the KV of the new tokens is written before attention).
 
 Quantized caches (FP8 e4m3 / INT8, see kernels/quant.py): the cache tensors hold
-the 8-bit values and every op takes the per-token-per-head scales as keyword
-arguments, per layer
+the 8-bit values and every op takes the per-token-per-head scales as one
+keyword, ``scales`` (a quant.KVScales), per layer
 
     k_scale, v_scale: [num_blocks, num_kv_heads, block_size]  fp32
     k_zero,  v_zero:  [num_blocks, num_kv_heads, block_size]  int8 (INT8 only)
 
 write_kv quantizes each written token and stores its scales beside it; the
 attention ops dequantize what they read (to fp32, then the query dtype). With
-the keywords left out (None) the ops are the unquantized ones.
+``scales`` left out (None) the ops are the unquantized ones, and a quantized
+cache without them is refused.
 
 The contiguous layout (the baseline the paged cache is measured against) gives
 every sequence one whole slot of max_seq_len positions, per layer
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import quant
+from kernels.quant import KVScales, checked_scales
 
 
 def write_kv(
@@ -53,10 +55,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> None:
     """Scatter key/value [T, kv_heads, head_dim] into the cache at slot_mapping [T];
     slots < 0 are skipped. A quantized cache (FP8/INT8) quantizes each token per
@@ -66,39 +65,17 @@ def write_kv(
     if not bool(keep.all()):  # padding slots are rare: skip the masked copies when there are none
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    if not quant.is_quantized(k_cache.dtype):
+    scales = checked_scales(k_cache, v_cache, scales)
+    if scales is None:
         k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
         v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
         return
-    _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-    for x, cache, scale, zero in ((key, k_cache, k_scale, k_zero), (value, v_cache, v_scale, v_zero)):
+    for x, cache, (scale, zero) in zip((key, value), (k_cache, v_cache), scales.sides):
         q, s, z = quant.quantize(x, cache.dtype)
-        assert scale is not None  # _check_scales
         cache[blocks, :, offsets] = q
         scale[blocks, :, offsets] = s
         if zero is not None and z is not None:
             zero[blocks, :, offsets] = z
-
-
-def _check_scales(
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k_scale: Tensor | None,
-    v_scale: Tensor | None,
-    k_zero: Tensor | None,
-    v_zero: Tensor | None,
-) -> None:
-    """A quantized cache comes with scales shaped like it minus head_dim (and zero
-    points for INT8)."""
-    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
-    assert k_scale is not None and v_scale is not None, f"a {k_cache.dtype} cache needs k_scale and v_scale"
-    assert k_scale.shape == v_scale.shape == k_cache.shape[:-1], (k_scale.shape, k_cache.shape)
-    assert k_scale.dtype == v_scale.dtype == quant.SCALE_DTYPE, k_scale.dtype
-    if quant.has_zero_point(k_cache.dtype):
-        assert k_zero is not None and v_zero is not None, f"a {k_cache.dtype} cache needs k_zero and v_zero"
-        assert k_zero.shape == v_zero.shape == k_scale.shape and k_zero.dtype == v_zero.dtype == quant.ZERO_DTYPE
-    else:
-        assert k_zero is None and v_zero is None, f"a {k_cache.dtype} cache has no zero points"
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -118,31 +95,20 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 
 
 def _read_kv(
-    read: Callable[[Tensor], Tensor],
-    k_cache: Tensor,
-    v_cache: Tensor,
-    dtype: torch.dtype,
-    k_scale: Tensor | None,
-    v_scale: Tensor | None,
-    k_zero: Tensor | None,
-    v_zero: Tensor | None,
+    read: Callable[[Tensor], Tensor], k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype, scales: KVScales | None
 ) -> tuple[Tensor, Tensor]:
     """The sequences' K and V [S, kv_heads, K, d] in `dtype`, dequantized (through
     fp32) when the cache is quantized. `read` takes one layer's cache tensor (values,
     scales or zero points) to the sequences' [S, kv_heads, K, ...]: a block-table
     gather (paged) or a slot read (contiguous)."""
-    quantized = quant.is_quantized(k_cache.dtype)
-    if quantized:
-        _check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-
-    def one(cache: Tensor, scale: Tensor | None, zero: Tensor | None) -> Tensor:
-        values = read(cache)
-        if not quantized:
-            return values.to(dtype)
-        assert scale is not None  # _check_scales
-        return quant.dequantize(values, read(scale), read(zero) if zero is not None else None).to(dtype)
-
-    return one(k_cache, k_scale, k_zero), one(v_cache, v_scale, v_zero)
+    scales = checked_scales(k_cache, v_cache, scales)
+    if scales is None:
+        return read(k_cache).to(dtype), read(v_cache).to(dtype)
+    k, v = (
+        quant.dequantize(read(cache), read(scale), None if zero is None else read(zero)).to(dtype)
+        for cache, (scale, zero) in zip((k_cache, v_cache), scales.sides)
+    )
+    return k, v
 
 
 def paged_prefill_attention(
@@ -155,10 +121,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context.
 
@@ -166,12 +129,10 @@ def paged_prefill_attention(
     valid block id); cu_query_lens [S + 1]; context_lens [S] (cached + new tokens).
     A token at position p sees positions j <= p, and with a sliding window W > 0
     only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
-    read through its scales (k_scale, v_scale, and k_zero, v_zero for INT8).
+    read through its `scales`.
     """
     tables = _used_blocks(block_tables, context_lens, k_cache.shape[2])
-    keys, values = _read_kv(
-        lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
-    )
+    keys, values = _read_kv(lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, scales)
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
 
 
@@ -236,18 +197,13 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
     tables = _used_blocks(block_tables, context_lens, k_cache.shape[2])
-    keys, values = _read_kv(
-        lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
-    )
+    keys, values = _read_kv(lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, scales)
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
 
 
@@ -279,17 +235,13 @@ def copy_blocks(
     src: torch.Tensor,
     dst: torch.Tensor,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> None:
     """Copy whole blocks src[i] -> dst[i] in every layer; caches are [layers, blocks, ...].
     The scales and zero points of a quantized cache ([layers, blocks, ...] too) are
     copied with their blocks."""
-    for tensor in (k_cache, v_cache, k_scale, v_scale, k_zero, v_zero):
-        if tensor is not None:
-            tensor[:, dst] = tensor[:, src]
+    for tensor in (k_cache, v_cache, *(scales.tensors if scales is not None else ())):
+        tensor[:, dst] = tensor[:, src]
 
 
 def read_slots(cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
@@ -309,18 +261,13 @@ def contiguous_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: sequence s owns slot
     slots[s] ([S] ints in [0, max_batch)) and its context is that slot's first
     context_lens[s] positions. Same query/varlen conventions, same result."""
     length = int(context_lens.max()) if context_lens.numel() else 0
-    keys, values = _read_kv(
-        lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
-    )
+    keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, scales)
     return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
 
 
@@ -333,14 +280,9 @@ def contiguous_decode_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over the contiguous layout. query [S, q_heads, d]."""
     length = int(context_lens.max()) if context_lens.numel() else 0
-    keys, values = _read_kv(
-        lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, k_scale, v_scale, k_zero, v_zero
-    )
+    keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, scales)
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)

@@ -43,6 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import quant, reference
+from kernels.quant import KVScales, checked_scales
 
 LOG2E = 1.4426950408889634
 
@@ -215,10 +216,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> None:
     """Scatter key/value [T, kv_heads, head_dim] into the cache at slot_mapping [T];
     slots < 0 are skipped. A quantized cache (FP8/INT8) quantizes each token per
@@ -227,13 +225,11 @@ def write_kv(
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, k_cache.shape)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    code = quant.quant_code(k_cache.dtype)
+    scales = checked_scales(k_cache, v_cache, scales)
     if num_tokens == 0:
-        if code:
-            _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
         return
-    if code:
-        k_scale, v_scale, k_zero, v_zero = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
+    if scales is not None:
+        k_scale, v_scale, k_zero, v_zero = _scale_pointers(scales)
         block_d = triton.next_power_of_2(head_dim)
         block_t = max(1, min(16, 4096 // block_d, triton.next_power_of_2(num_tokens)))
         _write_kv_quant_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
@@ -255,7 +251,7 @@ def write_kv(
             BLOCK_SIZE=block_size,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
-            QUANT=code,
+            QUANT=quant.quant_code(k_cache.dtype),
         )
         return
     block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
@@ -317,7 +313,7 @@ def _find_seq(cu_query_lens_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 # Values that change from step to step are not specialised on (Triton would compile
 # a variant per value == 1 or divisible by 16): the worker compiles every variant
-# it needs before serving (worker_svc/cuda_graphs.py), which needs a small, known set.
+# it needs before serving (worker_svc/runner/warm_up.py), which needs a small, known set.
 @triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
@@ -588,39 +584,27 @@ def num_sms(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def _scale_args(
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k_scale: Tensor | None,
-    v_scale: Tensor | None,
-    k_zero: Tensor | None,
-    v_zero: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Checks the scales of a quantized cache; FP8 has no zero points, and their
-    pointer slots get the scales (never read)."""
-    reference._check_scales(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-    assert k_scale is not None and v_scale is not None  # _check_scales
-    assert k_scale.stride() == v_scale.stride(), (k_scale.stride(), v_scale.stride())
-    if k_zero is None or v_zero is None:
-        return k_scale, v_scale, k_scale, v_scale
-    assert k_zero.stride() == k_scale.stride() == v_zero.stride(), (k_zero.stride(), k_scale.stride())
-    return k_scale, v_scale, k_zero, v_zero
+def _scale_pointers(scales: KVScales) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernels' four scale pointer arguments: FP8 has no zero points, and their
+    slots get the scales (never read). All four share one layout."""
+    k_zero = scales.k_scale if scales.k_zero is None else scales.k_zero
+    v_zero = scales.v_scale if scales.v_zero is None else scales.v_zero
+    pointers = (scales.k_scale, scales.v_scale, k_zero, v_zero)
+    assert len({t.stride() for t in pointers}) == 1, [t.stride() for t in pointers]
+    return pointers
 
 
 def _launch_attention(
-    query,
-    k_cache,
-    v_cache,
-    block_tables,
-    context_lens,
-    cu_query_lens,
-    scale,
-    sliding_window,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    cu_query_lens: Tensor,
+    scale: float,
+    sliding_window: int,
     decode: bool,
-    k_scale=None,
-    v_scale=None,
-    k_zero=None,
-    v_zero=None,
+    scales: KVScales | None = None,
     num_splits: int = 1,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
@@ -631,11 +615,11 @@ def _launch_attention(
     num_seqs = block_tables.shape[0]
     assert not decode or num_tokens == num_seqs, "decode takes one query token per sequence"
     assert num_splits >= 1 and (decode or num_splits == 1), f"num_splits {num_splits} (> 1 is for decode)"
-    if quant.is_quantized(k_cache.dtype):
-        scales = _scale_args(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero)
-        scale_strides = k_scale.stride()
+    scales = checked_scales(k_cache, v_cache, scales)
+    if scales is not None:
+        scale_pointers, scale_strides = _scale_pointers(scales), scales.k_scale.stride()
     else:  # the pointer slots take any tensor; they are never read
-        scales, scale_strides = (k_cache, v_cache, k_cache, v_cache), (0, 0, 0)
+        scale_pointers, scale_strides = (k_cache, v_cache, k_cache, v_cache), (0, 0, 0)
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -660,7 +644,9 @@ def _launch_attention(
         grid: tuple[int, ...] = (num_seqs, num_kv_heads, num_splits)
     else:  # the partial slots take any tensor; they are never written
         part_out = part_max = part_sum = out
-        grid = (num_seqs if decode else num_tokens // meta["BLOCK_Q"] + 2 * num_seqs, num_kv_heads)
+        block_q = meta["BLOCK_Q"]
+        assert isinstance(block_q, int)
+        grid = (num_seqs if decode else num_tokens // block_q + 2 * num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -669,7 +655,7 @@ def _launch_attention(
         block_tables,
         context_lens,
         cu_query_lens,
-        *scales,
+        *scale_pointers,
         part_out,
         part_max,
         part_sum,
@@ -709,18 +695,14 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context.
 
     query [T, q_heads, d]; block_tables [S, max_blocks]; cu_query_lens [S + 1];
     context_lens [S] (cached + new tokens). A token at position p sees positions
     j <= p, and with a sliding window W > 0 only j > p - W. Returns [T, q_heads, d]
-    in query's dtype. A quantized cache is read through its scales (k_scale,
-    v_scale, and k_zero, v_zero for INT8)."""
+    in query's dtype. A quantized cache is read through its `scales`."""
     return _launch_attention(
         query,
         k_cache,
@@ -731,10 +713,7 @@ def paged_prefill_attention(
         scale,
         sliding_window,
         decode=False,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_zero=k_zero,
-        v_zero=v_zero,
+        scales=scales,
     )
 
 
@@ -747,10 +726,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int = 0,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
@@ -769,10 +745,7 @@ def paged_decode_attention(
         scale,
         sliding_window,
         num_splits=num_splits,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_zero=k_zero,
-        v_zero=v_zero,
+        scales=scales,
     )
 
 
@@ -786,10 +759,7 @@ def split_kv_decode_attention(
     sliding_window: int = 0,
     *,
     num_splits: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with each sequence's visible context cut into
     num_splits partitions of whole KV tiles, one program each, merged by a second
@@ -805,29 +775,23 @@ def split_kv_decode_attention(
         scale,
         sliding_window,
         decode=True,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_zero=k_zero,
-        v_zero=v_zero,
+        scales=scales,
         num_splits=num_splits,
     )
 
 
 def contiguous_prefill_attention(
-    query,
-    k_cache,
-    v_cache,
-    slots,
-    cu_query_lens,
-    context_lens,
-    scale,
-    sliding_window=0,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
     *,
-    k_scale=None,
-    v_scale=None,
-    k_zero=None,
-    v_zero=None,
-):
+    scales: KVScales | None = None,
+) -> torch.Tensor:
     """reference.contiguous_prefill_attention: a contiguous cache [max_batch, kv_heads,
     max_seq_len, d] is a paged one whose blocks are max_seq_len long, one per
     sequence, so the paged kernel reads each slot directly through a 1-entry table."""
@@ -842,27 +806,21 @@ def contiguous_prefill_attention(
         scale,
         sliding_window,
         decode=False,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_zero=k_zero,
-        v_zero=v_zero,
+        scales=scales,
     )
 
 
 def contiguous_decode_attention(
-    query,
-    k_cache,
-    v_cache,
-    slots,
-    context_lens,
-    scale,
-    sliding_window=0,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
     *,
-    k_scale=None,
-    v_scale=None,
-    k_zero=None,
-    v_zero=None,
-):
+    scales: KVScales | None = None,
+) -> torch.Tensor:
     """reference.contiguous_decode_attention (see contiguous_prefill_attention);
     split-KV as paged_decode_attention chooses it (a slot is max_seq_len long)."""
     table = slots.to(torch.int32).reshape(-1, 1)
@@ -874,10 +832,7 @@ def contiguous_decode_attention(
         context_lens,
         scale,
         sliding_window,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_zero=k_zero,
-        v_zero=v_zero,
+        scales=scales,
     )
 
 

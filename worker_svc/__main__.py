@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     configure_logging(config.log_format, config.log_level)
     from worker_svc.allocator import keep_freed_memory
-    from worker_svc.parallel.group import WorkerDown
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
+    from worker_svc.step.errors import WorkerDown
     from worker_svc.worker import Worker
 
     keep_freed_memory()

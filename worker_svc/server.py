@@ -20,18 +20,10 @@ from svc_common.grpc_options import server_options
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
-from worker_svc.model_runner import StepOutput
-from worker_svc.parallel.group import WorkerDown
-from worker_svc.step_input import (
-    InvalidStep,
-    Penalties,
-    Sampling,
-    SeqInput,
-    StaleStep,
-    StepArrays,
-    StepInput,
-    check_columns,
-)
+from worker_svc.step.errors import InvalidStep, StaleStep, WorkerDown
+from worker_svc.step.input import BoolArray, Penalties, RowExtras, SamplingColumns, SeqColumns, StepInput
+from worker_svc.step.output import StepOutput
+from worker_svc.step.validation import check_columns
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -50,12 +42,13 @@ _SEEDED = worker_pb2.SEQ_FLAG_SEEDED
 
 def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
     """One numpy array per column (numpy copies a packed repeated field in one
-    go), their shapes checked before any is sliced; each SeqInput views its
-    row's slices. Rows without extras share their Sampling."""
+    go), their shapes checked before any is read; the step stays columns. Only
+    the rows with extras get an object (RowExtras)."""
     c = req.seqs
-    i64 = lambda column: np.array(column, dtype=np.int64)
-    num_tokens, table_lens, flags = i64(c.num_tokens), i64(c.table_lens), i64(c.flags)
-    token_ids, slot_mapping, block_tables = i64(c.token_ids), i64(c.slot_mapping), i64(c.block_tables)
+    num_tokens, table_lens, flags = (np.array(x, np.int64) for x in (c.num_tokens, c.table_lens, c.flags))
+    token_ids, slot_mapping, block_tables = (
+        np.array(x, np.int64) for x in (c.token_ids, c.slot_mapping, c.block_tables)
+    )
     check_columns(
         len(c.seq_ids),
         {name: len(getattr(c, name)) for name in _PER_ROW},
@@ -68,67 +61,31 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         _KNOWN_FLAGS,
         c.extras.keys(),
     )
-    arrays = StepArrays(token_ids, num_tokens, i64(c.start_pos), slot_mapping, num_tokens, block_tables, table_lens)
-    extras = dict(c.extras.items())
-    token_bounds = _bounds(num_tokens)
-    bit = lambda flag: ((flags & flag) != 0).tolist()
-    seqs = [
-        SeqInput(seq_id, tokens, start, table, slots, sample, sampling, return_logits, from_previous)
-        for seq_id, tokens, start, table, slots, sample, sampling, return_logits, from_previous in zip(
-            c.seq_ids,
-            _slices(token_ids, token_bounds),
-            arrays.start_pos.tolist(),
-            _slices(block_tables, _bounds(table_lens)),
-            _slices(slot_mapping, token_bounds),
-            bit(_SAMPLE),
-            _samplings(c, flags, extras),
-            bit(_RETURN_LOGITS),
-            bit(_FROM_PREVIOUS),
-        )
-    ]
-    for row, more in extras.items():
-        seqs[row].prompt_logprob_targets = _plain(more.prompt_logprob_targets)
-        seqs[row].prompt_top_logprobs = more.prompt_top_logprobs
-    previous = req.previous_step_id if req.HasField("previous_step_id") else None
-    return StepInput(req.step_id, [(copy.src, copy.dst) for copy in req.copies], seqs, arrays, previous)
-
-
-def _bounds(lens: np.ndarray) -> list[tuple[int, int]]:
-    """(start, end) of each row's slice of a flat column."""
-    ends = np.cumsum(lens)
-    return list(zip((ends - lens).tolist(), ends.tolist()))
-
-
-def _slices(flat: np.ndarray, bounds: list[tuple[int, int]]) -> list[np.ndarray]:
-    return [flat[start:end] for start, end in bounds]
-
-
-def _samplings(c: worker_pb2.SeqColumns, flags: np.ndarray, extras: dict[int, worker_pb2.SeqExtras]) -> list[Sampling]:
-    """Each row's Sampling: equal plain rows share one; a row with extras gets its own."""
-    seeds = np.array(c.seeds, dtype=np.uint64).tolist()
-    keys = list(
-        zip(
-            np.array(c.temperature, dtype=np.float32).tolist(),
-            np.array(c.top_p, dtype=np.float32).tolist(),
-            np.array(c.top_k, dtype=np.int64).tolist(),
-            [seed if seeded else None for seed, seeded in zip(seeds, ((flags & _SEEDED) != 0).tolist())],
-        )
+    sample, from_previous, return_logits, seeded = (
+        (flags & bit) != 0 for bit in (_SAMPLE, _FROM_PREVIOUS, _RETURN_LOGITS, _SEEDED)
     )
-    plain = {key: Sampling(*key) for key in set(keys)}
-    out = [plain[key] for key in keys]
-    for row, more in extras.items():
-        out[row] = _sampling(*keys[row], more, bool(flags[row] & _FROM_PREVIOUS))
-    return out
+    temperature, top_p = np.array(c.temperature, np.float32), np.array(c.top_p, np.float32)
+    sampling = SamplingColumns(temperature, top_p, np.array(c.top_k, np.int64), np.array(c.seeds, np.uint64), seeded)
+    seqs = SeqColumns(
+        seq_ids=np.array(c.seq_ids, dtype=np.uint64),
+        start_pos=np.array(c.start_pos, dtype=np.int64),
+        num_tokens=num_tokens,
+        table_lens=table_lens,
+        sample=sample,
+        from_previous=from_previous,
+        return_logits=return_logits,
+        sampling=sampling,
+        token_ids=token_ids,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        extras={row: _extras(more, from_previous, row) for row, more in c.extras.items()},
+    )
+    copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)
+    previous = req.previous_step_id if req.HasField("previous_step_id") else None
+    return StepInput(req.step_id, copies, seqs, previous)
 
 
-def _sampling(
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    extras: worker_pb2.SeqExtras,
-    input_is_previous_sample: bool,
-) -> Sampling:
+def _extras(extras: worker_pb2.SeqExtras, from_previous: BoolArray, row: int) -> RowExtras:
     penalties = None
     if extras.HasField("penalties"):
         p = extras.penalties
@@ -138,18 +95,16 @@ def _sampling(
             p.repetition,
             _plain(p.output_token_ids),
             _plain(p.prompt_token_ids),
-            input_is_previous_sample,
+            bool(from_previous[row]),
         )
-    return Sampling(
-        temperature,
-        top_p,
-        top_k,
-        seed,
+    return RowExtras(
         extras.top_logprobs,
         _plain(extras.blocked_token_ids),
         _plain(extras.logit_bias_token_ids),
         _plain(extras.logit_bias_values),
         penalties,
+        _plain(extras.prompt_logprob_targets),
+        extras.prompt_top_logprobs,
     )
 
 
@@ -206,10 +161,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
 
-    def Info(self, request, context):
+    def Info(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(**dataclasses.asdict(self.worker.info))
 
-    def Step(self, request, context):
+    def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResponse:
         step_log = log.bind(step_id=request.step_id)
         try:
             out = self.worker.step(step_from_proto(request))

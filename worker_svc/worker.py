@@ -3,26 +3,36 @@ No request state lives here; every step says everything it needs."""
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import structlog
 import torch
 
-from worker_svc import cuda_graphs
-from worker_svc.attention import load_ops, prefill_route, resolve_backend
+from svc_common.log_setup import configure_logging
+from worker_svc.attention.backend import load_backend, resolve_backend
+from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_cache_class
+from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
-from worker_svc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
-from worker_svc.kv_cache import KVCachePool, PagedKVCache, make_kv_cache
-from worker_svc.model_runner import ModelRunner, StepOutput
 from worker_svc.models import DecoderModel, load_spec
-from worker_svc.parallel.group import TensorParallelGroup
+from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
+from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
-from worker_svc.sampler import Sampler
-from worker_svc.step_input import Limits, StaleStep, StepInput, validate
+from worker_svc.parallel.sharding import load_rank_model
+from worker_svc.runner.cuda_graphs import CudaGraphBackend, GraphBackend
+from worker_svc.runner.memory import decode_peak_bytes, kv_budget_bytes
+from worker_svc.runner.model_runner import ModelRunner
+from worker_svc.runner.warm_up import warm_up
+from worker_svc.sampling.sampler import Sampler
+from worker_svc.step.errors import StaleStep
+from worker_svc.step.input import StepInput
+from worker_svc.step.output import StepOutput
+from worker_svc.step.validation import Limits, validate
 
 log = structlog.get_logger(__name__)
 
@@ -98,12 +108,6 @@ class WorkerInfo:
     kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
 
 
-def kv_budget_bytes(requested: int, free: int, reserved: int) -> int:
-    """The KV pool's bytes: --kv-cache-memory-mb, less whatever would not fit in
-    the device's free memory beside `reserved` (the decode graphs' activations)."""
-    return max(0, min(requested, free - reserved))
-
-
 class Worker:
     def __init__(
         self,
@@ -112,20 +116,20 @@ class Worker:
         parallel: TensorParallelGroup | None = None,
     ):
         """graph_backend: how decode graphs are captured; None = CUDA graphs on a CUDA
-        device with the Triton backend, none elsewhere. --enforce-eager: none at all.
-        `parallel`: this process's rank of a tensor-parallel worker (ranks 1..N-1 pass
-        theirs, worker_svc/parallel/rank.py); with --tensor-parallel-size > 1 and none
-        given, this process is rank 0 and starts the others."""
+        device with a graph-safe backend (Triton), none elsewhere. --enforce-eager:
+        none at all. `parallel`: this process's rank of a tensor-parallel worker
+        (ranks 1..N-1 pass theirs, see run_rank); with --tensor-parallel-size > 1
+        and none given, this process is rank 0 and starts the others."""
         self.config = config
         if config.num_threads and config.tensor_parallel_size == 1:  # ranks share them out: parallel/group.py
             torch.set_num_threads(config.num_threads)
         if parallel is None and config.tensor_parallel_size > 1:
-            parallel = TensorParallelGroup.launch(config)
+            parallel = TensorParallelGroup.launch(group_spec(config), functools.partial(run_rank, config))
         self.parallel = parallel
         self.device = parallel.device if parallel else torch.device(config.device)
         dtype = TORCH_DTYPES[config.dtype]
         if parallel:  # this rank's heads, MLP columns and vocabulary slice
-            self.model = parallel.load_model(config.model, dtype)
+            self.model = load_rank_model(config.model, dtype, parallel)
         else:
             self.model = DecoderModel.load(config.model, dtype, self.device)
         spec = self.model.spec  # this rank's head counts
@@ -133,39 +137,40 @@ class Worker:
         whole = load_spec(config.model) if parallel else spec
         kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        self.backend = resolve_backend(config.attention_backend, self.device)
-        ops = load_ops(self.backend)
+        backend = load_backend(resolve_backend(config.attention_backend, self.device))
+        self.backend = backend.name
         # A tensor-parallel forward needs every rank in its collectives: no graphs, no
         # rank-0-only warm-up (its first request compiles what it needs).
         eager = config.enforce_eager or parallel is not None
-        graph_backend = None if eager else graph_backend or self._cuda_graph_backend()
+        if not eager and graph_backend is None and self.device.type == "cuda":
+            graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None
+            if graph_backend is None:  # the torch reference ops read lengths on the host
+                log.info("cuda graphs off: they need a graph-safe attention backend", attention_backend=backend.name)
+        graph_backend = None if eager else graph_backend
         # Paged: blocks of --block-size tokens. Contiguous: slots of max_len tokens,
         # one per sequence; the same [layers, ids, kv_heads, tokens, head_dim] tensor.
         contiguous = config.kv_layout == "contiguous"
         tokens_per_id = max_len if contiguous else config.block_size
         table_width = 1 if contiguous else -(-max_len // tokens_per_id)  # a graph's block tables
+        route = prefill_route(config.prefill_attention, self.device, backend.name)
+        shape = (spec.num_kv_heads, tokens_per_id, spec.head_dim)
+
+        def make_cache(num_ids: int) -> PagedKVCache | ContiguousKVCache:
+            cache_class = kv_cache_class(config.kv_layout)
+            return cache_class(spec.num_layers, num_ids, *shape, kv_dtype, self.device, backend.ops)
+
         num_ids = config.max_batch if contiguous else config.num_blocks
         if not num_ids:
-            with_graphs = graph_backend is not None and self.device.type == "cuda"
-            reserved = self._decode_graph_bytes(ops, kv_dtype, tokens_per_id, table_width) if with_graphs else 0
+            reserved = 0
+            if graph_backend is not None and self.device.type == "cuda":
+                # What the decode graphs will hold, measured over a one-block scratch cache.
+                scratch = ModelRunner(self.model, make_cache(1), Sampler(0), route)
+                reserved = decode_peak_bytes(scratch, config.max_num_seqs, table_width)
             num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, reserved)
-        self.cache: KVCachePool = make_kv_cache(
-            config.kv_layout,
-            spec.num_layers,
-            num_ids,
-            spec.num_kv_heads,
-            tokens_per_id,
-            spec.head_dim,
-            kv_dtype,
-            self.device,
-        )
+        self.cache = make_cache(num_ids)
         sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
-            self.model,
-            self.cache,
-            ops,
-            SamplingRank(sampler, parallel) if parallel else sampler,
-            prefill_route(config.prefill_attention, self.device, self.backend),
+            self.model, self.cache, SamplingRank(sampler, parallel) if parallel else sampler, route
         )
         self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout)
         self.info = WorkerInfo(
@@ -197,7 +202,7 @@ class Worker:
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs (a CPU worker without graphs has nothing to compile).
         if parallel is None and (graph_backend is not None or self.device.type == "cuda"):
-            self._warm_up(graph_backend, table_width, num_ids)
+            warm_up(self.runner, graph_backend, config.max_num_seqs, table_width, num_ids)
         # One step at a time (steps mutate the shared cache), and a step planned
         # ahead only right after the step it names.
         self._step_done = threading.Condition()
@@ -205,55 +210,9 @@ class Worker:
         if parallel is not None and parallel.rank == 0:
             parallel.wait_ready()  # every rank holds its shard and its part of the cache
 
-    def _cuda_graph_backend(self) -> GraphBackend | None:
-        if self.device.type != "cuda":
-            return None
-        if self.backend != "triton":  # the torch reference ops read lengths on the host: not capturable
-            log.info("cuda graphs off: they need --attention-backend triton", attention_backend=self.backend)
-            return None
-        return CudaGraphBackend(self.device)
-
-    def _warm_up(self, graph_backend: GraphBackend | None, table_width: int, num_ids: int) -> None:
-        """Captures the decode graphs (if any), then runs the start-up check: an
-        eager prefill and decode (every kernel a first request runs gets compiled
-        here), and the same decode through a graph, which must agree with eager or
-        the worker serves eager, with one warning."""
-        start = time.perf_counter()
-        graphs = None
-        if graph_backend is not None:
-            graphs = DecodeGraphs(
-                self.runner.forward, graph_backend, self.device, self.config.max_num_seqs, table_width
-            )
-            try:
-                with torch.inference_mode():
-                    graphs.capture()
-            except Exception as exc:  # a capture this torch/driver refuses: serve eager
-                log.warning("cuda graphs off: capture failed", error=f"{type(exc).__name__}: {exc}")
-                graphs = None
-        self.runner.graphs = graphs
-        problem = cuda_graphs.start_up_check(self.runner, graphs, num_ids)
-        if graphs is not None and problem is not None:
-            log.warning("cuda graphs off: a captured decode differs from eager", problem=problem)
-            self.runner.graphs = graphs = None
-        log.info(
-            "warm-up done",
-            seconds=round(time.perf_counter() - start, 2),
-            cuda_graphs=graphs.ladder if graphs is not None else [],
-        )
-
     @property
     def graphs_enabled(self) -> bool:
         return self.runner.graphs is not None
-
-    def _decode_graph_bytes(self, ops, kv_dtype: torch.dtype, tokens_per_id: int, table_width: int) -> int:
-        """What the decode graphs will hold (cuda_graphs.decode_peak_bytes), measured
-        over a one-block scratch cache before the real pool is sized."""
-        spec, config = self.model.spec, self.config
-        scratch = make_kv_cache(
-            config.kv_layout, spec.num_layers, 1, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype, self.device
-        )
-        runner = ModelRunner(self.model, scratch, ops, Sampler(0))
-        return cuda_graphs.decode_peak_bytes(runner, config.max_num_seqs, table_width)
 
     def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int, reserved: int) -> int:
         """Blocks (or contiguous slots of max_seq_len tokens) that fit in
@@ -289,7 +248,10 @@ class Worker:
                 self._await_previous(step.previous_step_id)
             ok = False
             try:
-                out = self.parallel.execute(self.runner, step) if self.parallel else self.runner.execute(step)
+                if self.parallel is not None:
+                    out = self.parallel.execute(self.runner.execute, step)
+                else:
+                    out = self.runner.execute(step)
                 ok = True
                 return out
             finally:
@@ -303,7 +265,7 @@ class Worker:
 
     def _await_previous(self, previous: int) -> None:
         ran = lambda: self._last_step is not None and self._last_step[0] == previous
-        if not self._step_done.wait_for(ran, timeout=PREVIOUS_STEP_WAIT_S) or not self._last_step[1]:
+        if not self._step_done.wait_for(ran, timeout=PREVIOUS_STEP_WAIT_S) or self._last_step != (previous, True):
             raise StaleStep(
                 f"previous_step_id: step {previous} is not the step this worker ran last "
                 f"({self._last_step}); it restarted or that step failed"
@@ -314,3 +276,21 @@ def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
+
+
+def group_spec(config: WorkerConfig) -> GroupSpec:
+    return GroupSpec(config.tensor_parallel_size, config.device, config.num_threads)
+
+
+def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection) -> None:
+    """A tensor-parallel rank's process (1..N-1; rank 0 started it, TensorParallelGroup.launch):
+    the same Worker as rank 0 builds, on its shard and its part of the cache,
+    running the steps rank 0 sends."""
+    ignore_stop_signals()
+    configure_logging(config.log_format, config.log_level)
+
+    def build() -> Callable[[StepInput], StepOutput]:
+        group = TensorParallelGroup.join(group_spec(config), rank, init_method)
+        return Worker(config, parallel=group).runner.execute
+
+    serve_rank(rank, pipe, build)

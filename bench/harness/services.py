@@ -55,7 +55,7 @@ def require_model(path: str | Path) -> Path:
 def tiny_model(family: str = "llama") -> Path:
     """A tiny random checkpoint of a real architecture (built on first use): the model is
     cheap, so what is measured is the serving machinery around it."""
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
 
     return ensure_checkpoint(family)
 

@@ -110,9 +110,11 @@ class StepDriver:
         """The worker's request parsing (StepRequest.FromString + step_from_proto), its
         validation, and its reply building (step_to_proto + serialize), in ms: the
         worker's code on this step's bytes, timed in this process."""
-        from worker_svc.model_runner import SampledRows, StepOutput
+        import numpy as np
+
         from worker_svc.server import step_from_proto, step_to_proto
-        from worker_svc.step_input import Limits, validate
+        from worker_svc.step.output import SampledRows, StepOutput
+        from worker_svc.step.validation import Limits, validate
 
         info = self.info
         limits = Limits(info.vocab_size, info.num_blocks, info.block_size, info.max_model_len, info.kv_layout)
@@ -124,7 +126,9 @@ class StepDriver:
         validate(step_input, limits)
         out["w_validate"] = ms_since(start)
         samples = step.result.samples
-        rows = SampledRows.of(dict(zip(samples.seq_ids, zip(samples.token_ids, samples.logprobs))))
+        rows = SampledRows(
+            np.array(samples.seq_ids, np.uint64), np.array(samples.token_ids, np.int64), np.array(samples.logprobs)
+        )
         output = StepOutput(step.reply.step_id, rows, step.reply.num_tokens, {"total_ms": step.reply.timings.total_ms})
         start = time.perf_counter()
         step_to_proto(output, step.reply.instance_id).SerializeToString()

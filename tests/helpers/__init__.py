@@ -18,6 +18,9 @@
   OpenAI error and event-stream checks.
 * ``planner_sim``: requests, a Planner stepped against the fake worker, the reference output.
 * ``host_copies``: the sampling path's device-to-host copies, counted.
+* ``worker_steps``: worker steps written row by row (the worker keeps them as columns),
+  sampling rows as columns, a step's samples read back row by row.
+* ``import_graph``: a package's import graph read from its source (test_layers; also a script).
 
 Nothing here imports torch at module level unless it needs it: the scheduler's
 no-torch test loads ``fake_worker_server`` in an interpreter that must stay torch-free.

@@ -11,6 +11,6 @@ TINY_FAMILIES = ("llama", "llama_mqa", "llama_long", "qwen3", "qwen3_mqa", "gemm
 
 
 def tiny_checkpoint(family: str) -> Path:
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
 
     return ensure_checkpoint(family)

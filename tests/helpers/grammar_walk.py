@@ -15,7 +15,7 @@ from scheduler_svc.structured import GrammarMatcher, GrammarVocab, allowed_ids
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import DEFAULT_MODEL
 
-TINY_EOS = 2  # <|im_end|> (worker_svc/tiny_checkpoints.py: special tokens are ids 0..3)
+TINY_EOS = 2  # <|im_end|> (tools/tiny_checkpoints.py: special tokens are ids 0..3)
 # Past this many steps a walk prefers tokens that close strings, arrays and
 # objects, so walks through unbounded numbers and free text end.
 CLOSING_AFTER = 60
@@ -29,7 +29,7 @@ def default_vocab() -> GrammarVocab:
 
 @functools.cache
 def tiny_vocab(logits_width: int = 768) -> GrammarVocab:
-    from worker_svc.tiny_checkpoints import train_tokenizer_json
+    from tools.tiny_checkpoints import train_tokenizer_json
 
     return GrammarVocab(train_tokenizer_json(), logits_width, [TINY_EOS])
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import TINY_FAMILIES, tiny_checkpoint
+from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
-from worker_svc.step_input import SeqInput, StepInput
 from worker_svc.worker import Worker
 
 PROMPT_LEN = 100
@@ -29,22 +29,22 @@ def run_sequence(worker: Worker, prompt: list[int], chunk: int, table: list[int]
         end = min(pos + chunk, len(prompt))
         sample = end == len(prompt)
         out = worker.step(
-            StepInput(
+            step_input(
                 step_id,
                 [],
-                [SeqInput(seq_id, prompt[pos:end], pos, table, slots(table, pos, end), sample, return_logits=sample)],
+                [Seq(seq_id, prompt[pos:end], pos, table, slots(table, pos, end), sample, return_logits=sample)],
             )
         )
         step_id, pos = step_id + 1, end
     for _ in range(DECODE_STEPS):
-        token = out.sampled[0]
+        token = sampled(out)[0]
         logits.append(token.logits)
         tokens.append(token.token_id)
         out = worker.step(
-            StepInput(
+            step_input(
                 step_id,
                 [],
-                [SeqInput(seq_id, [token.token_id], pos, table, slots(table, pos, pos + 1), True, return_logits=True)],
+                [Seq(seq_id, [token.token_id], pos, table, slots(table, pos, pos + 1), True, return_logits=True)],
             )
         )
         step_id, pos = step_id + 1, pos + 1

@@ -37,7 +37,7 @@ def _fmt(value) -> str:
 
 
 def default_model() -> str:
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
+    from tools.tiny_checkpoints import ensure_checkpoint
 
     return str(ensure_checkpoint("llama"))
 

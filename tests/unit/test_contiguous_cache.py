@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from kernels import reference
-from worker_svc.kv_cache import ContiguousKVCache, KVCachePool, PagedKVCache, make_kv_cache
+from worker_svc.attention.kv_cache import ContiguousKVCache, KVCachePool, PagedKVCache, kv_cache_class
 
 BS = 16
 L = 64  # max_seq_len of the contiguous slots
@@ -35,8 +35,8 @@ def _write_both(context_lens, dtype, seed=0):
         key = torch.randn(ctx, KV_HEADS, D, generator=g)
         value = torch.randn(ctx, KV_HEADS, D, generator=g)
         pos = torch.arange(ctx)
-        contiguous.write(reference, 0, key, value, int(slots[s]) * L + pos)
-        paged.write(reference, 0, key, value, blocks[s, pos // BS].long() * BS + pos % BS)
+        contiguous.write(0, key, value, int(slots[s]) * L + pos)
+        paged.write(0, key, value, blocks[s, pos // BS].long() * BS + pos % BS)
     return contiguous, paged, slots, blocks
 
 
@@ -50,17 +50,18 @@ def test_contiguous_ops_equal_the_paged_ops(dtype, window):
     ctx = torch.tensor(context_lens, dtype=torch.int32)
     k, v = contiguous.layer(0)
     ours = reference.contiguous_prefill_attention(
-        query, k, v, slots, cu, ctx, SCALE, window, **contiguous.layer_scales(0)
+        query, k, v, slots, cu, ctx, SCALE, window, scales=contiguous.layer_scales(0)
     )
     pk, pv = paged.layer(0)
-    want = reference.paged_prefill_attention(query, pk, pv, blocks, cu, ctx, SCALE, window, **paged.layer_scales(0))
+    scales = paged.layer_scales(0)
+    want = reference.paged_prefill_attention(query, pk, pv, blocks, cu, ctx, SCALE, window, scales=scales)
     torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
 
     decode_q = torch.randn(len(context_lens), HEADS, D, generator=torch.Generator().manual_seed(3))
     ours = reference.contiguous_decode_attention(
-        decode_q, k, v, slots, ctx, SCALE, window, **contiguous.layer_scales(0)
+        decode_q, k, v, slots, ctx, SCALE, window, scales=contiguous.layer_scales(0)
     )
-    want = reference.paged_decode_attention(decode_q, pk, pv, blocks, ctx, SCALE, window, **paged.layer_scales(0))
+    want = reference.paged_decode_attention(decode_q, pk, pv, blocks, ctx, SCALE, window, scales=paged.layer_scales(0))
     torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
 
 
@@ -102,21 +103,21 @@ def test_triton_kernels_read_the_contiguous_layout():
 
 def test_both_caches_are_kv_cache_pools_with_the_same_memory_formula():
     cpu = torch.device("cpu")
-    contiguous = make_kv_cache("contiguous", 3, 8, 2, 256, 16, torch.bfloat16, cpu)
-    paged = make_kv_cache("paged", 3, 8 * 256 // 16, 2, 16, 16, torch.bfloat16, cpu)
+    contiguous = kv_cache_class("contiguous")(3, 8, 2, 256, 16, torch.bfloat16, cpu)
+    paged = kv_cache_class("paged")(3, 8 * 256 // 16, 2, 16, 16, torch.bfloat16, cpu)
     assert isinstance(contiguous, KVCachePool) and isinstance(paged, KVCachePool)
     assert (contiguous.layout, contiguous.num_blocks, contiguous.block_size) == ("contiguous", 8, 256)
     assert contiguous.k.shape == (3, 8, 2, 256, 16)  # [layers, max_batch, kv_heads, max_seq_len, head_dim]
     assert contiguous.total_bytes == paged.total_bytes == 8 * contiguous.block_bytes
-    quantized = make_kv_cache("contiguous", 3, 4, 2, 64, 16, torch.int8, cpu)
+    quantized = kv_cache_class("contiguous")(3, 4, 2, 64, 16, torch.int8, cpu)
     assert quantized.total_bytes == 4 * quantized.block_bytes and quantized.scale_block_bytes > 0
     with pytest.raises(ValueError, match="kv layout"):
-        make_kv_cache("ring", 1, 1, 1, 16, 16, torch.float32, cpu)
+        kv_cache_class("ring")(1, 1, 1, 16, 16, torch.float32, cpu)
 
 
 def test_slot_copy_moves_values_and_scales():
     contiguous, _, slots, _ = _write_both([30, 12], torch.int8)
     src, dst = int(slots[0]), ({0, 1, 2} - {int(s) for s in slots}).pop()
     contiguous.copy_blocks([src], [dst])
-    for t in (contiguous.k, contiguous.v, *contiguous.scale_tensors().values()):
+    for t in contiguous.tensors:
         assert torch.equal(t[:, dst], t[:, src])

@@ -1,5 +1,5 @@
-"""Decode graphs (worker_svc/cuda_graphs.py) and the one-copy step upload
-(worker_svc/forward_batch.py).
+"""Decode graphs (worker_svc/runner/cuda_graphs.py) and the one-copy step upload
+(worker_svc/runner/batch.py, upload.py).
 
 Without a GPU the graphs are "captured" through EagerReplay: the same ladder,
 persistent buffer, padding and un-padding, with each replay running the forward
@@ -17,20 +17,26 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
-from worker_svc.cuda_graphs import (
-    DecodeGraphs,
-    EagerReplay,
-    batch_ladder,
-    compare_logits,
-    ladder_rung,
-)
-from worker_svc.forward_batch import InputUploader, pad_decode, plan_batch, upload_batch
-from worker_svc.step_input import SeqInput, StepInput
-from worker_svc.worker import Worker, kv_budget_bytes
+from worker_svc.runner.batch import pad_decode, plan_batch
+from worker_svc.runner.cuda_graphs import DecodeGraphs, Replay, batch_ladder, ladder_rung
+from worker_svc.runner.memory import kv_budget_bytes
+from worker_svc.runner.upload import InputUploader, upload_batch
+from worker_svc.runner.warm_up import compare_logits
+from worker_svc.worker import Worker
 
 BLOCK = 16
 MAX_SEQS = 24  # ladder 1, 2, 4, 8, 16, 24
+
+
+class EagerReplay:
+    """A GraphBackend without graphs: each replay runs the forward again, over the
+    same persistent buffers."""
+
+    def capture(self, forward: Replay) -> Replay:
+        forward()
+        return forward
 
 
 class CountingReplay(EagerReplay):
@@ -69,7 +75,7 @@ def _worker(family="llama", **overrides) -> Worker:
 def _seq(seq_id, tokens, start, sample=True, from_previous=False):
     table = [seq_id * 3 + b for b in range(3)]  # 48 positions per sequence, blocks never shared
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
-    return SeqInput(
+    return Seq(
         seq_id, tokens, start, table, slots, sample=sample, return_logits=sample, token_from_previous_step=from_previous
     )
 
@@ -103,7 +109,7 @@ def test_ladder_rung():
 
 def test_pad_decode_rows_write_nowhere():
     seqs = [_seq(0, [5], 7), _seq(1, [9], 30, sample=False)]
-    host = plan_batch(StepInput(1, [], seqs))
+    host = plan_batch(step_input(1, [], seqs))
     padded = pad_decode(host, 4, 10)
     assert padded.input_ids.tolist() == [5, 9, 0, 0] and padded.positions.tolist() == [7, 30, 0, 0]
     assert padded.slot_mapping.tolist() == [host.slot_mapping[0], host.slot_mapping[1], -1, -1]
@@ -120,16 +126,18 @@ def test_step_inputs_cross_in_one_copy():
     """Every tensor of a mixed step (decodes, a prefill chunk, a reference to the
     previous step's sample, block copies) is a view of one uploaded buffer."""
     seqs = [_seq(0, [5], 7), _seq(1, [1, 2, 3], 0), _seq(2, [0], 12, from_previous=True)]
-    host = plan_batch(StepInput(2, [(40, 41), (42, 43)], seqs, previous_step_id=1))
-    host.ref_sources = np.array([0])
+    host = plan_batch(step_input(2, [(40, 41), (42, 43)], seqs, previous_step_id=1), ref_sources=np.array([0]))
     batch = upload_batch(host, InputUploader(torch.device("cpu")))
-    tensors = [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.copy_src, batch.copy_dst]
-    for group in (batch.decode, batch.prefill):
+    attention = batch.attention
+    tensors = [batch.input_ids, batch.positions, attention.slot_mapping, batch.sample_rows, batch.copy_src]
+    tensors.append(batch.copy_dst)
+    for group in (attention.decode, attention.prefill):
         tensors += [group.block_tables, group.context_lens, group.cu_query_lens]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert batch.input_ids.tolist() == [5, 0, 1, 2, 3] and batch.input_ids.dtype == torch.int64
     assert (
-        batch.decode.block_tables.tolist() == [[0, 1, 2], [6, 7, 8]] and batch.decode.block_tables.dtype == torch.int32
+        attention.decode.block_tables.tolist() == [[0, 1, 2], [6, 7, 8]]
+        and attention.decode.block_tables.dtype == torch.int32
     )
     assert batch.copy_src.tolist() == [40, 42] and batch.copy_dst.tolist() == [41, 43]
     assert batch.sample_rows.tolist() == [0, 1, 4]
@@ -167,18 +175,18 @@ def test_padded_graph_decode_is_eager_decode():
     def run(seqs, copies=(), previous=None):
         nonlocal step_id
         step_id += 1
-        step = StepInput(step_id, list(copies), seqs, previous_step_id=previous)
+        step = step_input(step_id, list(copies), seqs, previous_step_id=previous)
         outs = [w.step(step) for w in (graphs, eager)]
-        assert [t.token_id for t in outs[0].sampled] == [t.token_id for t in outs[1].sampled]
+        assert [t.token_id for t in sampled(outs[0])] == [t.token_id for t in sampled(outs[1])]
         padded = len(seqs) not in counting.captured and all(len(s.token_ids) == 1 for s in seqs)
-        for a, b in zip(outs[0].sampled, outs[1].sampled, strict=True):
+        for a, b in zip(sampled(outs[0]), sampled(outs[1]), strict=True):
             assert a.seq_id == b.seq_id
             if padded:
                 torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
             else:
                 assert torch.equal(a.logits, b.logits), (len(seqs), a.seq_id)
         assert outs[0].num_tokens == outs[1].num_tokens == sum(len(s.token_ids) for s in seqs)
-        return {t.seq_id: t.token_id for t in outs[0].sampled}
+        return {t.seq_id: t.token_id for t in sampled(outs[0])}
 
     for n in (1, 3, 8, 9, 17):
         ids = range(n)
@@ -216,21 +224,20 @@ def test_graphs_over_other_caches(family, overrides):
         if not contiguous:
             return _seq(i, tokens, start)
         slots = [i * graphs.info.block_size + p for p in range(start, start + len(tokens))]
-        return SeqInput(i, tokens, start, [i], slots, sample=True, return_logits=True)
+        return Seq(i, tokens, start, [i], slots, sample=True, return_logits=True)
 
     prompts = [_prompt(i, vocab) for i in range(3)]
     steps = [[seq(i, prompts[i], 0) for i in range(3)]]
     steps += [[seq(i, [11 + k], len(prompts[i]) + k) for i in range(3)] for k in range(3)]
     counting.replays.clear()
     for step_id, seqs in enumerate(steps, 1):
-        outs = [w.step(StepInput(step_id, [], seqs)) for w in (graphs, eager)]
-        for a, b in zip(outs[0].sampled, outs[1].sampled, strict=True):
+        outs = [w.step(step_input(step_id, [], seqs)) for w in (graphs, eager)]
+        for a, b in zip(sampled(outs[0]), sampled(outs[1]), strict=True):
             assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
             torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
     assert counting.replays == [4, 4, 4]
-    for name, tensor in {"k": graphs.cache.k, **graphs.cache.scale_tensors()}.items():
-        other = eager.cache.k if name == "k" else eager.cache.scale_tensors()[name]
-        assert torch.equal(tensor != 0, other != 0), name  # the padding rows wrote nothing
+    for tensor, other in zip(graphs.cache.tensors, eager.cache.tensors, strict=True):
+        assert torch.equal(tensor != 0, other != 0)  # the padding rows wrote nothing
 
 
 def test_batches_past_the_ladder_run_eager():
@@ -238,9 +245,9 @@ def test_batches_past_the_ladder_run_eager():
     graphs = _worker(graph_backend=counting, max_num_seqs=2, num_blocks=16)
     counting.replays.clear()
     vocab = graphs.info.vocab_size
-    graphs.step(StepInput(1, [], [_seq(i, _prompt(i, vocab), 0, sample=False) for i in range(3)]))
-    graphs.step(StepInput(2, [], [_seq(i, [5], len(_prompt(i, vocab))) for i in range(3)]))  # 3 > 2: eager
-    graphs.step(StepInput(3, [], [_seq(i, [5], len(_prompt(i, vocab)) + 1) for i in range(2)]))
+    graphs.step(step_input(1, [], [_seq(i, _prompt(i, vocab), 0, sample=False) for i in range(3)]))
+    graphs.step(step_input(2, [], [_seq(i, [5], len(_prompt(i, vocab))) for i in range(3)]))  # 3 > 2: eager
+    graphs.step(step_input(3, [], [_seq(i, [5], len(_prompt(i, vocab)) + 1) for i in range(2)]))
     assert counting.replays == [2]
 
 
@@ -256,12 +263,12 @@ def test_start_up_check_falls_back_to_eager_with_one_warning():
     eager = _worker()
     vocab = worker.info.vocab_size
     steps = [
-        StepInput(1, [], [_seq(0, _prompt(0, vocab), 0)]),
-        StepInput(2, [], [_seq(0, [4], len(_prompt(0, vocab)))]),
+        step_input(1, [], [_seq(0, _prompt(0, vocab), 0)]),
+        step_input(2, [], [_seq(0, [4], len(_prompt(0, vocab)))]),
     ]
     for step in steps:
         a, b = worker.step(step), eager.step(step)
-        assert torch.equal(a.sampled[0].logits, b.sampled[0].logits)
+        assert torch.equal(sampled(a)[0].logits, sampled(b)[0].logits)
 
 
 def test_enforce_eager_captures_nothing():
@@ -286,13 +293,13 @@ def test_compare_logits():
 def test_graph_covers_only_decode_only_batches_that_fit():
     graphs = DecodeGraphs(lambda batch: batch.input_ids, EagerReplay(), torch.device("cpu"), 4, table_width=3)
     decode = [_seq(i, [1], 5) for i in range(4)]
-    assert graphs.covers(plan_batch(StepInput(1, [], decode)))
-    assert not graphs.covers(plan_batch(StepInput(1, [], [*decode, _seq(9, [1], 5)])))  # 5 > 4
-    assert not graphs.covers(plan_batch(StepInput(1, [], [*decode[:3], _seq(9, [1, 2], 5)])))  # a prefill
+    assert graphs.covers(plan_batch(step_input(1, [], decode)))
+    assert not graphs.covers(plan_batch(step_input(1, [], [*decode, _seq(9, [1], 5)])))  # 5 > 4
+    assert not graphs.covers(plan_batch(step_input(1, [], [*decode[:3], _seq(9, [1, 2], 5)])))  # a prefill
     wide = _seq(9, [1], 5)
     wide.block_table = [1, 2, 3, 4]
-    assert not graphs.covers(plan_batch(StepInput(1, [], [wide])))
-    assert not graphs.covers(plan_batch(StepInput(1, [(1, 2)] * 5, decode)))  # more copies than room
+    assert not graphs.covers(plan_batch(step_input(1, [], [wide])))
+    assert not graphs.covers(plan_batch(step_input(1, [(1, 2)] * 5, decode)))  # more copies than room
 
 
 # --------------------------------------------------------------------------- CUDA only
@@ -311,11 +318,11 @@ def test_cuda_graphs_match_eager_on_cuda(dtype):
     vocab = graphs.info.vocab_size
     tokens = {w: {} for w in (graphs, eager)}
     for w in (graphs, eager):
-        out = w.step(StepInput(1, [], [_seq(i, _prompt(i, vocab), 0) for i in range(3)]))
-        tokens[w] = {t.seq_id: [t.token_id] for t in out.sampled}
+        out = w.step(step_input(1, [], [_seq(i, _prompt(i, vocab), 0) for i in range(3)]))
+        tokens[w] = {t.seq_id: [t.token_id] for t in sampled(out)}
         for k in range(5):
             seqs = [_seq(i, [tokens[w][i][-1]], len(_prompt(i, vocab)) + k) for i in range(3)]
-            for t in w.step(StepInput(2 + k, [], seqs)).sampled:
+            for t in sampled(w.step(step_input(2 + k, [], seqs))):
                 tokens[w][t.seq_id].append(t.token_id)
     assert tokens[graphs] == tokens[eager]
 
@@ -325,10 +332,10 @@ def test_decode_forward_does_not_sync_on_cuda():
     """The eager decode forward (what the graphs capture) makes no device sync."""
     worker = Worker(WorkerConfig(model=str(tiny_checkpoint("gemma3")), dtype="bfloat16", num_blocks=96, device="cuda"))
     vocab = worker.info.vocab_size
-    worker.step(StepInput(1, [], [_seq(i, _prompt(i, vocab), 0) for i in range(3)]))
-    step = StepInput(2, [], [_seq(i, [5], len(_prompt(i, vocab))) for i in range(3)])
+    worker.step(step_input(1, [], [_seq(i, _prompt(i, vocab), 0) for i in range(3)]))
+    step = step_input(2, [], [_seq(i, [5], len(_prompt(i, vocab))) for i in range(3)])
     runner = worker.runner
-    batch, _ = runner._prepare(step, None, use_graphs=False)
+    _, batch, _ = runner._prepare(step, None, None, use_graphs=False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -2,7 +2,7 @@
 of it coming from the prefix cache, with a lossy (FP8/INT8) KV cache.
 
 What makes this hold: every step writes its tokens' K/V into the cache first and
-attention reads all of its context back from the cache (worker_svc/attention.py),
+attention reads all of its context back from the cache (worker_svc/attention/),
 so a chunk's own tokens are seen quantized-then-dequantized exactly as a later
 request that finds them cached sees them. Given the same K/V rows, one chunk,
 several chunks and a cached prefix must give bit-identical outputs, on the torch
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from kernels import quant, reference, triton_ops
-from worker_svc.kv_cache import PagedKVCache
+from worker_svc.attention.kv_cache import PagedKVCache
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM, LENGTH = 16, 2, 4, 32, 45
@@ -49,11 +49,11 @@ def _attend_in_chunks(ops, dtype, prompt, bounds: list[int], prefix_cache=None, 
     outs = []
     for start, end in zip(bounds, bounds[1:]):
         slots = torch.arange(start, end, device=DEVICE)
-        ops.write_kv(k[start:end], v[start:end], cache.k[0], cache.v[0], slots, **scales)
+        ops.write_kv(k[start:end], v[start:end], cache.k[0], cache.v[0], slots, scales=scales)
         cu = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([end], dtype=torch.int32, device=DEVICE)
         out = ops.paged_prefill_attention(
-            q[start:end], cache.k[0], cache.v[0], table, cu, lens, HEAD_DIM**-0.5, window, **scales
+            q[start:end], cache.k[0], cache.v[0], table, cu, lens, HEAD_DIM**-0.5, window, scales=scales
         )
         outs.append(out)
     return torch.cat(outs), cache

@@ -27,7 +27,8 @@ from kernels import (
     reference,
     triton_ops,
 )
-from worker_svc.kv_cache import PagedKVCache
+from kernels.quant import KVScales
+from worker_svc.attention.kv_cache import PagedKVCache
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 QDTYPES = [quant.FP8_DTYPE, torch.int8]
@@ -40,8 +41,8 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _cache(num_blocks, num_kv_heads, head_dim, dtype, block_size=16) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """One layer's k_cache, v_cache and (for a quantized dtype) its scale kwargs."""
+def _cache(num_blocks, num_kv_heads, head_dim, dtype, block_size=16) -> tuple[torch.Tensor, torch.Tensor, KVScales]:
+    """One layer's k_cache, v_cache and (for a quantized dtype) its scales."""
     layer = PagedKVCache(1, num_blocks, num_kv_heads, block_size, head_dim, dtype, DEVICE)
     return layer.k[0], layer.v[0], layer.layer_scales(0)
 
@@ -53,15 +54,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _assert_same_cache(a, b):
     """(k, v, scales) of two caches hold the same bits."""
     assert torch.equal(_bits(a[0]), _bits(b[0])) and torch.equal(_bits(a[1]), _bits(b[1]))
-    assert a[2].keys() == b[2].keys()
-    for name in a[2]:
-        assert torch.equal(a[2][name], b[2][name]), name
+    assert len(a[2].tensors) == len(b[2].tensors)
+    for x, y in zip(a[2].tensors, b[2].tensors):
+        assert torch.equal(x, y)
 
 
 def _dequantized(k_cache, v_cache, scales) -> tuple[torch.Tensor, torch.Tensor]:
     return (
-        quant.dequantize(k_cache, scales["k_scale"], scales.get("k_zero")),
-        quant.dequantize(v_cache, scales["v_scale"], scales.get("v_zero")),
+        quant.dequantize(k_cache, scales.k_scale, scales.k_zero),
+        quant.dequantize(v_cache, scales.v_scale, scales.v_zero),
     )
 
 
@@ -119,12 +120,12 @@ def test_round_trip_within_documented_bounds(dtype):
 def test_reference_and_triton_signatures_match():
     import inspect
 
-    for name in ("write_kv", "paged_prefill_attention", "paged_decode_attention", "copy_blocks"):
+    ops = ["write_kv", "paged_prefill_attention", "paged_decode_attention", "copy_blocks"]
+    for name in [*ops, "contiguous_prefill_attention", "contiguous_decode_attention"]:
         ref, tri = inspect.signature(getattr(reference, name)), inspect.signature(getattr(triton_ops, name))
         assert ref == tri, name
-        scales = [p for p in ref.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-        assert [p.name for p in scales] == ["k_scale", "v_scale", "k_zero", "v_zero"], name
-        assert all(p.default is None for p in scales), name
+        keywords = [p for p in ref.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        assert [(p.name, p.default) for p in keywords] == [("scales", None)], name
 
 
 def test_scale_bytes_and_codes():
@@ -149,7 +150,7 @@ def test_token_by_token_equals_whole_block(backend, dtype):
     value = torch.randn(n, kv_heads, head_dim, generator=g).to(DEVICE)
     table = [5, 0, 3]
     whole = _cache(8, kv_heads, head_dim, dtype)
-    ops.write_kv(key, value, whole[0], whole[1], _slots(table, 0, n), **whole[2])
+    ops.write_kv(key, value, whole[0], whole[1], _slots(table, 0, n), scales=whole[2])
     for chunks in ([1] * n, [7, 1, 16, 13]):
         parts = _cache(8, kv_heads, head_dim, dtype)
         start = 0
@@ -160,7 +161,7 @@ def test_token_by_token_equals_whole_block(backend, dtype):
                 parts[0],
                 parts[1],
                 _slots(table, start, size),
-                **parts[2],
+                scales=parts[2],
             )
             start += size
         _assert_same_cache(parts, whole)
@@ -180,9 +181,9 @@ def test_triton_write_matches_torch(dtype, input_dtype):
     caches = {}
     for name, ops in OPS.items():
         caches[name] = _cache(8, kv_heads, head_dim, dtype)
-        for t in (caches[name][0], caches[name][1], *caches[name][2].values()):
+        for t in (caches[name][0], caches[name][1], *caches[name][2].tensors):
             t.view(torch.uint8).fill_(0x11)  # so that a write to a skipped slot shows
-        ops.write_kv(key, value, caches[name][0], caches[name][1], slots, **caches[name][2])
+        ops.write_kv(key, value, caches[name][0], caches[name][1], slots, scales=caches[name][2])
     _assert_same_cache(caches["triton"], caches["torch"])
 
 
@@ -192,11 +193,11 @@ def test_copy_blocks_copies_scales(dtype):
     g = _gen(4)
     for layer in range(2):
         k, v = (torch.randn(20, 2, 32, generator=g).to(DEVICE) for _ in range(2))
-        reference.write_kv(k, v, *cache.layer(layer), _slots([1, 2], 0, 20), **cache.layer_scales(layer))
+        reference.write_kv(k, v, *cache.layer(layer), _slots([1, 2], 0, 20), scales=cache.layer_scales(layer))
     cache.copy_blocks([1, 2], [6, 4])
-    for t in (cache.k, cache.v, *cache.scale_tensors().values()):
+    for t in cache.tensors:
         assert torch.equal(_bits(t[:, 6]), _bits(t[:, 1])) and torch.equal(_bits(t[:, 4]), _bits(t[:, 2]))
-    assert len(cache.scale_tensors()) == (4 if dtype == torch.int8 else 2)
+    assert len(cache.tensors) == (6 if dtype == torch.int8 else 4)
     # Reading through the copy gives bit-identical attention (same values, same scales).
     query = torch.randn(1, 4, 32, generator=g).to(DEVICE)
     ctx = torch.tensor([20], dtype=torch.int32, device=DEVICE)
@@ -207,7 +208,7 @@ def test_copy_blocks_copies_scales(dtype):
             torch.tensor([t], dtype=torch.int32, device=DEVICE),
             ctx,
             0.2,
-            **cache.layer_scales(1),
+            scales=cache.layer_scales(1),
         )
         for t in ([1, 2], [6, 4])
     ]
@@ -241,7 +242,7 @@ def _filled(dtype, contexts, kv_heads, head_dim, num_blocks=32):
     key = _vllm_uniform((len(slots), kv_heads, head_dim), head_dim, 6)
     value = _vllm_uniform((len(slots), kv_heads, head_dim), head_dim, 7)
     cache = _cache(num_blocks, kv_heads, head_dim, dtype)
-    reference.write_kv(key, value, cache[0], cache[1], slots, **cache[2])
+    reference.write_kv(key, value, cache[0], cache[1], slots, scales=cache[2])
     return cache, torch.tensor(tables, dtype=torch.int32, device=DEVICE)
 
 
@@ -249,9 +250,9 @@ def _attend(ops, kind, query, cache, tables, query_lens, contexts, scale, window
     k_cache, v_cache, scales = cache
     ctx = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     if kind == "decode":
-        return ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, window, **scales)
+        return ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, window, scales=scales)
     cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    return ops.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, scale, window, **scales)
+    return ops.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, scale, window, scales=scales)
 
 
 def _case(kind):
@@ -311,9 +312,9 @@ def test_triton_split_kv_decode_matches_torch(dtype, window):
     (k_cache, v_cache, scales), tables = _filled(dtype, contexts, 2, 32)
     ctx = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     out = triton_ops.split_kv_decode_attention(
-        query, k_cache, v_cache, tables, ctx, 0.3, window, num_splits=2, **scales
+        query, k_cache, v_cache, tables, ctx, 0.3, window, num_splits=2, scales=scales
     )
-    want = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.3, window, **scales)
+    want = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.3, window, scales=scales)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
@@ -334,10 +335,10 @@ def test_missing_scales_are_refused():
     key = torch.randn(2, 1, 16, device=DEVICE)
     slots = torch.tensor([0, 1], device=DEVICE)
     for ops in OPS.values():
-        with pytest.raises(AssertionError, match="needs k_scale"):
+        with pytest.raises(AssertionError, match="needs its scales"):
             ops.write_kv(key, key, k_cache, v_cache, slots)
-        with pytest.raises(AssertionError, match="needs k_zero"):
-            ops.write_kv(key, key, k_cache, v_cache, slots, k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+        with pytest.raises(AssertionError, match="needs zero points"):
+            ops.write_kv(key, key, k_cache, v_cache, slots, scales=KVScales(scales.k_scale, scales.v_scale))
 
 
 # --------------------------------------------------------------------------- memory, fallback, worker
@@ -362,8 +363,8 @@ def test_worker_sizes_pool_with_scales_and_reports_them(kv_dtype, expected):
     import dataclasses
 
     from proto import worker_pb2
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     worker = Worker(
@@ -413,9 +414,9 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     """The whole model (Gemma3: GQA, sliding-window layers) over a quantized cache:
     the Triton backend gives the torch backend's logits over a prefill, a chunk +
     decode step and a decode from copied blocks."""
+    from tests.helpers.worker_steps import Seq, sampled, step_input
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
-    from worker_svc.step_input import SeqInput, StepInput
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))
@@ -431,24 +432,24 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
 
     def seq(seq_id, tokens, start, table):
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return SeqInput(seq_id, tokens, start, table, slots, sample=True, return_logits=True)
+        return Seq(seq_id, tokens, start, table, slots, sample=True, return_logits=True)
 
     def run(step):
         outs = {name: w.step(step) for name, w in workers.items()}
-        for want, got in zip(outs["torch"].sampled, outs["triton"].sampled, strict=True):
+        for want, got in zip(sampled(outs["torch"]), sampled(outs["triton"]), strict=True):
             assert want.token_id == got.token_id
             torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
-        return outs["torch"].sampled[0].token_id
+        return sampled(outs["torch"])[0].token_id
 
-    token = run(StepInput(1, [], [seq(1, prompt[:13], 0, [9, 2])]))
-    token = run(StepInput(2, [], [seq(1, prompt[13:] + [token], 13, [9, 2])]))
-    run(StepInput(3, [(9, 4), (2, 7)], [seq(2, [token], 21, [4, 7])]))  # decode from the copy
+    token = run(step_input(1, [], [seq(1, prompt[:13], 0, [9, 2])]))
+    token = run(step_input(2, [], [seq(1, prompt[13:] + [token], 13, [9, 2])]))
+    run(step_input(3, [(9, 4), (2, 7)], [seq(2, [token], 21, [4, 7])]))  # decode from the copy
     # Layer 0's K/V come straight from the embeddings, so both backends quantize the
     # same inputs: same bits. (Deeper layers' inputs differ in the last fp32 bits.)
     caches = [w.cache for w in workers.values()]
     for a, b in zip(
-        (caches[0].k, caches[0].v, *caches[0].scale_tensors().values()),
-        (caches[1].k, caches[1].v, *caches[1].scale_tensors().values()),
+        caches[0].tensors,
+        caches[1].tensors,
     ):
         assert torch.equal(_bits(a[0]), _bits(b[0]))
 

@@ -1,15 +1,15 @@
-"""The scheduler's packages form layers: imports point one way only, and no
-module imports itself back through others (docs/design.md, "Layout")."""
+"""The scheduler's and the worker's packages form layers: imports point one way
+only, and no module imports itself back through others (docs/design.md,
+"Layout"). The import graph is read from the source (tests/helpers/import_graph.py)."""
 
 from __future__ import annotations
 
-import ast
+import functools
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "scheduler_svc"
+from tests.helpers.import_graph import DEFERRED, KINDS, RUNTIME, TYPE_ONLY, cycles, graph, imports, modules
 
 # What each part of scheduler_svc may import from scheduler_svc. The request
 # data class is shared by every layer; observability reads the engine and
@@ -28,31 +28,33 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"request", "kv", "planning", "text", "structured", "config", "engine", "api", "observability"},
 }
 
+# What each part of worker_svc may import from worker_svc. `step` (the step's
+# columns, its validation, its result, its errors) is the bottom every room
+# shares; `attention` and `models` need nothing of the worker; `runner` drives
+# them and `sampling`; `parallel` wraps models and the sampler and gets the
+# worker only through the factory `worker` hands it; `server` is the only
+# worker.v1 conversion; `__main__` composes.
+WORKER_ALLOWED: dict[str, set[str]] = {
+    "step": set(),
+    "models": set(),
+    "attention": set(),
+    "allocator": set(),
+    "sampling": {"step"},
+    "runner": {"step", "attention", "sampling", "models"},
+    "parallel": {"step", "sampling", "models"},
+    "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
+    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config"},
+    "server": {"step", "config", "worker"},
+    "__main__": {"step", "config", "allocator", "worker", "server"},
+}
 
-def _modules() -> dict[str, Path]:
-    return {
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")
-    }
+# package -> (its table, the import kinds that count for cycles): the scheduler
+# exempts imports under TYPE_CHECKING from the cycle check; the worker does not
+# (a type two rooms need lives below both).
+PACKAGES = {"scheduler_svc": (ALLOWED, (RUNTIME, DEFERRED)), "worker_svc": (WORKER_ALLOWED, KINDS)}
 
 
-def _imports(path: Path, runtime_only: bool) -> set[str]:
-    """scheduler_svc modules `path` imports (with runtime_only, not those under `if TYPE_CHECKING:`)."""
-    tree = ast.parse(path.read_text())
-    skipped: set[int] = set()
-    if runtime_only:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                skipped.update(id(n) for child in node.body for n in ast.walk(child))
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {name for name in found if name.split(".")[0] == "scheduler_svc"}
+_graph = functools.cache(graph)  # package -> its graph, read once per run
 
 
 def _part(module: str) -> str:
@@ -60,49 +62,49 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_every_part_is_known():
-    parts = {_part(m) for m in _modules()} - {"__init__"}
-    assert parts == set(ALLOWED), "a new part of scheduler_svc needs its place in ALLOWED"
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_every_part_is_known(package: str):
+    parts = {_part(m) for m in modules(package)} - {"__init__"}
+    assert parts == set(PACKAGES[package][0]), f"a new part of {package} needs its place in its table"
 
 
-@pytest.mark.parametrize("module", sorted(_modules()))
-def test_imports_point_down_the_layers(module: str):
-    modules = _modules()
+@pytest.mark.parametrize("package,module", [(p, m) for p in sorted(PACKAGES) for m in sorted(modules(p))])
+def test_imports_point_down_the_layers(package: str, module: str):
+    allowed = PACKAGES[package][0]
     own = _part(module)
     if own == "__init__":
         return
-    for target in _imports(modules[module], runtime_only=False):
-        if target not in modules:
-            continue  # `from pkg import name` also yields pkg.name
+    for target in _graph(package)[module]:
         other = _part(target)
-        assert other == own or other in ALLOWED[own], f"{module} imports {target}: {own} may not import {other}"
+        assert other == own or other in allowed[own], f"{module} imports {target}: {own} may not import {other}"
 
 
-def test_no_import_cycles():
-    modules = _modules()
-    graph = {m: {t for t in _imports(p, runtime_only=True) if t in modules and t != m} for m, p in modules.items()}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycle = path[path.index(nxt) :] + [nxt]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
-                visit(nxt, path + [nxt])
-        state[node] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    assert len(graph) > 30  # the walk saw the whole package
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycles(package: str):
+    g = graph(package, kinds=PACKAGES[package][1])
+    assert len(g) > 30  # the walk saw the whole package
+    assert not cycles(g), "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles(g))
 
 
-def test_the_import_walk_tells_runtime_from_type_only_imports(tmp_path: Path):
-    """The walk the two checks rely on: type-only imports count for layers, not for cycles."""
-    (tmp_path / "a.py").write_text("from scheduler_svc.b import x\n")
-    (tmp_path / "b.py").write_text("import scheduler_svc.a\nif TYPE_CHECKING:\n    import scheduler_svc.c\n")
-    assert _imports(tmp_path / "a.py", True) == {"scheduler_svc.b", "scheduler_svc.b.x"}
-    assert _imports(tmp_path / "b.py", True) == {"scheduler_svc.a"}
-    assert _imports(tmp_path / "b.py", False) == {"scheduler_svc.a", "scheduler_svc.c"}
+def test_the_import_walk_tells_the_kinds_of_import_apart(tmp_path: Path):
+    """The walk the checks rely on: module-level, type-only and function-level
+    imports are told apart, `from pkg import mod` names the module, relative
+    imports resolve, and names that are no module of the package are left out."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import x\nfrom pkg import c\nimport os\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nimport pkg.a\nif TYPE_CHECKING:\n    from . import c\n"
+        "def f():\n    from .d import y\n"
+    )
+    (package / "c.py").write_text("")
+    (package / "d.py").write_text("from pkg.b import f\n\ndef g():\n    import pkg.b\n")
+    known = modules("pkg", tmp_path)
+    assert set(known) == {"pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.d"}
+    assert imports(known["pkg.a"], "pkg.a", known) == {"pkg.b": RUNTIME, "pkg.c": RUNTIME}
+    assert imports(known["pkg.b"], "pkg.b", known) == {"pkg.a": RUNTIME, "pkg.c": TYPE_ONLY, "pkg.d": DEFERRED}
+    assert imports(known["pkg.d"], "pkg.d", known) == {"pkg.b": RUNTIME}  # the strongest kind counts
+    g = graph("pkg", tmp_path)
+    assert cycles(g) == [["pkg.a", "pkg.b", "pkg.d"]]
+    assert cycles(graph("pkg", tmp_path, kinds=(RUNTIME,))) == [["pkg.a", "pkg.b"]]

@@ -5,16 +5,19 @@ and the worker the same tokens either way."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels import quant, reference
 from tests.helpers.checkpoints import tiny_checkpoint
-from worker_svc import attention
-from worker_svc.attention import fresh_prefill_attention, prefill_route, sdpa_takes
+from tests.helpers.worker_steps import Seq, sampled, step_input
+from worker_svc.attention import cache_attention
+from worker_svc.attention.backend import BACKENDS
+from worker_svc.attention.prefill_route import PREFILL_ATTENTION, fresh_prefill_attention, prefill_route, sdpa_takes
 from worker_svc.config import WorkerConfig
-from worker_svc.forward_batch import plan_batch
-from worker_svc.step_input import SeqInput, StepInput
+from worker_svc.runner.batch import plan_batch
 from worker_svc.worker import Worker
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -70,16 +73,16 @@ def test_fresh_prefill_attention_matches_the_reference(q_heads, kv_heads):
 
 def test_plan_batch_orders_fresh_chunks_after_decodes():
     def seq(i, n, start):
-        return SeqInput(i, list(range(1, n + 1)), start, [i], [i * 64 + start + k for k in range(n)], sample=True)
+        return Seq(i, list(range(1, n + 1)), start, [i], [i * 64 + start + k for k in range(n)], sample=True)
 
-    step = StepInput(1, [], [seq(0, 5, 10), seq(1, 1, 7), seq(2, 3, 0), seq(3, 4, 0)])
+    step = step_input(1, [], [seq(0, 5, 10), seq(1, 1, 7), seq(2, 3, 0), seq(3, 4, 0)])
     host = plan_batch(step, split_fresh=True)
-    assert [s.seq_id for s in host.seqs] == [1, 2, 3, 0]
-    assert host.decode.num_seqs == 1 and host.fresh.num_seqs == 2 and host.prefill.num_seqs == 1
+    assert step.seqs.seq_ids[host.order].tolist() == [1, 2, 3, 0]
+    assert [len(g.context_lens) for g in (host.decode, host.fresh, host.prefill)] == [1, 2, 1]
     assert host.fresh.cu_query_lens.tolist() == [0, 3, 7]
     assert host.sample_rows.tolist() == [0, 3, 7, 12]
     merged = plan_batch(step)
-    assert merged.fresh is None and merged.prefill.num_seqs == 3
+    assert merged.fresh is None and len(merged.prefill.context_lens) == 3
 
 
 @pytest.mark.parametrize(
@@ -95,8 +98,8 @@ def test_worker_routes_fresh_chunks(monkeypatch, family, kv_dtype, sdpa_layers):
     Gemma3's full-attention layer (its three sliding layers' 8-token window is
     shorter than the prompts); never over an INT8 cache."""
     calls = []
-    real = attention.fresh_prefill_attention
-    monkeypatch.setattr(attention, "fresh_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    real = cache_attention.fresh_prefill_attention
+    monkeypatch.setattr(cache_attention, "fresh_prefill_attention", lambda *a: calls.append(1) or real(*a))
     model = str(tiny_checkpoint(family))
     workers = {
         route: Worker(
@@ -110,24 +113,30 @@ def test_worker_routes_fresh_chunks(monkeypatch, family, kv_dtype, sdpa_layers):
     def seq(i, tokens, start):
         table = [4 * i + b for b in range(4)]
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return SeqInput(i, tokens, start, table, slots, sample=True, return_logits=True)
+        return Seq(i, tokens, start, table, slots, sample=True, return_logits=True)
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (12, 30, 21, 9)]
     steps = [
-        StepInput(1, [], [seq(0, prompts[0], 0), seq(3, prompts[3][:4], 0)]),
-        StepInput(2, [], [seq(0, [5], 12), seq(1, prompts[1], 0), seq(2, prompts[2], 0), seq(3, prompts[3][4:], 4)]),
-        StepInput(3, [], [seq(0, [7], 13), *(seq(i, [7], len(prompts[i])) for i in (1, 2, 3))]),
+        step_input(1, [], [seq(0, prompts[0], 0), seq(3, prompts[3][:4], 0)]),
+        step_input(2, [], [seq(0, [5], 12), seq(1, prompts[1], 0), seq(2, prompts[2], 0), seq(3, prompts[3][4:], 4)]),
+        step_input(3, [], [seq(0, [7], 13), *(seq(i, [7], len(prompts[i])) for i in (1, 2, 3))]),
     ]
     per_step = []
     for step in steps:
         calls.clear()
         outs = {route: w.step(step) for route, w in workers.items()}
         per_step.append(len(calls))
-        for a, b in zip(outs["sdpa"].sampled, outs["paged"].sampled, strict=True):
+        for a, b in zip(sampled(outs["sdpa"]), sampled(outs["paged"]), strict=True):
             assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
             torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
     assert per_step == [sdpa_layers, sdpa_layers, 0]
+
+
+def test_the_flags_offer_what_the_worker_has():
+    fields = {f.name: f for f in dataclasses.fields(WorkerConfig)}
+    assert fields["attention_backend"].metadata["choices"] == ("auto", *BACKENDS)
+    assert fields["prefill_attention"].metadata["choices"] == PREFILL_ATTENTION
 
 
 def test_worker_flag_validation():

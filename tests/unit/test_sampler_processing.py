@@ -9,10 +9,12 @@ import numpy as np
 import torch
 
 from tests.helpers.host_copies import record_host_copies
-from worker_svc.logits_processing import apply_penalties_
-from worker_svc.prompt_logprobs import PromptRows
-from worker_svc.sampler import PromptScoring, Sampler
-from worker_svc.step_input import Penalties, Sampling, SeqInput
+from tests.helpers.worker_steps import Sampling, Seq, sampling_params, step_input
+from worker_svc.sampling.logits_processing import apply_penalties_
+from worker_svc.sampling.params import PromptScoring
+from worker_svc.sampling.prompt_logprobs import PromptRows
+from worker_svc.sampling.sampler import Sampler
+from worker_svc.step.input import Penalties
 
 VOCAB = 48
 
@@ -97,7 +99,7 @@ def test_greedy_picks_the_argmax_of_the_processed_logits_and_reports_raw_logprob
 
 def _sample_host(sampler, logits, params, inputs=None, positions=None):
     positions = list(range(len(params))) if positions is None else positions
-    packed = sampler.sample_packed(logits, params, positions, None, lambda: inputs)
+    packed = sampler.sample_packed(logits, sampling_params(params, positions, input_ids=lambda: inputs))
     host = packed.tensor.cpu()
     return host[: len(params), 0].long(), host[: len(params), 1].float()
 
@@ -143,7 +145,7 @@ def test_top_logprobs_are_the_raw_distributions_most_likely_tokens():
     logits = _logits(4, seed=4)
     params = [Sampling(top_logprobs=3), Sampling(), Sampling(0.7, seed=1, top_logprobs=5), PROCESSED[1]]
     params[3] = dataclass_replace(params[3], top_logprobs=2)
-    packed = Sampler(0).sample_packed(logits, params, [0, 1, 2, 3])
+    packed = Sampler(0).sample_packed(logits, sampling_params(params, [0, 1, 2, 3]))
     host = packed.tensor.cpu().numpy()
     top = packed.layout.top(host)
     assert sorted(top) == [0, 2, 3] and packed.layout.top_n == 5
@@ -157,17 +159,17 @@ def test_top_logprobs_are_the_raw_distributions_most_likely_tokens():
 
 def test_prompt_rows_score_their_targets_with_alternatives():
     seqs = [
-        SeqInput(1, [5], 9, [0], [0], sample=True),  # a decode: no prompt logprobs
-        SeqInput(2, [1, 2, 3, 4], 0, [0], [0, 1, 2, 3], prompt_logprob_targets=[2, 3, 4], prompt_top_logprobs=2),
-        SeqInput(3, [7, 8], 16, [0, 1], [16, 17], sample=True),
-        SeqInput(4, [6, 6, 6], 0, [0], [0, 1, 2], prompt_logprob_targets=[6, 6, 9]),
+        Seq(1, [5], 9, [0], [0], sample=True),  # a decode: no prompt logprobs
+        Seq(2, [1, 2, 3, 4], 0, [0], [0, 1, 2, 3], prompt_logprob_targets=[2, 3, 4], prompt_top_logprobs=2),
+        Seq(3, [7, 8], 16, [0, 1], [16, 17], sample=True),
+        Seq(4, [6, 6, 6], 0, [0], [0, 1, 2], prompt_logprob_targets=[6, 6, 9]),
     ]
-    rows = PromptRows.of(seqs)
+    rows = PromptRows.of(step_input(1, [], seqs).seqs, np.arange(4))
     assert rows.seq_ids == [2, 4] and rows.rows.tolist() == [1, 2, 3, 7, 8, 9]
     hidden_logits = _logits(10, seed=5)
     samples = [0, 6]  # the last rows of the sampling sequences 1 and 3
     logits = torch.cat([hidden_logits[samples], hidden_logits[rows.rows]])
-    packed = Sampler(0).sample_packed(logits, [Sampling(), Sampling()], [10, 18], rows.scoring)
+    packed = Sampler(0).sample_packed(logits, sampling_params([Sampling(), Sampling()], [10, 18], rows.scoring))
     out = rows.unpack(packed.tensor.cpu().numpy(), packed.layout)
     logprobs = torch.log_softmax(hidden_logits, dim=-1)
     first, second = out
@@ -182,7 +184,7 @@ def test_prompt_rows_score_their_targets_with_alternatives():
 def test_prompt_scoring_without_samples():
     logits = _logits(3, seed=6)
     scoring = PromptScoring(np.array([4, 5, 6]), np.array([1, 1, 1]))
-    packed = Sampler(0).sample_packed(logits, [], [], scoring)
+    packed = Sampler(0).sample_packed(logits, sampling_params([], [], scoring))
     targets, top_rows, top = packed.layout.prompt(packed.tensor.cpu().numpy())
     logprobs = torch.log_softmax(logits, dim=-1)
     np.testing.assert_allclose(targets[:, 1], logprobs[[0, 1, 2], [4, 5, 6]].numpy(), atol=1e-5)
@@ -193,9 +195,9 @@ def test_still_one_host_copy_with_processing_and_logprobs(monkeypatch):
     copies = record_host_copies(monkeypatch)
     params = [dataclass_replace(PROCESSED[4], top_logprobs=4), Sampling(1.0, seed=1, top_logprobs=2), PROCESSED[5]]
     logits = _logits(5)
-    packed = Sampler(0).sample_packed(
-        logits, params, [0, 1, 2], PromptScoring(np.array([1, 2]), np.array([3, 0])), lambda: torch.tensor([1, 2, 3])
-    )
+    scoring = PromptScoring(np.array([1, 2]), np.array([3, 0]))
+    inputs = torch.tensor([1, 2, 3])
+    packed = Sampler(0).sample_packed(logits, sampling_params(params, [0, 1, 2], scoring, lambda: inputs))
     packed.tensor.cpu()
     # 3 samples + 2 rows x 4 alternatives + 2 prompt targets + 1 prompt row x 3 alternatives
     assert copies == [(3 + 8 + 2 + 3, 2)]

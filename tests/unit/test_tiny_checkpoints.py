@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from worker_svc import tiny_checkpoints as tc
+from tools import tiny_checkpoints as tc
 
 FAMILIES = sorted(tc.FAMILIES)
 EXPECTED = {  # family -> (model_type, kv heads, tied embeddings)

@@ -457,9 +457,9 @@ def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
     if split_kv:
         monkeypatch.setattr(triton_ops, "num_sms", lambda device: 132)
         monkeypatch.setattr(triton_ops, "MIN_SPLIT_TOKENS", 16)
+    from tests.helpers.worker_steps import Seq, sampled, step_input
+    from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
-    from worker_svc.step_input import SeqInput, StepInput
-    from worker_svc.tiny_checkpoints import ensure_checkpoint
     from worker_svc.worker import Worker
 
     model = str(ensure_checkpoint("gemma3"))
@@ -478,14 +478,14 @@ def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
     def seq(seq_id, tokens, start, sample=True):
         table = tables[seq_id]
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return SeqInput(seq_id, tokens, start, table, slots, sample=sample, return_logits=sample)
+        return Seq(seq_id, tokens, start, table, slots, sample=sample, return_logits=sample)
 
     def run(step_id, seqs):
-        outs = {name: w.step(StepInput(step_id, [], seqs)) for name, w in workers.items()}
-        for want, got in zip(outs["torch"].sampled, outs["triton"].sampled, strict=True):
+        outs = {name: w.step(step_input(step_id, [], seqs)) for name, w in workers.items()}
+        for want, got in zip(sampled(outs["torch"]), sampled(outs["triton"]), strict=True):
             assert want.seq_id == got.seq_id and want.token_id == got.token_id
             torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
-        return {s.seq_id: s.token_id for s in outs["torch"].sampled}
+        return {s.seq_id: s.token_id for s in sampled(outs["torch"])}
 
     # Step 1: seq 1 prefills 40 tokens; seq 2 prefills its first chunk of 24 (no sample).
     tokens = run(1, [seq(1, prompt_a, 0), seq(2, prompt_b[:24], 0, sample=False)])

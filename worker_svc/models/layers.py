@@ -1,8 +1,11 @@
 """Stateless layer math shared by every family (pure functions on tensors)."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from worker_svc.models.linear import Projection
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -12,7 +15,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, head_dim] for positions [T] (computed in fp32, like the reference)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -26,7 +31,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def gated_mlp(x: torch.Tensor, gate_up, down, activation: str) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, gate_up: Projection, down: Projection, activation: str) -> torch.Tensor:
     """gate_up and down are the projections (callables x -> x @ W.T, models/linear.py)."""
     gate, up = gate_up(x).chunk(2, dim=-1)
     if activation == "silu":

@@ -6,7 +6,10 @@ batch sizes costs about as much as the multiply (bench/results/vs_transformers.m
 fp32 weights stay plain, so the fp32 exactness tests run the same matmul as
 transformers; CUDA weights stay plain too (cuBLAS needs no reorder).
 """
+
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +19,15 @@ _PACK_BATCH_HINT = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    mkldnn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and mkldnn
+
+
+class Projection(Protocol):
+    """What the decoder calls a projection: x [T, in] -> [T, out]. A Linear, or a
+    tensor-parallel wrapper of one (parallel/layers.py)."""
+
+    def __call__(self, x: torch.Tensor, /) -> torch.Tensor: ...
 
 
 class Linear:
@@ -30,5 +41,6 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            return out
         return F.linear(x, self.weight)

@@ -3,14 +3,16 @@
 Each family differs from Llama in a handful of switches; they are collected here
 so the decoder has one code path (see decoder.py).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 SUPPORTED_TYPES = ("llama", "qwen3", "gemma3_text")
 
@@ -28,14 +30,14 @@ class ModelSpec:
     rms_norm_eps: float
     max_model_len: int
     tie_word_embeddings: bool
-    activation: str                   # silu | gelu_tanh
+    activation: str  # silu | gelu_tanh
     attention_scale: float
-    qk_norm: bool                     # Qwen3, Gemma3: RMSNorm on q and k per head
-    norm_offset: float                # Gemma: weights are stored as (w - 1)
-    embed_scale: float                # Gemma: embeddings times sqrt(hidden)
-    sandwich_norm: bool               # Gemma: extra norms after attention and MLP
-    layer_windows: tuple[int, ...]    # sliding window per layer, 0 = full attention
-    layer_rope: tuple[int, ...]       # index into rope_inv_freqs per layer
+    qk_norm: bool  # Qwen3, Gemma3: RMSNorm on q and k per head
+    norm_offset: float  # Gemma: weights are stored as (w - 1)
+    embed_scale: float  # Gemma: embeddings times sqrt(hidden)
+    sandwich_norm: bool  # Gemma: extra norms after attention and MLP
+    layer_windows: tuple[int, ...]  # sliding window per layer, 0 = full attention
+    layer_rope: tuple[int, ...]  # index into rope_inv_freqs per layer
     rope_inv_freqs: tuple[tuple[float, ...], ...]
     eos_token_ids: tuple[int, ...]
 
@@ -44,7 +46,7 @@ class ModelSpec:
         return max(self.layer_windows)
 
 
-def rope_inv_freq(params: dict, head_dim: int) -> list[float]:
+def rope_inv_freq(params: dict[str, Any], head_dim: int) -> list[float]:
     """Inverse RoPE frequencies for the rope types we serve: default, linear, llama3."""
     rope_type = params.get("rope_type", "default")
     base = float(params["rope_theta"])
@@ -58,7 +60,7 @@ def rope_inv_freq(params: dict, head_dim: int) -> list[float]:
     return inv_freq.tolist()
 
 
-def _llama3_scaling(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept,
     # and the band between is interpolated smoothly.
     factor = float(params["factor"])
@@ -106,7 +108,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     )
 
 
-def _rope_tables(cfg, layer_types: list[str], head_dim: int) -> tuple[list[str], list[list[float]]]:
+def _rope_tables(cfg: PretrainedConfig, layer_types: list[str], head_dim: int) -> tuple[list[str], list[list[float]]]:
     params = cfg.rope_parameters
     # Gemma3 keys its rope parameters by layer type; the others have one set.
     if isinstance(params, dict) and "rope_theta" not in params:
@@ -115,7 +117,7 @@ def _rope_tables(cfg, layer_types: list[str], head_dim: int) -> tuple[list[str],
     return ["*"], [rope_inv_freq(params, head_dim)]
 
 
-def _eos_ids(model_dir: str | Path, cfg) -> tuple[int, ...]:
+def _eos_ids(model_dir: str | Path, cfg: PretrainedConfig) -> tuple[int, ...]:
     from transformers import GenerationConfig
 
     try:

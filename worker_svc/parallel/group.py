@@ -6,7 +6,9 @@ torch.distributed group (NCCL on CUDA, gloo on CPU; rendezvous through a
 FileStore in a private temporary directory) for the forward's collectives.
 Steps travel to the other ranks over one pipe each, pickled once: a rank
 waiting for the next step blocks on its pipe with no timeout, and sees rank 0
-go away as the pipe's end.
+go away as the pipe's end. The group knows nothing of the worker: `launch` is
+handed the ranks' entry point (worker.run_rank), which builds each rank's
+worker and runs rank.serve_rank.
 
 Failure. A rank that exits (crash, OOM kill), or a step that fails on rank 0
 after the others were sent it (their collectives may be waiting for it), makes
@@ -26,41 +28,44 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from worker_svc.config import WorkerConfig
-from worker_svc.models import DecoderModel
-from worker_svc.parallel.layers import RowParallel, VocabParallelHead
-from worker_svc.parallel.sharding import rank_layout, shard_checkpoint
-from worker_svc.step_input import InvalidStep, StepInput
-
-if TYPE_CHECKING:
-    from worker_svc.model_runner import ModelRunner, StepOutput
+from worker_svc.step.errors import InvalidStep, WorkerDown
+from worker_svc.step.input import StepInput
 
 log = structlog.get_logger(__name__)
 
 # How long ranks wait for each other to join, and for one collective of a step.
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 READY = b"ready"
+T = TypeVar("T")
+
+# A rank's process: (rank, the group's init method, its end of rank 0's pipe). It
+# must pickle (multiprocessing spawn): a module-level function, or a partial of one.
+RankMain = Callable[[int, str, Connection], None]
 
 
-class WorkerDown(RuntimeError):
-    """A tensor-parallel rank is gone: this worker cannot run steps any more."""
+@dataclass(frozen=True)
+class GroupSpec:
+    size: int  # ranks
+    device: str  # cpu | cuda[:N]: rank r takes GPU N + r
+    num_threads: int  # torch CPU threads for the whole worker, shared out over the ranks; 0 = torch's default
 
 
 class TensorParallelGroup:
-    def __init__(self, config: WorkerConfig, rank: int, device: torch.device):
-        self.config = config
+    def __init__(self, spec: GroupSpec, rank: int):
+        self.spec = spec
         self.rank = rank
-        self.size = config.tensor_parallel_size
-        self.device = device
+        self.size = spec.size
+        self.device = rank_device(spec.device, rank)
         self.failed: str | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -71,18 +76,17 @@ class TensorParallelGroup:
 
     # ---- start-up -----------------------------------------------------------
     @classmethod
-    def launch(cls, config: WorkerConfig) -> TensorParallelGroup:
-        """Rank 0: start the other ranks and join the group with them."""
-        from worker_svc.parallel.rank import run_rank  # the spawned processes' entry point
-
-        group = cls(config, 0, rank_device(config.device, 0))
+    def launch(cls, spec: GroupSpec, rank_main: RankMain) -> TensorParallelGroup:
+        """Rank 0: start the other ranks (each runs `rank_main`, which builds its
+        worker and joins the group) and join the group with them."""
+        group = cls(spec, 0)
         group._store_dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
         init_method = Path(group._store_dir, "store").as_uri()
         context = multiprocessing.get_context("spawn")
         for rank in range(1, group.size):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=run_rank, args=(config, rank, init_method, theirs), name=f"tp-rank-{rank}", daemon=True
+                target=rank_main, args=(rank, init_method, theirs), name=f"tp-rank-{rank}", daemon=True
             )
             process.start()
             theirs.close()
@@ -95,9 +99,9 @@ class TensorParallelGroup:
         return group
 
     @classmethod
-    def join(cls, config: WorkerConfig, rank: int, init_method: str) -> TensorParallelGroup:
+    def join(cls, spec: GroupSpec, rank: int, init_method: str) -> TensorParallelGroup:
         """Ranks 1..N-1, in their own process."""
-        group = cls(config, rank, rank_device(config.device, rank))
+        group = cls(spec, rank)
         group._join(init_method)
         return group
 
@@ -105,7 +109,7 @@ class TensorParallelGroup:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, (self.config.num_threads or torch.get_num_threads()) // self.size))
+            torch.set_num_threads(max(1, (self.spec.num_threads or torch.get_num_threads()) // self.size))
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
             init_method=init_method,
@@ -118,20 +122,6 @@ class TensorParallelGroup:
     def pids(self) -> list[int]:
         """The other ranks' process ids (rank 0's view)."""
         return [p.pid for p in self._processes if p.pid is not None]
-
-    def load_model(self, model_dir: str, dtype: torch.dtype) -> DecoderModel:
-        """This rank's shard of the checkpoint, with the collectives in its projections."""
-        model = DecoderModel.load(
-            model_dir,
-            dtype,
-            self.device,
-            transform=lambda spec, tensors: shard_checkpoint(spec, tensors, rank_layout(spec, self.rank, self.size)),
-        )
-        for layer in model.layers:
-            layer.o = RowParallel(layer.o, self)
-            layer.down = RowParallel(layer.down, self)
-        model.lm_head = VocabParallelHead(model.lm_head, self, model.spec.vocab_size)
-        return model
 
     def wait_ready(self) -> None:
         """Rank 0: until every other rank has built its shard and cache."""
@@ -163,20 +153,21 @@ class TensorParallelGroup:
         return tensor
 
     # ---- steps ---------------------------------------------------------------
-    def execute(self, runner: ModelRunner, step: StepInput) -> StepOutput:
-        """Rank 0: hand the (validated) step to every rank, run it here too."""
+    def execute(self, run: Callable[[StepInput], T], step: StepInput) -> T:
+        """Rank 0: hand the (validated) step to every rank, `run` it here too."""
         if self.failed is not None:
             raise WorkerDown(self.failed)
         try:
             data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
             for pipe in self._pipes:
                 pipe.send_bytes(data)
-            return runner.execute(step)
+            return run(step)
         except InvalidStep:  # found before any rank touched anything, the same on every rank
             raise
         except Exception as exc:  # the other ranks may wait in a collective of this step forever
-            self.fail(f"step {step.step_id} failed on rank 0: {type(exc).__name__}: {exc}")
-            raise WorkerDown(self.failed) from exc
+            reason = f"step {step.step_id} failed on rank 0: {type(exc).__name__}: {exc}"
+            self.fail(reason)
+            raise WorkerDown(reason) from exc
 
     # ---- failure and shutdown ---------------------------------------------------
     def on_failure(self, callback: Callable[[], None]) -> None:
@@ -198,9 +189,8 @@ class TensorParallelGroup:
 
     def _watch(self) -> None:
         """Rank 0: the first rank that exits fails the group (unless we are closing it)."""
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._processes, start=1)}
-        ready = wait(list(sentinels))
-        rank, process = sentinels[ready[0]]
+        ready = wait([p.sentinel for p in self._processes])
+        rank, process = next((r, p) for r, p in enumerate(self._processes, start=1) if p.sentinel in ready)
         process.join(1.0)
         self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with {process.exitcode}")
 

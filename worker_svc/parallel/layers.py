@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker_svc.models.linear import Linear
+from worker_svc.models.linear import Projection
 
 if TYPE_CHECKING:
     from worker_svc.parallel.group import TensorParallelGroup
 
 
 class RowParallel:
-    def __init__(self, linear: Linear, group: TensorParallelGroup):
+    def __init__(self, linear: Projection, group: TensorParallelGroup):
         self.linear = linear
         self.group = group
 
@@ -31,7 +31,7 @@ class RowParallel:
 
 
 class VocabParallelHead:
-    def __init__(self, linear: Linear, group: TensorParallelGroup, vocab_size: int):
+    def __init__(self, linear: Projection, group: TensorParallelGroup, vocab_size: int):
         self.linear = linear
         self.group = group
         self.vocab_size = vocab_size

@@ -1,36 +1,38 @@
 """Ranks 1..N-1 of a tensor-parallel worker: each its own process, started by
-rank 0 (group.TensorParallelGroup.launch). It builds its shard of the model
-and its share of the KV cache exactly as rank 0 does (worker.Worker), says it
-is ready, then runs every step rank 0 sends, in order, until told to stop or
-rank 0 goes away."""
+rank 0 (group.TensorParallelGroup.launch). `serve_rank` builds the rank's worker
+through the factory it is given (the worker's rank entry point builds its shard
+of the model and its share of the KV cache exactly as rank 0 does), says it is
+ready, then runs every step rank 0 sends, in order, until told to stop or rank
+0 goes away."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import signal
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import structlog
 
-from svc_common.log_setup import configure_logging
-from worker_svc.config import WorkerConfig
-from worker_svc.parallel.group import READY, TensorParallelGroup
-from worker_svc.step_input import InvalidStep
+from worker_svc.parallel.group import READY
+from worker_svc.step.errors import InvalidStep
+from worker_svc.step.input import StepInput
 
 log = structlog.get_logger("worker_svc.rank")
 
 
-def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection) -> None:
-    # Ctrl-C and SIGTERM reach the whole process group: rank 0 decides when the ranks stop.
+def ignore_stop_signals() -> None:
+    """Ctrl-C and SIGTERM reach the whole process group: rank 0 decides when the ranks stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    configure_logging(config.log_format, config.log_level)
-    structlog.contextvars.bind_contextvars(rank=rank)
-    from worker_svc.worker import Worker  # torch and the model load here
 
+
+def serve_rank(rank: int, pipe: Connection, build: Callable[[], Callable[[StepInput], object]]) -> None:
+    """`build()`: this rank's step executor (its worker, built and joined to the group)."""
+    structlog.contextvars.bind_contextvars(rank=rank)
     try:
-        worker = Worker(config, parallel=TensorParallelGroup.join(config, rank, init_method))
+        execute = build()
     except Exception as exc:
         log.exception("tensor-parallel rank failed to start")
         pipe.send_bytes(f"{type(exc).__name__}: {exc}".encode())
@@ -44,7 +46,7 @@ def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection
         if step is None:
             break
         try:
-            worker.runner.execute(step)
+            execute(step)
         except InvalidStep:  # rank 0 raised the same, before any collective
             continue
         except Exception:  # the ranks are out of step now: rank 0 sees this one exit and goes down

@@ -1,42 +1,35 @@
 """Sampling in a tensor-parallel worker: rank 0 samples from the logits it
 gathered (layers.VocabParallelHead) and broadcasts the sampled ids, so every
 rank keeps the same ids for the next step's `token_from_previous_step` decodes
-(model_runner.LastSamples) and builds the same input. One [N] broadcast per
+(runner.last_samples.LastSamples) and builds the same input. One [N] broadcast per
 step, on the device. Logprobs, alternatives and prompt logprobs stay on rank 0,
 the only rank whose results are returned."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from worker_svc.sampler import Packed, PackedLayout, PromptScoring, Sampler
-from worker_svc.step_input import Sampling
+from worker_svc.sampling.packed import Packed, PackedLayout, TokenSampler
+from worker_svc.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from worker_svc.parallel.group import TensorParallelGroup
 
 
 class SamplingRank:
-    """Rank 0: sample (the wrapped Sampler), then broadcast the ids. Other ranks: receive them."""
+    """A TokenSampler. Rank 0: sample (the wrapped sampler), then broadcast the ids.
+    Other ranks: receive them."""
 
-    def __init__(self, sampler: Sampler, group: TensorParallelGroup):
+    def __init__(self, sampler: TokenSampler, group: TensorParallelGroup):
         self.sampler = sampler
         self.group = group
 
-    def sample_packed(
-        self,
-        logits: torch.Tensor,
-        params: list[Sampling],
-        positions: list[int],
-        prompt: PromptScoring | None = None,
-        input_ids: Callable[[], torch.Tensor] | None = None,
-    ) -> Packed:
+    def sample_packed(self, logits: torch.Tensor, params: SamplingParams) -> Packed:
         if self.group.rank == 0:
-            packed = self.sampler.sample_packed(logits, params, positions, prompt, input_ids)
+            packed = self.sampler.sample_packed(logits, params)
             self.group.broadcast_from_first(packed.token_ids.contiguous())
             return packed
         ids = self.group.broadcast_from_first(torch.empty(len(params), dtype=torch.long, device=logits.device))

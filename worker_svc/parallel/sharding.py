@@ -11,11 +11,32 @@ everything else are replicated.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
+from worker_svc.models import DecoderModel
 from worker_svc.models.spec import ModelSpec
+from worker_svc.parallel.layers import RowParallel, VocabParallelHead
 from worker_svc.parallel.layout import RankLayout
+
+if TYPE_CHECKING:
+    from worker_svc.parallel.group import TensorParallelGroup
+
+
+def load_rank_model(model_dir: str, dtype: torch.dtype, group: TensorParallelGroup) -> DecoderModel:
+    """This rank's shard of the checkpoint, with the collectives in its projections."""
+    model = DecoderModel.load(
+        model_dir,
+        dtype,
+        group.device,
+        transform=lambda spec, tensors: shard_checkpoint(spec, tensors, rank_layout(spec, group.rank, group.size)),
+    )
+    for layer in model.layers:
+        layer.o = RowParallel(layer.o, group)
+        layer.down = RowParallel(layer.down, group)
+    model.lm_head = VocabParallelHead(model.lm_head, group, model.spec.vocab_size)
+    return model
 
 
 def rank_layout(spec: ModelSpec, rank: int, size: int) -> RankLayout:

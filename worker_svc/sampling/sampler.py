@@ -11,20 +11,27 @@ Only one tensor crosses to the host per step: (token id, logprob) pairs as
 float64 (ids < 2**53 are exact): one per sample, then the top-N alternatives of
 the rows that ask for them, then the prompt logprobs (PackedLayout).
 
-Rows with blocked ids, a logit bias or penalties (logits_processing.py) are
-processed in a copy of just those rows; a batch without any does no extra work.
+The parameters arrive as columns (params.SamplingParams) and go to the device
+as one block: no Python object per row. Rows with blocked ids, a logit bias or
+penalties (logits_processing.py, the rows' RowExtras) are processed in a copy
+of just those rows; a batch without any does no extra work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from worker_svc.logits_processing import add_logit_bias_, apply_penalties_, block_tokens_, token_counts
-from worker_svc.step_input import Sampling
+from worker_svc.sampling.logits_processing import add_logit_bias_, apply_penalties_, block_tokens_, token_counts
+from worker_svc.sampling.packed import Packed, PackedLayout
+from worker_svc.sampling.params import PromptScoring, SamplingParams
+from worker_svc.step.input import IntArray, RowExtras, UIntArray
+
+F64Array = npt.NDArray[np.float64]
 
 _M32 = 0xFFFFFFFF
 # Columns of the per-row parameter block sent to the device in one copy.
@@ -32,7 +39,7 @@ _TEMP, _GREEDY, _TOP_K, _TOP_P, _KEY = range(5)
 _NCOLS = 5
 
 
-def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def row_keys(seeds: UIntArray, positions: UIntArray) -> UIntArray:
     """splitmix64 of (seed, position) in uint64 (numpy wraps by definition), top 32 bits."""
     with np.errstate(over="ignore"):
         z = seeds * np.uint64(0x9E3779B97F4A7C15) + positions + np.uint64(1)
@@ -88,100 +95,38 @@ def add_noise(scaled: torch.Tensor, keys: torch.Tensor, prune: bool) -> torch.Te
     return scaled + gumbel(keys[:, None], tokens[None, :])
 
 
-@dataclass(frozen=True, slots=True)
-class PackedLayout:
-    """Where each result sits in the packed [K, 2] (token id, logprob) tensor: the
-    samples, then `top_n` alternatives for each of `top_rows` (sample rows that
-    asked, up to the most any asked), then one pair per prompt row (its target),
-    then `prompt_top_n` alternatives for each of `prompt_top_rows`."""
-
-    num_samples: int
-    top_rows: np.ndarray
-    top_n: int
-    num_prompt_rows: int = 0
-    prompt_top_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    prompt_top_n: int = 0
-
-    def top(self, host: np.ndarray) -> dict[int, np.ndarray]:
-        """Sample row -> its alternatives [top_n, 2], most likely first."""
-        block = host[self.num_samples : self.num_samples + self.top_rows.size * self.top_n]
-        return dict(zip(self.top_rows.tolist(), block.reshape(self.top_rows.size, self.top_n, 2)))
-
-    def prompt(self, host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """([prompt rows, 2] target id and logprob, prompt_top_rows, their alternatives
-        [len(prompt_top_rows), prompt_top_n, 2])."""
-        start = self.num_samples + self.top_rows.size * self.top_n
-        targets = host[start : start + self.num_prompt_rows]
-        top = host[start + self.num_prompt_rows :].reshape(self.prompt_top_rows.size, self.prompt_top_n, 2)
-        return targets, self.prompt_top_rows, top
-
-
-@dataclass(frozen=True, slots=True)
-class PromptScoring:
-    """Logit rows after the samples' whose logprob of a given token is wanted (prompt logprobs)."""
-
-    targets: np.ndarray  # [M] token id after each row's position
-    top_n: np.ndarray  # [M] alternatives wanted per row
-
-
-@dataclass(frozen=True, slots=True)
-class Packed:
-    tensor: torch.Tensor  # [K, 2] float64 on the logits' device
-    layout: PackedLayout
-
-    @property
-    def token_ids(self) -> torch.Tensor:
-        """The sampled ids, on the device."""
-        return self.tensor[: self.layout.num_samples, 0].long()
-
-
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.rng = np.random.default_rng(seed)
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[Sampling], positions: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [N, V] -> host (token ids [N], logprobs [N] under the unscaled distribution)."""
-        packed = self.sample_packed(logits, params, positions).tensor[: len(params)].cpu()
-        return packed[:, 0].long(), packed[:, 1].float()
-
-    def sample_packed(
-        self,
-        logits: torch.Tensor,
-        params: list[Sampling],
-        positions: list[int],
-        prompt: PromptScoring | None = None,
-        input_ids: Callable[[], torch.Tensor] | None = None,
-    ) -> Packed:
+    def sample_packed(self, logits: torch.Tensor, params: SamplingParams) -> Packed:
         """Samples the first len(params) rows of `logits`; the rows after them are
-        scored for `prompt`. Everything comes back in one device tensor (see
+        scored for params.prompt. Everything comes back in one device tensor (see
         PackedLayout). Logprobs are of the raw distribution (before processing,
-        temperature and filtering). `input_ids()`: the token input at each sampled
-        position, on the device, asked for only when a penalty counts it."""
+        temperature and filtering)."""
         logits = logits.float()
         num = len(params)
         raw = logits[:num]
-        processed = self._process(raw, params, input_ids)
+        processed = self._process(raw, params)
         tokens = raw.argmax(dim=-1)
         if processed is not None:
             rows, block = processed
             tokens[rows] = block.argmax(dim=-1)
-        if any(p.temperature > 0 for p in params):
-            rows_block, filter_rows = self._row_params(params, positions, logits.shape[-1], logits.device)
+        if (params.columns.temperature > 0).any():
+            rows_block, filter_rows = self._row_params(params, logits.shape[-1], logits.device)
             sampled = _sample(raw, rows_block, filter_rows, processed)
             tokens = torch.where(rows_block[:, _GREEDY] > 0, tokens, sampled)
         # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
         lse = torch.logsumexp(raw, dim=-1)
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         parts = [torch.stack([tokens.double(), logprobs.double()], dim=1)]
-        top_n = np.array([p.top_logprobs for p in params], dtype=np.int64)
+        top_n = params.top_logprobs
         top_rows = np.flatnonzero(top_n)
         width = int(top_n.max()) if top_rows.size else 0
         if top_rows.size:
             parts.append(_top_pairs(raw, lse, top_rows, width))
         layout = PackedLayout(num, top_rows, width)
-        if prompt is not None:
+        if (prompt := params.prompt) is not None:
             parts += self._score(logits[num:], prompt)
             prompt_top_rows = np.flatnonzero(prompt.top_n)
             prompt_width = int(prompt.top_n.max()) if prompt_top_rows.size else 0
@@ -200,24 +145,21 @@ class Sampler:
             parts.append(_top_pairs(logits, lse, top_rows, int(prompt.top_n.max())))
         return parts
 
-    def _process(
-        self, logits: torch.Tensor, params: list[Sampling], input_ids: Callable[[], torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _process(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, their processed logits [R, V]) for the rows with blocked ids, a logit
         bias or penalties; None (and no work at all) when no row has any."""
-        rows = [i for i, p in enumerate(params) if p.processes_logits]
+        rows = sorted(row for row, e in params.extras.items() if e.processes_logits)
         if not rows:
             return None
-        inputs = _processing_inputs([params[i] for i in rows], rows)
+        inputs = _processing_inputs([params.extras[i] for i in rows], rows)
         on_device = _to_device(inputs.block, logits.device)
         part = dict(zip(inputs.names, torch.split(on_device, inputs.sizes)))
-        as_long = lambda name: part[name].long()
-        rows_t = as_long("rows")
+        rows_t = part["rows"].long()
         block = logits[rows_t]  # a copy: the raw logits stay for the logprobs
-        block_tokens_(block, as_long("blocked_rows"), as_long("blocked_ids"))
-        add_logit_bias_(block, as_long("bias_rows"), as_long("bias_ids"), part["bias_values"])
+        block_tokens_(block, part["blocked_rows"].long(), part["blocked_ids"].long())
+        add_logit_bias_(block, part["bias_rows"].long(), part["bias_ids"].long(), part["bias_values"])
         if inputs.penalized.size:
-            self._penalize(block, inputs, part, input_ids)
+            self._penalize(block, inputs, part, params.input_ids)
         return rows_t, block
 
     @staticmethod
@@ -246,31 +188,25 @@ class Sampler:
         block[penalized] = sub
 
     def _row_params(
-        self, params: list[Sampling], positions: list[int], vocab: int, device: torch.device
+        self, params: SamplingParams, vocab: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-row parameter block and the rows to filter, in one host->device copy."""
+        c = params.columns
         n = len(params)
-        temp = np.array([p.temperature for p in params], dtype=np.float64)
-        top_k = np.array([p.top_k for p in params], dtype=np.int64)
-        top_p = np.array([p.top_p for p in params], dtype=np.float64)
-        seeded = np.array([p.seed is not None for p in params])
-        seeds = np.array([(p.seed or 0) & (2**64 - 1) for p in params], dtype=np.uint64)
+        temp = c.temperature.astype(np.float64)
         keys = np.where(
-            seeded,
-            row_keys(seeds, np.array(positions, dtype=np.uint64)),
+            c.seeded,
+            row_keys(c.seeds, params.positions.astype(np.uint64)),
             self.rng.integers(0, 2**32, size=n, dtype=np.uint64),
         )
         greedy = temp <= 0
-        top_k = np.where((top_k > 0) & ~greedy, top_k, vocab)
-        top_p = np.where((top_p > 0) & (top_p < 1) & ~greedy, top_p, 1.0)
+        top_k = np.where((c.top_k > 0) & ~greedy, c.top_k, vocab)
+        top_p = np.where((c.top_p > 0) & (c.top_p < 1) & ~greedy, c.top_p.astype(np.float64), 1.0)
         filter_rows = np.flatnonzero((top_k < vocab) | (top_p < 1))
         block = np.empty(n * _NCOLS + len(filter_rows), dtype=np.float64)
         block[: n * _NCOLS] = np.stack([np.where(greedy, 1.0, temp), greedy, top_k, top_p, keys], axis=1).ravel()
         block[n * _NCOLS :] = filter_rows
-        host = torch.from_numpy(block)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        on_device = host.to(device, non_blocking=True)
+        on_device = _to_device(block, device)
         return on_device[: n * _NCOLS].view(n, _NCOLS), on_device[n * _NCOLS :].long()
 
 
@@ -303,7 +239,7 @@ def _keep_mask(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
-def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
+def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: IntArray, n: int) -> torch.Tensor:
     """[len(rows) * n, 2]: each row's n most likely (token id, logprob), most likely first."""
     index = torch.from_numpy(rows).to(logits.device)
     values, ids = logits[index].topk(n, dim=-1)
@@ -311,7 +247,7 @@ def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: np.ndarray, n: int
     return torch.stack([ids.double(), logprobs.double()], dim=-1).view(-1, 2)
 
 
-def _to_device(block: np.ndarray, device: torch.device) -> torch.Tensor:
+def _to_device(block: F64Array, device: torch.device) -> torch.Tensor:
     host = torch.from_numpy(block)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -325,24 +261,24 @@ class _ProcessingInputs:
 
     names: tuple[str, ...]
     sizes: list[int]
-    block: np.ndarray
-    penalized: np.ndarray  # rows (of the processed block) with penalties
-    counts_input: np.ndarray  # of those, the ones that count their input token
+    block: F64Array
+    penalized: IntArray  # rows (of the processed block) with penalties
+    counts_input: IntArray  # of those, the ones that count their input token
 
 
-def _flat(lists: list, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _flat(lists: Sequence[Sequence[float]], rows: IntArray) -> tuple[F64Array, F64Array]:
     """(row of each entry, the entries) of per-row lists laid end to end."""
     lens = np.array([len(x) for x in lists], dtype=np.int64)
     values = np.concatenate([np.asarray(x, dtype=np.float64) for x in lists]) if lists else np.zeros(0)
     return np.repeat(rows, lens).astype(np.float64), values
 
 
-def _processing_inputs(params: list[Sampling], sample_rows: list[int]) -> _ProcessingInputs:
-    everyone = np.arange(len(params))
-    blocked_rows, blocked_ids = _flat([p.blocked_token_ids for p in params], everyone)
-    bias_rows, bias_ids = _flat([p.logit_bias_token_ids for p in params], everyone)
-    _, bias_values = _flat([p.logit_bias_values for p in params], everyone)
-    penalties = [p.penalties for p in params]
+def _processing_inputs(extras: list[RowExtras], sample_rows: list[int]) -> _ProcessingInputs:
+    everyone = np.arange(len(extras))
+    blocked_rows, blocked_ids = _flat([p.blocked_token_ids for p in extras], everyone)
+    bias_rows, bias_ids = _flat([p.logit_bias_token_ids for p in extras], everyone)
+    _, bias_values = _flat([p.logit_bias_values for p in extras], everyone)
+    penalties = [p.penalties for p in extras]
     penalized = np.array([i for i, p in enumerate(penalties) if p is not None], dtype=np.int64)
     chosen = [penalties[i] for i in penalized]  # rows of the [P, V] penalized sub-block, in this order
     local = np.arange(len(chosen))

@@ -12,7 +12,7 @@ deterministic: two builds produce byte-identical files.
 
     ensure_checkpoint("gemma3")          # -> .cache/tiny_checkpoints/gemma3, built once
     verify_checkpoint(path)              # loads in transformers, greedy-generates 20 tokens
-    python -m worker_svc.tiny_checkpoints --out DIR [--family llama --family qwen3 ...]
+    python -m tools.tiny_checkpoints --out DIR [--family llama --family qwen3 ...]
 
 `PAGEDSERVE_TINY_CKPT_DIR` overrides the cache root. Bump VERSION whenever the output
 changes, so stale cached checkpoints are rebuilt.
@@ -29,6 +29,7 @@ import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 VERSION = "1"
 MARKER = ".tiny_checkpoint_version"
@@ -152,7 +153,8 @@ def build_tokenizer():
 
 # --- model configs -------------------------------------------------------------
 
-_COMMON = dict(
+# Any: the config classes take these as typed keywords, the dict only carries them.
+_COMMON: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     head_dim=16,
@@ -162,7 +164,7 @@ _COMMON = dict(
 )
 
 
-def _llama_long(ids: dict):
+def _llama_long(ids: dict[str, Any]):
     """A long-context model for 20k-200k-token prompts: one layer, one KV head,
     so a 200,000-token cache is 2 x 1 x 1 x 16 x 4 B = 128 B per token (25 MB)."""
     from transformers import LlamaConfig
@@ -179,7 +181,7 @@ def _llama_long(ids: dict):
     )
 
 
-def _llama(ids: dict, num_kv_heads: int, llama3_rope: bool):
+def _llama(ids: dict[str, Any], num_kv_heads: int, llama3_rope: bool):
     from transformers import LlamaConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
@@ -205,7 +207,7 @@ def _llama(ids: dict, num_kv_heads: int, llama3_rope: bool):
     )
 
 
-def _qwen3(ids: dict, num_kv_heads: int):
+def _qwen3(ids: dict[str, Any], num_kv_heads: int):
     from transformers import Qwen3Config
 
     # 8 heads x head_dim 16 = 128 != hidden 64, as in real Qwen3 (head_dim is not hidden/heads).
@@ -220,7 +222,7 @@ def _qwen3(ids: dict, num_kv_heads: int):
     )
 
 
-def _gemma3(ids: dict, num_kv_heads: int):
+def _gemma3(ids: dict[str, Any], num_kv_heads: int):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
@@ -234,7 +236,8 @@ def _gemma3(ids: dict, num_kv_heads: int):
         # iff q - 8 < k <= q.
         sliding_window=8,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        sliding_window_pattern=4,  # legacy spelling of the same layer_types, kept consistent
+        # legacy spelling of the same layer_types, kept consistent; read from **kwargs, so untyped
+        sliding_window_pattern=4,  # type: ignore[call-arg]
         query_pre_attn_scalar=24,  # != head_dim, so scaling by head_dim**-0.5 is a detectable bug
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -247,7 +250,7 @@ def _gemma3(ids: dict, num_kv_heads: int):
     )
 
 
-FAMILIES: dict[str, Callable[[dict], object]] = {
+FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     "llama": lambda ids: _llama(ids, num_kv_heads=2, llama3_rope=True),
     "llama_mqa": lambda ids: _llama(ids, num_kv_heads=1, llama3_rope=False),
     "llama_long": _llama_long,
@@ -375,7 +378,9 @@ def verify_checkpoint(path: Path, prompt: str = "The weather today is") -> list[
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    # output_loading_info=True returns (model, info); transformers' annotation knows only the model
+    loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    model, info = loaded
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if bad:
         raise AssertionError(f"{path}: loading problems {bad}")
@@ -386,7 +391,7 @@ def verify_checkpoint(path: Path, prompt: str = "The weather today is") -> list[
     inputs = tok(prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    new: list[int] = out[0, inputs["input_ids"].shape[1] :].tolist()
     if len(set(new)) < 3:
         raise AssertionError(f"{path}: degenerate greedy generation {new}")
     return new

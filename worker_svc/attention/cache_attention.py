@@ -1,0 +1,49 @@
+"""The attention the decoder runs per layer for one step: write this step's K/V
+into the cache, then attend, group by group (decodes, fresh prefill chunks,
+other prefill chunks), each through the cache's own ops, or SDPA where
+prefill_route allows it."""
+
+from __future__ import annotations
+
+import torch
+
+from worker_svc.attention.kv_cache import KVCachePool
+from worker_svc.attention.metadata import AttentionGroup, AttentionMetadata
+from worker_svc.attention.prefill_route import fresh_prefill_attention, sdpa_takes
+
+
+class CacheAttention:
+    """models.decoder.Attention over `cache` for the step described by `metadata`."""
+
+    def __init__(self, cache: KVCachePool, metadata: AttentionMetadata, scale: float, route: str = "paged"):
+        self.cache = cache
+        self.metadata = metadata
+        self.scale = scale
+        self.route = route
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        # FP8/INT8 caches quantize on write and dequantize on read.
+        self.cache.write(layer, k, v, self.metadata.slot_mapping)
+        parts, start = [], 0
+        for kind, group in self.metadata.groups:
+            rows = slice(start, start + group.num_tokens)
+            start += group.num_tokens
+            parts.append(self._attend(kind, layer, q[rows], k[rows], v[rows], group, window))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _attend(
+        self,
+        kind: str,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: AttentionGroup,
+        window: int,
+    ) -> torch.Tensor:
+        if kind == "decode":
+            return self.cache.decode(layer, q, group, self.scale, window)
+        longest = max(group.query_lens)
+        if kind == "fresh" and self.route == "sdpa" and sdpa_takes(self.cache.dtype, q.dtype, window, longest):
+            return fresh_prefill_attention(q, k, v, group.query_lens, self.scale)
+        return self.cache.prefill(layer, q, group, self.scale, window)

@@ -1,0 +1,163 @@
+"""Executes one validated step: block copies, one batched forward, sampling.
+
+A step's inputs reach the device in one copy (upload.upload_batch); a
+decode-only step replays a captured CUDA graph when the runner has them
+(cuda_graphs.py); the only device sync is reading the sampled ids. The step
+stays columns throughout: the batch is laid out from the step's columns, the
+sampler reads the sampled rows' parameter columns, and the samples come back as
+columns (SampledRows).
+
+Entry points: `execute(step)` (a step, sampled), `logits(step)` (the sampling
+rows' logits, nothing sampled or kept: start-up check, benchmarks),
+`forward(batch)` (the eager forward a graph captures), and
+`capture_graphs` / `drop_graphs` (the runner owns its graphs).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from worker_svc.attention.cache_attention import CacheAttention
+from worker_svc.attention.kv_cache import KVCachePool
+from worker_svc.models import DecoderModel
+from worker_svc.runner.batch import ForwardBatch, HostBatch, check_references, plan_batch
+from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
+from worker_svc.runner.last_samples import LastSamples
+from worker_svc.runner.upload import InputUploader, upload_batch
+from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
+from worker_svc.sampling.params import SamplingParams
+from worker_svc.sampling.prompt_logprobs import PromptRows
+from worker_svc.step.input import BoolArray, IntArray, StepInput, UIntArray
+from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, cache: KVCachePool, sampler: TokenSampler, prefill_route: str = "paged"):
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.prefill_route = prefill_route  # prefill_route.prefill_route: "paged" | "sdpa"
+        self.uploader = InputUploader(model.device)
+        self._graphs: DecodeGraphs | None = None
+        self.last_samples: LastSamples | None = None
+
+    # ---- decode graphs ------------------------------------------------------------
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The captured decode graphs that steps replay (None: every step runs eager)."""
+        return self._graphs
+
+    def capture_graphs(self, backend: GraphBackend, max_num_seqs: int, table_width: int) -> DecodeGraphs:
+        """Captures a decode graph per ladder size over this runner's forward; from
+        now on the decode-only steps they cover replay them."""
+        graphs = DecodeGraphs(self.forward, backend, self.model.device, max_num_seqs, table_width)
+        with torch.inference_mode():
+            graphs.capture()
+        self._graphs = graphs
+        return graphs
+
+    def drop_graphs(self) -> None:
+        self._graphs = None
+
+    # ---- forward ------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The eager forward: hidden states [T, hidden] of the batch's rows. Sync-free
+        on CUDA with the Triton backend, so cuda_graphs can capture it."""
+        attention = CacheAttention(self.cache, batch.attention, self.model.spec.attention_scale, self.prefill_route)
+        return self.model.forward(batch.input_ids, batch.positions, attention)
+
+    def _prepare(
+        self, step: StepInput, previous: LastSamples | None, ref_sources: IntArray | None, use_graphs: bool
+    ) -> tuple[HostBatch, ForwardBatch, DecodeGraphs | None]:
+        """The step on the device (one copy), through the graphs' buffer when they cover it."""
+        host = plan_batch(step, self.prefill_route == "sdpa", ref_sources)
+        graphs = self._graphs if use_graphs and self._graphs is not None and self._graphs.covers(host) else None
+        if graphs is not None:
+            return host, graphs.upload(host, previous), graphs
+        return host, upload_batch(host, self.uploader, previous), None
+
+    def _hidden(self, batch: ForwardBatch, graphs: DecodeGraphs | None) -> torch.Tensor:
+        """Block copies first (the forward may read the copies), then the forward."""
+        if batch.copy_src is not None and batch.copy_dst is not None:
+            self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
+        return graphs.replay(batch) if graphs is not None else self.forward(batch)
+
+    # ---- steps --------------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, step: StepInput, use_graphs: bool = True) -> torch.Tensor:
+        """fp32 logits of the step's sampling rows, nothing sampled or kept (the
+        start-up check of the graphs, benchmarks)."""
+        _, batch, graphs = self._prepare(step, None, None, use_graphs)
+        return self.model.logits(self._hidden(batch, graphs)[batch.sample_rows])
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        ref_sources = check_references(step, self.last_samples)  # before anything is touched
+        if not len(step.seqs):  # block copies only (validated: there are some)
+            self.cache.copy_blocks(step.copies[:, 0], step.copies[:, 1])
+            return StepOutput(step.step_id, SampledRows.empty(), 0, {"total_ms": _ms(t0)})
+        previous, self.last_samples = self.last_samples, None  # a failed step leaves nothing to name
+        host, batch, graphs = self._prepare(step, previous, ref_sources, use_graphs=True)
+        t1 = time.perf_counter()
+        hidden = self._hidden(batch, graphs)
+        samples = SampledRows.empty()
+        prompt_logprobs: list[PromptLogprobsOut] = []
+        t2 = time.perf_counter()
+        prompt = PromptRows.of(step.seqs, host.order)  # None unless a chunk asks for prompt logprobs
+        if host.sample_order.size or prompt is not None:
+            # Sampled positions first, then the prompt-logprob positions: one lm_head call.
+            rows = batch.sample_rows
+            if prompt is not None:
+                rows = torch.cat([rows, prompt.rows_on(self.model.device)])
+            logits = self.model.logits(hidden[rows])
+            t2 = time.perf_counter()
+            scoring = None if prompt is None else prompt.scoring
+            params = SamplingParams.of_rows(
+                step.seqs, host.sample_order, scoring, lambda: batch.input_ids[batch.sample_rows]
+            )
+            packed = self.sampler.sample_packed(logits, params)  # on the device
+            # The ids stay on the device for the next step's decodes; one copy brings all results here.
+            seq_ids = step.seqs.seq_ids[host.sample_order]
+            self.last_samples = LastSamples(step.step_id, seq_ids, packed.token_ids)
+            pairs = packed.tensor.cpu().numpy()
+            return_logits = step.seqs.return_logits[host.sample_order]
+            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits)
+            if prompt is not None:
+                prompt_logprobs = prompt.unpack(pairs, packed.layout)
+        t3 = time.perf_counter()
+        timings = {
+            "prepare_ms": (t1 - t0) * 1e3,
+            "forward_ms": (t2 - t1) * 1e3,
+            "sample_ms": (t3 - t2) * 1e3,
+            "total_ms": (t3 - t0) * 1e3,
+        }
+        return StepOutput(step.step_id, samples, len(step.seqs.token_ids), timings, prompt_logprobs)
+
+
+def _sampled_rows(
+    seq_ids: UIntArray,
+    pairs: HostPairs,
+    packed: Packed,
+    params: SamplingParams,
+    return_logits: BoolArray,
+    logits: torch.Tensor,
+) -> SampledRows:
+    """The samples' columns from the packed host copy: ids and logprobs sliced out
+    whole; alternatives (cut to what each row asked) and logits rows only for the
+    rows that asked."""
+    n = len(seq_ids)
+    return SampledRows(
+        seq_ids=seq_ids,
+        token_ids=pairs[:n, 0].astype(np.int64),
+        logprobs=pairs[:n, 1].copy(),
+        top={i: block[: params.extras[i].top_logprobs] for i, block in packed.layout.top(pairs).items()},
+        logits={int(i): logits[i].cpu() for i in np.flatnonzero(return_logits)},
+    )
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
