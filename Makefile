@@ -75,7 +75,7 @@ test-slow: setup setup-test model ## the slow cases only (fuzzer, long runs)
 	$(PY) -m pytest -q -m slow
 
 # ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc, worker_svc,
-# kernels, svc_common, gateway_svc and tools (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
+# kernels, svc_common, gateway_svc, tools and bench/harness (pyproject.toml [tool.mypy]; the benchmark files themselves are not checked). .ci/run runs it before the tests.
 lint: setup setup-test ## ruff check, ruff format --check, mypy strict
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

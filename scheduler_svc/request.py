@@ -137,10 +137,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_output(self, token_id: int, logprob: float) -> None:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
