@@ -203,8 +203,8 @@ def _write_kv_kernel(
     dst = (slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs)[:, None] + (
         head * stride_ch + dim * stride_cd
     )[None, :]
-    k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep)
-    v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep)
+    k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep, other=0.0)
+    v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep, other=0.0)
     tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr), mask=keep)
     tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr), mask=keep)
 
@@ -496,7 +496,10 @@ def _merge_splits_kernel(
     sum_exp = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     m_all = tl.max(m, 0)
     weight = tl.math.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :])
+    # Masked lanes must load 0, not whatever the hardware leaves there: a NaN times
+    # weight 0 is still NaN.
+    acc_ok = split_ok[:, None] & dim_ok[None, :]
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=acc_ok, other=0.0)
     total = tl.sum(sum_exp * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     o_off = seq * stride_ot + head * stride_oh + dims * stride_od

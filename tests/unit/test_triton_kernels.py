@@ -386,6 +386,33 @@ def test_window_skips_blocks_outside(monkeypatch):
     assert len(dots) == 2 * 2
 
 
+# --------------------------------------------------------------------------- masked loads
+
+
+def test_every_masked_load_says_what_masked_lanes_hold():
+    """A masked tl.load without `other=` leaves masked lanes undefined on the GPU
+    (the interpreter zero-fills them, so no CPU run can show it): the split-KV
+    merge read its partials that way, right only while the lanes happened to be
+    zero (issue 27, fault 11). Every masked load in the kernels names `other=`."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(triton_ops))
+    loads = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "load"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "tl"
+    ]
+    masked = [call for call in loads if any(k.arg == "mask" for k in call.keywords)]
+    assert len(masked) >= 10, "the walk found too few masked loads"
+    bare = [call.lineno for call in masked if not any(k.arg == "other" for k in call.keywords)]
+    assert not bare, f"kernels/triton_ops.py lines {bare}: masked tl.load without other="
+
+
 # --------------------------------------------------------------------------- compiled for CUDA
 
 # Run in a fresh process without the interpreter: compile (through ptxas, which the
