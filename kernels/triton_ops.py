@@ -37,6 +37,8 @@ raw uint16 bits and is garbage otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -509,7 +511,79 @@ def _merge_splits_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _attention_constexprs(
+# The most shared memory one block may use (the opt-in limit), by compute capability.
+SHARED_MEMORY_PER_BLOCK = {
+    (7, 5): 65536,
+    (8, 0): 166912,
+    (8, 6): 101376,
+    (8, 7): 166912,
+    (8, 9): 101376,
+    (9, 0): 232448,
+    (10, 0): 232448,
+    (12, 0): 101376,
+}
+# Where no GPU says which (the interpreter): the tiles a Hopper part would run.
+DEFAULT_CAPABILITY = (9, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTiles:
+    block_m: int  # query rows ((token, query head) pairs) per program
+    block_n: int  # KV positions per loop iteration
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the KV loop
+
+
+def attention_tiles(
+    head_dim: int, group: int, decode: bool, capability: tuple[int, int], operand_bytes: int, quantized: bool
+) -> AttentionTiles:
+    """The tiles of _paged_attention_kernel for a head_dim on an architecture.
+
+    Registers bound them first: a thread holds BLOCK_N x BLOCK_D / (32 x warps)
+    elements of each K/V tile with one 64-bit address each (the paged gather),
+    and a prefill thread also BLOCK_M x BLOCK_D / (32 x warps) of the fp32
+    accumulator; past ~48 elements ptxas spills (measured at head_dim 64/128/256
+    on sm_80 and sm_90 with bench/kernel_resources.py; the 64 x 64 tiles used
+    for every head_dim before spilled from head_dim 64 on). So wider heads get
+    more warps and shorter KV tiles; fp32 operands and the dequantizing read
+    (FP8/INT8: scales, conversions) take more registers, so half again. Then the
+    architecture: before sm_80 (no asynchronous copies, 64 KB of shared memory)
+    two pipeline stages, else three; the largest choice takes ~72 KB of shared
+    memory, within sm_86/89's 99 KB. tests/unit/test_kernel_resources.py compiles
+    the choices for sm_80, sm_86 and sm_90 and checks shared memory, registers and
+    spills."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    wide = operand_bytes >= 4
+    if decode:
+        # The group padded up to >= 16 rows, the smallest MMA tile (older Tritons
+        # refuse smaller tl.dot operands outright).
+        block_m = max(16, triton.next_power_of_2(group))
+        num_warps = 4 if block_d <= 128 else 8
+    else:  # at least the group: a program holds whole groups (BLOCK_Q tokens)
+        block_m = 64 if block_d <= 128 and not (wide or quantized) else 16 if quantized and block_d >= 256 else 32
+        block_m = max(block_m, triton.next_power_of_2(group))
+        num_warps = 8
+    block_n = 64 if block_d <= 64 else 32
+    if wide or (quantized and (decode or block_d >= 256)):
+        block_n //= 2
+    num_stages = 3 if capability >= (8, 0) else 2
+    return AttentionTiles(block_m, max(16, block_n), num_warps, num_stages)
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached); DEFAULT_CAPABILITY elsewhere."""
+    if device.type != "cuda":
+        return DEFAULT_CAPABILITY
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+def attention_launch(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -518,28 +592,25 @@ def _attention_constexprs(
     cache_dtype: torch.dtype,
     decode: bool,
     sliding: bool,
+    capability: tuple[int, int] = DEFAULT_CAPABILITY,
     interpret: bool = _INTERPRET,
     split: bool = False,
-) -> dict[str, object]:
-    """The compile-time parameters of _paged_attention_kernel for one launch shape."""
+) -> tuple[dict[str, object], dict[str, int]]:
+    """The compile-time parameters of _paged_attention_kernel for one launch shape,
+    and its launch options (warps, stages)."""
     group = num_heads // num_kv_heads
-    # Rows are (token, query head) pairs. The group is padded up to >= 16 rows, the
-    # smallest MMA tile (older Tritons refuse smaller tl.dot operands outright); a
-    # prefill program takes BLOCK_M // group tokens.
-    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
+    quantized = quant.quant_code(cache_dtype) > 0
+    tiles = attention_tiles(head_dim, group, decode, capability, query_dtype.itemsize, quantized)
     # The matmuls run in the query dtype with fp32 accumulation (K/V are cast to it,
     # as the reference does); all fp32 under the interpreter, whose bf16 is broken.
     compute = tl.float32 if interpret else _TL_DTYPES[query_dtype]
-    # fp32 K/V tiles of 64 x 128 would take ~115 KB of pipelined shared memory, over
-    # what sm_86/89 parts have; halve the KV tile there.
-    block_n = 32 if not interpret and cache_dtype.itemsize == 4 and head_dim > 64 else 64
-    return dict(
+    constexprs = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_m // group,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_Q=tiles.block_m // group,  # a prefill program's tokens
+        BLOCK_N=tiles.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DECODE=decode,
         SLIDING=sliding,
@@ -548,6 +619,7 @@ def _attention_constexprs(
         QUANT=quant.quant_code(cache_dtype),
         SPLIT=split,
     )
+    return constexprs, {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
 
 
 # Split-KV (flash-decoding) heuristic. A decode program owns one (sequence, KV
@@ -627,7 +699,7 @@ def _launch_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     split = num_splits > 1
-    meta = _attention_constexprs(
+    meta, options = attention_launch(
         num_heads,
         num_kv_heads,
         head_dim,
@@ -636,6 +708,7 @@ def _launch_attention(
         k_cache.dtype,
         decode,
         sliding_window > 0,
+        device_capability(query.device),
         split=split,
     )
     # Decode: a program per (sequence, kv head[, partition]). Prefill: flat query
@@ -672,6 +745,7 @@ def _launch_attention(
         block_tables.stride(0),
         *scale_strides,
         **meta,
+        **options,
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
