@@ -20,7 +20,7 @@ from svc_common.grpc_options import server_options
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
-from worker_svc.step.errors import InvalidStep, StaleStep, WorkerDown
+from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import BoolArray, Penalties, RowExtras, SamplingColumns, SeqColumns, StepInput
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import check_columns
@@ -174,10 +174,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except StaleStep as exc:
             step_log.warning("step refused", error=str(exc))
             context.abort(grpc.StatusCode.ABORTED, str(exc))
-        except WorkerDown as exc:  # a tensor-parallel rank is gone: the scheduler treats it as a dead worker
+        except StepOutOfMemory as exc:
+            step_log.warning(
+                "step ran out of device memory: refused, the worker serves on", error=str(exc), fatal=False
+            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"step out of device memory: {exc}")
+        except WorkerDown as exc:  # a rank gone, a CUDA error: the scheduler treats it as a dead worker
+            step_log.error("step failed: worker going down", error=str(exc), fatal=True)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker going down: {exc}")
         except Exception as exc:  # a bug must not take the worker down
-            step_log.exception("step failed")
+            step_log.exception("step failed: the worker serves on", fatal=False)
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
         step_log.debug("step done", seqs=len(request.seqs.seq_ids), tokens=out.num_tokens, **out.timings_ms)
         return step_to_proto(out, self.worker.info.instance_id)

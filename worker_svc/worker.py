@@ -29,7 +29,7 @@ from worker_svc.runner.memory import decode_peak_bytes, kv_budget_bytes
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
-from worker_svc.step.errors import StaleStep
+from worker_svc.step.errors import StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import StepInput
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import Limits, validate
@@ -46,6 +46,25 @@ KV_TORCH_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "int8": torch.int8,
 }
+# What an exception out of a step means for the worker (classify_failure).
+OUT_OF_MEMORY, DEVICE_LOST, STEP_FAILED = "out of memory", "device lost", "step failed"
+# Errors after which a CUDA context is unusable: they are sticky, every later launch
+# fails the same way (torch's and Triton's launchers, cuBLAS, cuDNN, NCCL).
+_DEVICE_LOST_MARKERS = (
+    "CUDA error",
+    "CUDA_ERROR",
+    "Triton Error [CUDA]",
+    "device-side assert",
+    "illegal memory access",
+    "illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUDNN_STATUS_EXECUTION_FAILED",
+    "NCCL error",
+)
+# Allocation failures (the caching allocator's, a library's workspace): a smaller step may fit.
+_OUT_OF_MEMORY_MARKERS = ("out of memory", "ALLOC_FAILED")
 # FP8 e4m3 needs Ada / Hopper or newer: native e4m3 conversions, and Triton's
 # fp8e4nv type, start at compute capability 8.9.
 FP8_MIN_CUDA_CAPABILITY = (8, 9)
@@ -78,6 +97,40 @@ def resolve_kv_dtype(requested: str, weights_dtype: torch.dtype, device: torch.d
             )
             return torch.int8
     return dtype
+
+
+def classify_failure(exc: BaseException) -> str:
+    """OUT_OF_MEMORY (recoverable: the step is refused, the worker serves on),
+    DEVICE_LOST (fatal: an illegal address or a device-side assert leaves the CUDA
+    context dead, so every later step would fail while the worker looked healthy)
+    or STEP_FAILED (anything else: this step's bug, the worker serves on)."""
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or any(m in text for m in _OUT_OF_MEMORY_MARKERS):
+        return OUT_OF_MEMORY
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
+    if (accelerator_error is not None and isinstance(exc, accelerator_error)) or any(
+        m in text for m in _DEVICE_LOST_MARKERS
+    ):
+        return DEVICE_LOST
+    return STEP_FAILED
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device as a torch device; a bare `cuda` is the current CUDA device (0)."""
+    device = torch.device(name)
+    if device.type == "cuda" and ":" not in name:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. Tensors carry their
+    device, but Triton launches, CUDA events, streams and graph capture go to the
+    thread's current device, and every thread starts on device 0: gRPC runs each
+    step on a pool thread, so a worker on cuda:1 would launch its kernels on GPU 0
+    with pointers into GPU 1. Called at start-up and at the start of every step."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 @dataclass(frozen=True)
@@ -126,7 +179,10 @@ class Worker:
         if parallel is None and config.tensor_parallel_size > 1:
             parallel = TensorParallelGroup.launch(group_spec(config), functools.partial(run_rank, config))
         self.parallel = parallel
-        self.device = parallel.device if parallel else torch.device(config.device)
+        self.device = parallel.device if parallel else resolve_device(config.device)
+        use_device(self.device)
+        self._failed: str | None = None  # why this worker cannot run steps any more
+        self._failure_callbacks: list[Callable[[], None]] = []
         dtype = TORCH_DTYPES[config.dtype]
         if parallel:  # this rank's heads, MLP columns and vocabulary slice
             self.model = load_rank_model(config.model, dtype, parallel)
@@ -241,7 +297,10 @@ class Worker:
         """Validates first (raising InvalidStep before anything is touched), then runs.
         A step planned ahead waits (briefly) for the step it names to run first,
         since gRPC may hand the two calls to threads in either order; StaleStep
-        if that step is not the one run last."""
+        if that step is not the one run last. WorkerDown once the worker failed
+        (a rank gone, a CUDA error); StepOutOfMemory for a step that did not fit."""
+        if (reason := self.failed) is not None:
+            raise WorkerDown(reason)
         validate(step, self.limits)
         with self._step_done:
             if step.previous_step_id is not None:
@@ -249,14 +308,55 @@ class Worker:
             ok = False
             try:
                 if self.parallel is not None:
-                    out = self.parallel.execute(self.runner.execute, step)
+                    out = self.parallel.execute(self.execute, step)
                 else:
-                    out = self.runner.execute(step)
+                    out = self.execute(step)
                 ok = True
                 return out
             finally:
                 self._last_step = (step.step_id, ok)
                 self._step_done.notify_all()
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """A validated step on this worker's device, on the calling thread (a gRPC
+        pool thread, or a tensor-parallel rank's loop): the device is made current
+        first. A CUDA error that kills the context fails the worker (WorkerDown);
+        running out of memory fails only the step (StepOutOfMemory)."""
+        use_device(self.device)
+        try:
+            return self.runner.execute(step)
+        except Exception as exc:
+            kind = classify_failure(exc)
+            if kind == DEVICE_LOST:
+                reason = f"{kind}: {type(exc).__name__}: {exc}"
+                self._fail(reason)
+                raise WorkerDown(reason) from exc
+            if kind == OUT_OF_MEMORY:
+                raise StepOutOfMemory(f"{type(exc).__name__}: {exc}") from exc
+            raise
+
+    @property
+    def failed(self) -> str | None:
+        """Why this worker cannot run steps any more (None: it can)."""
+        if self._failed is None and self.parallel is not None:
+            return self.parallel.failed
+        return self._failed
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """`callback()` once the worker fails (at once if it has): the process must go down."""
+        self._failure_callbacks.append(callback)
+        if self.parallel is not None:
+            self.parallel.on_failure(callback)
+        if self._failed is not None:
+            callback()
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is not None:
+            return
+        self._failed = reason
+        log.error("worker failed: the device cannot run steps any more, going down", reason=reason, fatal=True)
+        for callback in self._failure_callbacks:
+            callback()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
@@ -291,6 +391,6 @@ def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection
 
     def build() -> Callable[[StepInput], StepOutput]:
         group = TensorParallelGroup.join(group_spec(config), rank, init_method)
-        return Worker(config, parallel=group).runner.execute
+        return Worker(config, parallel=group).execute
 
     serve_rank(rank, pipe, build)
