@@ -298,7 +298,7 @@ def _prefill_row(label, lens, q_heads, kv_heads, head_dim, reps, flush) -> dict:
         flush,
     )
     row["routed_ms"] = cuda_median_ms(
-        lambda: fresh_prefill_attention(query, key, value, tuple(lens), scale), reps, flush
+        lambda: fresh_prefill_attention(query, key, value, cu, tuple(lens), scale), reps, flush
     )
     for name in ("triton", "sdpa", "routed"):
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
