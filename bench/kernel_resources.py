@@ -171,6 +171,24 @@ def merge_resources(arch: int, head_dim: int) -> Resources:
     )  # fmt: skip
 
 
+def sampler_resources(arch: int) -> Resources:
+    """_gumbel_argmax_kernel (the fused sampler) over fp32 logits, as gumbel_argmax launches it."""
+    from kernels import reference
+    from kernels import triton_ops as T
+
+    meta = dict(MUL_A=reference.HASH_MULTIPLIERS[0], MUL_B=reference.HASH_MULTIPLIERS[1], BLOCK_V=2048)
+    pointers = dict(
+        logits_ptr="*fp32", temperature_ptr="*fp32", keys_ptr="*i64", thresholds_ptr="*fp32", out_ptr="*i64"
+    )
+    kernel = _compile(T._gumbel_argmax_kernel, pointers, meta, {"num_warps": 4, "num_stages": 3}, arch)
+    registers, spills = ptxas_report(kernel.asm["ptx"], arch)
+    shared_limit = T.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
+    return Resources(
+        "gumbel sampler", arch, 0, 0, 0, "fp32", 1, 2048, 4, 3,
+        int(kernel.metadata.shared), shared_limit, registers, spills,
+    )  # fmt: skip
+
+
 def attention_cases(
     arches: Sequence[int], head_dims: Sequence[int], full: bool = True
 ) -> list[Callable[[], Resources]]:
@@ -194,6 +212,7 @@ def attention_cases(
                 for cache in quantized:
                     cases.append(_case(arch, head_dim, 32, 8, bf16, cache, decode, False))
         cases.append(lambda arch=arch: merge_resources(arch, max(head_dims)))
+        cases.append(lambda arch=arch: sampler_resources(arch))
     return cases
 
 

@@ -86,13 +86,14 @@ def start_up_check(runner: ModelRunner, num_blocks: int) -> str | None:
 
 
 def _mixed_sampling(n: int, position: int) -> SamplingParams:
-    """2n rows, alternately greedy and seeded temperature 0.8 with top-p 0.9 and top-k 20."""
+    """2n rows, alternately greedy and seeded temperature 0.8 with top-p 0.9, top-k 20 and min-p 0.05."""
     columns = SamplingColumns(
         np.tile(np.array([0.0, 0.8], dtype=np.float32), n),
         np.tile(np.array([1.0, 0.9], dtype=np.float32), n),
         np.tile(np.array([0, 20], dtype=np.int64), n),
         np.zeros(2 * n, dtype=np.uint64),
         np.tile(np.array([False, True]), n),
+        np.tile(np.array([0.0, 0.05], dtype=np.float32), n),
     )
     return SamplingParams(columns, np.full(2 * n, position, dtype=np.int64))
 
