@@ -363,6 +363,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,  # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
     SPLIT: tl.constexpr,  # decode only: this program covers one partition and writes partials
+    MIN_SPLIT_TILES: tl.constexpr,  # SPLIT: a sequence takes at most cdiv(its tiles, this) partitions; 0: num_splits
 ):
     kv_head = tl.program_id(1)
     if DECODE:
@@ -418,9 +419,16 @@ def _paged_attention_kernel(
         # Split-KV: partition p of P takes an equal share of the KV tiles this
         # sequence visits, so every length is split evenly (no host-side maximum
         # needed) and the partitions meet at tile edges: each position is in one.
+        # The count is the sequence's own: P (the grid's, from the longest context
+        # the table can hold) capped so no partition is shorter than
+        # MIN_SPLIT_TILES tiles; the programs past it find their range empty and
+        # write the partials of an empty partition, which the merge weighs 0.
         split = tl.program_id(2)
         tiles = tl.cdiv(kv_end, BLOCK_N) - kv_start // BLOCK_N
-        per_split = tl.cdiv(tiles, num_splits)
+        splits = num_splits
+        if MIN_SPLIT_TILES > 0:
+            splits = tl.minimum(splits, tl.maximum(tl.cdiv(tiles, MIN_SPLIT_TILES), 1))
+        per_split = tl.cdiv(tiles, splits)
         loop_start = loop_start + split * per_split * BLOCK_N
         loop_end = tl.minimum(kv_end, loop_start + per_split * BLOCK_N)
 
@@ -595,9 +603,11 @@ def attention_launch(
     capability: tuple[int, int] = DEFAULT_CAPABILITY,
     interpret: bool = _INTERPRET,
     split: bool = False,
+    min_split_tokens: int = 0,
 ) -> tuple[dict[str, object], dict[str, int]]:
     """The compile-time parameters of _paged_attention_kernel for one launch shape,
-    and its launch options (warps, stages)."""
+    and its launch options (warps, stages). `min_split_tokens` (split only): the
+    shortest partition a sequence is cut into (0: exactly num_splits each)."""
     group = num_heads // num_kv_heads
     quantized = quant.quant_code(cache_dtype) > 0
     tiles = attention_tiles(head_dim, group, decode, capability, query_dtype.itemsize, quantized)
@@ -618,6 +628,7 @@ def attention_launch(
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
         QUANT=quant.quant_code(cache_dtype),
         SPLIT=split,
+        MIN_SPLIT_TILES=-(-min_split_tokens // tiles.block_n) if split else 0,
     )
     return constexprs, {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
 
@@ -681,6 +692,7 @@ def _launch_attention(
     decode: bool,
     scales: KVScales | None = None,
     num_splits: int = 1,
+    min_split_tokens: int = 0,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -710,6 +722,7 @@ def _launch_attention(
         sliding_window > 0,
         device_capability(query.device),
         split=split,
+        min_split_tokens=min_split_tokens,
     )
     # Decode: a program per (sequence, kv head[, partition]). Prefill: flat query
     # tiles (see _find_seq), an upper bound on their number that needs no device sync.
@@ -809,7 +822,9 @@ def paged_decode_attention(
 
     query [S, q_heads, d] -> [S, q_heads, d]. Split-KV when the (sequence, KV
     head) programs cannot fill the GPU (num_kv_splits); the table's width bounds
-    every context, so the choice needs no device sync."""
+    every context, so the grid needs no device sync, and each sequence takes only
+    as many of those partitions as its own length fills (MIN_SPLIT_TOKENS each):
+    a captured graph's table is as wide as max_model_len, its sequences are not."""
     num_splits = num_kv_splits(
         block_tables.shape[0], k_cache.shape[1], block_tables.shape[1] * k_cache.shape[2], num_sms(query.device)
     )
@@ -823,6 +838,7 @@ def paged_decode_attention(
         sliding_window,
         num_splits=num_splits,
         scales=scales,
+        min_split_tokens=MIN_SPLIT_TOKENS,
     )
 
 
@@ -837,10 +853,13 @@ def split_kv_decode_attention(
     *,
     num_splits: int,
     scales: KVScales | None = None,
+    min_split_tokens: int = 0,
 ) -> torch.Tensor:
     """paged_decode_attention with each sequence's visible context cut into
     num_splits partitions of whole KV tiles, one program each, merged by a second
-    kernel (log-sum-exp). num_splits 1 is the single-pass kernel."""
+    kernel (log-sum-exp). num_splits 1 is the single-pass kernel. With
+    min_split_tokens, a sequence takes fewer partitions where its own context
+    would make them shorter than that (0: exactly num_splits)."""
     # cu_query_lens is unused in decode mode; any tensor fills the pointer slot.
     return _launch_attention(
         query,
@@ -854,6 +873,7 @@ def split_kv_decode_attention(
         decode=True,
         scales=scales,
         num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
     )
 
 

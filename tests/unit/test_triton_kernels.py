@@ -227,6 +227,33 @@ def test_split_kv_never_reads_unseen_slots(window):
     _assert_close(out, expected, torch.float32)
 
 
+@pytest.mark.skipif(not triton_ops.interpreter_enabled(), reason="reads the interpreter's program ids")
+def test_each_sequence_takes_the_partitions_its_own_length_fills(monkeypatch):
+    """Issue 27, fault 7: the grid's partition count comes from the table's reach (a
+    captured graph's tables are as wide as max_model_len), but a sequence splits
+    only as far as its own context makes partitions of min_split_tokens: a long and
+    a short sequence under the same 8 partitions of >= 128 positions, the long one
+    (1000 positions) works in all 8, the short one (100) in one; the result is the
+    reference's either way."""
+    from triton.runtime import interpreter
+
+    working: dict[int, set[int]] = {}
+    real_dot = interpreter.InterpreterBuilder.create_dot
+
+    def dot(self, *args):
+        seq, _, split = self.grid_idx
+        working.setdefault(seq, set()).add(split)
+        return real_dot(self, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
+    query, k_cache, v_cache, tables, ctx = _split_case([1000, 100], 4, 1, 16)
+    out = triton_ops.split_kv_decode_attention(
+        query, k_cache, v_cache, tables, ctx, SCALE, num_splits=8, min_split_tokens=128
+    )
+    assert working == {0: set(range(8)), 1: {0}}
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE), torch.float32)
+
+
 def test_decode_chooses_splits_from_the_sm_count(monkeypatch):
     """paged_decode_attention (and the contiguous layout through it) asks
     num_kv_splits with the table's reach as the longest context."""
