@@ -31,7 +31,7 @@ import torch
 from kernels import reference
 from worker_svc.sampling.logits_processing import add_logit_bias_, apply_penalties_, block_tokens_, token_counts
 from worker_svc.sampling.packed import Packed, PackedLayout
-from worker_svc.sampling.params import PromptScoring, SamplingParams
+from worker_svc.sampling.params import LogprobIndices, PromptScoring, SamplingParams
 from worker_svc.step.input import IntArray, RowExtras, UIntArray
 
 F64Array = npt.NDArray[np.float64]
@@ -90,29 +90,31 @@ class Sampler:
         lse = torch.logsumexp(raw, dim=-1)
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         parts = [torch.stack([tokens.double(), logprobs.double()], dim=1)]
+        if not params.asks_logprob_indices:
+            return Packed(parts[0], PackedLayout(num, np.zeros(0, dtype=np.int64), 0))
+        indices = params.indices or LogprobIndices.of(params, logits.device)
         top_n = params.top_logprobs
         top_rows = np.flatnonzero(top_n)
         width = int(top_n.max()) if top_rows.size else 0
         if top_rows.size:
-            parts.append(_top_pairs(raw, lse, top_rows, width))
+            parts.append(_top_pairs(raw, lse, indices.top_rows, width))
         layout = PackedLayout(num, top_rows, width)
         if (prompt := params.prompt) is not None:
-            parts += self._score(logits[num:], prompt)
+            parts += self._score(logits[num:], prompt, indices)
             prompt_top_rows = np.flatnonzero(prompt.top_n)
             prompt_width = int(prompt.top_n.max()) if prompt_top_rows.size else 0
             layout = PackedLayout(num, top_rows, width, prompt.targets.size, prompt_top_rows, prompt_width)
-        return Packed(torch.cat(parts) if len(parts) > 1 else parts[0], layout)
+        return Packed(torch.cat(parts), layout)
 
     @staticmethod
-    def _score(logits: torch.Tensor, prompt: PromptScoring) -> list[torch.Tensor]:
+    def _score(logits: torch.Tensor, prompt: PromptScoring, indices: LogprobIndices) -> list[torch.Tensor]:
         """(target id, logprob) per row, then the alternatives of the rows that want them."""
-        targets = torch.from_numpy(prompt.targets).to(logits.device)
+        targets = indices.prompt_targets
         lse = torch.logsumexp(logits, dim=-1)
         logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse
         parts = [torch.stack([targets.double(), logprobs.double()], dim=1)]
-        top_rows = np.flatnonzero(prompt.top_n)
-        if top_rows.size:
-            parts.append(_top_pairs(logits, lse, top_rows, int(prompt.top_n.max())))
+        if indices.prompt_top_rows.numel():
+            parts.append(_top_pairs(logits, lse, indices.prompt_top_rows, int(prompt.top_n.max())))
         return parts
 
     def _process(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -232,11 +234,10 @@ def _thresholds(
     return cut
 
 
-def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: IntArray, n: int) -> torch.Tensor:
+def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """[len(rows) * n, 2]: each row's n most likely (token id, logprob), most likely first."""
-    index = torch.from_numpy(rows).to(logits.device)
-    values, ids = logits[index].topk(n, dim=-1)
-    logprobs = values - lse[index, None]
+    values, ids = logits[rows].topk(n, dim=-1)
+    logprobs = values - lse[rows, None]
     return torch.stack([ids.double(), logprobs.double()], dim=-1).view(-1, 2)
 
 
