@@ -25,7 +25,7 @@ from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
 from worker_svc.parallel.sharding import load_rank_model
 from worker_svc.runner.cuda_graphs import CudaGraphBackend, GraphBackend
-from worker_svc.runner.memory import decode_peak_bytes, kv_budget_bytes
+from worker_svc.runner.memory import MB, CudaMemory, MemoryBaseline, plan_kv_pool
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
@@ -46,6 +46,7 @@ KV_TORCH_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "int8": torch.int8,
 }
+CPU_KV_CACHE_MB = 512  # --kv-cache-memory-mb 0 (auto) on CPU
 # What an exception out of a step means for the worker (classify_failure).
 OUT_OF_MEMORY, DEVICE_LOST, STEP_FAILED = "out of memory", "device lost", "step failed"
 # Errors after which a CUDA context is unusable: they are sticky, every later launch
@@ -133,6 +134,16 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def warms_up(device: torch.device, graph_backend: GraphBackend | None) -> bool:
+    """Whether a worker warms up before serving (runner/warm_up.py: graphs captured,
+    every kernel a first request runs compiled): with graphs, and on CUDA (Triton
+    compiles on first use). Every tensor-parallel rank runs the same warm-up
+    forwards in the same order, so their collectives pair up; skipping it left
+    the first request compiling every kernel on every rank (issue 27). A CPU
+    worker without graphs has nothing to compile."""
+    return graph_backend is not None or device.type == "cuda"
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     model_name: str
@@ -183,6 +194,9 @@ class Worker:
         use_device(self.device)
         self._failed: str | None = None  # why this worker cannot run steps any more
         self._failure_callbacks: list[Callable[[], None]] = []
+        # The device before anything is loaded: memory sizing counts what this worker adds.
+        memory = CudaMemory(self.device) if self.device.type == "cuda" else None
+        baseline = MemoryBaseline.read(memory) if memory is not None else None
         dtype = TORCH_DTYPES[config.dtype]
         if parallel:  # this rank's heads, MLP columns and vocabulary slice
             self.model = load_rank_model(config.model, dtype, parallel)
@@ -195,8 +209,8 @@ class Worker:
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         backend = load_backend(resolve_backend(config.attention_backend, self.device))
         self.backend = backend.name
-        # A tensor-parallel forward needs every rank in its collectives: no graphs, no
-        # rank-0-only warm-up (its first request compiles what it needs).
+        # A tensor-parallel forward needs every rank in its collectives: no graphs (the
+        # warm-up runs on every rank, in step: the same forwards meet in the same collectives).
         eager = config.enforce_eager or parallel is not None
         if not eager and graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None
@@ -217,12 +231,10 @@ class Worker:
 
         num_ids = config.max_batch if contiguous else config.num_blocks
         if not num_ids:
-            reserved = 0
-            if graph_backend is not None and self.device.type == "cuda":
-                # What the decode graphs will hold, measured over a one-block scratch cache.
-                scratch = ModelRunner(self.model, make_cache(1), Sampler(0), route)
-                reserved = decode_peak_bytes(scratch, config.max_num_seqs, table_width)
-            num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, reserved)
+            # Profiled over a one-block scratch cache before the pool exists (runner/memory.py).
+            scratch = lambda: ModelRunner(self.model, make_cache(1), Sampler(0), route)
+            graphs_width = table_width if graph_backend is not None else None
+            num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, memory, baseline, scratch, max_len, graphs_width)
         self.cache = make_cache(num_ids)
         sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
@@ -256,8 +268,8 @@ class Worker:
             kv_bytes_per_block_per_rank=self.cache.block_bytes,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
-        # request needs (a CPU worker without graphs has nothing to compile).
-        if parallel is None and (graph_backend is not None or self.device.type == "cuda"):
+        # request needs, on every tensor-parallel rank too.
+        if warms_up(self.device, graph_backend):
             warm_up(self.runner, graph_backend, config.max_num_seqs, table_width, num_ids)
         # One step at a time (steps mutate the shared cache), and a step planned
         # ahead only right after the step it names.
@@ -270,28 +282,52 @@ class Worker:
     def graphs_enabled(self) -> bool:
         return self.runner.graphs is not None
 
-    def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int, reserved: int) -> int:
-        """Blocks (or contiguous slots of max_seq_len tokens) that fit in
-        --kv-cache-memory-mb, each costing its values and scales; on CUDA, also in
-        what the device has free beside `reserved` bytes (the decode graphs')."""
+    def _ids_for_memory(
+        self,
+        kv_dtype: torch.dtype,
+        tokens_per_id: int,
+        memory: CudaMemory | None,
+        baseline: MemoryBaseline | None,
+        scratch: Callable[[], ModelRunner],
+        max_len: int,
+        graphs_table_width: int | None,
+    ) -> int:
+        """Blocks (or contiguous slots of max_seq_len tokens) the pool gets, each
+        costing its values and scales: --kv-cache-memory-mb (512 by default) on
+        CPU; on CUDA what runner/memory.py's profile leaves under
+        --gpu-memory-utilization (at most --kv-cache-memory-mb if set), logged
+        with where the rest went. Tensor-parallel ranks take the smallest count."""
         spec = self.model.spec
         per_id = PagedKVCache.bytes_per_block(
             spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype
         )
-        budget = requested = self.config.kv_cache_memory_mb * 2**20
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free = torch.cuda.mem_get_info(self.device)[0]
-            budget = kv_budget_bytes(requested, free, reserved)
-            if budget < requested:
+        config = self.config
+        requested = config.kv_cache_memory_mb * MB
+        if memory is None or baseline is None:
+            budget = requested or CPU_KV_CACHE_MB * MB
+        else:
+            plan = plan_kv_pool(
+                scratch(),
+                memory,
+                baseline,
+                config.gpu_memory_utilization,
+                requested,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                max_len,
+                graphs_table_width,
+            )
+            log.info("kv cache sized from device memory", device=_describe(self.device), **plan.log_fields())
+            if requested and plan.kv_cache < requested:
                 log.warning(
                     "kv cache smaller than --kv-cache-memory-mb: the device has no room for more",
-                    requested_mb=self.config.kv_cache_memory_mb,
-                    kv_cache_mb=budget // 2**20,
-                    free_mb=free // 2**20,
-                    reserved_for_graphs_mb=reserved // 2**20,
+                    requested_mb=config.kv_cache_memory_mb,
+                    kv_cache_mb=plan.kv_cache // MB,
+                    sized_by=plan.bound,
                 )
-        return max(1, budget // per_id)
+            budget = plan.kv_cache
+        ids = max(1, budget // per_id)
+        return self.parallel.min_over_ranks(ids) if self.parallel is not None else ids
 
     def step(self, step: StepInput) -> StepOutput:
         """Validates first (raising InvalidStep before anything is touched), then runs.

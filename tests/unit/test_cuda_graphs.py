@@ -21,7 +21,6 @@ from tests.helpers.worker_steps import Sampling, Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
 from worker_svc.runner.batch import pad_decode, plan_batch
 from worker_svc.runner.cuda_graphs import DecodeGraphs, Replay, batch_ladder, ladder_rung
-from worker_svc.runner.memory import kv_budget_bytes
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.runner.warm_up import compare_logits
 from worker_svc.worker import Worker
@@ -143,13 +142,6 @@ def test_step_inputs_cross_in_one_copy():
     assert batch.sample_rows.tolist() == [0, 1, 4]
     # 16-byte aligned fields: the same pointer alignment for every field, every step.
     assert all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
-def test_kv_budget_bytes():
-    mb = 2**20
-    assert kv_budget_bytes(512 * mb, 10_000 * mb, 300 * mb) == 512 * mb
-    assert kv_budget_bytes(512 * mb, 700 * mb, 300 * mb) == 400 * mb
-    assert kv_budget_bytes(512 * mb, 200 * mb, 300 * mb) == 0
 
 
 # --------------------------------------------------------------------------- graphs vs eager

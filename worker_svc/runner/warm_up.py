@@ -74,7 +74,7 @@ def start_up_check(runner: ModelRunner, num_blocks: int) -> str | None:
         decode = step(1, prompt, 1)
         eager = runner.logits(decode, use_graphs=False)
         # A throwaway sampler: the worker's own generator must not move.
-        Sampler(0).sample_packed(eager.repeat(2, 1), _mixed_sampling(n, prompt)).tensor.cpu()
+        Sampler(0).sample_packed(eager.repeat(2, 1), mixed_sampling(n, prompt)).tensor.cpu()
         if runner.model.device.type == "cuda":
             _compile_split_variants(runner)
         if graphs is None:
@@ -85,7 +85,7 @@ def start_up_check(runner: ModelRunner, num_blocks: int) -> str | None:
     return compare_logits(graph, eager, runner.model.dtype)
 
 
-def _mixed_sampling(n: int, position: int) -> SamplingParams:
+def mixed_sampling(n: int, position: int) -> SamplingParams:
     """2n rows, alternately greedy and seeded temperature 0.8 with top-p 0.9, top-k 20 and min-p 0.05."""
     columns = SamplingColumns(
         np.tile(np.array([0.0, 0.8], dtype=np.float32), n),
