@@ -247,3 +247,21 @@ def test_top_k_keeps_every_token_tied_with_the_last():
     params = [Sampling(1.0, top_k=2, seed=s) for s in range(300)]
     tokens, _ = sample(Sampler(0), logits.expand(300, VOCAB), params, [0] * 300)
     assert set(tokens.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_seeded_row_samples_the_same_token_on_cuda_and_cpu_whatever_the_batch():
+    """The fused race on CUDA (one pass) against the torch reference on CPU: a seeded
+    row alone on CPU, and inside a shuffled, mixed batch on CUDA, samples one token."""
+    logits = _logits(32, vocab=49152)
+    rows = [
+        Sampling(0.5 + (i % 3) * 0.4, top_p=1.0 - (i % 4) * 0.1, min_p=(i % 2) * 0.02, seed=100 + i) for i in range(32)
+    ]
+    positions = [500 + i for i in range(32)]
+    alone = [sample(Sampler(0), logits[i : i + 1], rows[i : i + 1], positions[i : i + 1])[0].item() for i in range(32)]
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(1)).tolist()
+    extra = _logits(5, seed=3, vocab=49152)
+    batch = torch.cat([extra, logits[perm]]).cuda()
+    mixed = [Sampling(), Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.2, seed=9), Sampling(0.9, min_p=0.1)]
+    tokens, _ = sample(Sampler(7), batch, mixed + [rows[i] for i in perm], [1] * 5 + [positions[i] for i in perm])
+    assert tokens[5:].tolist() == [alone[i] for i in perm]
