@@ -175,8 +175,9 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)## make gpu-check: the python to 
 GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance pyzmq uvicorn
 GPU_CARRY := .cache/gpu-check
 .PHONY: gpu-check gpu-wheels
+GPU_CHECK_ARGS ?=## make gpu-check: e.g. GPU_CHECK_ARGS='--only tests sanitizer' (steps in several calls)
 gpu-check: ## prove the CUDA path on this machine's GPU (~15 min on an H100); exits non-zero without CUDA
-	$(GPU_PY) -m bench.gpu_check
+	$(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-wheels: setup proto model ## cp312 wheels, stubs and tokenizer a GPU machine lacks, into .cache/gpu-check
 	rm -rf $(GPU_CARRY) && mkdir -p $(GPU_CARRY)/wheels $(GPU_CARRY)/proto $(GPU_CARRY)/model

@@ -2,7 +2,12 @@
 (issue 27), in at most ~15 minutes on an H100, writing bench/results/gpu_check.md
 named with the GPU.
 
-    python -m bench.gpu_check [--skip STEP ...] [--bench-timeout-s 480]
+    python -m bench.gpu_check [--only STEP ...] [--bench-timeout-s 540]
+
+Where one command may run at most 10 minutes (this workplace's lent GPUs), run
+the steps in three calls, `--only tests sanitizer`, `--only resources smoke`,
+`--only bench`: each merges its results into bench/results/gpu_check.json (kept
+per GPU) and renders gpu_check.md from everything recorded for that GPU.
 
 0. environment: torch, CUDA, Triton and the GPU, printed; no CUDA (or
    TRITON_INTERPRET set) is a loud failure with a non-zero exit, never a quiet
@@ -31,6 +36,8 @@ if any failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 CARRIED = REPO / ".cache" / "gpu-check"  # what `make gpu-wheels` prepares to carry to the GPU machine
 SITE = Path("/tmp/pagedserve-gpu-site")  # the carried wheels, installed beside the machine's own packages
 RESULT = REPO / "bench" / "results" / "gpu_check.md"
+STATE = REPO / "bench" / "results" / "gpu_check.json"  # every step's last result on this GPU
 STEPS = ("tests", "sanitizer", "resources", "smoke", "bench")
 TEST_FILES = [
     "tests/unit/test_triton_kernels.py",
@@ -160,7 +168,7 @@ def _run(command: list[str], timeout_s: float, env: dict[str, str] | None = None
 
 
 def step_tests(args: argparse.Namespace) -> StepResult:
-    status, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TEST_FILES], 420)
+    status, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TEST_FILES], 540)
     last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
     return StepResult("tests", status == 0, 0, last[0], _tail(output))
 
@@ -243,7 +251,7 @@ def step_resources(args: argparse.Namespace) -> StepResult:
     major, minor = torch.cuda.get_device_capability()
     arches = sorted({major * 10 + minor, 80, 90})
     status, output = _run(
-        [sys.executable, "-m", "bench.kernel_resources", "--arch", *map(str, arches)], 600, {"TRITON_INTERPRET": "0"}
+        [sys.executable, "-m", "bench.kernel_resources", "--arch", *map(str, arches)], 420, {"TRITON_INTERPRET": "0"}
     )
     table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
     return StepResult(
@@ -252,7 +260,7 @@ def step_resources(args: argparse.Namespace) -> StepResult:
 
 
 def step_smoke(args: argparse.Namespace) -> StepResult:
-    status, output = _run([sys.executable, "-m", "bench.gpu_check", "--smoke-case"], 600)
+    status, output = _run([sys.executable, "-m", "bench.gpu_check", "--smoke-case"], 540)
     lines = [line for line in output.splitlines() if line.startswith("smoke:")]
     return StepResult(
         "smoke", status == 0, 0, lines[-1] if lines else f"exit {status}", "\n".join(lines) or _tail(output)
@@ -354,13 +362,30 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], StepResult]] = {
 # --------------------------------------------------------------------------- report
 
 
+def merge_recorded(report: Report, state: Path) -> Report:
+    """The report with the steps recorded earlier on the same GPU that this run
+    did not run (a run of `--only` some steps), in STEPS order; records it."""
+    gpu = report.environment.get("GPU 0", "")
+    recorded: dict[str, dict[str, object]] = {}
+    if state.exists():
+        saved = json.loads(state.read_text())
+        if saved.get("gpu") == gpu:
+            recorded = saved.get("steps", {})
+    recorded |= {s.name: dataclasses.asdict(s) for s in report.steps}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"gpu": gpu, "steps": recorded}, indent=1) + "\n")
+    steps = [StepResult(**recorded[name]) for name in STEPS if name in recorded]  # type: ignore[arg-type]
+    return Report(report.environment, steps)
+
+
 def write_report(report: Report, started: float) -> Path:
     gpu = report.environment.get("GPU 0", "no GPU")
     lines = [
         f"# make gpu-check on {gpu.split(',')[0]}",
         "",
         "Issue 27's check of the CUDA path (`make gpu-check`, bench/gpu_check.py), "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.perf_counter() - started:.0f} s in all.",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{sum(s.seconds for s in report.steps):.0f} s of steps.",
         "",
         *[f"* {k}: {v}" for k, v in report.environment.items()],
         "",
@@ -378,8 +403,8 @@ def write_report(report: Report, started: float) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--skip", nargs="*", choices=STEPS, default=[])
-    parser.add_argument("--bench-timeout-s", type=float, default=480)
+    parser.add_argument("--only", nargs="+", choices=STEPS, default=list(STEPS), help="run these steps (default all)")
+    parser.add_argument("--bench-timeout-s", type=float, default=540)
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--smoke-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -397,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in install_carried():
         print(f"carried: {line}", flush=True)
     for name in STEPS:
-        if name in args.skip:
+        if name not in args.only:
             continue
         print(f"\n==== gpu-check {name}", flush=True)
         step_started = time.perf_counter()
@@ -408,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         result.seconds = time.perf_counter() - step_started
         report.steps.append(result)
         print(f"==== {name}: {'pass' if result.ok else 'FAIL'} ({result.seconds:.0f} s): {result.summary}", flush=True)
+    report = merge_recorded(report, STATE)
     path = write_report(report, started)
     print(f"\nwrote {path.relative_to(REPO)}")
     for s in report.steps:

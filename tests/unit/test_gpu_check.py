@@ -37,6 +37,20 @@ def test_the_interpreter_is_refused_even_with_a_gpu(monkeypatch):
     assert "TRITON_INTERPRET" in (gpu_check.cuda_problem() or "")
 
 
+def test_runs_of_some_steps_add_up_per_gpu(tmp_path):
+    """Three calls of `--only` some steps (a lease's 10-minute commands) make one
+    report; another GPU's record is not mixed in."""
+    state = tmp_path / "gpu_check.json"
+    h100 = {"GPU 0": "NVIDIA H100 80GB HBM3, sm_90"}
+    first = gpu_check.Report(h100, [gpu_check.StepResult("smoke", True, 90, "ok")])
+    gpu_check.merge_recorded(first, state)
+    second = gpu_check.Report(h100, [gpu_check.StepResult("tests", False, 60, "1 failed")])
+    merged = gpu_check.merge_recorded(second, state)
+    assert [(s.name, s.ok) for s in merged.steps] == [("tests", False), ("smoke", True)]  # in STEPS order
+    other = gpu_check.merge_recorded(gpu_check.Report({"GPU 0": "NVIDIA A100"}, []), state)
+    assert other.steps == []
+
+
 def test_the_report_names_the_gpu_and_every_step(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "RESULT", tmp_path / "gpu_check.md")
     report = gpu_check.Report({"torch": "2.11", "GPU 0": "NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB"})
