@@ -275,7 +275,7 @@ def _prefill_row(label, lens, q_heads, kv_heads, head_dim, reps, flush) -> dict:
         flush,
     )
     row["routed_ms"] = cuda_median_ms(
-        lambda: fresh_prefill_attention(query, key, value, tuple(lens), scale), reps, flush
+        lambda: fresh_prefill_attention(query, key, value, cu, tuple(lens), scale), reps, flush
     )
     for name in ("triton", "sdpa", "routed"):
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
@@ -611,17 +611,18 @@ def plot(args, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--streams", type=int, nargs="+", help="default 1 32 128 256 (--quick: 1 32)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--quick", action="store_true", help="streams 1 32, 32 tokens, fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="32 tokens, fewer repetitions, streams 1 32 unless given")
     args = parser.parse_args(argv)
     announce(NAME)
     if not torch.cuda.is_available():
         print("bench.gpu_serving needs a CUDA GPU and this machine has none: nothing measured, nothing written.")
         return 0
     if args.quick:
-        args.streams, args.max_tokens = [1, 32], 32
+        args.max_tokens = 32
+    args.streams = args.streams or ([1, 32] if args.quick else [1, 32, 128, 256])
     started = time.perf_counter()
     model = ensure_checkpoint()
     results: dict = {}

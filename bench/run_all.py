@@ -89,8 +89,10 @@ BENCHMARKS = [
 ]
 # Modules in bench/ that are not benchmarks (the shared harness is the package bench/harness/):
 # stream_ceiling is the stub bench/loop.py measures against; structured_schemas, the schemas
-# bench/structured_masks.py compiles.
-HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas"}
+# bench/structured_masks.py compiles; gpu_check, `make gpu-check`'s driver (it runs pytest,
+# compute-sanitizer and pip on a GPU machine, no services); kernel_resources, the ptxas
+# report of the compiled kernels that gpu_check and tests/unit/test_kernel_resources.py read.
+HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas", "gpu_check", "kernel_resources"}
 # Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
 GPU_ONLY = {"gpu_serving"}
 # Benchmarks with a make target of their own (they install peers or run for long).

@@ -14,6 +14,7 @@ class SamplingOptions:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; the worker keeps tokens >= min_p x the top token's probability
     seed: int | None = None  # reproducible: the worker seeds from (seed, position)
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # text-level; the engine detects them and calls finish()

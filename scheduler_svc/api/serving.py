@@ -99,6 +99,7 @@ def _sampling_from_proto(msg: serving_pb2.GenerateRequest, max_tokens: int) -> S
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
+        min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=max_tokens,
         stop=tuple(s for s in msg.stop if s),

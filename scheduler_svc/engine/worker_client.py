@@ -96,6 +96,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
         temperature=[o.temperature for o in options],
         top_p=[o.top_p for o in options],
         top_k=[o.top_k for o in options],
+        min_p=[o.min_p for o in options],
         seeds=[o.seed or 0 for o in options],
         token_ids=token_ids,
         slot_mapping=slot_mapping,

@@ -61,6 +61,8 @@ def check_sampling(s: SamplingOptions) -> None:
         raise RequestRejected("top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise RequestRejected("top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+    if not 0 <= s.min_p <= 1:  # NaN fails too
+        raise RequestRejected("min_p", f"must be in [0, 1] (0 = off), got {s.min_p}")
     if s.seed is not None and not 0 <= s.seed < SEED_SPACE:
         raise RequestRejected("seed", f"must be in [0, 2**64), got {s.seed}")
     if len(s.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in s.stop):
