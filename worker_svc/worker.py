@@ -30,9 +30,9 @@ from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
 from worker_svc.step.errors import StaleStep
-from worker_svc.step.input import StepInput
+from worker_svc.step.input import StepInput, TokenMasks
 from worker_svc.step.output import StepOutput
-from worker_svc.step.validation import Limits, validate
+from worker_svc.step.validation import Limits, validate, validate_masks
 
 log = structlog.get_logger(__name__)
 
@@ -257,6 +257,12 @@ class Worker:
             finally:
                 self._last_step = (step.step_id, ok)
                 self._step_done.notify_all()
+
+    def deliver_masks(self, step_id: int, masks: TokenMasks) -> None:
+        """A StepMasks call: the late masks of step `step_id` (checked now; their rows when the
+        step takes them at sampling). Never waits on the step lock: the step may be running."""
+        validate_masks("step_masks.masks", masks, self.limits.vocab_size)
+        self.runner.late_masks.put(step_id, masks)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""

@@ -16,6 +16,7 @@ rows' logits, nothing sampled or kept: start-up check, benchmarks),
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,12 +27,14 @@ from worker_svc.models import DecoderModel
 from worker_svc.runner.batch import ForwardBatch, HostBatch, check_references, plan_batch
 from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
 from worker_svc.runner.last_samples import LastSamples
+from worker_svc.runner.late_masks import LateMasks
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
-from worker_svc.step.input import BoolArray, IntArray, StepInput, UIntArray
+from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
+from worker_svc.step.validation import check_late_rows
 
 
 class ModelRunner:
@@ -43,6 +46,7 @@ class ModelRunner:
         self.uploader = InputUploader(model.device)
         self._graphs: DecodeGraphs | None = None
         self.last_samples: LastSamples | None = None
+        self.late_masks = LateMasks()  # filled by StepMasks calls (Worker.deliver_masks)
 
     # ---- decode graphs ------------------------------------------------------------
     @property
@@ -117,7 +121,11 @@ class ModelRunner:
             t2 = time.perf_counter()
             scoring = None if prompt is None else prompt.scoring
             params = SamplingParams.of_rows(
-                step.seqs, host.sample_order, scoring, lambda: batch.input_ids[batch.sample_rows]
+                step.seqs,
+                host.sample_order,
+                scoring,
+                lambda: batch.input_ids[batch.sample_rows],
+                self._token_masks(step),
             )
             packed = self.sampler.sample_packed(logits, params)  # on the device
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
@@ -136,6 +144,20 @@ class ModelRunner:
             "total_ms": (t3 - t0) * 1e3,
         }
         return StepOutput(step.step_id, samples, len(step.seqs.token_ids), timings, prompt_logprobs)
+
+    def _token_masks(self, step: StepInput) -> Callable[[], TokenMasks] | None:
+        """The step's masks for the sampler: those it carries, and those of its
+        SEQ_FLAG_MASK_FOLLOWS rows, waited for only when the sampler asks."""
+        inline, late_rows = step.seqs.masks, step.seqs.late_mask_rows
+        if not late_rows.size:
+            return None if inline is None else (lambda: inline)
+
+        def with_late() -> TokenMasks:
+            late = self.late_masks.take(step.step_id)
+            check_late_rows(step.step_id, late, late_rows)
+            return late if inline is None else TokenMasks.join([inline, late])
+
+        return with_late
 
 
 def _sampled_rows(
