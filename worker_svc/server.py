@@ -85,7 +85,12 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
     )
     copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
-    return StepInput(req.step_id, copies, seqs, previous)
+    late = (
+        masks_from_proto("previous_step_masks", req.previous_step_masks)
+        if req.HasField("previous_step_masks")
+        else None
+    )
+    return StepInput(req.step_id, copies, seqs, previous, late)
 
 
 def masks_from_proto(field_name: str, m: worker_pb2.TokenMasks) -> TokenMasks:

@@ -29,7 +29,7 @@ from worker_svc.runner.memory import decode_peak_bytes, kv_budget_bytes
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
-from worker_svc.step.errors import StaleStep
+from worker_svc.step.errors import InvalidStep, StaleStep
 from worker_svc.step.input import StepInput, TokenMasks
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import Limits, validate, validate_masks
@@ -242,6 +242,10 @@ class Worker:
         A step planned ahead waits (briefly) for the step it names to run first,
         since gRPC may hand the two calls to threads in either order; StaleStep
         if that step is not the one run last."""
+        if step.previous_step_masks is not None:  # before this step waits for the one that needs them
+            if step.previous_step_id is None:
+                raise InvalidStep("previous_step_masks", "needs the previous_step_id whose masks they are")
+            self.deliver_masks(step.previous_step_id, step.previous_step_masks, "previous_step_masks")
         validate(step, self.limits)
         with self._step_done:
             if step.previous_step_id is not None:
@@ -258,11 +262,12 @@ class Worker:
                 self._last_step = (step.step_id, ok)
                 self._step_done.notify_all()
 
-    def deliver_masks(self, step_id: int, masks: TokenMasks) -> None:
-        """A StepMasks call: the late masks of step `step_id` (checked now; their rows when the
-        step takes them at sampling). Never waits on the step lock: the step may be running."""
-        validate_masks("step_masks.masks", masks, self.limits.vocab_size)
-        self.runner.late_masks.put(step_id, masks)
+    def deliver_masks(self, step_id: int, masks: TokenMasks, field_name: str = "step_masks.masks") -> None:
+        """The late masks of step `step_id`, from a StepMasks call or riding along with the next
+        step (checked now; their rows when the step takes them at sampling). Never waits on the
+        step lock: that step may be running, waiting for them."""
+        validate_masks(field_name, masks, self.limits.vocab_size)
+        self.runner.late_masks.put(step_id, masks, field_name)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""

@@ -108,9 +108,12 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     if plan.masks is not None:
         columns.masks.CopyFrom(masks_to_proto(plan.masks))
     copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
-    return worker_pb2.StepRequest(
+    request = worker_pb2.StepRequest(
         step_id=plan.step_id, copies=copies, seqs=columns, previous_step_id=plan.previous_step_id
     )
+    if plan.previous_masks is not None:
+        request.previous_step_masks.CopyFrom(masks_to_proto(plan.previous_masks))
+    return request
 
 
 def _flags(s: ScheduledSeq) -> int:

@@ -174,6 +174,8 @@ class StepPlan:
     previous_step_id: int | None = None  # planned ahead of this step's result (overlapped scheduling)
     deferred: bool = False  # planned ahead, something did not fit: drain the pipeline before the next plan
     masks: PlanMasks | None = None  # set by the engine before sending: the masks of rows whose input is known
+    # Set by the engine: the late masks of step previous_step_id (its mask_follows rows), taken along.
+    previous_masks: PlanMasks | None = None
 
     @property
     def num_tokens(self) -> int:

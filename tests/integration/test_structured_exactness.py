@@ -3,8 +3,10 @@ worker and scheduler processes equals transformers' greedy `generate` with the
 same mask applied to its logits by a logits processor (the grammar engine's
 numpy reference), in fp32 on a tiny random checkpoint, where the mask alone
 decides what is valid. Constrained and free requests run side by side, with
-chunked prefill and preemption, in every scheduling mode: planned ahead with
-late masks (the default), constrained rows held back, strict alternation."""
+chunked prefill, and samples of one constrained request (n > 1, each with its
+own matcher) that outgrow the pool and preempt each other, in every scheduling
+mode: planned ahead with late masks (the default), constrained rows held back,
+strict alternation."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from tools.processes import Cluster
 
 WAIT_S = 120.0
 MODES = {"late masks": [], "held back": ["--no-constrained-ahead"], "sync": ["--no-async-scheduling"]}
-# Small budgets: prompts are chunked, requests wait, and 28 blocks make them preempt each other.
+# Small budgets: prompts are chunked and requests wait; 28 blocks of 16 for the crowded samples below.
 SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8"]
 SCHEMA = {
     "type": "object",
@@ -48,6 +50,14 @@ CONSTRAINTS = [
     ({"grammar": LARK}, Constraint.grammar(LARK), 40),
     ({}, None, 20),
 ]
+# An order that cannot be complete within max_tokens: four greedy samples of 20 + 100 tokens need
+# 1 shared + 4 x 7 own blocks > 28, so they preempt each other whatever the timing.
+ORDER = {
+    "type": "array",
+    "minItems": 40,
+    "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}},
+}
+CROWDING_PROMPT, CROWDING_SAMPLES, CROWDING_TOKENS = list(range(40, 60)), 4, 100
 
 
 class GrammarMask(LogitsProcessor):
@@ -110,12 +120,24 @@ def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model
 
         with ThreadPoolExecutor(len(cases)) as pool:
             results = list(pool.map(run, cases))
+        samples: dict[int, list[int]] = {i: [] for i in range(CROWDING_SAMPLES)}
+        for reply in client.stream(
+            prompt_token_ids=CROWDING_PROMPT,
+            max_tokens=CROWDING_TOKENS,
+            temperature=0.0,
+            n=CROWDING_SAMPLES,
+            json_schema=json.dumps(ORDER),
+            timeout=WAIT_S,
+        ):
+            samples[reply.index].extend(reply.token_ids)
         stats = wait_idle(client)
         log = cluster.scheduler.log()
     for (prompt, kind), got in zip(cases, results):
         _, constraint, max_tokens = CONSTRAINTS[kind]
         want = reference(model, compiler, prompt, constraint, max_tokens)
         assert got.token_ids == want, (mode, kind, prompt)
-    assert stats.preemptions > 0, "the pool was meant to force preemption"
+    crowded = reference(model, compiler, CROWDING_PROMPT, Constraint.json_schema(ORDER), CROWDING_TOKENS)
+    assert len(crowded) == CROWDING_TOKENS and all(tokens == crowded for tokens in samples.values())
+    assert stats.preemptions > 0, "samples that outgrow the pool must preempt each other"
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
     assert "engine audit failed" not in log

@@ -101,14 +101,14 @@ def test_every_sampling_mode_picks_only_allowed_tokens(sampling):
 def test_late_masks_wait_for_their_step_and_stale_ones_are_dropped():
     mailbox = LateMasks(wait_s=5.0)
     masks = TokenMasks(np.array([1]), _masks(1, 0.5, seed=0))
-    threading.Timer(0.05, mailbox.put, (8, masks)).start()
+    threading.Timer(0.05, mailbox.put, (8, masks, "step_masks.masks")).start()
     started = time.perf_counter()
-    assert mailbox.take(8) is masks and time.perf_counter() - started >= 0.04
-    mailbox.put(9, masks)
-    mailbox.put(10, masks)
-    assert mailbox.take(10) is masks
+    assert mailbox.take(8) == (masks, "step_masks.masks") and time.perf_counter() - started >= 0.04
+    mailbox.put(9, masks, "step_masks.masks")
+    mailbox.put(10, masks, "previous_step_masks")
+    assert mailbox.take(10) == (masks, "previous_step_masks")
     quick = LateMasks(wait_s=0.05)
-    quick.put(9, masks)
+    quick.put(9, masks, "step_masks.masks")
     with pytest.raises(StaleStep, match="did not come within"):
         quick.take(10)
     mailbox.wait_s = 0.05
@@ -162,6 +162,6 @@ def test_malformed_masks_are_refused_naming_the_column(masks, late, sample, fiel
 
 def test_well_formed_masks_pass_and_late_masks_must_cover_exactly_the_flagged_rows():
     validate(_masked_step(TokenMasks(np.array([0]), GOOD[:1]), late_rows=(1,)), LIMITS)
-    check_late_rows(4, TokenMasks(np.array([1]), GOOD[:1]), np.array([1]))
-    with pytest.raises(InvalidStep, match="step_masks.masks.rows: \\[0, 1\\], but the SEQ_FLAG_MASK_FOLLOWS rows"):
-        check_late_rows(4, TokenMasks(np.array([0, 1]), GOOD), np.array([1]))
+    check_late_rows("step_masks.masks", 4, TokenMasks(np.array([1]), GOOD[:1]), np.array([1]))
+    with pytest.raises(InvalidStep, match="previous_step_masks.rows: \\[0, 1\\], but the SEQ_FLAG_MASK_FOLLOWS rows"):
+        check_late_rows("previous_step_masks", 4, TokenMasks(np.array([0, 1]), GOOD), np.array([1]))

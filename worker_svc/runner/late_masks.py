@@ -23,17 +23,18 @@ class LateMasks:
     def __init__(self, wait_s: float = MASKS_WAIT_S) -> None:
         self.wait_s = wait_s
         self._ready = threading.Condition()
-        self._masks: dict[int, TokenMasks] = {}
+        self._masks: dict[int, tuple[TokenMasks, str]] = {}  # step id -> (masks, the field they came in)
 
-    def put(self, step_id: int, masks: TokenMasks) -> None:
+    def put(self, step_id: int, masks: TokenMasks, field_name: str) -> None:
         with self._ready:
-            self._masks[step_id] = masks
+            self._masks[step_id] = (masks, field_name)
             for old in sorted(self._masks)[:-_KEEP]:
                 del self._masks[old]
             self._ready.notify_all()
 
-    def take(self, step_id: int) -> TokenMasks:
-        """Step `step_id`'s masks, waiting up to wait_s for them; StaleStep if they never came."""
+    def take(self, step_id: int) -> tuple[TokenMasks, str]:
+        """Step `step_id`'s masks and the field they came in, waiting up to wait_s for them;
+        StaleStep if they never came."""
         with self._ready:
             if not self._ready.wait_for(lambda: step_id in self._masks, timeout=self.wait_s):
                 raise StaleStep(

@@ -153,8 +153,8 @@ class ModelRunner:
             return None if inline is None else (lambda: inline)
 
         def with_late() -> TokenMasks:
-            late = self.late_masks.take(step.step_id)
-            check_late_rows(step.step_id, late, late_rows)
+            late, field_name = self.late_masks.take(step.step_id)
+            check_late_rows(field_name, step.step_id, late, late_rows)
             return late if inline is None else TokenMasks.join([inline, late])
 
         return with_late

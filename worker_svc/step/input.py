@@ -154,6 +154,8 @@ class StepInput:
     seqs: SeqColumns
     # Planned ahead of that step's result: run only right after it (overlapped scheduling).
     previous_step_id: int | None = None
+    # The late masks of that step (its SEQ_FLAG_MASK_FOLLOWS rows), riding along with this one.
+    previous_step_masks: TokenMasks | None = None
 
 
 def ranges(starts: IntArray, lens: IntArray) -> IntArray:

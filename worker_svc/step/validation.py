@@ -263,11 +263,12 @@ def _validate_mask_rows(seqs: SeqColumns, vocab_size: int) -> None:
     validate_masks("seqs.masks", seqs.masks, vocab_size)
 
 
-def check_late_rows(step_id: int, masks: TokenMasks, expected_rows: IntArray) -> None:
-    """A StepMasks call's masks are those of exactly the step's SEQ_FLAG_MASK_FOLLOWS rows
-    (their width and contents were checked when they came: validate_masks)."""
+def check_late_rows(field_name: str, step_id: int, masks: TokenMasks, expected_rows: IntArray) -> None:
+    """Late masks (a StepMasks call's, or the next step's previous_step_masks: `field_name`) are
+    those of exactly the step's SEQ_FLAG_MASK_FOLLOWS rows (their width and contents were checked
+    when they came: validate_masks)."""
     if not np.array_equal(masks.rows, expected_rows):
         raise InvalidStep(
-            "step_masks.masks.rows",
+            f"{field_name}.rows",
             f"{masks.rows.tolist()}, but the SEQ_FLAG_MASK_FOLLOWS rows of step {step_id} are {expected_rows.tolist()}",
         )
