@@ -1,5 +1,5 @@
 """Structured outputs: JSON-schema, regex, choice and grammar constraints
-compiled to token masks by llguidance, without torch (docs/structured_outputs.md).
+compiled to token masks by llguidance, without torch (docs/design.md, section 12).
 
     vocab = GrammarVocab.from_model_tokenizer(tokenizer)         # once
     compiler = GrammarCompiler(vocab)                             # once; LRU of compiled grammars
