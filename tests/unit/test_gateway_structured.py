@@ -10,6 +10,7 @@ model's template are refused at start-up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import grpc
@@ -42,35 +43,33 @@ CALL_TEXT = [
 THINK_TEXT = ["<thi", "nk>Oslo is", " cold.</th", "ink>It is ", "cold."]
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
+@contextlib.contextmanager
+def _gateway(fake_scheduler, model_dir, **flags):
+    """The official client on a gateway over the fake scheduler."""
+    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), **flags) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
+        yield client
+        client.close()
 
 
 @pytest.fixture(scope="module")
 def plain(fake_scheduler, tmp_path_factory):
-    model_dir = chat_model_dir(tmp_path_factory.mktemp("models"))
-    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir)) as url:
-        client = _client(url)
+    with _gateway(fake_scheduler, chat_model_dir(tmp_path_factory.mktemp("models"))) as client:
         yield client
-        client.close()
 
 
 @pytest.fixture(scope="module")
 def tools(fake_scheduler, tmp_path_factory):
     model_dir = tool_model_dir(tmp_path_factory.mktemp("models") / "tool-model")
-    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), tool_call_parser="hermes") as url:
-        client = _client(url)
+    with _gateway(fake_scheduler, model_dir, tool_call_parser="hermes") as client:
         yield client
-        client.close()
 
 
 @pytest.fixture(scope="module")
 def thinking(fake_scheduler, tmp_path_factory):
     model_dir = tool_model_dir(tmp_path_factory.mktemp("models") / "tool-model")
-    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), reasoning_parser="qwen3") as url:
-        client = _client(url)
+    with _gateway(fake_scheduler, model_dir, reasoning_parser="qwen3") as client:
         yield client
-        client.close()
 
 
 # ---- constraints -------------------------------------------------------------------------------
