@@ -65,7 +65,7 @@ class SchedulerConfig:
         default=True,
         metadata={
             "help": "structured outputs with async scheduling: plan a constrained request's next token ahead like any "
-            "other, its token mask sent in a StepMasks call once the token it follows is known (late masks); "
+            "other, its token mask sent after it once the token it follows is known (late masks); "
             "--no-constrained-ahead: such a request is not planned ahead (it decodes every other step)"
         },
     )
