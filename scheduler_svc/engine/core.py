@@ -86,7 +86,7 @@ class _SentStep:
     late_masks: asyncio.Task[PlanMasks] | None = None
     masks_delivered: bool = False
     masks_call: asyncio.Task[None] | None = None
-    mask_ms: float = 0.0  # computing its masks (inline and late), on the filler's thread while the loop waited
+    mask_ms: float = 0.0  # its masks (inline and late): from handing the rows to the filler to having them
 
 
 # Called by a core that lost its worker, with itself: moves its live requests to
