@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
 from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
 
@@ -112,6 +114,25 @@ class SchedulerConfig:
         default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"}
     )
     worker_tls_key: str = field(default="", metadata={"help": "PEM private key for --worker-tls-cert"})
+    internal_token_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the internal token the scheduler presents to its workers (their "
+            "--internal-token-file names the same file); with or instead of mutual TLS"
+        },
+    )
+    admin_keys: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated admin keys: admin.v1 callers (AddWorker, DrainWorker, ListWorkers, "
+            "SubscribeKvEvents) and ZMQ KV-event subscribers present one ('authorization: Bearer KEY'; ZMQ PLAIN "
+            "password); never a client's key. Needed when --api-keys is set or --admin-host is not loopback. "
+            "Prefer --admin-keys-file or the env var: flags show in ps"
+        },
+    )
+    admin_keys_file: str = field(
+        default="", metadata={"help": "file with one admin key per line (# comments); adds to --admin-keys"}
+    )
     routing: str = field(
         default="prefix",
         metadata={
@@ -215,22 +236,79 @@ class SchedulerConfig:
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             pair_check(self.worker_tls_cert, self.worker_tls_key, "--worker-tls-cert", "--worker-tls-key"),
             (not self.worker_tls_cert or bool(self.worker_tls_ca), "--worker-tls-cert", "used with --worker-tls-ca"),
+            (
+                token_file_problem(self.internal_token_file) is None,
+                "--internal-token-file",
+                str(token_file_problem(self.internal_token_file)),
+            ),
             *file_checks(
                 {
                     "--tls-cert": self.tls_cert,
                     "--tls-key": self.tls_key,
                     "--api-keys-file": self.api_keys_file,
+                    "--admin-keys-file": self.admin_keys_file,
                     "--worker-tls-ca": self.worker_tls_ca,
                     "--worker-tls-cert": self.worker_tls_cert,
                     "--worker-tls-key": self.worker_tls_key,
                 }
             ),
         ]
-        for ok, flag, valid in checks:
+        for ok, flag, valid in checks + self._credential_checks():
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
         # The planner's own options are checked where they are used, once.
         self.planner_config(max_model_len=max(self.max_model_len, 2), block_size=1).validate()
+
+    @property
+    def client_keys(self) -> frozenset[str]:
+        """The API keys serving.v1 callers present (none: the client API is open)."""
+        return load_keys(self.api_keys, self.api_keys_file)
+
+    @property
+    def admin_key_set(self) -> frozenset[str]:
+        """The keys admin.v1 callers and ZMQ KV-event subscribers present."""
+        return load_keys(self.admin_keys, self.admin_keys_file)
+
+    def internal_token(self) -> str | None:
+        """What the scheduler presents to its workers, if it has one."""
+        return read_token_file(self.internal_token_file) if self.internal_token_file else None
+
+    def _credential_checks(self) -> list[tuple[bool, str, str]]:
+        """Who may reach admin.v1 and the KV events (they show every tenant's prompts): an admin key,
+        never a client's; without admin keys only loopback, and only while clients need no key either."""
+        if not all(path == "" or os.path.isfile(path) for path in (self.api_keys_file, self.admin_keys_file)):
+            return []  # the file checks above name the missing file
+        client, admin = self.client_keys, self.admin_key_set
+        open_admin = self.admin_port >= 0 and not admin
+        zmq_open = bool(self.kv_events_zmq) and not admin
+        or_off = "(or --admin-port -1: no admin service)"
+        return [
+            (not client & admin, "--admin-keys", "distinct from every --api-keys key: a client must not administer"),
+            (
+                not open_admin or is_loopback(self.admin_host),
+                "--admin-keys-file",
+                f"set when --admin-host {self.admin_host} is not loopback {or_off}",
+            ),
+            (
+                not open_admin or not client,
+                "--admin-keys-file",
+                "set when --api-keys is: otherwise any local process could drain workers and read every tenant's "
+                f"prompts from the KV events {or_off}",
+            ),
+            *(
+                (
+                    not zmq_open or (zmq_bind_is_local(endpoint) and not client),
+                    flag,
+                    "a loopback, ipc:// or inproc:// endpoint, with no --api-keys, unless --admin-keys-file is set "
+                    "(subscribers then present an admin key as their ZMQ PLAIN password)",
+                )
+                for flag, endpoint in (
+                    ("--kv-events-zmq", self.kv_events_zmq),
+                    ("--kv-events-zmq-replay", self.kv_events_zmq_replay),
+                )
+                if endpoint and zmq_binds(endpoint)
+            ),
+        ]
 
     def planner_config(self, max_model_len: int, block_size: int) -> PlannerConfig:
         """The planner's options for a worker holding `max_model_len` tokens per request in `block_size` blocks."""
@@ -248,6 +326,23 @@ class SchedulerConfig:
 
 
 _ZMQ_ENDPOINTS = "'', tcp://HOST:PORT (HOST may be *), ipc://PATH or inproc://NAME"
+_ZMQ_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def zmq_binds(endpoint: str) -> bool:
+    """A KV-event endpoint the scheduler binds (subscribers connect to it): a wildcard or loopback
+    host, ipc:// or inproc://. Any other host is a proxy it connects to (vLLM's rule, loopback added)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return host in _ZMQ_WILDCARDS or is_loopback(host)
+
+
+def zmq_bind_is_local(endpoint: str) -> bool:
+    """Only this machine can subscribe: a loopback host, ipc:// (file permissions) or inproc://."""
+    return endpoint.startswith(("ipc://", "inproc://")) or is_loopback(
+        endpoint.removeprefix("tcp://").rpartition(":")[0]
+    )
 
 
 def _zmq_endpoint_ok(endpoint: str) -> bool:

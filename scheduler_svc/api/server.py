@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import serving_pb2, serving_pb2_grpc
-from scheduler_svc.api.auth import ApiKeyInterceptor
+from scheduler_svc.api.auth import api_key_interceptor
 from scheduler_svc.api.serving import ExtraStats, SchedulerServicer
 from scheduler_svc.api.status import abort
 from scheduler_svc.engine.engine import Engine
@@ -70,7 +70,7 @@ async def start_server(
     api_keys: frozenset[str] = frozenset(),
     extra_stats: ExtraStats = dict,
 ) -> tuple[SchedulerServer, int]:
-    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [api_key_interceptor(api_keys)] if api_keys else []
     interceptors.append(ParseErrorInterceptor())  # after auth: an unauthenticated payload is never parsed
     server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_mb))
     serving_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, default_max_tokens, extra_stats), server)

@@ -298,7 +298,9 @@ def _core_options(config: SchedulerConfig) -> CoreOptions:
 
 def _worker_client(address: str, config: SchedulerConfig, tls_server_name: str = "") -> WorkerClient:
     credentials = channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
-    return WorkerClient(address, config.max_message_mb, credentials, tls_server_name if credentials else "")
+    return WorkerClient(
+        address, config.max_message_mb, credentials, tls_server_name if credentials else "", config.internal_token()
+    )
 
 
 def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:

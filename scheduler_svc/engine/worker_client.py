@@ -11,6 +11,7 @@ from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
 from scheduler_svc.planning.planner import Alternatives, ScheduledSeq, StepPlan, StepSamples
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
+from svc_common.peer_auth import bearer_metadata
 
 # Codes after which the worker may come back: reconnect and recompute.
 # ABORTED: a step named a previous step whose samples the worker no longer holds (it restarted).
@@ -199,7 +200,10 @@ class WorkerClient:
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         credentials: grpc.ChannelCredentials | None = None,
         tls_server_name: str = "",
+        token: str | None = None,
     ):
+        """token: the internal token the worker asks for (its --internal-token-file), if any."""
+        self._metadata = bearer_metadata(token)
         # Fast reconnect: a restarted worker is noticed within a second, not gRPC's 120 s backoff.
         # tls_server_name: a worker found through DNS is dialled by IP; its certificate names the DNS name.
         options = channel_options(max_message_mb, fast_reconnect=True, tls_server_name=tls_server_name)
@@ -213,7 +217,9 @@ class WorkerClient:
     async def info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> WorkerInfo:
         """Raises WorkerCallFailed."""
         try:
-            reply = await self.stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+            reply = await self.stub.Info(
+                worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
         return info_from_proto(self.address, reply)
@@ -221,7 +227,7 @@ class WorkerClient:
     async def step(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
         """Raises WorkerCallFailed."""
         try:
-            reply = await self.stub.Step(plan_to_proto(plan), timeout=timeout_s)
+            reply = await self.stub.Step(plan_to_proto(plan), timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
         return result_from_proto(reply)
