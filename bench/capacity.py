@@ -166,8 +166,9 @@ def part_workload(args) -> tuple[list[Run], dict[str, int]]:
     runs, memory = [], {}
     for layout, batch in configs:
         name = f"{layout}, batch {batch}"
-        worker_args = ["--dtype", args.dtype, *layout_args(layout)]
-        scheduler_args = ["--max-num-seqs", str(batch), "--max-waiting", "4096"]
+        # The scheduler takes --max-num-seqs from the worker's Info.
+        worker_args = ["--dtype", args.dtype, "--max-num-seqs", str(batch), *layout_args(layout)]
+        scheduler_args = ["--max-waiting", "4096"]
         with Cluster(Path(args.model), worker_args, scheduler_args) as cluster:
             memory[layout] = check_equal_memory({layout: cluster.workers[0].address})[layout]
             with SchedulerClient(cluster.address) as client:  # warm-up: first-call costs off the clock
@@ -220,8 +221,6 @@ def part_capacity(args) -> list[list]:
     # A step may hold every admitted prompt whole: admission then allocates a
     # sequence's whole prompt, and only a full pool stops it.
     scheduler_args = [
-        "--max-num-seqs",
-        "1024",
         "--max-num-batched-tokens",
         str(4 * TOKENS),
         "--chunk-size",
@@ -233,7 +232,9 @@ def part_capacity(args) -> list[list]:
     measured: dict[tuple[str, int], int] = {}
     bar = tqdm(total=2 * len(CAPACITY_LENGTHS), desc="capacity table", leave=False)
     for layout in ("contiguous", "paged"):
-        with Cluster(model, ["--dtype", "float32", *layout_args(layout)], scheduler_args) as cluster:
+        # --max-num-seqs 1024 on the worker: the scheduler takes it from its Info.
+        worker_args = ["--dtype", "float32", "--max-num-seqs", "1024", *layout_args(layout)]
+        with Cluster(model, worker_args, scheduler_args) as cluster:
             for length in CAPACITY_LENGTHS:
                 expected = TOKENS // length if layout == "paged" else CONTIGUOUS_BATCH
                 count = expected + max(4, expected // 4)  # more than fit: the surplus waits

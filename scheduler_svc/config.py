@@ -13,6 +13,8 @@ from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_
 from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
 
+# --max-num-seqs when neither the scheduler nor the worker says (vLLM's default).
+DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 
@@ -35,7 +37,12 @@ class SchedulerConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
-    max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step / running at once"})
+    max_num_seqs: int = field(
+        default=0,
+        metadata={
+            "help": f"sequences in one step / running at once; 0 = the worker's --max-num-seqs (from its Info; {DEFAULT_MAX_NUM_SEQS} for a worker that does not say). A value above a worker's is refused"
+        },
+    )
     chunk_size: int = field(default=8192, metadata={"help": "largest prefill chunk of one request per step"})
     dynamic_chunking: bool = field(
         default=False,
@@ -45,7 +52,7 @@ class SchedulerConfig:
     )
     dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
-    max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's"})
+    max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's (from its Info)"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     prefix_caching: bool = field(
         default=True, metadata={"help": "share full prompt blocks through the prefix hash index"}
@@ -226,6 +233,7 @@ class SchedulerConfig:
             ),
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
+            (self.max_num_seqs >= 0, "--max-num-seqs", ">= 1, or 0 for the worker's"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
@@ -257,7 +265,7 @@ class SchedulerConfig:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
         # The planner's own options are checked where they are used, once.
-        self.planner_config(max_model_len=max(self.max_model_len, 2), block_size=1).validate()
+        self.planner_config(max(self.max_model_len, 2), 1, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS).validate()
 
     @property
     def client_keys(self) -> frozenset[str]:
@@ -310,11 +318,12 @@ class SchedulerConfig:
             ),
         ]
 
-    def planner_config(self, max_model_len: int, block_size: int) -> PlannerConfig:
-        """The planner's options for a worker holding `max_model_len` tokens per request in `block_size` blocks."""
+    def planner_config(self, max_model_len: int, block_size: int, max_num_seqs: int) -> PlannerConfig:
+        """The planner's options for a worker holding `max_model_len` tokens per request in
+        `block_size` blocks, running up to `max_num_seqs` sequences at once."""
         return PlannerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             chunk_size=self.chunk_size,
             max_model_len=max_model_len,
             max_waiting=self.max_waiting,

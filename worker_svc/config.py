@@ -62,7 +62,7 @@ class WorkerConfig:
     max_num_seqs: int = field(
         default=256,
         metadata={
-            "help": "largest decode batch run as a CUDA graph: sizes 1, 2, 4, 8, then every 8 up to this are captured at start (match the scheduler's --max-num-seqs); larger batches run eager"
+            "help": "largest decode batch: memory is sized for it and, on CUDA, graphs of sizes 1, 2, 4, 8, then every 8 up to it are captured at start. The scheduler takes it from the worker's Info unless given its own --max-num-seqs, which may not be larger"
         },
     )
     enforce_eager: bool = field(

@@ -44,6 +44,18 @@ class WorkerInfo:
     # block_size is a slot's length (max_seq_len); see proto/worker.proto.
     kv_layout: str = "paged"
     max_batch: int = 0
+    max_num_seqs: int = 0  # the worker's --max-num-seqs (0: an older worker that does not say)
+
+    def batch_problem(self, max_num_seqs: int) -> str | None:
+        """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
+        worker (it sized its memory and graphs for fewer); None if it can."""
+        if not self.max_num_seqs or max_num_seqs <= self.max_num_seqs:
+            return None
+        return (
+            f"--max-num-seqs {max_num_seqs} is more than worker {self.address} was started for "
+            f"(its --max-num-seqs {self.max_num_seqs}: memory and decode graphs are sized for that): give the "
+            f"worker the same value, or leave the scheduler's unset to take the worker's"
+        )
 
     def mismatch(self, other: WorkerInfo, same_pool: bool = False) -> str | None:
         """Why `other` cannot serve beside (or, same_pool, in place of) this worker:
@@ -190,6 +202,7 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         kv_bytes_per_block=reply.kv_bytes_per_block,
         kv_layout=reply.kv_layout or "paged",
         max_batch=reply.max_batch,
+        max_num_seqs=reply.max_num_seqs,
     )
 
 
