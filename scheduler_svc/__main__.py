@@ -62,12 +62,19 @@ async def serve(config: SchedulerConfig) -> None:
         credentials=credentials,
         api_keys=api_keys,
         extra_stats=lambda: stats_fields(engine, METRICS),
+        max_request_mb=config.max_request_mb,
+        max_prompt_chars=config.max_prompt_chars,
     )
     # admin.v1 (AddWorker, DrainWorker, ListWorkers, SubscribeKvEvents) on its own listener, with
     # the admin keys and the client API's TLS; --admin-port -1: none.
     admin, admin_port = (
         await start_admin_server(
-            engine.fleet, config.admin_host, config.admin_bind_port, admin_keys=admin_keys, credentials=credentials
+            engine.fleet,
+            config.admin_host,
+            config.admin_bind_port,
+            admin_keys=admin_keys,
+            credentials=credentials,
+            max_request_mb=config.max_request_mb,
         )
         if config.admin_port >= 0
         else (None, -1)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
+from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
@@ -54,6 +55,25 @@ class SchedulerConfig:
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's (from its Info)"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: requests are admitted in arrival order and the newest running one is preempted first; priority: by the request's `priority` (lower first, then arrival) both ways, as vLLM's. With fcfs a priority other than 0 is refused",
+            "choices": SCHEDULING_POLICIES,
+        },
+    )
+    max_prompt_chars: int = field(
+        default=0,
+        metadata={
+            "help": "longest text prompt (Generate, PinPrefix, Tokenize) in characters, refused before it is tokenized; 0 = what can fit the context: max_model_len x the longest token's characters"
+        },
+    )
+    max_request_mb: int = field(
+        default=16,
+        metadata={
+            "help": "largest serving.v1 / admin.v1 request message in MiB, refused by gRPC before it is parsed (steps to the workers use --max-message-mb)"
+        },
+    )
     prefix_caching: bool = field(
         default=True, metadata={"help": "share full prompt blocks through the prefix hash index"}
     )
@@ -241,6 +261,8 @@ class SchedulerConfig:
             (self.health_interval_s > 0, "--health-interval-s", "> 0"),
             (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "in 1..2047"),
+            (1 <= self.max_request_mb <= 2047, "--max-request-mb", "in 1..2047"),
+            (self.max_prompt_chars >= 0, "--max-prompt-chars", ">= 1, or 0 for what fits the context"),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             pair_check(self.worker_tls_cert, self.worker_tls_key, "--worker-tls-cert", "--worker-tls-key"),
             (not self.worker_tls_cert or bool(self.worker_tls_ca), "--worker-tls-cert", "used with --worker-tls-ca"),
@@ -331,6 +353,7 @@ class SchedulerConfig:
             dynamic_chunking=self.dynamic_chunking,
             dynamic_chunk_min=self.dynamic_chunk_min,
             dynamic_chunk_max=self.dynamic_chunk_max,
+            scheduling_policy=self.scheduling_policy,
         )
 
 

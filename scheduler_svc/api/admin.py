@@ -196,12 +196,14 @@ async def start_admin_server(
     *,
     admin_keys: frozenset[str] = frozenset(),
     credentials: grpc.ServerCredentials | None = None,
+    max_request_mb: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """admin.v1 + health + reflection on their own listener, every call but health
     needing one of `admin_keys` (none: open, which the config allows on loopback only).
     Returns (server, bound port)."""
     interceptors = [admin_key_interceptor(admin_keys)] if admin_keys else []
-    server = grpc.aio.server(interceptors=interceptors, options=server_options(reuse_port=False))
+    options = server_options(reuse_port=False, max_receive_mb=max_request_mb)
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     add_admin_to_server(server, engine)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
