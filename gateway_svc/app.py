@@ -28,6 +28,7 @@ from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
 from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.limits import BodyLimit
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.openapi import (
@@ -57,21 +58,25 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     served = _model_checker(config.model_id)
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
+    rules = convert.RequestRules(
+        config.max_n, config.max_prompts, config.chat_default_max_tokens, config.cache_salt_from_api_key
+    )
+    window = config.max_parallel_per_request
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
-        samples = convert.completion_samples(body, shape.id, config.max_n)
-        return await _generate(client, live, request, body, shape, samples)
+        samples = convert.completion_samples(body, shape.id, rules, _forwarded_key(request))
+        return await _generate(client, live, request, body, shape, samples, window)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         served(body.model)
-        prompt = convert.chat_prompt(template, body.messages, body)
+        prompt = await _render_chat(template, body)
         shape = ResponseShape("chat", config.model_id)
-        samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
-        return await _generate(client, live, request, body, shape, samples)
+        samples = convert.chat_samples(body, prompt, shape.id, rules, _forwarded_key(request))
+        return await _generate(client, live, request, body, shape, samples, window)
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
@@ -95,10 +100,23 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
     app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
+    # An oversized body is refused before anything reads it (413), inside the metrics' count.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
     publish_openapi(app)
     return app
+
+
+# Messages longer than this (characters, all of them) are rendered in a worker thread:
+# the template's Python code then shares the GIL in slices instead of holding the loop.
+RENDER_INLINE_CHARS = 65_536
+
+
+async def _render_chat(template: ChatTemplate | None, body: ChatCompletionRequest) -> str:
+    if sum(len(m.content or "") for m in body.messages) <= RENDER_INLINE_CHARS:
+        return convert.chat_prompt(template, body.messages, body)
+    return await asyncio.to_thread(convert.chat_prompt, template, body.messages, body)
 
 
 def _model_checker(model_id: str) -> Callable[[str | None], None]:
@@ -159,8 +177,9 @@ async def _generate(
     body: SamplingFields,
     shape: ResponseShape,
     samples: list[Sample],
+    window: int,
 ) -> Response:
-    generation = Generation(client, samples, _forwarded_key(request))
+    generation = Generation(client, samples, _forwarded_key(request), window)
     live.add(generation)
     try:
         if body.stream:

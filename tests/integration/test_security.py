@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -494,3 +495,41 @@ def test_a_worker_beyond_loopback_needs_a_credential(tmp_path, args):
         timeout=60,
     )
     assert result.returncode == 2 and "--internal-token-file: must be" in result.stderr, result.stderr[-2000:]
+
+
+# ---- the gateway in front of a TLS scheduler (issue 29, item 7) ----------------------------
+def gateway_on(scheduler: ServiceProcess, *args: str) -> ServiceProcess:
+    return ServiceProcess("gateway_svc", ["--scheduler", scheduler.address, "--model-dir", str(MODEL), *args])
+
+
+def test_the_gateway_talks_tls_to_a_tls_scheduler_with_the_same_key_rules(secure, pki):
+    _, scheduler = secure
+    tls = ["--scheduler-tls-ca", str(pki.ca.pem.cert)]
+    client_cert = [
+        "--scheduler-tls-cert",
+        str(pki.scheduler_client.cert),
+        "--scheduler-tls-key",
+        str(pki.scheduler_client.key),
+    ]
+    for args in (tls, tls + client_cert):  # a client certificate is optional
+        with (
+            gateway_on(scheduler, *args) as gateway,
+            httpx.Client(base_url=f"http://{gateway.address}", timeout=60) as http,
+        ):
+            assert http.get("/health").json() == {"status": "ok"}
+            key = {"Authorization": f"Bearer {FILE_KEY}"}
+            body = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            done = http.post("/v1/completions", json=body, headers=key)
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3, done.text
+            assert http.post("/v1/completions", json=body).status_code == 401
+            assert http.get("/v1/models").status_code == 401  # the scheduler's keys hold for /v1/models too
+            models = http.get("/v1/models", headers=key)
+            assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] > 0
+
+
+def test_a_plaintext_gateway_cannot_reach_a_tls_scheduler(secure):
+    _, scheduler = secure
+    with gateway_on(scheduler) as gateway, httpx.Client(base_url=f"http://{gateway.address}", timeout=60) as http:
+        assert http.get("/health").status_code == 503
+        reply = http.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {FILE_KEY}"})
+        assert reply.status_code == 503
