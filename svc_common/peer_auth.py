@@ -9,7 +9,8 @@ that probes (the kubelet, Docker) need no secret.
 
 `BearerInterceptor` is for grpc.aio servers (the scheduler's), and
 `SyncBearerInterceptor` for the worker's thread-pool server; both ask the same
-`Credentials` and answer alike.
+`Credentials` and answer alike. With mutual TLS, `SyncPeerNameInterceptor`
+narrows the worker's callers to the certificates that name its scheduler.
 """
 
 from __future__ import annotations
@@ -157,6 +158,62 @@ class SyncBearerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # gr
         return _refusing_handler(handler, why, aio=False)
 
 
+class SyncPeerNameInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Mutual TLS narrowed to named peers: a call (health aside) goes on only when the
+    client certificate's common name or one of its DNS names is in `names`; another
+    certificate of the same CA (another service's) gets PERMISSION_DENIED. The handshake
+    has checked the CA already; this names who, of those it signed, may call."""
+
+    def __init__(self, names: Iterable[str], on_refusal: Callable[[str, str], None] | None = None):
+        self.names = frozenset(names)
+        self._on_refusal = on_refusal
+
+    def refusal(self, auth_context: dict[str, list[bytes]]) -> str | None:
+        presented = [
+            v.decode(errors="replace")
+            for key in ("x509_common_name", "x509_subject_alternative_name")
+            for v in auth_context.get(key, [])
+        ]
+        if self.names & set(presented):
+            return None
+        return f"client certificate names {sorted(presented) or 'nothing'}, not one of {sorted(self.names)}"
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        return _guarded_handler(handler, details.method, self)
+
+    def _check(self, method: str, context: Any) -> None:
+        why = self.refusal(context.auth_context())
+        if why is not None:
+            if self._on_refusal is not None:
+                self._on_refusal(method, why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+
+def _guarded_handler(
+    handler: grpc.RpcMethodHandler, method: str, peers: SyncPeerNameInterceptor
+) -> grpc.RpcMethodHandler:
+    """`handler` with the peer check first (the peer's certificate is only in the call's context)."""
+    kind = (
+        ("stream" if handler.request_streaming else "unary")
+        + "_"
+        + ("stream" if handler.response_streaming else "unary")
+    )
+    behaviour = getattr(handler, kind)
+
+    def guarded(request: Any, context: Any) -> Any:
+        peers._check(method, context)
+        return behaviour(request, context)
+
+    factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    wrapped: grpc.RpcMethodHandler = factory(
+        guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+    return wrapped
+
+
 def _refusing_handler(handler: grpc.RpcMethodHandler, why: str, aio: bool) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED.
     It has no request deserializer: an unauthenticated payload is never parsed."""
@@ -190,10 +247,16 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, why: str, aio: bool) -> gr
     return refusing
 
 
-def token_interceptors(
-    token_file: str, on_refusal: Callable[[str, str], None] | None = None
-) -> list[SyncBearerInterceptor]:
-    """What a thread-pool server installs to require the internal token in `token_file` ('' = none)."""
-    if not token_file:
-        return []
-    return [SyncBearerInterceptor(Credentials([read_token_file(token_file)], "internal token"), on_refusal)]
+def peer_interceptors(
+    token_file: str, client_names: str, on_refusal: Callable[[str, str], None] | None = None
+) -> list[grpc.ServerInterceptor]:
+    """What a thread-pool server installs to take calls only from its peer: the internal token
+    in `token_file` ('' = none), and a client certificate naming one of `client_names`
+    (comma-separated; '' = any the CA signed)."""
+    interceptors: list[grpc.ServerInterceptor] = []
+    if token_file:
+        token = Credentials([read_token_file(token_file)], "internal token")
+        interceptors.append(SyncBearerInterceptor(token, on_refusal))
+    if names := [n.strip() for n in client_names.split(",") if n.strip()]:
+        interceptors.append(SyncPeerNameInterceptor(names, on_refusal))
+    return interceptors

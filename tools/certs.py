@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-SCHEDULER_CLIENT_NAME = "pagedserve-scheduler"
+SCHEDULER_CLIENT_NAME = "pagedserve-scheduler"  # what the workers' --tls-client-names lets call
 WORKER_SERVICE = "pagedserve-worker"  # deploy/kubernetes/base: the workers' headless Service
 FILES = ("ca.crt", "ca.key", "worker.crt", "worker.key", "scheduler-client.crt", "scheduler-client.key")
 

@@ -91,6 +91,14 @@ class WorkerConfig:
     tls_client_ca: str = field(
         default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"}
     )
+    tls_client_names: str = field(
+        default="",
+        metadata={
+            "help": "with --tls-client-ca: only client certificates whose common name or a DNS name is one of these "
+            "(comma-separated, e.g. pagedserve-scheduler) may call; another certificate of the same CA gets "
+            "PERMISSION_DENIED. '' = any the CA signed"
+        },
+    )
     internal_token_file: str = field(
         default="",
         metadata={
@@ -123,6 +131,7 @@ class WorkerConfig:
             self._tensor_parallel_check(),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),
+            (not self.tls_client_names or bool(self.tls_client_ca), "--tls-client-names", "used with --tls-client-ca"),
             (token_problem is None, "--internal-token-file", str(token_problem)),
             (
                 is_loopback(self.host) or bool(self.internal_token_file or self.tls_client_ca),

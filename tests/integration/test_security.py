@@ -107,6 +107,7 @@ class Pki:
     worker: Pem
     scheduler: Pem
     scheduler_client: Pem  # what the scheduler presents to workers
+    other_client: Pem  # another service's client certificate from the same CA
     rogue_client: Pem
     keys_file: Path
 
@@ -124,6 +125,7 @@ def pki(tmp_path_factory) -> Pki:
         ca.issue("worker", server=True),
         ca.issue("scheduler", server=True),
         ca.issue("scheduler-client", server=False),
+        ca.issue("some-other-service", server=False),
         rogue.issue("intruder", server=False),
         keys_file,
     )
@@ -148,6 +150,8 @@ def secure(pki):
             str(pki.worker.key),
             "--tls-client-ca",
             str(pki.ca.pem.cert),
+            "--tls-client-names",
+            "scheduler-client",
         ],
     )
     scheduler = ServiceProcess(
@@ -296,6 +300,20 @@ def test_worker_refuses_clients_without_the_right_certificate(secure, pki, case)
         assert refused(lambda: _info(channel)) == grpc.StatusCode.UNAVAILABLE
 
 
+def test_worker_takes_steps_only_from_its_schedulers_certificate(secure, pki):
+    """--tls-client-names: another service's certificate from the same CA passes the
+    handshake (health answers) but may not call the worker."""
+    worker, _ = secure
+    with tls_channel(worker.address, pki.ca.pem.cert, pki.other_client) as channel:
+        assert refused(lambda: _info(channel)) == grpc.StatusCode.PERMISSION_DENIED
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        assert refused(lambda: stub.Step(worker_pb2.StepRequest(step_id=1), timeout=10)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_scheduler_without_a_client_certificate_cannot_use_the_worker(secure, pki):
     worker, _ = secure
     result = subprocess.run(
@@ -333,6 +351,7 @@ def test_scheduler_without_a_client_certificate_cannot_use_the_worker(secure, pk
         ("scheduler_svc", ["--worker-tls-cert", "{cert}", "--worker-tls-key", "{key}"], "--worker-tls-cert"),
         ("worker_svc", ["--tls-client-ca", "{cert}"], "--tls-client-ca"),
         ("worker_svc", ["--tls-key", "{key}"], "--tls-cert"),
+        ("worker_svc", ["--tls-client-names", "scheduler"], "--tls-client-names"),
     ],
 )
 def test_bad_tls_flags_are_clear_errors_naming_the_flag(pki, module, args, flag):

@@ -24,6 +24,7 @@ from gateway_svc.config import GatewayConfig
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import env_name, parse_config
 from svc_common.defaults import DEFAULT_MODEL
+from tools.certs import SCHEDULER_CLIENT_NAME
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,6 +205,7 @@ def test_internal_hops_are_authenticated_by_default(full_compose, compose, made_
             f"{SECRETS_MOUNT}/worker.crt"
         }
         assert env["PAGEDSERVE_HEALTHCHECK_CA"] == env["PAGEDSERVE_WORKER_TLS_CLIENT_CA"]
+        assert env["PAGEDSERVE_WORKER_TLS_CLIENT_NAMES"] == SCHEDULER_CLIENT_NAME  # only the scheduler calls
         assert worker["depends_on"][ONE_SHOT]["condition"] == "service_completed_successfully"
     ((_, scheduler),) = services_of(compose, "scheduler").items()
     env = env_of(scheduler)

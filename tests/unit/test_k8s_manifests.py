@@ -28,6 +28,7 @@ from gateway_svc.config import GatewayConfig
 from proto import admin_pb2, serving_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import env_name, flag_name, parse_config
+from tools.certs import SCHEDULER_CLIENT_NAME
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -532,6 +533,7 @@ def test_internal_hops_are_authenticated_with_files_from_secret_volumes(cell_sec
     ref = admin_key["valueFrom"]["secretKeyRef"]
     assert (ref["name"], ref["key"]) in cell_secrets and not ref.get("optional", False)
     worker_env = env_values(container(loads["worker"]))
+    assert worker_env["PAGEDSERVE_WORKER_TLS_CLIENT_NAMES"] == SCHEDULER_CLIENT_NAME  # not the workers' own
     svc = service(RENDERED["base"], "pagedserve-worker")
     # The name the health check expects in the worker's certificate: the one the scheduler dials.
     assert (
