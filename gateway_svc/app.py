@@ -58,9 +58,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     served = _model_checker(config.model_id)
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
-    rules = convert.RequestRules(
-        config.max_n, config.max_prompts, config.chat_default_max_tokens, config.cache_salt_from_api_key
-    )
+    rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
     window = config.max_parallel_per_request
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)

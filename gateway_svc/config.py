@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway_svc.openai_types import INT32_MAX
 from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
@@ -122,13 +121,6 @@ class GatewayConfig:
             "Content-Length) or as soon as that many bytes arrived"
         },
     )
-    chat_default_max_tokens: int = field(
-        default=0,
-        metadata={
-            "help": "max_tokens of a chat request that sets none (nor max_completion_tokens); 0 = none: up to the "
-            "context (within the scheduler's --default-max-tokens)"
-        },
-    )
     cache_salt_from_api_key: bool = field(
         default=False,
         metadata={
@@ -194,7 +186,6 @@ class GatewayConfig:
             (self.max_prompts >= 1, "--max-prompts", ">= 1"),
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
-            (0 <= self.chat_default_max_tokens <= INT32_MAX, "--chat-default-max-tokens", f"in 0..{INT32_MAX}"),
             pair_check(self.scheduler_tls_cert, self.scheduler_tls_key, "--scheduler-tls-cert", "--scheduler-tls-key"),
             (
                 not self.scheduler_tls_cert or bool(self.scheduler_tls_ca),

@@ -70,7 +70,6 @@ class RequestRules:
 
     max_n: int = 16
     max_prompts: int = 1024  # prompts of one /v1/completions batch
-    chat_default_max_tokens: int = 0  # a chat request's max_tokens when it sets none; 0: up to the context
     cache_salt_from_api_key: bool = False  # each API key its own prefix cache (tenant_salt)
 
 
@@ -148,14 +147,13 @@ def chat_samples(
     body: ChatCompletionRequest, prompt: str, response_id: str, rules: RequestRules, api_key: str | None = None
 ) -> list[Sample]:
     """Without max_tokens / max_completion_tokens the answer may run up to the
-    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does,
-    unless the operator set --chat-default-max-tokens."""
+    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does;
+    the operator caps that with the scheduler's --default-max-tokens."""
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    limit = body.output_limit if body.output_limit is not None else (rules.chat_default_max_tokens or None)
     prompts = [{"prompt": _utf8_prompt(prompt)}]
-    samples = _samples(prompts, body, limit, response_id, rules, logprobs, api_key)
+    samples = _samples(prompts, body, body.output_limit, response_id, rules, logprobs, api_key)
     return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 
 

@@ -1,7 +1,7 @@
 """The gateway's edge rules (issue 29) against the in-process fake scheduler: the
 body limit (413 before reading), prompts per request, a request's calls admitted
-piecewise, the chat default max_tokens, vLLM's `priority` passed on, and the cache
-salt derived from the caller's API key."""
+piecewise, vLLM's `priority` passed on, and the cache salt derived from the
+caller's API key."""
 
 from __future__ import annotations
 
@@ -57,21 +57,6 @@ def test_a_requests_calls_run_at_most_a_window_at_once(fake_scheduler, model_dir
     indexes = {c["index"] for chunk in chunks for c in chunk["choices"]}
     assert indexes == set(range(12)) and len(fake_scheduler.requests) == 12
     assert fake_scheduler.max_active == 3
-
-
-def test_chat_without_max_tokens_gets_the_operators_default(fake_scheduler, model_dir):
-    chat = {"messages": [{"role": "user", "content": "hi"}]}
-    with (
-        gateway(fake_scheduler, model_dir, chat_default_max_tokens=50) as url,
-        httpx.Client(base_url=url, timeout=WAIT_S) as http,
-    ):
-        assert http.post("/v1/chat/completions", json=chat).status_code == 200
-        assert http.post("/v1/chat/completions", json=chat | {"max_completion_tokens": 7}).status_code == 200
-        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
-    assert [r.max_tokens for r in fake_scheduler.requests] == [50, 7, 16]
-    with gateway(fake_scheduler, model_dir) as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
-        assert http.post("/v1/chat/completions", json=chat).status_code == 200
-    assert not fake_scheduler.requests[-1].HasField("max_tokens")  # unset: up to the context
 
 
 def test_priority_is_passed_on(fake_scheduler, model_dir):
