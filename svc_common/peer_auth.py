@@ -120,42 +120,36 @@ class Credentials:
         return f"invalid {self.what}"
 
 
-class BearerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc.aio is untyped
+class _BearerCheck:
+    """What both interceptors do with a handler: pass it on, or swap it for a refusal."""
+
+    def __init__(self, credentials: Credentials, on_refusal: Callable[[str, str], None] | None = None):
+        self.credentials = credentials
+        self._on_refusal = on_refusal
+
+    def _decide(self, handler: grpc.RpcMethodHandler | None, details: Any, aio: bool) -> Any:
+        if handler is None:
+            return None
+        why = self.credentials.refusal(details.method, details.invocation_metadata)
+        if why is None:
+            return handler
+        if self._on_refusal is not None:
+            self._on_refusal(details.method, why)
+        return _refusing_handler(handler, why, aio)
+
+
+class BearerInterceptor(_BearerCheck, grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc.aio is untyped
     """For grpc.aio servers."""
 
-    def __init__(self, credentials: Credentials, on_refusal: Callable[[str, str], None] | None = None):
-        self.credentials = credentials
-        self._on_refusal = on_refusal
-
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        why = self.credentials.refusal(details.method, details.invocation_metadata)
-        if why is None:
-            return handler
-        if self._on_refusal is not None:
-            self._on_refusal(details.method, why)
-        return _refusing_handler(handler, why, aio=True)
+        return self._decide(await continuation(details), details, aio=True)
 
 
-class SyncBearerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class SyncBearerInterceptor(_BearerCheck, grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """For grpc's thread-pool servers (the worker's)."""
 
-    def __init__(self, credentials: Credentials, on_refusal: Callable[[str, str], None] | None = None):
-        self.credentials = credentials
-        self._on_refusal = on_refusal
-
     def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None:
-            return None
-        why = self.credentials.refusal(details.method, details.invocation_metadata)
-        if why is None:
-            return handler
-        if self._on_refusal is not None:
-            self._on_refusal(details.method, why)
-        return _refusing_handler(handler, why, aio=False)
+        return self._decide(continuation(details), details, aio=False)
 
 
 class SyncPeerNameInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
