@@ -407,9 +407,13 @@ def victim_answer(cluster: Cluster) -> serving_pb2.GenerateResponse:
 
 
 def junk_step() -> worker_pb2.StepRequest:
-    """One step that writes token 0 into every slot of every block: what poisoned the cache in issue 29."""
-    table = list(range(CELL_BLOCKS))
-    return step_request(10**9, [seq_step(424242, [0] * (CELL_BLOCKS * 16), 0, table, logits=False)])
+    """One well-formed step that writes token 0 into every slot of every block: what poisoned
+    the cache in issue 29 (rows of 16 blocks, within the tiny model's 512-token context)."""
+    rows = [
+        seq_step(424242 + r, [0] * 256, 0, list(range(16 * r, 16 * (r + 1))), logits=False)
+        for r in range(CELL_BLOCKS // 16)
+    ]
+    return step_request(10**9, rows)
 
 
 def test_a_step_without_the_internal_token_is_refused_and_the_cache_stays_intact(keyed_cell):
