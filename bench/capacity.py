@@ -143,14 +143,17 @@ def layout_args(layout: str, model_len: int = MAX_SEQ_LEN) -> list[str]:
     ]
 
 
-def check_equal_memory(address_by_layout: dict[str, str]) -> dict[str, int]:
-    """KV bytes each worker allocated, from Info (they must be equal)."""
+def check_equal_memory(
+    address_by_layout: dict[str, str], metadata: tuple[tuple[str, str], ...] | None = None
+) -> dict[str, int]:
+    """KV bytes each worker allocated, from Info (they must be equal); `metadata`: a
+    Cluster's internal token."""
     from proto import worker_pb2, worker_pb2_grpc
 
     sizes = {}
     for layout, address in address_by_layout.items():
         with grpc.insecure_channel(address) as channel:
-            info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest())
+            info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), metadata=metadata)
         assert info.kv_layout == layout, (info.kv_layout, layout)
         sizes[layout] = info.num_blocks * info.kv_bytes_per_block
     return sizes
@@ -170,7 +173,7 @@ def part_workload(args) -> tuple[list[Run], dict[str, int]]:
         worker_args = ["--dtype", args.dtype, "--max-num-seqs", str(batch), *layout_args(layout)]
         scheduler_args = ["--max-waiting", "4096"]
         with Cluster(Path(args.model), worker_args, scheduler_args) as cluster:
-            memory[layout] = check_equal_memory({layout: cluster.workers[0].address})[layout]
+            memory[layout] = check_equal_memory({layout: cluster.workers[0].address}, cluster.worker_metadata)[layout]
             with SchedulerClient(cluster.address) as client:  # warm-up: first-call costs off the clock
                 client.generate(prompt_token_ids=cases[0][0][:32], max_tokens=4, ignore_eos=True, timeout=300)
             run, _ = run_burst(cluster.address, cases, name)

@@ -65,6 +65,11 @@ class ClusterSecrets:
         return (("authorization", f"Bearer {self.admin_key}"),)
 
     @property
+    def worker_metadata(self) -> tuple[tuple[str, str]]:
+        """gRPC call metadata for a worker's own calls (what its scheduler presents)."""
+        return (("authorization", f"Bearer {self.internal_token_file.read_text().strip()}"),)
+
+    @property
     def worker_args(self) -> list[str]:
         return ["--internal-token-file", str(self.internal_token_file)]
 
@@ -269,6 +274,11 @@ class Cluster:
     def admin_metadata(self) -> tuple[tuple[str, str]] | None:
         """gRPC call metadata for the scheduler's admin.v1 (None: started with secure=False)."""
         return self.secrets.admin_metadata if self.secrets else None
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str]] | None:
+        """gRPC call metadata for calling the workers directly (Info), as the scheduler does."""
+        return self.secrets.worker_metadata if self.secrets else None
 
     @property
     def processes(self) -> list[ServiceProcess]:

@@ -175,9 +175,8 @@ def test_zmq_and_grpc_subscribers_rebuild_the_cached_blocks_after_evictions(clus
     assert zmq_view == grpc_view and len(zmq_view) == stats.blocks_cached_free > 0
     # Every hash is a block of what was sent: our hash chain over those tokens.
     with grpc.insecure_channel(cluster.workers[0].address) as channel:
-        token = cluster.secrets.internal_token_file.read_text().strip()
-        metadata = (("authorization", f"Bearer {token}"),)
-        info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), metadata=metadata, timeout=WAIT_S)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        info = stub.Info(worker_pb2.InfoRequest(), metadata=cluster.worker_metadata, timeout=WAIT_S)
     keys = (info.model_name, info.model_type, info.dtype, info.kv_dtype)
     universe = {h for tokens in sent for h in chain_hashes(tokens, keys)}
     assert zmq_view <= universe
