@@ -263,7 +263,7 @@ class WorkerClient:
         """The late masks of step `step_id` (its mask_follows rows). Raises WorkerCallFailed."""
         request = worker_pb2.StepMasksRequest(step_id=step_id, masks=masks_to_proto(masks))
         try:
-            await self.stub.StepMasks(request, timeout=timeout_s)
+            await self.stub.StepMasks(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
 
