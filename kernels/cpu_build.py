@@ -103,3 +103,19 @@ def _register_fake() -> None:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
 
     torch.library.register_fake(f"{NAMESPACE}::paged_attention", fake)
+
+
+def main() -> int:
+    """`python -m kernels.cpu_build` (make setup): build or load them now, say which and how long."""
+    import time
+
+    start = time.perf_counter()
+    built = load()
+    where = cache_root() / f"pagedserve_cpu_{build_key()}"
+    if built:
+        print(f"[setup] C++ CPU kernels ready in {time.perf_counter() - start:.1f} s ({where})")
+    return 0 if built else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
