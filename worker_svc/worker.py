@@ -14,6 +14,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from kernels import reference
 from svc_common.cpu_features import CpuFeatures, read_cpu_features, resolve_dtype, thread_plan
 from svc_common.log_setup import configure_logging
 from worker_svc.attention.backend import load_backend, resolve_backend
@@ -130,17 +131,28 @@ class Worker:
         self.device = parallel.device if parallel else torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device.type, cpu)
         dtype = TORCH_DTYPES[self.dtype]
+        backend = load_backend(resolve_backend(config.attention_backend, self.device))
+        self.backend = backend.name
+        # A tensor-parallel forward needs every rank in its collectives: no graphs, no
+        # rank-0-only warm-up (its first request compiles what it needs).
+        eager = config.enforce_eager or parallel is not None
+        # The fused forward (not --enforce-eager): the backend's fused element-wise ops
+        # (Triton on CUDA, C++ on the CPU) and, on the CPU with the C++ kernels, the
+        # weights packed for the C++ linear layers. --enforce-eager: the per-op torch
+        # forward of the reference ops (and, on CUDA, no graphs).
+        layer_ops = reference if eager else backend.ops
+        self.cpu_linears = not eager and self.device.type == "cpu" and backend.name == "cpu"
         if parallel:  # this rank's heads, MLP columns and vocabulary slice
             self.model = load_rank_model(config.model, dtype, parallel)
         else:
-            self.model = DecoderModel.load(config.model, dtype, self.device)
+            self.model = DecoderModel.load(
+                config.model, dtype, self.device, ops=layer_ops, cpu_linears=self.cpu_linears
+            )
         spec = self.model.spec  # this rank's head counts
         ranks = parallel.size if parallel else 1
         whole = load_spec(config.model) if parallel else spec
         kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        backend = load_backend(resolve_backend(config.attention_backend, self.device))
-        self.backend = backend.name
         log.info(
             "worker compute",
             device=_describe(self.device),
@@ -150,10 +162,9 @@ class Worker:
             threads=torch.get_num_threads(),
             threads_reason=threads_reason,
             attention_backend=backend.name,
+            forward="per-op (eager)" if self.model.ops is reference else f"fused ({backend.name} ops)",
+            linears="C++ (packed at load)" if self.cpu_linears else "torch",
         )
-        # A tensor-parallel forward needs every rank in its collectives: no graphs, no
-        # rank-0-only warm-up (its first request compiles what it needs).
-        eager = config.enforce_eager or parallel is not None
         if not eager and graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None
             if graph_backend is None:  # the torch reference ops read lengths on the host

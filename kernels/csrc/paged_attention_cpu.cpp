@@ -32,6 +32,8 @@
 
 #include <omp.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -42,24 +44,12 @@
 
 namespace {
 
+using namespace pagedserve_cpu;
+
 constexpr int kRowTile = 16;
 constexpr float kNegBig = -1e30f;  // a finite "minus infinity": exp underflows to 0
 
 // ---- element conversions ----------------------------------------------------------
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, as c10::BFloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // a select, no branch
-}
-
 const std::array<float, 256>& fp8_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
@@ -142,68 +132,6 @@ struct CINT8 {
     for (int i = 0; i < n; ++i) dst[i] = Q::round((static_cast<float>(src[i]) - z) * scale);
   }
 };
-
-// exp for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r) with
-// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (~1 ulp).
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, 4);
-  return p * two_n;
-}
-
-// ---- the prefill tile's vectors -------------------------------------------------------
-// GCC vector extensions: one register of kLanes fp32 lanes (a zmm with AVX-512, a ymm
-// with AVX2; the compiler splits them where the CPU has narrower registers).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
-
-inline vfloat vload(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-inline vfloat vsplat(float x) { return vfloat{} + x; }
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
-// exp_neg on every lane: the same polynomial, with round-to-nearest as trunc(y - 0.5)
-// (y <= 0) and 2^n built in the exponent bits.
-inline vfloat vexp_neg(vfloat x) {
-  x = vmax(x, vsplat(-87.0f));
-  const vfloat y = x * 1.44269504088896341f;
-  const vint ni = __builtin_convertvector(y - 0.5f, vint);
-  const vfloat n = __builtin_convertvector(ni, vfloat);
-  vfloat r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  vfloat p = vsplat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vint bits = (ni + 127) << 23;
-  vfloat two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
 
 struct Args {
   const void* query;

@@ -37,6 +37,32 @@ class WriteKV(Protocol):
     ) -> None: ...
 
 
+class RopeWriteKV(Protocol):
+    """RoPE on query [T, q_heads, d] and key [T, kv_heads, d] (cos/sin [T, d]), then
+    WriteKV of the rotated key and the value; returns the rotated (query, key)."""
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slot_mapping: Tensor,
+        /,
+        *,
+        scales: Scales,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+class AddRmsNorm(Protocol):
+    """(rms_norm(residual + x) * weight, residual + x); x alone where residual is None."""
+
+    def __call__(self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, /) -> tuple[Tensor, Tensor]: ...
+
+
 class DecodeAttention(Protocol):
     """One query row per sequence, query [S, q_heads, d], over its context: the
     blocks of its row of block_tables [S, W] (paged), or its slot, slots [S]
@@ -86,10 +112,19 @@ class CopyBlocks(Protocol):
 class AttentionOps(Protocol):
     """kernels/reference.py's ops, signatures and semantics (its docstring has the
     cache layouts and the varlen conventions): one layer's cache per call, all
-    layers' for copy_blocks. kernels/triton_ops.py is one too."""
+    layers' for copy_blocks. kernels/triton_ops.py and kernels/cpu_ops.py are ones
+    too. The set also carries the decoder's other fused element-wise op,
+    add_rms_norm, which the model takes from its backend (models/decoder.py:
+    LayerOps), so that one backend choice picks every kernel of a layer."""
 
     @property
     def write_kv(self) -> WriteKV: ...
+
+    @property
+    def rope_write_kv(self) -> RopeWriteKV: ...
+
+    @property
+    def add_rms_norm(self) -> AddRmsNorm: ...
 
     @property
     def paged_decode_attention(self) -> DecodeAttention: ...
