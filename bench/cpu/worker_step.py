@@ -88,13 +88,13 @@ def blocks_needed(shape: StepShape) -> int:
     return shape.shared_prefix // BLOCK + shape.seqs * -(-(shape.context - shape.shared_prefix) // BLOCK) + 1
 
 
-def timer() -> Callable[[], float]:
-    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+def timer(wall: bool) -> Callable[[], float]:
+    return time.thread_time if torch.get_num_threads() == 1 and not wall else time.perf_counter
 
 
-def measure(workers: dict[str, Worker], shape: StepShape, rounds: int) -> dict[str, float]:
+def measure(workers: dict[str, Worker], shape: StepShape, rounds: int, wall: bool = False) -> dict[str, float]:
     """Median ms per step of each worker, interleaved round by round."""
-    now = timer()
+    now = timer(wall)
     times: dict[str, list[float]] = {name: [] for name in workers}
     vocab = next(iter(workers.values())).info.vocab_size
     for w in workers.values():
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--wall", action="store_true", help="wall time even with one thread")
     parser.add_argument("--profile", action="store_true", help="torch.profiler split of each variant's step")
     args = parser.parse_args(argv)
     emit(
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu=read_cpu_features().describe(),
         torch=torch.__version__,
         threads=args.threads,
+        clock="wall" if args.wall or args.threads > 1 else "CPU time of this thread",
         load=open("/proc/loadavg").read().split()[:3],
     )
     num_blocks = max(blocks_needed(STEPS[s]) for s in args.steps)
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         workers[name] = Worker(config)
     for step_name in args.steps:
         shape = STEPS[step_name]
-        ms = measure(workers, shape, args.rounds)
+        ms = measure(workers, shape, args.rounds, args.wall)
         tokens = shape.seqs * shape.new_tokens
         emit(section="step", step=step_name, ms=ms, tok_s={k: tokens / v * 1e3 for k, v in ms.items()})
         if args.profile:
