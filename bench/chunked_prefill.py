@@ -31,23 +31,11 @@ import random
 import time
 from pathlib import Path
 
-from bench.bench_util import (
-    DEFAULT_MODEL,
-    TimedStream,
-    fmt,
-    load_average,
-    percentile,
-    progress,
-    pyplot,
-    random_token_ids,
-    require_model,
-    save_plot,
-    wait_until,
-    worker_info,
-)
-from bench.common import markdown_table, median, write_result
+from bench.harness.load import TimedStream, random_token_ids, wait_until
+from bench.harness.machine import announce, load_average
+from bench.harness.results import fmt, markdown_table, median, percentile, progress, pyplot, save_plot, write_result
+from bench.harness.services import DEFAULT_MODEL, ServiceProcess, require_model, worker_info
 from scheduler_svc.client import SchedulerClient
-from tools.processes import ServiceProcess
 
 NAME = "chunked_prefill"
 NUM_DECODES = 8
@@ -109,6 +97,7 @@ def trial(address: str, decode_prompts: list[list[int]], long_prompts: list[list
 
 
 def main() -> None:
+    announce(NAME)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument(

@@ -27,10 +27,11 @@ from pathlib import Path
 import grpc
 import httpx
 
-from bench.common import markdown_table, median, write_result
+from bench.harness.machine import announce
+from bench.harness.results import markdown_table, median, write_result
+from bench.harness.services import REPO, Cluster, ServiceProcess
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from tools.processes import REPO, Cluster, ServiceProcess
 
 PROMPTS = [
     "The capital of France is",
@@ -163,6 +164,7 @@ def rows_for(label: str, results: dict[str, list[tuple[float, float, str]]]) -> 
 
 
 def main() -> None:
+    announce("gateway_overhead")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--requests", type=int, default=20, help="requests per path (sequential, interleaved)")

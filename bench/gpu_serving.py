@@ -56,18 +56,12 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_util import (
-    DEFAULT_MODEL,
-    TimedStream,
-    fmt,
-    generate_exactly,
-    left_padded,
-    percentile,
-    pyplot,
-    save_plot,
-)
-from bench.common import markdown_table, write_result
-from tools.processes import REPO
+from bench.harness.cuda import cuda_median_ms, describe_gpu
+from bench.harness.hf import generate_exactly, left_padded
+from bench.harness.load import TimedStream, drive, random_prompts
+from bench.harness.machine import announce
+from bench.harness.results import fmt, markdown_table, percentile, pyplot, save_plot, write_result
+from bench.harness.services import DEFAULT_MODEL, REPO, Cluster
 
 NAME = "gpu_serving"
 SECTIONS = ("kernels", "step", "serving", "transformers")
@@ -161,27 +155,10 @@ def ensure_checkpoint() -> Path:
 
 
 def prompts_for(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(rng.randint(*PROMPT_LENS))] for _ in range(n)]
+    return random_prompts(n, seed, 100, vocab, PROMPT_LENS)
 
 
-# --------------------------------------------------------------------------- timing
-
-
-def cuda_median_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> float:
-    """Median of CUDA-event timings of fn, the L2 cache flushed (overwritten) before each."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+# --------------------------------------------------------------------------- figures
 
 
 def decode_bytes(context_lens: list[int], kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -298,7 +275,7 @@ def _prefill_row(label, lens, q_heads, kv_heads, head_dim, reps, flush) -> dict:
         flush,
     )
     row["routed_ms"] = cuda_median_ms(
-        lambda: fresh_prefill_attention(query, key, value, tuple(lens), scale), reps, flush
+        lambda: fresh_prefill_attention(query, key, value, cu, tuple(lens), scale), reps, flush
     )
     for name in ("triton", "sdpa", "routed"):
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
@@ -396,9 +373,7 @@ def _step_split(model: Path, batch: int, graphs: bool, quick: bool) -> dict:
 
 
 def serving(model: Path, streams: list[int], max_tokens: int) -> dict:
-    from bench.loop import drive
     from scheduler_svc.client import SchedulerClient
-    from tools.processes import Cluster
 
     worker_args = [
         "--device", "cuda", "--dtype", "bfloat16", "--kv-cache-memory-mb", str(KV_CACHE_MB),
@@ -427,9 +402,9 @@ def serving(model: Path, streams: list[int], max_tokens: int) -> dict:
         for n in streams:
             result = asyncio.run(drive(cluster.address, prompts_for(n, vocab, seed=n), max_tokens))
             out["runs"][n] = {
-                "tok_s": result["tokens"] / result["wall_s"],
-                "itl_p50": percentile(result["gaps"], 50),
-                "itl_p99": percentile(result["gaps"], 99),
+                "tok_s": result.tok_s,
+                "itl_p50": percentile(result.gaps_ms, 50),
+                "itl_p99": percentile(result.gaps_ms, 99),
             }
             print(f"serving {n} streams: {out['runs'][n]['tok_s']:.0f} tok/s", flush=True)
     return out
@@ -498,13 +473,8 @@ def transformers_continuous(model: Path, streams: list[int], max_tokens: int) ->
 
 
 def report(args, results: dict, errors: dict, started: float) -> str:
-    import transformers
-    import triton
-
-    gpu = torch.cuda.get_device_name()
     parts = [
-        f"GPU: **{gpu}**; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
-        f"transformers {transformers.__version__}. Streams {args.streams}, {args.max_tokens} new tokens, "
+        f"{describe_gpu()}. Streams {args.streams}, {args.max_tokens} new tokens, "
         f"prompts {PROMPT_LENS[0]}-{PROMPT_LENS[1]} tokens. Run time {time.perf_counter() - started:.0f} s."
     ]
     verdicts = []
@@ -641,16 +611,18 @@ def plot(args, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--streams", type=int, nargs="+", help="default 1 32 128 256 (--quick: 1 32)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--quick", action="store_true", help="streams 1 32, 32 tokens, fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="32 tokens, fewer repetitions, streams 1 32 unless given")
     args = parser.parse_args(argv)
+    announce(NAME)
     if not torch.cuda.is_available():
         print("bench.gpu_serving needs a CUDA GPU and this machine has none: nothing measured, nothing written.")
         return 0
     if args.quick:
-        args.streams, args.max_tokens = [1, 32], 32
+        args.max_tokens = 32
+    args.streams = args.streams or ([1, 32] if args.quick else [1, 32, 128, 256])
     started = time.perf_counter()
     model = ensure_checkpoint()
     results: dict = {}

@@ -26,8 +26,9 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import markdown_table, write_result
-from tools.processes import REPO
+from bench.harness.machine import announce
+from bench.harness.results import markdown_table, write_result
+from bench.harness.services import REPO
 from worker_svc.attention.kv_cache import PagedKVCache
 from worker_svc.config import WorkerConfig
 from worker_svc.runner.batch import plan_batch
@@ -149,6 +150,7 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[float, float
 
 
 def main() -> None:
+    announce("kv_quality")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--text-tokens", type=int, default=3072)

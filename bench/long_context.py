@@ -41,35 +41,15 @@ import math
 import random
 import time
 
-from bench.bench_util import (
-    TimedStream,
-    fmt,
-    load_average,
-    peak_rss_mb,
-    percentile,
-    progress,
-    pyplot,
-    random_token_ids,
-    rss_mb,
-    save_plot,
-    wait_until,
-    worker_info,
-)
-from bench.common import markdown_table, write_result
+from bench.harness.load import TimedStream, random_token_ids, wait_until
+from bench.harness.machine import announce, load_average, memory_mb, peak_rss_mb, rss_mb
+from bench.harness.results import fmt, markdown_table, percentile, progress, pyplot, save_plot, write_result
+from bench.harness.services import Cluster, tiny_model, worker_info
 from scheduler_svc.client import SchedulerClient
-from tools.processes import Cluster
 
 NAME = "long_context"
 NUM_DECODES = 8
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def mem_available_mb() -> float:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    return math.nan
 
 
 def run(model, args, prompt: list[int], chunk: int | None, check_short: bool = False) -> dict:
@@ -157,6 +137,7 @@ def kv_columns(r: dict, args) -> list:
 
 
 def main() -> None:
+    announce(NAME)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--prompt-tokens",
@@ -177,9 +158,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.prompt_tokens + 64 > args.max_model_len:
         raise SystemExit("--prompt-tokens + 64 must be <= --max-model-len")
-    from tools.tiny_checkpoints import ensure_checkpoint
-
-    model = ensure_checkpoint("llama_long")
+    model = tiny_model("llama_long")
     started, load_before = time.perf_counter(), load_average()
     parse = lambda text: [None if c.strip() == "unchunked" else int(c) for c in text.split(",")]
     label = lambda c: "unchunked" if c is None else str(c)
@@ -191,7 +170,7 @@ def main() -> None:
     # One-shot prefill of the full prompt: the attention mask alone is P^2 bytes.
     mask_gb = args.prompt_tokens**2 / 1e9
     full_unchunked = None in chunks
-    if full_unchunked and mask_gb * 1e3 > 0.5 * mem_available_mb():
+    if full_unchunked and mask_gb * 1e3 > 0.5 * memory_mb("MemAvailable"):
         chunks = [c for c in chunks if c is not None]
         full_unchunked = False
     full, small = {}, {}
@@ -286,7 +265,7 @@ def main() -> None:
         f"{short_blocks} blocks for {short_tokens} tokens (ceil({short_tokens}/16) = "
         f"{math.ceil(short_tokens / 16)}): memory follows tokens, not the limit. {overhead}"
         f"Unchunked at {args.prompt_tokens:,} tokens is not run: the reference attention's [query x key] mask alone "
-        f"is {mask_gb:,.1f} GB (SDPA's working set over it is larger), against {mem_available_mb() / 1024:.0f} GB "
+        f"is {mask_gb:,.1f} GB (SDPA's working set over it is larger), against {memory_mb('MemAvailable') / 1024:.0f} GB "
         f"available now. Peak RSS is the worker process's VmHWM (fresh worker per row). 1-minute load average "
         f"{load_before:.1f} before, {load_average():.1f} after (2 cores, shared). Run time "
         f"{time.perf_counter() - started:.0f} s."

@@ -29,23 +29,25 @@ tree with `python -m worker_svc` / `python -m scheduler_svc`, the same code path
   consecutive lines (the whole loop: dispatch + streaming of the previous step,
   planning, the Step RPC, update). "mean" = all steps of the run; "decode" =
   steps that only decode. The same lines give the scheduler's step_ms (RPC +
-  update) and the worker's forward_ms (from its StepResponse).
+  update) and the worker's forward_ms (from its StepResponse);
+* scheduler CPU per step: the scheduler process's CPU time (user + system, from
+  /proc) over the run / its steps: what the loop costs it, unaffected by other
+  processes on the shared cores (and the same for the worker).
 
 Part B, where a step's time goes (current revision only: it imports the
-scheduler's planning/engine modules, whose paths changed in the reorganisation):
-the scheduler's own Planner + KVCacheManager + RequestStreams run in this
-process on the same workload (batch = min(N, max-num-seqs)) and drive a real
-worker process over gRPC as the scheduler does; after the prefill, per decode
-step: plan (Planner.schedule), build (plan_to_proto), encode
-(SerializeToString), RPC (unary call wall time), parse reply (FromString +
-result_from_proto), update (Planner.update), dispatch (RequestStream.on_update
-per update, as EngineCore._dispatch), responses (event_to_proto +
-SerializeToString per stream event, as the Generate handler). Worker figures
-come from its StepResponse timings: batch = prepare_ms (block copies +
-forward-batch building), forward_ms, sample_ms; its request parsing
-(step_from_proto) and validation (step_input.validate) are timed here on the
-same bytes with the same code; RPC transport = RPC wall - worker total_ms -
-that parse+validate - the worker's reply encoding (also timed here).
+scheduler's planning/engine modules, whose paths change between revisions):
+bench/harness/step_driver.py runs the scheduler's own Planner + KVCacheManager in
+this process on the same workload (batch = min(N, max-num-seqs)) and drives a
+real worker process over gRPC as the scheduler does, with RequestStreams on the
+output side; after the prefill, per decode step: plan (Planner.schedule), build
+(plan_to_proto), encode (SerializeToString), RPC (unary call wall time), parse
+reply (FromString + result_from_proto), update (Planner.update), dispatch
+(RequestStream.on_update per update, as EngineCore._dispatch), responses
+(event_to_proto + SerializeToString per stream event, as the Generate handler).
+Worker figures come from its StepResponse timings: batch = prepare_ms (block
+copies + forward-batch building), forward_ms, sample_ms; its request parsing
+and validation and its reply encoding are timed here on the same bytes with the
+same code; RPC transport = RPC wall - worker total_ms - those three.
 
 Part C, the ceiling: the same client and workload against bench/stream_ceiling.py,
 a serving.v1 stub that streams one-token messages with nothing behind it: what
@@ -58,25 +60,34 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import random
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import grpc
-
-from bench.bench_util import fmt, load_average, percentile, pyplot, save_plot
-from bench.common import commit, markdown_table, write_result
-from proto import serving_pb2, serving_pb2_grpc
-from svc_common.grpc_options import channel_options
-from tools.processes import REPO
+from bench.harness.load import drive, random_prompts
+from bench.harness.machine import announce, cpu_seconds, load_average
+from bench.harness.results import (
+    commit,
+    fmt,
+    markdown_table,
+    mean,
+    ms_since,
+    percentile,
+    pyplot,
+    save_plot,
+    write_result,
+)
+from bench.harness.services import (
+    REPO,
+    Stack,
+    TreeService,
+    dirty_files,
+    make_worktree,
+    remove_worktree,
+    rev_of,
+    run_in_tree,
+    tiny_model,
+)
 
 NAME = "loop"
 DEFAULT_BASELINE = "1b3f5f4"
@@ -96,171 +107,8 @@ SHORT_RUN_REPEATS = 4
 NUM_BLOCKS = 4096  # 256 running x ceil(208 / 16) = 3,328 blocks at most
 
 
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
-
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else math.nan
-
-
-# ---- processes started from a given tree -----------------------------------------------
-@dataclass
-class Service:
-    """`python -m MODULE` with cwd and PYTHONPATH = root (so a worktree runs its own code)."""
-
-    root: Path
-    module: str
-    args: list[str]
-    proc: subprocess.Popen | None = None
-    port: int = 0
-    _dir: str = ""
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return Path(self._dir) / "service.log"
-
-    def start(self, timeout_s: float = 180.0) -> Service:
-        self._dir = tempfile.mkdtemp(prefix="pagedserve-loop-")
-        ready = Path(self._dir) / "ready.json"
-        env = {**os.environ, "PYTHONPATH": str(self.root)}
-        cmd = [
-            sys.executable,
-            "-m",
-            self.module,
-            *self.args,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--ready-file",
-            str(ready),
-        ]
-        with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop(keep_log=True)
-                raise RuntimeError(f"{self.module} ({self.root}) did not start:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.05)
-        time.sleep(0.05)  # the ready file is written in one go, but be safe
-        self.port = json.loads(ready.read_text())["port"]
-        return self
-
-    def stop(self, keep_log: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self._dir and not keep_log:
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-
-@dataclass
-class Stack:
-    """A worker and a scheduler from one source tree."""
-
-    label: str
-    root: Path
-    model: Path
-    worker_args: list[str]
-    worker: Service | None = None
-    scheduler: Service | None = None
-
-    def start(self) -> Stack:
-        self.worker = Service(self.root, "worker_svc", ["--model", str(self.model), *self.worker_args]).start()
-        try:
-            self.scheduler = Service(
-                self.root,
-                "scheduler_svc",
-                [
-                    "--model",
-                    str(self.model),
-                    "--workers",
-                    self.worker.address,
-                    *SCHEDULER_FLAGS,
-                    "--log-format",
-                    "json",
-                    "--log-level",
-                    "debug",
-                ],
-            ).start()
-        except Exception:
-            self.worker.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        for s in (self.scheduler, self.worker):
-            if s:
-                s.stop()
-
-    def step_lines(self) -> list[dict]:
-        out = []
-        with open(self.scheduler.log_path, errors="replace") as f:
-            for line in f:
-                if '"event": "step"' not in line and '"event":"step"' not in line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if record.get("event") == "step":
-                    out.append(record)
-        return out
-
-
-# ---- the client: one asyncio channel, N streams ------------------------------------------
-async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    channel = grpc.aio.insecure_channel(address, options=channel_options())
-    stub = serving_pb2_grpc.SchedulerStub(channel)
-    gaps: list[float] = []
-    tokens = 0
-    errors: list[str] = []
-
-    async def one(ids: list[int]) -> None:
-        nonlocal tokens
-        last = None
-        request = serving_pb2.GenerateRequest(
-            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        try:
-            async for reply in stub.Generate(request, timeout=1800):
-                if reply.token_ids:
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append((now - last) * 1e3)
-                    last = now
-                    tokens += len(reply.token_ids)
-        except grpc.aio.AioRpcError as err:
-            errors.append(f"{err.code().name}: {err.details()}")
-
-    try:
-        await channel.channel_ready()
-        started = time.perf_counter()
-        await asyncio.gather(*(one(ids) for ids in prompts))
-        wall = time.perf_counter() - started
-    finally:
-        await channel.close()
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(prompts)} streams failed, e.g. {errors[0]}")
-    if tokens != len(prompts) * max_tokens:
-        raise RuntimeError(f"expected {len(prompts) * max_tokens} tokens, got {tokens}")
-    return {"tokens": tokens, "wall_s": wall, "gaps": gaps}
-
-
 def prompts_for(n: int, seed: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(40, 80))] for _ in range(n)]
+    return random_prompts(n, seed, 4, vocab, (40, 80))
 
 
 def timestamp(record: dict) -> float:
@@ -268,19 +116,25 @@ def timestamp(record: dict) -> float:
 
 
 def run_once(stack: Stack, n: int, max_tokens: int, vocab: int) -> dict:
-    """One run of the workload: what the client saw and the scheduler's step lines."""
+    """One run of the workload: what the client saw, the scheduler's step lines, and
+    the CPU time each service spent on it."""
     seen = len(stack.step_lines())
     load = load_average()
-    out = asyncio.run(drive(stack.scheduler.address, prompts_for(n, n, vocab), max_tokens))
+    pids = {"scheduler": stack.scheduler.proc.pid, "worker": stack.worker.proc.pid}
+    cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+    out = asyncio.run(drive(stack.scheduler_address, prompts_for(n, n, vocab), max_tokens))
     time.sleep(0.05)  # the last step's line is written before its tokens go out; be safe
+    cpu = {k: cpu_seconds(pid) - cpu_before[k] for k, pid in pids.items()}
     steps = stack.step_lines()[seen:]
     times = [timestamp(s) for s in steps]
     return {
-        "tok_s": out["tokens"] / out["wall_s"],
-        "wall_s": out["wall_s"],
-        "gaps": out["gaps"],
+        "tok_s": out.tok_s,
+        "wall_s": out.wall_s,
+        "gaps": out.gaps_ms,
         "load": load,
         "steps": steps,
+        "sched_cpu_ms": 1e3 * cpu["scheduler"] / max(len(steps), 1),
+        "worker_cpu_ms": 1e3 * cpu["worker"] / max(len(steps), 1),
         "periods": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)],
         "decode_periods": [
             (b - a) * 1e3 for a, b, s in zip(times, times[1:], steps[1:], strict=False) if s["tokens"] == s["seqs"]
@@ -296,13 +150,13 @@ def repeats_for(n: int, repeats: int) -> int:
 def stream_ceiling(streams: list[int], max_tokens: int, vocab: int, repeats: int) -> dict[int, float]:
     """Part C: output tok/s of the same client and workload against bench/stream_ceiling.py,
     a serving.v1 stub that only streams (no scheduler, no worker)."""
-    stub = Service(REPO, "bench.stream_ceiling", []).start()
+    stub = TreeService(REPO, "bench.stream_ceiling", []).start()
     try:
         asyncio.run(drive(stub.address, prompts_for(8, 8, vocab), 8))  # warm-up, as for the stacks
         rates = {}
         for n in streams:
             runs = [asyncio.run(drive(stub.address, prompts_for(n, n, vocab), max_tokens)) for _ in range(repeats)]
-            rates[n] = mean(r["tokens"] / r["wall_s"] for r in runs)
+            rates[n] = mean(r.tok_s for r in runs)
         return rates
     finally:
         stub.stop()
@@ -325,202 +179,66 @@ def summarize(runs: list[dict]) -> dict:
         "step_ms": mean(s["step_ms"] for s in decode_steps),
         "forward_ms": mean(s["forward_ms"] for s in decode_steps),
         "seqs_per_step": mean(s["seqs"] for s in decode_steps),
+        "sched_cpu_ms": mean(r["sched_cpu_ms"] for r in runs),
+        "worker_cpu_ms": mean(r["worker_cpu_ms"] for r in runs),
     }
 
 
 # ---- part B: in-process split (current revision) ----------------------------------------
 def split(worker_address: str, model: Path, batch: int, max_tokens: int, vocab: int, steps: int) -> dict:
-    import numpy as np
-
-    from proto import worker_pb2
+    """The step path piece by piece (bench/harness/step_driver.py), plus the output side
+    as the engine runs it: RequestStream.on_update per update (EngineCore._dispatch) and
+    event_to_proto + serialize per event (the Generate handlers)."""
+    from bench.harness.step_driver import StepDriver, transport_ms
     from scheduler_svc.api.serving import event_to_proto
     from scheduler_svc.engine.streams import RequestStream
-    from scheduler_svc.engine.worker_client import info_from_proto, plan_to_proto, result_from_proto
-    from scheduler_svc.kv.block_manager import KVCacheManager
-    from scheduler_svc.kv.block_pool import BlockPool
-    from scheduler_svc.planning.planner import Planner, PlannerConfig
     from scheduler_svc.request import Request, SamplingOptions
     from scheduler_svc.text.tokenizer import load_tokenizer
-    from worker_svc.server import step_from_proto, step_to_proto
-    from worker_svc.step.output import SampledRows, StepOutput
-    from worker_svc.step.validation import Limits, validate
 
-    channel = grpc.insecure_channel(worker_address, options=channel_options())
+    driver = StepDriver(worker_address, MAX_NUM_SEQS, prefix_caching=False)
     try:
-        info = info_from_proto(
-            worker_address,
-            worker_pb2.InfoResponse.FromString(
-                channel.unary_unary("/worker.v1.Worker/Info")(worker_pb2.InfoRequest().SerializeToString(), timeout=60)
-            ),
-        )
-        call = channel.unary_unary("/worker.v1.Worker/Step")  # bytes in, bytes out
-        limits = Limits(info.vocab_size, info.num_blocks, info.block_size, info.max_model_len, info.kv_layout)
         tokenizer = load_tokenizer(model)
-        pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=False)
-        kv = KVCacheManager(pool, extra_keys=(info.model_name, info.model_type, info.dtype, info.kv_dtype))
-        planner = Planner(
-            PlannerConfig(
-                max_num_batched_tokens=8192,
-                max_num_seqs=MAX_NUM_SEQS,
-                chunk_size=8192,
-                max_model_len=info.max_model_len,
-                block_size=info.block_size,
-                max_waiting=4096,
-            ),
-            kv,
-        )
-        streams = {}
-        for i, ids in enumerate(prompts_for(batch, batch, vocab)):
-            r = Request(
-                f"r{i}",
-                i,
-                ids,
-                SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                eos_token_ids=frozenset(tokenizer.eos_token_ids),
-            )
-            planner.add(r)
-            streams[r.request_id] = RequestStream(r, tokenizer)
+        sampling = SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        eos = frozenset(tokenizer.eos_token_ids)
+        requests = [Request(f"r{i}", i, ids, sampling, eos) for i, ids in enumerate(prompts_for(batch, batch, vocab))]
+        driver.add(requests)
+        streams = {r.request_id: RequestStream(r, tokenizer) for r in requests}
         measured = []
-        while planner.has_work() and len(measured) < steps:
-            t = {}
+        while driver.planner.has_work() and len(measured) < steps:
+            step = driver.step()
+            t = step.t
             start = time.perf_counter()
-            plan = planner.schedule()
-            t["plan"] = _ms(start)
-            start = time.perf_counter()
-            message = plan_to_proto(plan)
-            t["build"] = _ms(start)
-            start = time.perf_counter()
-            payload = message.SerializeToString()
-            t["encode"] = _ms(start)
-            start = time.perf_counter()
-            reply_bytes = call(payload, timeout=600)
-            t["rpc"] = _ms(start)
-            start = time.perf_counter()
-            reply = worker_pb2.StepResponse.FromString(reply_bytes)
-            result = result_from_proto(reply)
-            t["parse_reply"] = _ms(start)
-            start = time.perf_counter()
-            updates = planner.update(plan, result.sampled)
-            t["update"] = _ms(start)
-            start = time.perf_counter()
-            for update in updates:  # as EngineCore._dispatch
+            for update in step.updates:  # as EngineCore._dispatch
                 stream = streams.get(update.request_id)
                 if stream is None:
                     continue
                 stream.on_update(update)
                 if stream.closed:
                     del streams[update.request_id]
-            t["dispatch"] = _ms(start)
+            t["dispatch"] = ms_since(start)
             start = time.perf_counter()
-            events = 0
             for stream in list(streams.values()):  # as the Generate handlers, one event_to_proto per event
                 while not stream.events.empty():
                     event_to_proto(stream.events.get_nowait(), stream.request.request_id, tokenizer).SerializeToString()
-                    events += 1
-            t["responses"] = _ms(start)
-            timings = reply.timings
-            t["w_prepare"], t["w_forward"], t["w_sample"], t["w_total"] = (
-                timings.prepare_ms,
-                timings.forward_ms,
-                timings.sample_ms,
-                timings.total_ms,
-            )
-            # The worker's own parsing/validation and reply encoding: same code, same bytes, timed here.
-            start = time.perf_counter()
-            step_input = step_from_proto(worker_pb2.StepRequest.FromString(payload))
-            validate(step_input, limits)
-            t["w_validate"] = _ms(start)
-            out = StepOutput(
-                reply.step_id,
-                SampledRows(
-                    np.array(reply.sampled.seq_ids, np.uint64),
-                    np.array(reply.sampled.token_ids, np.int64),
-                    np.array(reply.sampled.logprobs, np.float64),
-                ),
-                reply.num_tokens,
-                {"total_ms": timings.total_ms},
-            )
-            start = time.perf_counter()
-            step_to_proto(out, reply.instance_id).SerializeToString()
-            t["w_reply"] = _ms(start)
-            t["transport"] = t["rpc"] - t["w_total"] - t["w_validate"] - t["w_reply"]
-            if plan.num_tokens == len(plan.seqs) == batch:  # a decode step of the whole batch
+            t["responses"] = ms_since(start)
+            t |= driver.worker_costs(step)
+            t["transport"] = transport_ms(t)
+            if step.plan.num_tokens == len(step.plan.seqs) == batch:  # a decode step of the whole batch
                 measured.append(t)
-        planner.requeue_all()
+        driver.planner.requeue_all()
         if not measured:
             raise RuntimeError(f"no decode step of {batch} sequences")
         return {k: mean(s[k] for s in measured) for k in measured[0]} | {"steps": len(measured)}
     finally:
-        channel.close()
-
-
-# ---- main -----------------------------------------------------------------------------------
-def make_worktree(rev: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="pagedserve-baseline-"))
-    path.rmdir()
-    subprocess.run(
-        ["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO, check=True, capture_output=True, text=True
-    )
-    protos = sorted(str(p.relative_to(path)) for p in (path / "proto").glob("*.proto"))
-    subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.", *protos],
-        cwd=path,
-        check=True,
-    )
-    return path
-
-
-def remove_worktree(path: Path) -> None:
-    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, capture_output=True)
-    shutil.rmtree(path, ignore_errors=True)
-    subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
-
-
-def dirty_files(root: Path) -> list[str]:
-    """Uncommitted changes to the code the services and part B run."""
-    out = subprocess.run(
-        [
-            "git",
-            "status",
-            "--porcelain",
-            "--",
-            "scheduler_svc",
-            "worker_svc",
-            "svc_common",
-            "proto",
-            "models",
-            "kernels",
-            "bench/loop.py",
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return [line[3:] for line in out.splitlines() if line.strip()]
+        driver.close()
 
 
 def split_in(root: Path, worker_address: str, model: Path, batches: list[int], args) -> dict[int, dict]:
     """Part B in a child process started from `root`, so it imports the same code as that tree's services."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.loop",
-        "--split-only",
-        worker_address,
-        "--model",
-        str(model),
-        "--streams",
-        *map(str, batches),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--split-steps",
-        str(args.split_steps),
-    ]
-    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"part B failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("SPLIT "))
-    return {int(k): v for k, v in json.loads(line[len("SPLIT ") :]).items()}
+    argv = ["-m", "bench.loop", "--split-only", worker_address, "--model", str(model)]
+    argv += ["--streams", *map(str, batches), "--max-tokens", str(args.max_tokens)]
+    argv += ["--split-steps", str(args.split_steps)]
+    return {int(k): v for k, v in run_in_tree(root, argv, "SPLIT").items()}
 
 
 def main() -> None:
@@ -548,18 +266,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.streams, args.max_tokens, args.split_steps, args.repeats = [1, 16, 64], 16, 4, 1
-    if args.model:
-        model = Path(args.model).resolve()
-    else:
-        from tools.tiny_checkpoints import ensure_checkpoint
-
-        model = ensure_checkpoint("llama")
+    model = Path(args.model).resolve() if args.model else tiny_model("llama")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     if args.split_only:
         parts = {b: split(args.split_only, model, b, args.max_tokens, vocab, args.split_steps) for b in args.streams}
         print("SPLIT " + json.dumps(parts))
         return
+    announce(NAME)
     worker_args = [
+        "--model",
+        str(model),
         "--dtype",
         "float32",
         "--num-blocks",
@@ -570,12 +286,6 @@ def main() -> None:
         args.device,
     ]
     started, load_before = time.perf_counter(), load_average()
-
-    def rev_of(rev: str) -> str:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True, text=True
-        ).stdout.strip()
-
     baseline_rev = None if args.no_baseline else rev_of(args.baseline)
     current_rev = rev_of(args.current) if args.current else None
     worktrees: list[Path] = []
@@ -588,11 +298,12 @@ def main() -> None:
         if current_rev:
             current_root = make_worktree(current_rev)
             worktrees.append(current_root)
-        dirty = [] if current_rev else dirty_files(REPO)
-        stacks.append(Stack("current", current_root, model, worker_args).start())
+        dirty = [] if current_rev else dirty_files(REPO, "bench")
+        scheduler_args = ["--model", str(model), *SCHEDULER_FLAGS]
+        stacks.append(Stack("current", current_root, worker_args, scheduler_args).start())
         if baseline_rev:
             worktrees.append(make_worktree(baseline_rev))
-            stacks.append(Stack("baseline", worktrees[-1], model, worker_args).start())
+            stacks.append(Stack("baseline", worktrees[-1], worker_args, scheduler_args).start())
         for stack in stacks:  # warm-up: first-call costs (torch kernels, gRPC channels) out of the figures
             run_once(stack, 8, 8, vocab)
         for i, n in enumerate(args.streams):
@@ -607,7 +318,7 @@ def main() -> None:
                 print(
                     f"{stack.label:8} N={n:5}: {r['tok_s']:8.0f} tok/s, period {r['period']:.2f} ms "
                     f"(decode {r['period_decode']:.2f}), ITL p50 {r['itl_p50']:.2f} p99 {r['itl_p99']:.2f} ms, "
-                    f"{r['steps']} steps, {r['wall_s']:.1f} s",
+                    f"{r['steps']} steps, {r['wall_s']:.1f} s, scheduler CPU {r['sched_cpu_ms']:.2f} ms/step",
                     flush=True,
                 )
         for stack in stacks[1:]:
@@ -672,7 +383,8 @@ def report(
         return [fmt(b, digits), fmt(c, digits), f"{ratio:.2f}x"]
 
     heads = ["streams N"]
-    for what in ("output tok/s", "step period ms (mean)", "decode step period ms", "ITL p50 ms", "ITL p99 ms"):
+    whats = ("output tok/s", "step period ms (mean)", "decode step period ms", "ITL p50 ms", "ITL p99 ms")
+    for what in (*whats, "scheduler CPU ms per step"):
         heads += [f"{what} base", f"{what} current", "ratio"] if has_base else [what]
     rows = []
     for n in args.streams:
@@ -684,6 +396,7 @@ def report(
                 *pair(n, "period_decode", 2),
                 *pair(n, "itl_p50", 2),
                 *pair(n, "itl_p99", 2),
+                *pair(n, "sched_cpu_ms", 2),
             ]
         )
     table_a = markdown_table(heads, rows)
@@ -703,6 +416,8 @@ def report(
                         fmt(r["step_ms"], 2),
                         fmt(r["forward_ms"], 2),
                         fmt(r["period_decode"] - r["step_ms"], 2),
+                        fmt(r["sched_cpu_ms"], 2),
+                        fmt(r["worker_cpu_ms"], 2),
                         fmt(r["wall_s"], 1),
                         fmt(r["load"], 1),
                     ]
@@ -718,6 +433,8 @@ def report(
             "scheduler step_ms (RPC + update)",
             "worker forward_ms",
             "period - step_ms (plan + dispatch + streaming out + loop)",
+            "scheduler CPU ms per step",
+            "worker CPU ms per step",
             "run s",
             "load avg at start",
         ],
@@ -735,8 +452,8 @@ def report(
                 fmt(p["build"] + p["encode"], 2),
                 f"{fmt(p['build'], 2)} + {fmt(p['encode'], 2)}",
                 fmt(p["transport"], 2),
-                fmt(p["w_validate"] + p["w_prepare"], 2),
-                f"{fmt(p['w_validate'], 2)} + {fmt(p['w_prepare'], 2)}",
+                fmt(p["w_parse"] + p["w_validate"] + p["w_prepare"], 2),
+                f"{fmt(p['w_parse'] + p['w_validate'], 2)} + {fmt(p['w_prepare'], 2)}",
                 fmt(p["w_forward"], 2),
                 fmt(p["w_sample"], 2),
                 fmt(p["w_reply"], 2),
@@ -815,7 +532,9 @@ def report(
         f"one full turn of the per-worker loop (output streaming of the previous step, planning, Step RPC, update); "
         f"'mean' over all steps of the run, 'decode' over steps that only decode. 'scheduler step_ms' and 'worker "
         f"forward_ms' are the fields of the same log lines (step_ms = the RPC + Planner.update; forward_ms = the "
-        f"worker's forward from its StepResponse). Part B (current revision only; the baseline's modules live at other "
+        f"worker's forward from its StepResponse). **Scheduler (worker) CPU ms per step** = the CPU time (user + "
+        f"system, /proc/<pid>/stat) the scheduler (worker) process used during the run / the steps it logged: its own "
+        f"cost per step, which other processes on the shared cores do not inflate as they do wall time. Part B (current revision only; the baseline's modules live at other "
         f"paths, so only part A ran for it): this process runs the scheduler's own Planner + KVCacheManager (prefix "
         f"caching off) and RequestStreams on the same prompts (batch = min(N, {MAX_NUM_SEQS})) and sends each step to "
         f"the real worker process over gRPC as serialized bytes; plan = Planner.schedule; build = plan_to_proto; "

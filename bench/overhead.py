@@ -5,11 +5,11 @@ in-process for comparison; and the same batch through the real services.
 
     python -m bench.overhead [--seqs 1 64 256] [--context 2048] [--steps 5] [--e2e-seqs 1 64 256]
 
-Part A, attribution (one bench process driving a real worker process):
-the scheduler's own Planner + KVCacheManager run in this process and plan real
-steps; each plan goes to a real worker process over gRPC exactly as the
-scheduler sends it (scheduler_svc.worker_client.plan_to_proto, serialized
-bytes on a plain unary call), and the result is applied with Planner.update.
+Part A, attribution (one bench process driving a real worker process, through
+bench/harness/step_driver.py): the scheduler's own Planner + KVCacheManager run
+in this process and plan real steps; each plan goes to a real worker process
+over gRPC exactly as the scheduler sends it (plan_to_proto, serialized bytes on
+a plain unary call), and the result is applied with Planner.update.
 The N sequences are 2,048-token prompts sharing their first 2,032 tokens (the
 prefix cache shares those 127 blocks; each computes its own last 16), so 256
 sequences x 2k contexts fit in memory: every sequence still attends over its
@@ -45,52 +45,29 @@ Goal (issue 10): scheduler + RPC overhead <= 10% of step time at 64 sequences.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
-import grpc
-import numpy as np
-
-from bench.bench_util import (
-    DEFAULT_MODEL,
-    fmt,
-    load_average,
-    progress,
-    pyplot,
-    random_token_ids,
-    require_model,
-    save_plot,
-    worker_info,
-)
-from bench.common import markdown_table, median, write_result
-from proto import worker_pb2
+from bench.harness.load import random_token_ids
+from bench.harness.machine import announce, load_average
+from bench.harness.results import fmt, markdown_table, median, ms_since, progress, pyplot, save_plot, write_result
+from bench.harness.services import DEFAULT_MODEL, Cluster, ServiceProcess, log_events, require_model
+from bench.harness.step_driver import StepDriver, transport_ms
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
-from scheduler_svc.kv.block_manager import KVCacheManager
-from scheduler_svc.kv.block_pool import BlockPool
-from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
+from scheduler_svc.planning.planner import StepPlan
 from scheduler_svc.request import Request, SamplingOptions
-from svc_common.grpc_options import channel_options
-from tools.processes import Cluster, ServiceProcess
 from worker_svc.config import WorkerConfig
-from worker_svc.server import step_from_proto, step_to_proto
 from worker_svc.step.builder import StepBuilder
 from worker_svc.step.input import StepInput
-from worker_svc.step.validation import validate
 from worker_svc.worker import Worker
 
 NAME = "overhead"
 GOAL_SHARE = 0.10
 GOAL_SEQS = 64
 BLOCK = 16
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
 
 
 def prompts_for(n: int, context: int, rng: random.Random) -> list[list[int]]:
@@ -119,93 +96,30 @@ def step_input_of(plan: StepPlan) -> StepInput:
     return builder.build(plan.step_id, list(plan.copies))
 
 
-class Harness:
-    """The scheduler's planner in this process, a real worker process behind gRPC."""
+class InProcess:
+    """A second Worker in this process, on a pool thread as the worker process runs a
+    step on a gRPC server thread (on a shared 2-vCPU VM, torch's OpenMP regions
+    started from the main thread stall badly under CPU contention)."""
 
-    def __init__(self, address: str, info: worker_pb2.InfoResponse, inproc: Worker, max_num_seqs: int):
-        self.channel = grpc.insecure_channel(address, options=channel_options())
-        self.call = self.channel.unary_unary("/worker.v1.Worker/Step")  # bytes in, bytes out
-        self.info = info
-        self.inproc = inproc
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
         self.thread = ThreadPoolExecutor(1)
-        pool = BlockPool(info.num_blocks, info.block_size, enable_prefix_caching=True)
-        kv = KVCacheManager(pool, extra_keys=(info.model_name, info.model_type, info.dtype, info.kv_dtype))
-        self.planner = Planner(
-            PlannerConfig(
-                max_num_batched_tokens=8192,
-                max_num_seqs=max_num_seqs,
-                chunk_size=8192,
-                max_model_len=info.max_model_len,
-                block_size=info.block_size,
-            ),
-            kv,
-        )
 
     def close(self) -> None:
-        self.channel.close()
         self.thread.shutdown()
 
-    def add(self, prompts: list[list[int]], first_id: int) -> None:
-        for i, ids in enumerate(prompts):
-            self.planner.add(
-                Request(
-                    request_id=f"r{first_id + i}",
-                    seq_id=first_id + i,
-                    prompt_token_ids=ids,
-                    sampling=SamplingOptions(temperature=0.0, max_tokens=10_000, ignore_eos=True),
-                )
-            )
+    def step_ms(self, plan: StepPlan) -> float:
+        start = time.perf_counter()
+        self.thread.submit(lambda: self.worker.step(step_input_of(plan))).result()
+        return ms_since(start)
 
-    def step(self, inproc_first: bool | None = None) -> dict:
-        """One step through the RPC path (timed piece by piece); with inproc_first
-        True/False also the same step in process, before/after the RPC."""
-        t = {}
-        start = time.perf_counter()
-        plan = self.planner.schedule()
-        t["plan"] = _ms(start)
-        if inproc_first is True:
-            t["inproc"] = self._inproc(plan)
-        start = time.perf_counter()
-        message = plan_to_proto(plan)
-        t["to_proto"] = _ms(start)
-        start = time.perf_counter()
-        payload = message.SerializeToString()
-        t["serialize"] = _ms(start)
-        start = time.perf_counter()
-        reply_bytes = self.call(payload, timeout=600)
-        t["rpc"] = _ms(start)
-        start = time.perf_counter()
-        reply = worker_pb2.StepResponse.FromString(reply_bytes)
-        result = result_from_proto(reply)
-        t["parse_reply"] = _ms(start)
-        start = time.perf_counter()
-        self.planner.update(plan, result.sampled)
-        t["update"] = _ms(start)
-        t["worker_execute"] = reply.timings.total_ms
-        t["worker_forward"] = reply.timings.forward_ms
-        # The worker's own proto/validation work, same code on the same bytes, timed here.
-        start = time.perf_counter()
-        step_input = step_from_proto(worker_pb2.StepRequest.FromString(payload))
-        t["worker_parse"] = _ms(start)
-        start = time.perf_counter()
-        validate(step_input, self.inproc.limits)
-        t["worker_validate"] = _ms(start)
-        if inproc_first is False:
-            t["inproc"] = self._inproc(plan)
-        t["worker_reply"] = self._reply_cost(reply)
-        t["bytes"] = len(payload)
-        t["seqs"], t["tokens"] = len(plan.seqs), plan.num_tokens
-        return t
-
-    def profile(self) -> dict[str, float]:
-        """One more decode step in process under torch.profiler: self CPU time by op group (ms)."""
+    def profile(self, plan: StepPlan) -> dict[str, float]:
+        """The plan's step under torch.profiler: self CPU time by op group (ms)."""
         from torch.profiler import ProfilerActivity, profile
-
-        plan = self.planner.schedule()
 
         def run():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                self.inproc.step(step_input_of(plan))
+                self.worker.step(step_input_of(plan))
             return prof
 
         prof = self.thread.submit(run).result()
@@ -227,84 +141,63 @@ class Harness:
                 groups["matmul"] += ms
             else:
                 groups["other"] += ms
-        self.planner.requeue_all()  # the profiled plan is not applied; nothing else runs after this
         return groups
 
-    def _inproc(self, plan: StepPlan) -> float:
-        start = time.perf_counter()
-        self.thread.submit(lambda: self.inproc.step(step_input_of(plan))).result()
-        return _ms(start)
 
-    @staticmethod
-    def _reply_cost(reply: worker_pb2.StepResponse) -> float:
-        from worker_svc.step.output import SampledRows, StepOutput
+def measured_step(driver: StepDriver, inproc: InProcess, inproc_first: bool) -> dict:
+    """One step through the RPC path, piece by piece, and the same step in process,
+    before or after the RPC (who goes first flips every step)."""
+    plan = driver.schedule()
+    inproc_ms = inproc.step_ms(plan) if inproc_first else 0.0
+    step = driver.execute(plan)
+    if not inproc_first:
+        inproc_ms = inproc.step_ms(plan)
+    t = step.t | driver.worker_costs(step)
+    t["inproc"] = inproc_ms
+    t["bytes"] = len(step.payload)
+    t["seqs"], t["tokens"] = len(plan.seqs), plan.num_tokens
+    return t
 
-        c = reply.sampled
-        out = StepOutput(
-            reply.step_id,
-            SampledRows(np.array(c.seq_ids, np.uint64), np.array(c.token_ids, np.int64), np.array(c.logprobs)),
-            reply.num_tokens,
-            {"total_ms": reply.timings.total_ms},
-        )
-        start = time.perf_counter()
-        step_to_proto(out, reply.instance_id).SerializeToString()
-        return _ms(start)
 
-    def run_until_decoding(self, n: int) -> None:
-        while any(not r.output_token_ids for r in self.planner.running) or self.planner.num_waiting:
-            self.step()
-        if self.planner.num_running != n:
-            raise RuntimeError(f"expected {n} running sequences, got {self.planner.num_running}")
+def add_requests(driver: StepDriver, prompts: list[list[int]], first_id: int) -> None:
+    sampling = SamplingOptions(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    driver.add([Request(f"r{first_id + i}", first_id + i, ids, sampling) for i, ids in enumerate(prompts)])
 
 
 def part_a(args, model: Path, bar) -> dict:
     worker = ServiceProcess(
         "worker_svc", ["--model", str(model), "--dtype", args.dtype, "--num-blocks", str(args.num_blocks)]
     )
-    inproc = Worker(WorkerConfig(model=str(model), dtype=args.dtype, num_blocks=args.num_blocks))
+    inproc = InProcess(Worker(WorkerConfig(model=str(model), dtype=args.dtype, num_blocks=args.num_blocks)))
     results, profiles = {}, {}
     with worker:
-        info = worker_info(worker.address)
         for n in args.seqs:
-            rng = random.Random(n)
-            prompts = prompts_for(n, args.context, rng)
-            harness = Harness(worker.address, info, inproc, max_num_seqs=max(args.seqs))
+            prompts = prompts_for(n, args.context, random.Random(n))
+            driver = StepDriver(worker.address, max_num_seqs=max(args.seqs), prefix_caching=True, max_waiting=1024)
             try:
-                harness.add(prompts[:1], 0)  # computes the shared prefix once
-                harness.run_until_decoding(1)
-                harness.add(prompts[1:], 1)
-                harness.run_until_decoding(n)
+                add_requests(driver, prompts[:1], 0)  # computes the shared prefix once
+                driver.run_until_decoding(1)
+                add_requests(driver, prompts[1:], 1)
+                driver.run_until_decoding(n)
                 for i in range(args.warmup):
-                    harness.step(inproc_first=bool(i % 2))
+                    measured_step(driver, inproc, inproc_first=bool(i % 2))
                 steps = []
                 for i in range(args.steps):
-                    steps.append(harness.step(inproc_first=bool(i % 2)))
+                    steps.append(measured_step(driver, inproc, inproc_first=bool(i % 2)))
                     bar.update(1)
                 if n in args.profile_seqs:
-                    profiles[n] = harness.profile()
+                    profiles[n] = inproc.profile(driver.schedule())
+                    driver.planner.requeue_all()  # the profiled plan is not applied; nothing runs after this
             finally:
-                harness.close()
+                driver.close()
             if any(s["tokens"] != n or s["seqs"] != n for s in steps):
                 raise RuntimeError(f"expected pure decode steps of {n} sequences")
             results[n] = steps
+    inproc.close()
     return results, profiles
 
 
 # ---- part B: the real services -------------------------------------------------------
-def _events(path: Path, event: str) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            out.append(record)
-    return out
-
-
 def part_b(args, model: Path, seqs: list[int], bar) -> dict:
     log_args = ["--log-format", "json", "--log-level", "debug"]
     worker_args = ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks), *log_args]
@@ -317,7 +210,7 @@ def part_b(args, model: Path, seqs: list[int], bar) -> dict:
         for n in seqs:
             prompts = prompts_for(n, args.context, random.Random(n))
             client.generate(prompt_token_ids=prompts[0], max_tokens=1, temperature=0.0, timeout=600)  # cache prefix
-            seen = len(_events(cluster.scheduler.log_path, "step"))
+            seen = len(log_events(cluster.scheduler.log_path, "step"))
             with ThreadPoolExecutor(n) as pool:
                 list(
                     pool.map(
@@ -327,8 +220,8 @@ def part_b(args, model: Path, seqs: list[int], bar) -> dict:
                         prompts,
                     )
                 )
-            steps = _events(cluster.scheduler.log_path, "step")[seen:]
-            worker_steps = {e["step_id"]: e for e in _events(cluster.workers[0].log_path, "step done")}
+            steps = log_events(cluster.scheduler.log_path, "step")[seen:]
+            worker_steps = {e["step_id"]: e for e in log_events(cluster.workers[0].log_path, "step done")}
             full = []
             for prev, cur in zip(steps, steps[1:]):
                 if cur["seqs"] != n or cur["tokens"] != n or prev["tokens"] != n:
@@ -349,6 +242,7 @@ def part_b(args, model: Path, seqs: list[int], bar) -> dict:
 
 
 def main() -> None:
+    announce(NAME)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256])
@@ -381,26 +275,26 @@ def main() -> None:
         a, profiles = part_a(args, model, bar)
         b = part_b(args, model, e2e_seqs, bar) if e2e_seqs else {}
 
-    cols = ["plan", "to_proto", "serialize", "rpc", "parse_reply", "update"]
+    cols = ["plan", "build", "encode", "rpc", "parse_reply", "update"]
     rows_a, shares = [], {}
     for n, steps in a.items():
         med = {k: median([s[k] for s in steps]) for k in steps[0]}
         total = median([sum(s[c] for c in cols) for s in steps])
-        execute = med["worker_execute"]
-        rpc_rest = med["rpc"] - execute - med["worker_parse"] - med["worker_validate"] - med["worker_reply"]
-        sched = med["plan"] + med["to_proto"] + med["serialize"] + med["parse_reply"] + med["update"]
-        overhead = median([sum(s[c] for c in cols) - s["worker_execute"] for s in steps])
+        execute = med["w_total"]
+        rpc_rest = transport_ms(med)
+        sched = med["plan"] + med["build"] + med["encode"] + med["parse_reply"] + med["update"]
+        overhead = median([sum(s[c] for c in cols) - s["w_total"] for s in steps])
         shares[n] = overhead / total
         rows_a.append(
             [
                 n,
                 f"{med['bytes'] / 1024:.0f}",
                 fmt(med["plan"], 2),
-                fmt(med["to_proto"] + med["serialize"], 2),
-                fmt(med["worker_parse"] + med["worker_validate"], 2),
-                fmt(med["worker_forward"]),
+                fmt(med["build"] + med["encode"], 2),
+                fmt(med["w_parse"] + med["w_validate"], 2),
+                fmt(med["w_forward"]),
                 fmt(execute),
-                fmt(med["worker_reply"], 2),
+                fmt(med["w_reply"], 2),
                 fmt(rpc_rest, 2),
                 fmt(med["rpc"]),
                 fmt(med["parse_reply"] + med["update"], 2),
@@ -527,9 +421,9 @@ def plot(a: dict, b: dict, args) -> None:
     names = [str(n) for n in a]
     parts = [
         ("plan + update", lambda m: m["plan"] + m["update"]),
-        ("proto + serialize + parse", lambda m: m["to_proto"] + m["serialize"] + m["parse_reply"]),
-        ("RPC minus worker execute", lambda m: m["rpc"] - m["worker_execute"]),
-        ("worker execute", lambda m: m["worker_execute"]),
+        ("proto + serialize + parse", lambda m: m["build"] + m["encode"] + m["parse_reply"]),
+        ("RPC minus worker execute", lambda m: m["rpc"] - m["w_total"]),
+        ("worker execute", lambda m: m["w_total"]),
     ]
     meds = [{k: median([s[k] for s in steps]) for k in steps[0]} for steps in a.values()]
     totals = [sum(fn(m) for _, fn in parts) for m in meds]

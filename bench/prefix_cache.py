@@ -30,19 +30,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.bench_util import (
-    DEFAULT_MODEL,
-    load_average,
-    progress,
-    pyplot,
-    random_token_ids,
-    require_model,
-    save_plot,
-    worker_info,
-)
-from bench.common import markdown_table, median, write_result
+from bench.harness.load import random_token_ids
+from bench.harness.machine import announce, load_average
+from bench.harness.results import markdown_table, median, progress, pyplot, save_plot, write_result
+from bench.harness.services import DEFAULT_MODEL, Cluster, require_model, worker_info
 from scheduler_svc.client import SchedulerClient
-from tools.processes import Cluster
 
 NAME = "prefix_cache"
 GOAL_TTFT_FRACTION = 0.20
@@ -92,6 +84,7 @@ def burst(client: SchedulerClient, prompts: list[list[int]], max_tokens: int) ->
 
 
 def main() -> None:
+    announce(NAME)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--prefix-tokens", type=int, default=1000)

@@ -36,18 +36,20 @@ from pathlib import Path
 
 import grpc
 
-from bench import bench_util
-from bench.common import write_result
+from bench.harness import routing as grid
+from bench.harness.load import send_all
+from bench.harness.machine import announce, load_average
+from bench.harness.results import write_result
+from bench.harness.services import ServiceProcess, log_events
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
-from tools.processes import ServiceProcess
 
 NAME = "routing"
 POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
-def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed: int) -> bench_util.RoutingRun:
-    cases = bench_util.routing_workload(seed, args.system_tokens)
+def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed: int) -> grid.RoutingRun:
+    cases = grid.routing_workload(seed, args.system_tokens)
     sched_args = [
         "--model",
         args.model,
@@ -70,23 +72,23 @@ def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed
                 prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True, request_id=rid, timeout=300
             )
 
-        results, wall = bench_util.send_all(cases, send, arrival, args.gap_ms)
+        results, wall = send_all(cases, send, arrival, args.gap_ms)
         deadline = time.monotonic() + 10
         while (stats := client.stats()).blocks_used and time.monotonic() < deadline:
             time.sleep(0.05)
         with grpc.insecure_channel(sched.admin_address) as channel:
             listed = admin_pb2_grpc.AdminStub(channel).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
-        worker_of = {r["request_id"]: r["worker"] for r in bench_util.finished_records(sched)}
-    both = bench_util.prompts_on_both(cases, [worker_of[rid] for rid, _, _ in cases])
+        worker_of = {r["request_id"]: r["worker"] for r in log_events(sched.log_path, "request finished")}
+    both = grid.prompts_on_both(cases, [worker_of[rid] for rid, _, _ in cases])
     assert all(r.completion_tokens == 8 for r in results), "a request did not complete"
-    return bench_util.RoutingRun(
+    return grid.RoutingRun(
         policy,
         arrival,
         seed,
         stats.prefix_cache_hit_rate,
         stats.prefix_cache_hit_tokens,
         stats.prompt_tokens_total,
-        bench_util.ideal_hit_rate(cases, args.system_tokens),
+        grid.ideal_hit_rate(cases, args.system_tokens),
         both,
         tuple(sorted(w.requests_routed for w in listed.workers)),
         wall,
@@ -94,17 +96,18 @@ def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed
 
 
 def main() -> None:
-    args, table, by_key, elapsed = bench_util.run_routing_bench(
+    announce(NAME)
+    args, table, by_key, elapsed = grid.run_routing_bench(
         __doc__, "scheduler --max-num-batched-tokens", POLICIES, one_run, "routing", "worker"
     )
-    mean = bench_util.mean_by_key(by_key, lambda r: r.hit_rate)
-    computed = bench_util.mean_by_key(by_key, lambda r: r.prompt_tokens - r.hit_tokens)
-    both = bench_util.mean_by_key(by_key, lambda r: r.both)
+    mean = grid.mean_by_key(by_key, lambda r: r.hit_rate)
+    computed = grid.mean_by_key(by_key, lambda r: r.prompt_tokens - r.hit_tokens)
+    both = grid.mean_by_key(by_key, lambda r: r.both)
     notes = (
         f"Two workers ({Path(args.model).name}, {args.dtype}, 512 blocks of 16 tokens each), "
         f"{args.seeds} seeds, scheduler step budget {args.step_tokens} tokens, paced gap {args.gap_ms:g} ms, "
         f"system prompts of {args.system_tokens} tokens; {elapsed:.0f} s in all, load average "
-        f"{bench_util.load_average():.1f} at the end (wall times are indicative only: 2 shared cores).\n\n"
+        f"{load_average():.1f} at the end (wall times are indicative only: 2 shared cores).\n\n"
         f"Prefix-aware routing vs round-robin, hit rate: burst {mean[('burst', 'prefix')]:.3f} vs "
         f"{mean[('burst', 'round-robin')]:.3f}; paced {mean[('paced', 'prefix')]:.3f} vs "
         f"{mean[('paced', 'round-robin')]:.3f} (least-loaded: {mean[('burst', 'least-loaded')]:.3f}, "

@@ -1,6 +1,6 @@
 """The gateway over two schedulers (--schedulers): prefix-aware routing (consistent
 hashing of the prompt's first tokens with a load bound) vs random, prefix cache
-hit rate on bench/routing.py's 4-prompt workload (bench_util.routing_workload).
+hit rate on bench/routing.py's 4-prompt workload (bench/harness/routing.py).
 
     python -m bench.scheduler_routing [--model DIR] [--seeds 3] [--system-tokens 48] [--step-tokens 64] [--gap-ms 20]
 
@@ -33,10 +33,12 @@ from pathlib import Path
 
 import httpx
 
-from bench import bench_util
-from bench.common import write_result
+from bench.harness import routing as grid
+from bench.harness.load import send_all
+from bench.harness.machine import announce, load_average
+from bench.harness.results import write_result
+from bench.harness.services import ServiceProcess, log_events
 from scheduler_svc.client import SchedulerClient
-from tools.processes import ServiceProcess
 
 NAME = "scheduler_routing"
 # label -> the gateway's routing flags
@@ -47,8 +49,8 @@ POLICIES = {
 }
 
 
-def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed: int) -> bench_util.RoutingRun:
-    cases = bench_util.routing_workload(seed, args.system_tokens)
+def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed: int) -> grid.RoutingRun:
+    cases = grid.routing_workload(seed, args.system_tokens)
     schedulers = [
         ServiceProcess(
             "scheduler_svc",
@@ -74,13 +76,15 @@ def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed
                 reply.raise_for_status()
                 return reply.json()
 
-            replies, wall = bench_util.send_all(cases, send, arrival, args.gap_ms)
+            replies, wall = send_all(cases, send, arrival, args.gap_ms)
         stats = []
         for s in schedulers:
             with SchedulerClient(s.address) as client:
                 stats.append(client.stats())
         # The gateway names a choice's Generate call "<response id>-<index>".
-        home = {r["request_id"]: i for i, s in enumerate(schedulers) for r in bench_util.finished_records(s)}
+        home = {
+            r["request_id"]: i for i, s in enumerate(schedulers) for r in log_events(s.log_path, "request finished")
+        }
     finally:
         for p in (gateway, *schedulers):
             if p is not None:
@@ -88,31 +92,32 @@ def one_run(args, workers: list[ServiceProcess], policy: str, arrival: str, seed
     assert all(r["usage"]["completion_tokens"] == 8 for r in replies), "a request did not complete"
     hit = sum(st.prefix_cache_hit_tokens for st in stats)
     query = sum(st.prefix_cache_query_tokens for st in stats)
-    return bench_util.RoutingRun(
+    return grid.RoutingRun(
         policy,
         arrival,
         seed,
         hit / query if query else 0.0,
         hit,
         sum(st.prompt_tokens_total for st in stats),
-        bench_util.ideal_hit_rate(cases, args.system_tokens),
-        bench_util.prompts_on_both(cases, [home[f"{reply['id']}-0"] for reply in replies]),
+        grid.ideal_hit_rate(cases, args.system_tokens),
+        grid.prompts_on_both(cases, [home[f"{reply['id']}-0"] for reply in replies]),
         tuple(sorted(st.requests_finished for st in stats)),
         wall,
     )
 
 
 def main() -> None:
-    args, table, by_key, elapsed = bench_util.run_routing_bench(
+    announce(NAME)
+    args, table, by_key, elapsed = grid.run_routing_bench(
         __doc__, "schedulers' --max-num-batched-tokens", POLICIES, one_run, "gateway routing", "scheduler"
     )
-    mean = bench_util.mean_by_key(by_key, lambda r: r.hit_rate)
-    both = bench_util.mean_by_key(by_key, lambda r: r.both)
+    mean = grid.mean_by_key(by_key, lambda r: r.hit_rate)
+    both = grid.mean_by_key(by_key, lambda r: r.both)
     notes = (
         f"Two cells, each one worker ({Path(args.model).name}, {args.dtype}, 512 blocks of 16 tokens) and its "
         f"own scheduler (step budget {args.step_tokens} tokens), behind one gateway (`--schedulers`, key: the "
         f"first 32 prompt tokens); {args.seeds} seeds, paced gap {args.gap_ms:g} ms, system prompts "
-        f"of {args.system_tokens} tokens; {elapsed:.0f} s in all, load average {bench_util.load_average():.1f} at the end "
+        f"of {args.system_tokens} tokens; {elapsed:.0f} s in all, load average {load_average():.1f} at the end "
         f"(wall times are indicative only: 2 shared cores).\n\n"
         f"Prefix-aware vs random, hit rate: burst {mean[('burst', 'prefix')]:.3f} vs "
         f"{mean[('burst', 'random')]:.3f}; paced {mean[('paced', 'prefix')]:.3f} vs "

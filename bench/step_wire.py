@@ -26,17 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-from bench.bench_util import fmt, load_average
-from bench.common import commit, markdown_table, write_result
 
 NAME = "step_wire"
 DEFAULT_BASELINE = "321503c"  # the last commit with one SequenceStep message per sequence
@@ -126,13 +120,11 @@ def measure_case(repeats: int, seqs: int, tokens: int, start: int, blocks: int) 
 
 
 def measure_in(root: Path, repeats: int) -> dict[str, dict[str, float]]:
-    """This script's measure() in a child process importing `root`'s code."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--repeats", str(repeats)]
-    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"measuring {root} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("STEPWIRE "))
-    return json.loads(line[len("STEPWIRE ") :])
+    """This script's measure() in a child process importing `root`'s code (this file
+    imports nothing of bench/ at its top, so it runs in any revision's tree)."""
+    from bench.harness.services import run_in_tree
+
+    return run_in_tree(root, [str(Path(__file__).resolve()), "--measure-only", "--repeats", str(repeats)], "STEPWIRE")
 
 
 def best(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -150,8 +142,11 @@ def main() -> None:
     if args.measure_only:
         print("STEPWIRE " + json.dumps(measure(args.repeats)))
         return
-    from bench.loop import make_worktree, remove_worktree
-    from tools.processes import REPO
+    from bench.harness.machine import announce, load_average
+    from bench.harness.results import commit, fmt, markdown_table, write_result
+    from bench.harness.services import REPO, make_worktree, remove_worktree
+
+    announce(NAME)
 
     trees = {"current": REPO}
     if not args.no_baseline:

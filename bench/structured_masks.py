@@ -32,7 +32,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bench.common import machine, markdown_table, write_result
+from bench.harness.machine import announce, load_average, rss_mb
+from bench.harness.results import markdown_table, write_result
+from bench.harness.services import DEFAULT_MODEL
 from bench.structured_schemas import REAL_SCHEMAS
 from scheduler_svc.structured import (
     Constraint,
@@ -43,16 +45,9 @@ from scheduler_svc.structured import (
     allowed_ids,
 )
 from scheduler_svc.text.tokenizer import load_tokenizer
-from tools.processes import REPO
 
 NAME = "structured_masks"
-DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
 ROWS = 32
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def vocabularies() -> list[tuple[str, Callable[[], GrammarVocab]]]:
@@ -187,18 +182,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="decode steps timed per row count")
     parser.add_argument("--rounds", type=int, default=3, help="cold compiles per schema (lowest kept)")
     args = parser.parse_args()
-    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
-    load_before = os.getloadavg()[0]
+    announce(NAME)
+    load_before = load_average()
     sections = []
     for label, make_vocab in vocabularies():
-        before = rss_mb()
+        before = rss_mb(os.getpid())
         start = time.perf_counter()
         vocab = make_vocab()
         vocab_s = time.perf_counter() - start
-        vocab_mb = rss_mb() - before
+        vocab_mb = rss_mb(os.getpid()) - before
         compiled = compile_rows(vocab, args.rounds)
         stepped = step_rows(vocab, args.steps)
-        grown = rss_mb() - before
+        grown = rss_mb(os.getpid()) - before
         text = (
             f"### {label}\n\nGrammar vocabulary (llguidance token trie) built in {vocab_s * 1e3:.0f} ms, "
             f"RSS +{vocab_mb:.1f} MB; after the compiles and the walks below RSS +{grown:.1f} MB in all.\n\n"
@@ -230,7 +225,7 @@ def main() -> None:
         "the header): a thread hand-off waits for a core, which the parallel fill pays per step; process "
         "CPU time (all threads, mean) is the cost without that wait."
     )
-    load = f"Load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after."
+    load = f"Load average (1 min) {load_before:.1f} before the run, {load_average():.1f} after."
     path = write_result(
         NAME, "Structured-output token masks (llguidance) per step", "\n\n".join(sections), load + " " + notes
     )

@@ -39,20 +39,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.bench_util import (
-    DEFAULT_MODEL,
-    generate_exactly,
-    left_padded,
-    load_average,
-    progress,
-    pyplot,
-    require_model,
-    save_plot,
-    word_prompts,
-)
-from bench.common import markdown_table, median, write_result
+from bench.harness.hf import generate_exactly, left_padded
+from bench.harness.load import word_prompts
+from bench.harness.machine import announce, load_average
+from bench.harness.results import markdown_table, median, progress, pyplot, save_plot, write_result
+from bench.harness.services import DEFAULT_MODEL, Cluster, require_model
 from scheduler_svc.client import SchedulerClient
-from tools.processes import Cluster
 from worker_svc.allocator import keep_freed_memory
 
 NAME = "vs_transformers"
@@ -182,6 +174,7 @@ def measure(args, dtype: str, prompt_ids: list[list[int]], bar) -> dict:
 
 
 def main() -> None:
+    announce(NAME)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

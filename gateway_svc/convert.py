@@ -154,6 +154,7 @@ def _samples(
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k_or_none,
+        "min_p": body.min_p,
         "stop": body.stop_list,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,

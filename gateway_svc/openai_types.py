@@ -9,7 +9,7 @@ conversion. Every field is honoured or refused with a 400 naming it:
   "Unrecognized request argument supplied"; fields that cannot change the
   answer (`user`, `metadata`, `service_tier`, ...) are accepted and named here;
 * known fields we cannot honour yet (tools, structured outputs, legacy
-  functions, `min_p` > 0, ...) are declared with a refusal saying why, so the
+  functions, ...) are declared with a refusal saying why, so the
   400 is specific.
 
 Ranges are OpenAI's (logprobs up to 20 as vLLM allows); the scheduler checks
@@ -126,9 +126,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     # top_k, min_p, ignore_eos, ... are vLLM's extensions (openai: extra_body=...). top_k -1 = off, as in vLLM.
     top_k: int | None = Field(default=None, ge=-1)
-    min_p: Annotated[
-        float | None, Field(ge=0, le=1), _only(lambda v: not v, "min_p > 0 (the worker's sampler has no min-p filter)")
-    ] = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
     ignore_eos: bool = False
     # OpenAI seeds are signed 64-bit; serving.v1 takes uint64 (we wrap negatives).
     seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)

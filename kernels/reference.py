@@ -329,3 +329,74 @@ def contiguous_decode_attention(
     length = int(context_lens.max()) if context_lens.numel() else 0
     keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, scales)
     return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
+
+
+# --------------------------------------------------------------------------- sampling
+#
+# A temperature sample is a Gumbel race: argmax over tokens of logits / T + g, with
+# g ~ Gumbel(0, 1). The noise of token t in a row is a pure function of the row's
+# 32-bit key and t (a 32-bit hash), so a seeded row samples the same token on any
+# device, whatever else is in the batch. kernels/triton_ops.gumbel_argmax is the
+# same op in one pass over the logits.
+
+_M32 = 0xFFFFFFFF
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)  # lowbias32 (Wellons)
+
+
+def _mul32_(x: Tensor, c: int) -> Tensor:
+    """x *= c mod 2**32 for 0 <= x < 2**32, in 16-bit halves of c so no int64 product
+    overflows (signed overflow is undefined in the C++ kernels, not merely wrapping).
+    In place: a [B, vocab] int64 temporary per op made the hash 2-3x slower on CPU."""
+    high = x * (c >> 16)
+    high.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul_(c & 0xFFFF).add_(high).bitwise_and_(_M32)
+
+
+def hash32_(x: Tensor) -> Tensor:
+    """lowbias32, in place, on int64 lanes holding 32-bit values: exact on every device."""
+    x.bitwise_xor_(x >> 16)
+    _mul32_(x, HASH_MULTIPLIERS[0])
+    x.bitwise_xor_(x >> 15)
+    _mul32_(x, HASH_MULTIPLIERS[1])
+    return x.bitwise_xor_(x >> 16)
+
+
+def gumbel(keys: Tensor, tokens: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise, float32, a pure function of (key, token); broadcasts."""
+    bits = hash32_(keys ^ tokens).bitwise_right_shift_(9)
+    # (23-bit integer + 0.5) * 2**-23 needs 24 significant bits: exact in float32, strictly in (0, 1).
+    uniform = bits.float().add_(0.5).mul_(2.0**-23)
+    return uniform.log_().neg_().log_().neg_()
+
+
+# The noise lies in [-2.81, 16.64] (uniforms in [2**-24, 1 - 2**-24]); 21 leaves room for rounding.
+NOISE_SPREAD = 21.0
+
+
+def add_noise(scaled: Tensor, keys: Tensor, prune: bool) -> Tensor:
+    """scaled [B, V] + every token's noise. Pruned: a token more than the noise's spread
+    below its row's max cannot win the race, so it gets -inf instead of hashed noise:
+    the same argmax, and on CPU, where hashing dominates, much less hashing when most
+    tokens are out of reach."""
+    if prune:
+        can_win = scaled >= scaled.amax(dim=-1, keepdim=True) - NOISE_SPREAD
+        if 4 * int(can_win.sum()) < can_win.numel():
+            rows, tokens = can_win.nonzero(as_tuple=True)
+            scores = torch.full_like(scaled, -torch.inf)
+            scores[rows, tokens] = scaled[rows, tokens] + gumbel(keys[rows], tokens)
+            return scores
+    tokens = torch.arange(scaled.shape[-1], device=scaled.device)
+    return scaled + gumbel(keys[:, None], tokens[None, :])
+
+
+def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, thresholds: Tensor) -> Tensor:
+    """The sampled token of each row: argmax over the tokens t with
+    logits[t] / T >= threshold of logits[t] / T + gumbel(key, t), ties to the lowest id.
+
+    logits [N, V] float32; temperature [N] float32 (> 0); keys [N] int64 holding
+    32-bit values; thresholds [N] float32 on the scaled logits (top-k, top-p and
+    min-p as one cut; -inf keeps every token). Returns [N] int64. On CPU the tokens
+    out of the race's reach are not hashed (add_noise's pruning: same argmax)."""
+    scaled = logits / temperature[:, None]
+    scores = add_noise(scaled, keys, prune=logits.device.type == "cpu")
+    return scores.masked_fill(scaled < thresholds[:, None], -torch.inf).argmax(dim=-1)

@@ -37,6 +37,8 @@ raw uint16 bits and is garbage otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -203,8 +205,8 @@ def _write_kv_kernel(
     dst = (slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs)[:, None] + (
         head * stride_ch + dim * stride_cd
     )[None, :]
-    k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep)
-    v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep)
+    k = tl.load(key_ptr + tok64 * stride_kt + (head * stride_kh + dim * stride_kd)[None, :], mask=keep, other=0.0)
+    v = tl.load(value_ptr + tok64 * stride_vt + (head * stride_vh + dim * stride_vd)[None, :], mask=keep, other=0.0)
     tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr), mask=keep)
     tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr), mask=keep)
 
@@ -361,6 +363,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,  # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
     SPLIT: tl.constexpr,  # decode only: this program covers one partition and writes partials
+    MIN_SPLIT_TILES: tl.constexpr,  # SPLIT: a sequence takes at most cdiv(its tiles, this) partitions; 0: num_splits
 ):
     kv_head = tl.program_id(1)
     if DECODE:
@@ -416,9 +419,16 @@ def _paged_attention_kernel(
         # Split-KV: partition p of P takes an equal share of the KV tiles this
         # sequence visits, so every length is split evenly (no host-side maximum
         # needed) and the partitions meet at tile edges: each position is in one.
+        # The count is the sequence's own: P (the grid's, from the longest context
+        # the table can hold) capped so no partition is shorter than
+        # MIN_SPLIT_TILES tiles; the programs past it find their range empty and
+        # write the partials of an empty partition, which the merge weighs 0.
         split = tl.program_id(2)
         tiles = tl.cdiv(kv_end, BLOCK_N) - kv_start // BLOCK_N
-        per_split = tl.cdiv(tiles, num_splits)
+        splits = num_splits
+        if MIN_SPLIT_TILES > 0:
+            splits = tl.minimum(splits, tl.maximum(tl.cdiv(tiles, MIN_SPLIT_TILES), 1))
+        per_split = tl.cdiv(tiles, splits)
         loop_start = loop_start + split * per_split * BLOCK_N
         loop_end = tl.minimum(kv_end, loop_start + per_split * BLOCK_N)
 
@@ -496,7 +506,10 @@ def _merge_splits_kernel(
     sum_exp = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     m_all = tl.max(m, 0)
     weight = tl.math.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :])
+    # Masked lanes must load 0, not whatever the hardware leaves there: a NaN times
+    # weight 0 is still NaN.
+    acc_ok = split_ok[:, None] & dim_ok[None, :]
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=acc_ok, other=0.0)
     total = tl.sum(sum_exp * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     o_off = seq * stride_ot + head * stride_oh + dims * stride_od
@@ -506,7 +519,79 @@ def _merge_splits_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _attention_constexprs(
+# The most shared memory one block may use (the opt-in limit), by compute capability.
+SHARED_MEMORY_PER_BLOCK = {
+    (7, 5): 65536,
+    (8, 0): 166912,
+    (8, 6): 101376,
+    (8, 7): 166912,
+    (8, 9): 101376,
+    (9, 0): 232448,
+    (10, 0): 232448,
+    (12, 0): 101376,
+}
+# Where no GPU says which (the interpreter): the tiles a Hopper part would run.
+DEFAULT_CAPABILITY = (9, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTiles:
+    block_m: int  # query rows ((token, query head) pairs) per program
+    block_n: int  # KV positions per loop iteration
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the KV loop
+
+
+def attention_tiles(
+    head_dim: int, group: int, decode: bool, capability: tuple[int, int], operand_bytes: int, quantized: bool
+) -> AttentionTiles:
+    """The tiles of _paged_attention_kernel for a head_dim on an architecture.
+
+    Registers bound them first: a thread holds BLOCK_N x BLOCK_D / (32 x warps)
+    elements of each K/V tile with one 64-bit address each (the paged gather),
+    and a prefill thread also BLOCK_M x BLOCK_D / (32 x warps) of the fp32
+    accumulator; past ~48 elements ptxas spills (measured at head_dim 64/128/256
+    on sm_80 and sm_90 with bench/kernel_resources.py; the 64 x 64 tiles used
+    for every head_dim before spilled from head_dim 64 on). So wider heads get
+    more warps and shorter KV tiles; fp32 operands and the dequantizing read
+    (FP8/INT8: scales, conversions) take more registers, so half again. Then the
+    architecture: before sm_80 (no asynchronous copies, 64 KB of shared memory)
+    two pipeline stages, else three; the largest choice takes ~72 KB of shared
+    memory, within sm_86/89's 99 KB. tests/unit/test_kernel_resources.py compiles
+    the choices for sm_80, sm_86 and sm_90 and checks shared memory, registers and
+    spills."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    wide = operand_bytes >= 4
+    if decode:
+        # The group padded up to >= 16 rows, the smallest MMA tile (older Tritons
+        # refuse smaller tl.dot operands outright).
+        block_m = max(16, triton.next_power_of_2(group))
+        num_warps = 4 if block_d <= 128 else 8
+    else:  # at least the group: a program holds whole groups (BLOCK_Q tokens)
+        block_m = 64 if block_d <= 128 and not (wide or quantized) else 16 if quantized and block_d >= 256 else 32
+        block_m = max(block_m, triton.next_power_of_2(group))
+        num_warps = 8
+    block_n = 64 if block_d <= 64 else 32
+    if wide or (quantized and (decode or block_d >= 256)):
+        block_n //= 2
+    num_stages = 3 if capability >= (8, 0) else 2
+    return AttentionTiles(block_m, max(16, block_n), num_warps, num_stages)
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached); DEFAULT_CAPABILITY elsewhere."""
+    if device.type != "cuda":
+        return DEFAULT_CAPABILITY
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+def attention_launch(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -515,28 +600,27 @@ def _attention_constexprs(
     cache_dtype: torch.dtype,
     decode: bool,
     sliding: bool,
+    capability: tuple[int, int] = DEFAULT_CAPABILITY,
     interpret: bool = _INTERPRET,
     split: bool = False,
-) -> dict[str, object]:
-    """The compile-time parameters of _paged_attention_kernel for one launch shape."""
+    min_split_tokens: int = 0,
+) -> tuple[dict[str, object], dict[str, int]]:
+    """The compile-time parameters of _paged_attention_kernel for one launch shape,
+    and its launch options (warps, stages). `min_split_tokens` (split only): the
+    shortest partition a sequence is cut into (0: exactly num_splits each)."""
     group = num_heads // num_kv_heads
-    # Rows are (token, query head) pairs. The group is padded up to >= 16 rows, the
-    # smallest MMA tile (older Tritons refuse smaller tl.dot operands outright); a
-    # prefill program takes BLOCK_M // group tokens.
-    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
+    quantized = quant.quant_code(cache_dtype) > 0
+    tiles = attention_tiles(head_dim, group, decode, capability, query_dtype.itemsize, quantized)
     # The matmuls run in the query dtype with fp32 accumulation (K/V are cast to it,
     # as the reference does); all fp32 under the interpreter, whose bf16 is broken.
     compute = tl.float32 if interpret else _TL_DTYPES[query_dtype]
-    # fp32 K/V tiles of 64 x 128 would take ~115 KB of pipelined shared memory, over
-    # what sm_86/89 parts have; halve the KV tile there.
-    block_n = 32 if not interpret and cache_dtype.itemsize == 4 and head_dim > 64 else 64
-    return dict(
+    constexprs = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_m // group,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_Q=tiles.block_m // group,  # a prefill program's tokens
+        BLOCK_N=tiles.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DECODE=decode,
         SLIDING=sliding,
@@ -544,7 +628,9 @@ def _attention_constexprs(
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
         QUANT=quant.quant_code(cache_dtype),
         SPLIT=split,
+        MIN_SPLIT_TILES=-(-min_split_tokens // tiles.block_n) if split else 0,
     )
+    return constexprs, {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
 
 
 # Split-KV (flash-decoding) heuristic. A decode program owns one (sequence, KV
@@ -606,6 +692,7 @@ def _launch_attention(
     decode: bool,
     scales: KVScales | None = None,
     num_splits: int = 1,
+    min_split_tokens: int = 0,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -624,7 +711,7 @@ def _launch_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     split = num_splits > 1
-    meta = _attention_constexprs(
+    meta, options = attention_launch(
         num_heads,
         num_kv_heads,
         head_dim,
@@ -633,7 +720,9 @@ def _launch_attention(
         k_cache.dtype,
         decode,
         sliding_window > 0,
+        device_capability(query.device),
         split=split,
+        min_split_tokens=min_split_tokens,
     )
     # Decode: a program per (sequence, kv head[, partition]). Prefill: flat query
     # tiles (see _find_seq), an upper bound on their number that needs no device sync.
@@ -669,6 +758,7 @@ def _launch_attention(
         block_tables.stride(0),
         *scale_strides,
         **meta,
+        **options,
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -732,7 +822,9 @@ def paged_decode_attention(
 
     query [S, q_heads, d] -> [S, q_heads, d]. Split-KV when the (sequence, KV
     head) programs cannot fill the GPU (num_kv_splits); the table's width bounds
-    every context, so the choice needs no device sync."""
+    every context, so the grid needs no device sync, and each sequence takes only
+    as many of those partitions as its own length fills (MIN_SPLIT_TOKENS each):
+    a captured graph's table is as wide as max_model_len, its sequences are not."""
     num_splits = num_kv_splits(
         block_tables.shape[0], k_cache.shape[1], block_tables.shape[1] * k_cache.shape[2], num_sms(query.device)
     )
@@ -746,6 +838,7 @@ def paged_decode_attention(
         sliding_window,
         num_splits=num_splits,
         scales=scales,
+        min_split_tokens=MIN_SPLIT_TOKENS,
     )
 
 
@@ -760,10 +853,13 @@ def split_kv_decode_attention(
     *,
     num_splits: int,
     scales: KVScales | None = None,
+    min_split_tokens: int = 0,
 ) -> torch.Tensor:
     """paged_decode_attention with each sequence's visible context cut into
     num_splits partitions of whole KV tiles, one program each, merged by a second
-    kernel (log-sum-exp). num_splits 1 is the single-pass kernel."""
+    kernel (log-sum-exp). num_splits 1 is the single-pass kernel. With
+    min_split_tokens, a sequence takes fewer partitions where its own context
+    would make them shorter than that (0: exactly num_splits)."""
     # cu_query_lens is unused in decode mode; any tensor fills the pointer slot.
     return _launch_attention(
         query,
@@ -777,6 +873,7 @@ def split_kv_decode_attention(
         decode=True,
         scales=scales,
         num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
     )
 
 
@@ -836,6 +933,80 @@ def contiguous_decode_attention(
     )
 
 
+# --------------------------------------------------------------------------- sampling
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    logits_ptr,
+    temperature_ptr,
+    keys_ptr,
+    thresholds_ptr,
+    out_ptr,
+    vocab,
+    stride_row,
+    MUL_A: tl.constexpr,
+    MUL_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # One program per row, one pass over its logits: each tile's scaled logits get
+    # their noise (reference.gumbel's hash, in uint32 lanes whose products wrap as
+    # the reference's masked int64 ones do) and the row keeps the best score so far
+    # and its token; ties to the lowest id (first tile, then tl.argmax's left tie).
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    threshold = tl.load(thresholds_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    best = tl.full([], float("-inf"), tl.float32)
+    best_token = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK_V):
+        tokens = start + tl.arange(0, BLOCK_V)
+        ok = tokens < vocab
+        logits = tl.load(row_ptr + tokens, mask=ok, other=float("-inf")).to(tl.float32)
+        scaled = tl.math.div_rn(logits, temperature)  # IEEE, as torch divides
+        h = key ^ tokens.to(tl.uint32)
+        h = h ^ (h >> 16)
+        h = h * MUL_A
+        h = h ^ (h >> 15)
+        h = h * MUL_B
+        h = h ^ (h >> 16)
+        uniform = ((h >> 9).to(tl.int32).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+        noise = -tl.log(-tl.log(uniform))
+        score = tl.where(ok & (scaled >= threshold), scaled + noise, float("-inf"))
+        tile_best = tl.max(score, 0)
+        tile_token = start + tl.argmax(score, 0)
+        better = tile_best > best
+        best_token = tl.where(better, tile_token, best_token)
+        best = tl.where(better, tile_best, best)
+    tl.store(out_ptr + row, best_token.to(tl.int64))
+
+
+def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, thresholds: Tensor) -> Tensor:
+    """reference.gumbel_argmax in one pass over the logits: no [N, V] temporaries
+    (the reference hashes in int64 lanes, ~20 passes)."""
+    num_rows, vocab = logits.shape
+    assert temperature.shape == keys.shape == thresholds.shape == (num_rows,), (logits.shape, temperature.shape)
+    assert logits.stride(-1) == 1, logits.stride()
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    block_v = min(2048, triton.next_power_of_2(vocab))
+    _gumbel_argmax_kernel[(num_rows,)](
+        logits,
+        temperature.float().contiguous(),
+        keys.contiguous(),
+        thresholds.float().contiguous(),
+        out,
+        vocab,
+        logits.stride(0),
+        MUL_A=tl.constexpr(reference.HASH_MULTIPLIERS[0]),
+        MUL_B=tl.constexpr(reference.HASH_MULTIPLIERS[1]),
+        BLOCK_V=block_v,
+    )
+    return out
+
+
 # Whole-block copies (values, and the scales of a quantized cache) are plain
 # tensor indexing: no kernel needed.
 copy_blocks = reference.copy_blocks
@@ -851,6 +1022,7 @@ __all__ = [
     "copy_blocks",
     "contiguous_decode_attention",
     "contiguous_prefill_attention",
+    "gumbel_argmax",
 ]
 
 

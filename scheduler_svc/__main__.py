@@ -15,7 +15,7 @@ from scheduler_svc.api.server import SchedulerServer, start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.discovery import WorkerDiscovery
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.errors import StartupError
+from scheduler_svc.engine.errors import StartupError, WorkerUnavailable
 from scheduler_svc.observability.exposition import start_metrics_server
 from scheduler_svc.observability.metrics import METRICS, engine_hooks
 from scheduler_svc.observability.stats import stats_fields
@@ -40,13 +40,13 @@ async def serve(config: SchedulerConfig) -> None:
     # KV events as vLLM publishes them, for KV-aware routers (api/kv_events_zmq.py), before the first request.
     zmq_events = (
         ZmqKvEventPublisher(
-            engine.kv_events, config.kv_events_zmq, config.kv_events_zmq_replay, config.kv_events_zmq_topic
+            engine.fleet.kv_events, config.kv_events_zmq, config.kv_events_zmq_replay, config.kv_events_zmq_topic
         )
         if config.kv_events_zmq
         else None
     )
     # dns:/// entries of --workers: resolved again every --worker-discovery-interval-s.
-    discovery = WorkerDiscovery(engine, config.worker_targets, config.worker_discovery_interval_s)
+    discovery = WorkerDiscovery(engine.fleet, config.worker_targets, config.worker_discovery_interval_s)
     discovery.start()
     server, port = await start_server(
         engine,
@@ -60,7 +60,7 @@ async def serve(config: SchedulerConfig) -> None:
     )
     # admin.v1 (AddWorker, DrainWorker, ListWorkers) on its own listener; --admin-port -1: none.
     admin, admin_port = (
-        await start_admin_server(engine, config.admin_host, config.admin_bind_port)
+        await start_admin_server(engine.fleet, config.admin_host, config.admin_bind_port)
         if config.admin_port >= 0
         else (None, -1)
     )
@@ -73,7 +73,7 @@ async def serve(config: SchedulerConfig) -> None:
         tls=bool(config.tls_cert),
         api_keys=len(api_keys),
         worker_tls=bool(config.worker_tls_ca),
-        routing=engine.routing,
+        routing=engine.fleet.routing,
         admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off",
         metrics=f"http://{config.host}:{metrics.port}/metrics" if metrics is not None else "off",
         kv_events_zmq=config.kv_events_zmq or "off",
@@ -112,7 +112,7 @@ async def shutdown(
 ) -> None:
     """Health NOT_SERVING and no new admissions; accepted requests get drain_timeout_s
     to finish (a second signal ends the wait); those left end with UNAVAILABLE."""
-    log.info("scheduler draining", live_requests=engine.num_live, drain_timeout_s=drain_timeout_s)
+    log.info("scheduler draining", live_requests=engine.requests.num_live, drain_timeout_s=drain_timeout_s)
     engine.start_draining()
     await server.set_serving(False)
     idle = asyncio.create_task(engine.wait_idle(drain_timeout_s))
@@ -121,8 +121,8 @@ async def shutdown(
     second.cancel()
     if not (idle.done() and idle.result()):
         idle.cancel()
-        await engine.halt()  # no step may land on requests that are being failed
-        failed = engine.fail_all("UNAVAILABLE", "the scheduler shut down before the request finished")
+        await engine.fleet.halt()  # no step may land on requests that are being failed
+        failed = engine.fail_all(WorkerUnavailable("the scheduler shut down before the request finished"))
         log.warning("drain cut short", failed=failed)
     await server.stop(FINAL_FLUSH_S)
     engine.log_audit()

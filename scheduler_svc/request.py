@@ -14,6 +14,7 @@ class SamplingOptions:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; the worker keeps tokens >= min_p x the top token's probability
     seed: int | None = None  # reproducible: the worker seeds from (seed, position)
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # text-level; the engine detects them and calls finish()
@@ -136,10 +137,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def append_output(self, token_id: int, logprob: float) -> None:
         self.output_token_ids.append(token_id)

@@ -37,14 +37,16 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, WorkerDown) as exc:  # cannot bind, unreadable files, a tensor-parallel rank that failed
         log.error("start-up failed", error=str(exc))
         sys.exit(2)
-    if worker.parallel is not None:  # a tensor-parallel rank that dies takes this worker down
-        worker.parallel.on_failure(stop.set)
+    # A tensor-parallel rank that dies, or a CUDA error that kills the device's
+    # context, takes this worker down: health NOT_SERVING and a non-zero exit, so the
+    # scheduler hands its requests over (or waits for a restart).
+    worker.on_failure(stop.set)
     stop.wait()
-    if worker.parallel is not None and worker.parallel.failed:
+    if (reason := worker.failed) is not None:
         server.not_serving()
         server.shutdown(0.5)  # the step in flight has failed with UNAVAILABLE; nothing else can run
-        log.error("worker down", reason=worker.parallel.failed)
-        os._exit(1)  # a rank may be stuck in a collective: do not wait for it
+        log.error("worker down", reason=reason)
+        os._exit(1)  # a rank may be stuck in a collective, a kernel on a dead context: do not wait
     log.info("worker stopping", drain_timeout_s=config.drain_timeout_s)
     # The step in flight finishes (its result reaches the scheduler); new calls are refused.
     server.shutdown(config.drain_timeout_s)

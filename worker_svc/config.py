@@ -23,7 +23,24 @@ class WorkerConfig:
         default=50061, metadata={"help": "port to bind; 0 lets the OS pick (printed in the 'worker ready' log line)"}
     )
     num_blocks: int = field(default=0, metadata={"help": "KV blocks to allocate; 0 = size from --kv-cache-memory-mb"})
-    kv_cache_memory_mb: int = field(default=512, metadata={"help": "KV pool size when --num-blocks is 0"})
+    kv_cache_memory_mb: int = field(
+        default=0,
+        metadata={
+            "help": "KV pool size when --num-blocks is 0; 0 = auto: 512 on CPU, on CUDA what --gpu-memory-utilization leaves once the weights and a profiled step are counted (set: at most this)"
+        },
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "CUDA, as vLLM's flag: the fraction of the GPU's memory this worker may use (weights, the activations of a profiled --max-num-batched-tokens prefill and --max-num-seqs sampling step, CUDA graphs, the KV pool); per rank with --tensor-parallel-size"
+        },
+    )
+    max_num_batched_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "the most tokens a step holds (match the scheduler's --max-num-batched-tokens): a CUDA worker profiles a prefill this large before sizing its KV pool"
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_layout: str = field(
         default="paged",
@@ -115,7 +132,9 @@ class WorkerConfig:
             (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
             (self.num_blocks >= 0, "--num-blocks", ">= 0"),
             (self.max_batch >= 0, "--max-batch", ">= 0"),
-            (self.kv_cache_memory_mb > 0, "--kv-cache-memory-mb", "> 0"),
+            (self.kv_cache_memory_mb >= 0, "--kv-cache-memory-mb", ">= 0"),
+            (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization", "in (0, 1]"),
+            (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", ">= 1"),
             (0 <= self.port <= 65535, "--port", "0..65535"),
             (self.max_model_len >= 0, "--max-model-len", ">= 0"),
             (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1"),

@@ -20,7 +20,7 @@ from svc_common.grpc_options import server_options
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
-from worker_svc.step.errors import InvalidStep, StaleStep, WorkerDown
+from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import BoolArray, Penalties, RowExtras, SamplingColumns, SeqColumns, StepInput
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import check_columns
@@ -33,6 +33,8 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 # Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
 _PER_ROW = ("start_pos", "num_tokens", "table_lens", "flags", "temperature", "top_p", "top_k", "seeds")
+# Per-row columns added since: absent (a scheduler that predates them) means 0 on every row.
+_LATER_PER_ROW = ("min_p",)
 _KNOWN_FLAGS = sum(worker_pb2.SeqFlag.values())  # the bits are distinct powers of two
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
@@ -49,9 +51,11 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
     token_ids, slot_mapping, block_tables = (
         np.array(x, np.int64) for x in (c.token_ids, c.slot_mapping, c.block_tables)
     )
+    rows = len(c.seq_ids)
     check_columns(
-        len(c.seq_ids),
-        {name: len(getattr(c, name)) for name in _PER_ROW},
+        rows,
+        {name: len(getattr(c, name)) for name in _PER_ROW}
+        | {name: len(getattr(c, name)) or rows for name in _LATER_PER_ROW},
         {
             "token_ids": (len(token_ids), "num_tokens", num_tokens),
             "slot_mapping": (len(slot_mapping), "num_tokens", num_tokens),
@@ -65,7 +69,9 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         (flags & bit) != 0 for bit in (_SAMPLE, _FROM_PREVIOUS, _RETURN_LOGITS, _SEEDED)
     )
     temperature, top_p = np.array(c.temperature, np.float32), np.array(c.top_p, np.float32)
-    sampling = SamplingColumns(temperature, top_p, np.array(c.top_k, np.int64), np.array(c.seeds, np.uint64), seeded)
+    min_p = np.array(c.min_p, np.float32) if len(c.min_p) else np.zeros(rows, np.float32)
+    top_k, seeds = np.array(c.top_k, np.int64), np.array(c.seeds, np.uint64)
+    sampling = SamplingColumns(temperature, top_p, top_k, seeds, seeded, min_p)
     seqs = SeqColumns(
         seq_ids=np.array(c.seq_ids, dtype=np.uint64),
         start_pos=np.array(c.start_pos, dtype=np.int64),
@@ -174,10 +180,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except StaleStep as exc:
             step_log.warning("step refused", error=str(exc))
             context.abort(grpc.StatusCode.ABORTED, str(exc))
-        except WorkerDown as exc:  # a tensor-parallel rank is gone: the scheduler treats it as a dead worker
+        except StepOutOfMemory as exc:
+            step_log.warning(
+                "step ran out of device memory: refused, the worker serves on", error=str(exc), fatal=False
+            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"step out of device memory: {exc}")
+        except WorkerDown as exc:  # a rank gone, a CUDA error: the scheduler treats it as a dead worker
+            step_log.error("step failed: worker going down", error=str(exc), fatal=True)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker going down: {exc}")
         except Exception as exc:  # a bug must not take the worker down
-            step_log.exception("step failed")
+            step_log.exception("step failed: the worker serves on", fatal=False)
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(exc).__name__}: {exc}")
         step_log.debug("step done", seqs=len(request.seqs.seq_ids), tokens=out.num_tokens, **out.timings_ms)
         return step_to_proto(out, self.worker.info.instance_id)

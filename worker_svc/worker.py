@@ -27,11 +27,11 @@ from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
 from worker_svc.parallel.sharding import load_rank_model
 from worker_svc.runner.cuda_graphs import CudaGraphBackend, GraphBackend
-from worker_svc.runner.memory import decode_peak_bytes, kv_budget_bytes
+from worker_svc.runner.memory import MB, CudaMemory, MemoryBaseline, plan_kv_pool
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
-from worker_svc.step.errors import StaleStep
+from worker_svc.step.errors import StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import StepInput
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import Limits, validate
@@ -48,6 +48,26 @@ KV_TORCH_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "int8": torch.int8,
 }
+CPU_KV_CACHE_MB = 512  # --kv-cache-memory-mb 0 (auto) on CPU
+# What an exception out of a step means for the worker (classify_failure).
+OUT_OF_MEMORY, DEVICE_LOST, STEP_FAILED = "out of memory", "device lost", "step failed"
+# Errors after which a CUDA context is unusable: they are sticky, every later launch
+# fails the same way (torch's and Triton's launchers, cuBLAS, cuDNN, NCCL).
+_DEVICE_LOST_MARKERS = (
+    "CUDA error",
+    "CUDA_ERROR",
+    "Triton Error [CUDA]",
+    "device-side assert",
+    "illegal memory access",
+    "illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUDNN_STATUS_EXECUTION_FAILED",
+    "NCCL error",
+)
+# Allocation failures (the caching allocator's, a library's workspace): a smaller step may fit.
+_OUT_OF_MEMORY_MARKERS = ("out of memory", "ALLOC_FAILED")
 # FP8 e4m3 needs Ada / Hopper or newer: native e4m3 conversions, and Triton's
 # fp8e4nv type, start at compute capability 8.9.
 FP8_MIN_CUDA_CAPABILITY = (8, 9)
@@ -80,6 +100,50 @@ def resolve_kv_dtype(requested: str, weights_dtype: torch.dtype, device: torch.d
             )
             return torch.int8
     return dtype
+
+
+def classify_failure(exc: BaseException) -> str:
+    """OUT_OF_MEMORY (recoverable: the step is refused, the worker serves on),
+    DEVICE_LOST (fatal: an illegal address or a device-side assert leaves the CUDA
+    context dead, so every later step would fail while the worker looked healthy)
+    or STEP_FAILED (anything else: this step's bug, the worker serves on)."""
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or any(m in text for m in _OUT_OF_MEMORY_MARKERS):
+        return OUT_OF_MEMORY
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
+    if (accelerator_error is not None and isinstance(exc, accelerator_error)) or any(
+        m in text for m in _DEVICE_LOST_MARKERS
+    ):
+        return DEVICE_LOST
+    return STEP_FAILED
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device as a torch device; a bare `cuda` is the current CUDA device (0)."""
+    device = torch.device(name)
+    if device.type == "cuda" and ":" not in name:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. Tensors carry their
+    device, but Triton launches, CUDA events, streams and graph capture go to the
+    thread's current device, and every thread starts on device 0: gRPC runs each
+    step on a pool thread, so a worker on cuda:1 would launch its kernels on GPU 0
+    with pointers into GPU 1. Called at start-up and at the start of every step."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def warms_up(device: torch.device, graph_backend: GraphBackend | None) -> bool:
+    """Whether a worker warms up before serving (runner/warm_up.py: graphs captured,
+    every kernel a first request runs compiled): with graphs, and on CUDA (Triton
+    compiles on first use). Every tensor-parallel rank runs the same warm-up
+    forwards in the same order, so their collectives pair up; skipping it left
+    the first request compiling every kernel on every rank (issue 27). A CPU
+    worker without graphs has nothing to compile."""
+    return graph_backend is not None or device.type == "cuda"
 
 
 @dataclass(frozen=True)
@@ -128,13 +192,19 @@ class Worker:
         if parallel is None and config.tensor_parallel_size > 1:
             parallel = TensorParallelGroup.launch(group_spec(config), functools.partial(run_rank, config))
         self.parallel = parallel
-        self.device = parallel.device if parallel else torch.device(config.device)
+        self.device = parallel.device if parallel else resolve_device(config.device)
+        use_device(self.device)
+        self._failed: str | None = None  # why this worker cannot run steps any more
+        self._failure_callbacks: list[Callable[[], None]] = []
+        # The device before anything is loaded: memory sizing counts what this worker adds.
+        memory = CudaMemory(self.device) if self.device.type == "cuda" else None
+        baseline = MemoryBaseline.read(memory) if memory is not None else None
         self.dtype = resolve_dtype(config.dtype, self.device.type, cpu)
         dtype = TORCH_DTYPES[self.dtype]
         backend = load_backend(resolve_backend(config.attention_backend, self.device))
         self.backend = backend.name
-        # A tensor-parallel forward needs every rank in its collectives: no graphs, no
-        # rank-0-only warm-up (its first request compiles what it needs).
+        # A tensor-parallel forward needs every rank in its collectives: no graphs (the
+        # warm-up runs on every rank, in step: the same forwards meet in the same collectives).
         eager = config.enforce_eager or parallel is not None
         # The fused forward (not --enforce-eager): the backend's fused element-wise ops
         # (Triton on CUDA, C++ on the CPU) and, on the CPU with the C++ kernels, the
@@ -184,12 +254,10 @@ class Worker:
 
         num_ids = config.max_batch if contiguous else config.num_blocks
         if not num_ids:
-            reserved = 0
-            if graph_backend is not None and self.device.type == "cuda":
-                # What the decode graphs will hold, measured over a one-block scratch cache.
-                scratch = ModelRunner(self.model, make_cache(1), Sampler(0), route)
-                reserved = decode_peak_bytes(scratch, config.max_num_seqs, table_width)
-            num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, reserved)
+            # Profiled over a one-block scratch cache before the pool exists (runner/memory.py).
+            scratch = lambda: ModelRunner(self.model, make_cache(1), Sampler(0), route)
+            graphs_width = table_width if graph_backend is not None else None
+            num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, memory, baseline, scratch, max_len, graphs_width)
         self.cache = make_cache(num_ids)
         sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
@@ -223,8 +291,8 @@ class Worker:
             kv_bytes_per_block_per_rank=self.cache.block_bytes,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
-        # request needs (a CPU worker without graphs has nothing to compile).
-        if parallel is None and (graph_backend is not None or self.device.type == "cuda"):
+        # request needs, on every tensor-parallel rank too.
+        if warms_up(self.device, graph_backend):
             warm_up(self.runner, graph_backend, config.max_num_seqs, table_width, num_ids)
         # One step at a time (steps mutate the shared cache), and a step planned
         # ahead only right after the step it names.
@@ -237,34 +305,61 @@ class Worker:
     def graphs_enabled(self) -> bool:
         return self.runner.graphs is not None
 
-    def _ids_for_memory(self, kv_dtype: torch.dtype, tokens_per_id: int, reserved: int) -> int:
-        """Blocks (or contiguous slots of max_seq_len tokens) that fit in
-        --kv-cache-memory-mb, each costing its values and scales; on CUDA, also in
-        what the device has free beside `reserved` bytes (the decode graphs')."""
+    def _ids_for_memory(
+        self,
+        kv_dtype: torch.dtype,
+        tokens_per_id: int,
+        memory: CudaMemory | None,
+        baseline: MemoryBaseline | None,
+        scratch: Callable[[], ModelRunner],
+        max_len: int,
+        graphs_table_width: int | None,
+    ) -> int:
+        """Blocks (or contiguous slots of max_seq_len tokens) the pool gets, each
+        costing its values and scales: --kv-cache-memory-mb (512 by default) on
+        CPU; on CUDA what runner/memory.py's profile leaves under
+        --gpu-memory-utilization (at most --kv-cache-memory-mb if set), logged
+        with where the rest went. Tensor-parallel ranks take the smallest count."""
         spec = self.model.spec
         per_id = PagedKVCache.bytes_per_block(
             spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype
         )
-        budget = requested = self.config.kv_cache_memory_mb * 2**20
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free = torch.cuda.mem_get_info(self.device)[0]
-            budget = kv_budget_bytes(requested, free, reserved)
-            if budget < requested:
+        config = self.config
+        requested = config.kv_cache_memory_mb * MB
+        if memory is None or baseline is None:
+            budget = requested or CPU_KV_CACHE_MB * MB
+        else:
+            plan = plan_kv_pool(
+                scratch(),
+                memory,
+                baseline,
+                config.gpu_memory_utilization,
+                requested,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                max_len,
+                graphs_table_width,
+            )
+            log.info("kv cache sized from device memory", device=_describe(self.device), **plan.log_fields())
+            if requested and plan.kv_cache < requested:
                 log.warning(
                     "kv cache smaller than --kv-cache-memory-mb: the device has no room for more",
-                    requested_mb=self.config.kv_cache_memory_mb,
-                    kv_cache_mb=budget // 2**20,
-                    free_mb=free // 2**20,
-                    reserved_for_graphs_mb=reserved // 2**20,
+                    requested_mb=config.kv_cache_memory_mb,
+                    kv_cache_mb=plan.kv_cache // MB,
+                    sized_by=plan.bound,
                 )
-        return max(1, budget // per_id)
+            budget = plan.kv_cache
+        ids = max(1, budget // per_id)
+        return self.parallel.min_over_ranks(ids) if self.parallel is not None else ids
 
     def step(self, step: StepInput) -> StepOutput:
         """Validates first (raising InvalidStep before anything is touched), then runs.
         A step planned ahead waits (briefly) for the step it names to run first,
         since gRPC may hand the two calls to threads in either order; StaleStep
-        if that step is not the one run last."""
+        if that step is not the one run last. WorkerDown once the worker failed
+        (a rank gone, a CUDA error); StepOutOfMemory for a step that did not fit."""
+        if (reason := self.failed) is not None:
+            raise WorkerDown(reason)
         validate(step, self.limits)
         with self._step_done:
             if step.previous_step_id is not None:
@@ -272,14 +367,55 @@ class Worker:
             ok = False
             try:
                 if self.parallel is not None:
-                    out = self.parallel.execute(self.runner.execute, step)
+                    out = self.parallel.execute(self.execute, step)
                 else:
-                    out = self.runner.execute(step)
+                    out = self.execute(step)
                 ok = True
                 return out
             finally:
                 self._last_step = (step.step_id, ok)
                 self._step_done.notify_all()
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """A validated step on this worker's device, on the calling thread (a gRPC
+        pool thread, or a tensor-parallel rank's loop): the device is made current
+        first. A CUDA error that kills the context fails the worker (WorkerDown);
+        running out of memory fails only the step (StepOutOfMemory)."""
+        use_device(self.device)
+        try:
+            return self.runner.execute(step)
+        except Exception as exc:
+            kind = classify_failure(exc)
+            if kind == DEVICE_LOST:
+                reason = f"{kind}: {type(exc).__name__}: {exc}"
+                self._fail(reason)
+                raise WorkerDown(reason) from exc
+            if kind == OUT_OF_MEMORY:
+                raise StepOutOfMemory(f"{type(exc).__name__}: {exc}") from exc
+            raise
+
+    @property
+    def failed(self) -> str | None:
+        """Why this worker cannot run steps any more (None: it can)."""
+        if self._failed is None and self.parallel is not None:
+            return self.parallel.failed
+        return self._failed
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """`callback()` once the worker fails (at once if it has): the process must go down."""
+        self._failure_callbacks.append(callback)
+        if self.parallel is not None:
+            self.parallel.on_failure(callback)
+        if self._failed is not None:
+            callback()
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is not None:
+            return
+        self._failed = reason
+        log.error("worker failed: the device cannot run steps any more, going down", reason=reason, fatal=True)
+        for callback in self._failure_callbacks:
+            callback()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
@@ -329,6 +465,6 @@ def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection
 
     def build() -> Callable[[StepInput], StepOutput]:
         group = TensorParallelGroup.join(group_spec(config), rank, init_method)
-        return Worker(config, parallel=group).runner.execute
+        return Worker(config, parallel=group).execute
 
     serve_rank(rank, pipe, build)

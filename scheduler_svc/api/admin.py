@@ -1,7 +1,7 @@
 """admin.v1 gRPC service: add, drain and list workers at run time.
 
 The servicer only validates, converts and maps errors; the work is done by the
-engine through the `AdminEngine` interface below. It is served on its own
+engine's fleet (scheduler_svc/engine/fleet.py) through the `AdminEngine` interface below. It is served on its own
 listener (`start_admin_server`, 127.0.0.1 by default) rather than on the
 client-facing port: whoever can add a worker decides what every client gets.
 
@@ -44,10 +44,13 @@ _STATE_TO_PROTO = {
 
 
 class AdminEngine(Protocol):
-    """What the Engine provides to the admin service (scheduler_svc.engine.Engine implements it)."""
+    """What the engine provides to the admin service (scheduler_svc.engine.fleet.Fleet implements it)."""
 
-    routing: str  # the routing policy's name: prefix | round-robin | least-loaded
     kv_events: KvEventHub  # every worker's prefix-index changes
+
+    @property
+    def routing(self) -> str:
+        """The routing policy's name: prefix | round-robin | least-loaded."""
 
     async def add_worker(self, address: str) -> WorkerStatus:
         """Connect (Info, waiting for ready up to connect_timeout_s), check it serves the same
@@ -59,7 +62,8 @@ class AdminEngine(Protocol):
         finish there), then remove it once it holds no request (core stopped, client closed,
         router.forget). wait=False: return at once; wait=True: return when removed, with state
         REMOVED. Cancelling the wait must not undo the drain. Draining an already draining
-        worker is not an error. Raises UnknownWorker, LastWorker."""
+        worker is not an error, nor is draining one just removed (its final record, REMOVED).
+        Raises UnknownWorker, LastWorker."""
 
     def list_workers(self) -> list[WorkerStatus]:
         """Every known worker (serving, draining, unhealthy), in the order they were added."""
@@ -149,9 +153,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except Exception:  # a bug must not leak a stack trace to the caller
             log.exception("list workers failed")
             await abort(context, grpc.StatusCode.INTERNAL, "list workers failed (see the scheduler log)")
-        return admin_pb2.ListWorkersResponse(
-            workers=[status_to_proto(s) for s in workers], routing=getattr(self.engine, "routing", "")
-        )
+        return admin_pb2.ListWorkersResponse(workers=[status_to_proto(s) for s in workers], routing=self.engine.routing)
 
     async def SubscribeKvEvents(
         self, request: admin_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext

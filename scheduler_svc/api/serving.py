@@ -13,8 +13,9 @@ import structlog
 
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.api.status import DOMAIN_ERRORS, abort, abort_with
-from scheduler_svc.engine.engine import Engine, EngineStats
+from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.pinning import pin_on_core
+from scheduler_svc.engine.stats import EngineStats, engine_stats
 from scheduler_svc.engine.streams import StreamEvent, coalesce
 from scheduler_svc.planning.validation import (
     SEED_SPACE,
@@ -60,11 +61,13 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     request_id = msg.request_id or uuid.uuid4().hex
     eos, salt = engine.tokenizer.eos_token_ids, msg.cache_salt or None
     if n == 1:
-        return Request(request_id, engine.next_seq_id(), prompt_ids, sampling, eos_token_ids=eos, cache_salt=salt)
+        return Request(
+            request_id, engine.requests.next_seq_id(), prompt_ids, sampling, eos_token_ids=eos, cache_salt=salt
+        )
     children = [
         Request(
             f"{request_id}/{i}",
-            engine.next_seq_id(),
+            engine.requests.next_seq_id(),
             prompt_ids,
             _sample_seed(sampling, i),
             sample_index=i,
@@ -75,7 +78,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     ]
     return Request(
         request_id,
-        engine.next_seq_id(),
+        engine.requests.next_seq_id(),
         prompt_ids[:-1],
         sampling,
         prefill_only=True,
@@ -96,6 +99,7 @@ def _sampling_from_proto(msg: serving_pb2.GenerateRequest, max_tokens: int) -> S
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
+        min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=max_tokens,
         stop=tuple(s for s in msg.stop if s),
@@ -173,7 +177,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         try:
             req = request_from_proto(request, self.engine, self.default_max_tokens)
-            stream = self.engine.submit(req)
+            stream = self.engine.requests.submit(req)
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)
         log.info(
@@ -189,36 +193,36 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                 event, error = await stream.events.get(), None
                 if stream.num_samples == 1:
                     event, error = coalesce(stream.events, event)
-                if event.error_code:
-                    await abort(context, grpc.StatusCode[event.error_code], event.error_message)
+                if event.error is not None:
+                    await abort_with(context, event.error)
                 yield event_to_proto(event, req.request_id, self.engine.tokenizer)
                 remaining -= event.finished
-                if error is not None:  # after the tokens that came before it
-                    await abort(context, grpc.StatusCode[error.error_code], error.error_message)
+                if error is not None and error.error is not None:  # after the tokens that came before it
+                    await abort_with(context, error.error)
         finally:
             # Runs on normal end, client cancel and deadline alike: a request whose
             # client is gone is aborted and its blocks freed within one step.
-            self.engine.release(req.request_id)
+            self.engine.requests.release(req.request_id)
 
     async def Stats(
         self, request: serving_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.StatsResponse:
-        return stats_to_proto(self.engine.stats(), self.extra_stats())
+        return stats_to_proto(engine_stats(self.engine.cores), self.extra_stats())
 
     async def PinPrefix(
         self, request: serving_pb2.PinPrefixRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PinPrefixResponse:
         try:
             prompt_ids = prompt_from_proto(request, self.engine)
-            if len(prompt_ids) < self.engine.block_size:
+            if len(prompt_ids) < self.engine.fleet.block_size:
                 raise RequestRejected(
                     "prompt",
                     f"a pinned prefix needs at least one full block "
-                    f"({self.engine.block_size} tokens), got {len(prompt_ids)}",
+                    f"({self.engine.fleet.block_size} tokens), got {len(prompt_ids)}",
                 )
             pins = [
-                await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.next_seq_id())
-                for core in self.engine.serving_cores()
+                await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.requests.next_seq_id())
+                for core in self.engine.fleet.serving_cores()
             ]
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)

@@ -9,6 +9,7 @@ import grpc
 
 from scheduler_svc.engine.errors import (
     LastWorker,
+    SchedulerBug,
     UnknownWorker,
     WorkerExists,
     WorkerIncompatible,
@@ -29,6 +30,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (WorkerUnreachable, grpc.StatusCode.UNAVAILABLE),
     (WorkerIncompatible, grpc.StatusCode.FAILED_PRECONDITION),
     (LastWorker, grpc.StatusCode.FAILED_PRECONDITION),
+    (SchedulerBug, grpc.StatusCode.INTERNAL),  # a stream ended by the scheduler's own fault
 )
 # What a servicer catches and turns into a status; anything else is a bug (INTERNAL).
 DOMAIN_ERRORS: tuple[type[Exception], ...] = tuple(cls for cls, _ in _CODES)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from scheduler_svc.engine.errors import WorkerCallFailed, WorkerUnavailable
+from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed, WorkerUnavailable
 from scheduler_svc.engine.kv_events import WorkerKvEvents
 from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
@@ -175,12 +175,12 @@ class EngineCore:
         self._wakeup.set()
         return aborted
 
-    def fail_all(self, code: str, message: str) -> int:
-        """End every live request with a gRPC error (worker gone, shutdown); returns how many streams."""
+    def fail_all(self, error: Exception) -> int:
+        """End every live request with `error` (worker gone, shutdown); returns how many streams."""
         streams = self._pop_streams(self.planner.drain())
         for request_id, stream in streams.items():
-            stream.fail(code, message)
-            log.warning("request failed", request_id=request_id, code=code, reason=message)
+            stream.fail(error)
+            log.warning("request failed", request_id=request_id, error=type(error).__name__, reason=str(error))
         self.counters.requests_failed += len(streams)
         return len(streams)
 
@@ -193,7 +193,7 @@ class EngineCore:
                 raise
             except Exception:  # a bug must not silently stop this worker's loop
                 log.exception("engine core failed; ending its requests", worker=self.info.address)
-                self.fail_all("INTERNAL", "internal scheduler error; see the scheduler log")
+                self.fail_all(SchedulerBug("internal scheduler error; see the scheduler log"))
                 await asyncio.sleep(_BACKOFF_FIRST_S)
 
     async def _loop(self) -> None:
@@ -278,7 +278,7 @@ class EngineCore:
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
-        updates = self.planner.update(plan, result.sampled, result.logprobs)
+        updates = self.planner.update(plan, result.samples)
         self._publish_kv_events()
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
@@ -303,7 +303,7 @@ class EngineCore:
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
-            self.counters.generation_tokens += len(update.new_token_ids)
+            self.counters.generation_tokens += update.token_id is not None
             stream = self.streams.get(update.request_id)
             if stream is None:
                 continue
@@ -337,7 +337,7 @@ class EngineCore:
             stream = self.streams.pop(request_id, None)
             self.planner.finish(request_id, FinishReason.ABORT)
             if stream:
-                stream.fail("INTERNAL", f"worker rejected a step: {err.details}")
+                stream.fail(SchedulerBug(f"worker rejected a step: {err.details}"))
 
     # ---- idle: health watch and audit -------------------------------------
     async def _idle(self) -> None:
@@ -359,11 +359,18 @@ class EngineCore:
         if self.counters.steps_run == self._audited_at_step:
             return
         self._audited_at_step = self.counters.steps_run
+        self.audit()
+
+    def audit(self) -> bool:
+        """Prove every block of this worker's pool is accounted for (Planner.audit);
+        a leak is counted and logged, not raised: the worker goes on serving."""
         try:
             self.planner.audit()
         except LeakError as exc:
             self.counters.audit_failures += 1
             log.error("engine audit failed", worker=self.info.address, error=str(exc))
+            return False
+        return True
 
     # ---- losing and regaining the worker ------------------------------------
     def _lose(self, reason: str, step_id: int | None = None) -> None:
@@ -393,9 +400,10 @@ class EngineCore:
             self._publish_kv_events()  # handing requests over resets the index
             if self.planner.has_work() and time.monotonic() - self._lost_at >= self.worker_timeout_s:
                 failed = self.fail_all(
-                    "UNAVAILABLE",
-                    f"worker {self.info.address} did not come back within "
-                    f"{self.worker_timeout_s}s and no other worker could take over",
+                    WorkerUnavailable(
+                        f"worker {self.info.address} did not come back within "
+                        f"{self.worker_timeout_s}s and no other worker could take over"
+                    )
                 )
                 log.error("worker gone, requests failed", worker=self.info.address, failed=failed)
             await self._wait_for_wakeup(delay)
@@ -403,21 +411,10 @@ class EngineCore:
 
     def _accept_worker(self, info: WorkerInfo) -> bool:
         """Trust the worker again if its pool matches ours; a new instance has an empty cache."""
-        pool = self.planner.kv.pool
-        if (info.model_name, info.num_blocks, info.block_size) != (
-            self.info.model_name,
-            pool.num_blocks,
-            pool.block_size,
-        ):
+        if problem := self.info.mismatch(info, same_pool=True):
             if info.instance_id != self._refused_instance:  # say it once per instance, not every retry
                 self._refused_instance = info.instance_id
-                log.error(
-                    "worker came back with another model or pool; not using it",
-                    worker=info.address,
-                    model=info.model_name,
-                    num_blocks=info.num_blocks,
-                    expected_num_blocks=pool.num_blocks,
-                )
+                log.error("worker came back with another model or pool; not using it", reason=problem)
             return False
         if info.instance_id != self.info.instance_id:
             dropped = self.planner.kv.reset_prefix_cache()

@@ -2,14 +2,14 @@
 
 Every A/AAAA record of a `dns:///NAME:PORT` entry is a worker (a Kubernetes
 headless Service has one per ready pod). `WorkerDiscovery` resolves the names
-again every `--worker-discovery-interval-s` and moves the engine towards the
+again every `--worker-discovery-interval-s` and moves the fleet towards the
 answer through the same calls as admin.v1 (api/admin.py):
 
-* a new address joins with `Engine.add_worker` (Info, the compatibility checks,
+* a new address joins with `Fleet.add_worker` (Info, the compatibility checks,
   then routable: the prefix router sees a cold worker, so misses go there first);
   one that does not answer within an interval is tried again at the next;
 * an address it added that is no longer listed is drained with
-  `Engine.drain_worker`: it gets nothing new, finishes its requests (or hands
+  `Fleet.drain_worker`: it gets nothing new, finishes its requests (or hands
   them over if it is dead), then is forgotten. The last worker is drained too:
   DNS is the truth about the fleet.
 
@@ -34,7 +34,7 @@ from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
 from svc_common.targets import Resolver, Target, resolve_dns, resolve_targets
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
+    from scheduler_svc.engine.fleet import Fleet
 
 log = structlog.get_logger(__name__)
 
@@ -75,20 +75,16 @@ async def first_workers(
 
 class WorkerDiscovery:
     def __init__(
-        self, engine: Engine, targets: list[Target], interval_s: float, resolver: Resolver = resolve_dns
+        self, fleet: Fleet, targets: list[Target], interval_s: float, resolver: Resolver = resolve_dns
     ) -> None:
-        self.engine = engine
+        self.fleet = fleet
         self.targets = [t for t in targets if t.dns]
         self.interval_s = interval_s
         self._resolver = resolver
         fixed = {t.address for t in targets if not t.dns}
         # Workers discovery added (and may drain): the start-up ones not listed as fixed.
-        self._managed = {c.info.address for c in engine.cores} - fixed
+        self.managed = {c.info.address for c in fleet.cores} - fixed
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def managed(self) -> set[str]:
-        return set(self._managed)
 
     def start(self) -> None:
         if self.targets:
@@ -112,32 +108,32 @@ class WorkerDiscovery:
         """One round: resolve, add the new addresses (each given up to one interval to
         answer), drain the ones discovery added that are no longer listed."""
         resolved = await resolve_targets(self.targets, self._resolver)
-        states = {w.address: w.state for w in self.engine.list_workers()}
+        states = {w.address: w.state for w in self.fleet.list_workers()}
         joining = [(a, t) for a, t in resolved.peers.items() if a not in states]
         leaving = sorted(
             a
-            for a in self._managed
+            for a in self.managed
             if a not in resolved.peers and states.get(a) not in (None, WorkerState.DRAINING) and not resolved.failed
         )
         await asyncio.gather(*(self._join(address, target) for address, target in joining))
         for address in leaving:
             await self._leave(address)
-        listed = {w.address for w in self.engine.list_workers()}
-        self._managed &= listed  # drained and removed: forgotten
+        listed = {w.address for w in self.fleet.list_workers()}
+        self.managed &= listed  # drained and removed: forgotten
 
     async def _join(self, address: str, target: Target) -> None:
         try:
-            timeout_s = min(self.interval_s, self.engine.config.connect_timeout_s)
-            await self.engine.add_worker(address, tls_server_name=target.host, timeout_s=timeout_s)
+            timeout_s = min(self.interval_s, self.fleet.config.connect_timeout_s)
+            await self.fleet.add_worker(address, tls_server_name=target.host, timeout_s=timeout_s)
         except WorkerAdminError as exc:
             log.warning("discovered worker not added; trying again next round", worker=address, error=str(exc))
             return
-        self._managed.add(address)
+        self.managed.add(address)
         log.info("discovered worker joined", worker=address, target=str(target))
 
     async def _leave(self, address: str) -> None:
         try:
-            await self.engine.drain_worker(address, allow_last=True)
+            await self.fleet.drain_worker(address, allow_last=True)
         except WorkerAdminError as exc:  # removed meanwhile
             log.info("worker left DNS and is already gone", worker=address, error=str(exc))
             return

@@ -12,6 +12,11 @@ class WorkerUnavailable(RuntimeError):
     """No healthy worker can take the request."""
 
 
+class SchedulerBug(RuntimeError):
+    """A request ended by the scheduler's own fault (a step the worker refused, a
+    failed step loop); the details are in the scheduler's log."""
+
+
 class WorkerAdminError(Exception):
     """A worker cannot be added or drained as asked."""
 

@@ -37,5 +37,5 @@ async def _compute(core: EngineCore, prompt_ids: list[int], cache_salt: str | No
     handle = core.add(warm)
     while True:
         event = await handle.events.get()
-        if event.finished or event.error_code:
+        if event.finished or event.error:
             return

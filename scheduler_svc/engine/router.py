@@ -111,15 +111,9 @@ class Candidate:
         return self.num_seqs, -self.free_blocks, -self.uncached_free_blocks
 
     @classmethod
-    def from_core(cls, core: EngineCore, draining: bool = False) -> Candidate:
-        """Describe an EngineCore (duck-typed: .info.address, .planner, .healthy)."""
+    def from_core(cls, core: EngineCore, state: WorkerState) -> Candidate:
+        """Describe an EngineCore in `state` (the fleet's: engine/fleet.py)."""
         planner = core.planner
-        if draining:
-            state = WorkerState.DRAINING
-        elif not core.healthy:
-            state = WorkerState.UNHEALTHY
-        else:
-            state = WorkerState.SERVING
         return cls(
             address=core.info.address,
             kv=planner.kv,

@@ -22,6 +22,8 @@ class Usage:
 
 @dataclass(slots=True)
 class StreamEvent:
+    """One message to a client: what one or more steps (coalesce) added to one sample's stream."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -31,17 +33,17 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str = ""
     usage: Usage | None = None
-    # Set when the stream must end with a gRPC error instead (e.g. UNAVAILABLE).
-    error_code: str = ""
-    error_message: str = ""
+    # Set when the stream ends with an error instead (a domain error: api/status.py gives its code).
+    error: Exception | None = None
     index: int = 0  # which of a request's n samples
 
     def absorb(self, later: StreamEvent) -> None:
-        """Append a later event of the same sample, so one message carries both."""
+        """Append a later event of the same sample, so one message carries both
+        (each event owns its lists)."""
         self.text += later.text
-        self.token_ids = self.token_ids + later.token_ids
-        self.logprobs = self.logprobs + later.logprobs
-        self.top_logprobs = self.top_logprobs + later.top_logprobs
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.progress = later.progress or self.progress
         if later.finished:
@@ -55,9 +57,9 @@ def coalesce(events: asyncio.Queue[StreamEvent], first: StreamEvent) -> tuple[St
     the queue that must follow it, or None). Only for one-sample requests, whose
     events all belong to the same stream."""
     error = None
-    while not (first.finished or first.error_code or events.empty()):
+    while not (first.finished or first.error or events.empty()):
         later = events.get_nowait()
-        if later.error_code:
+        if later.error:
             error = later
             break
         first.absorb(later)
@@ -95,30 +97,33 @@ class RequestStream:
         if update.forked:
             self.closed = True  # a fork parent: its children's streams take over
             return False
-        if update.new_token_ids and not self.closed:
-            self.timing.on_tokens(len(update.new_token_ids))
-        if update.prefill_progress is not None and not (update.new_token_ids or update.finished):
+        token_id = update.token_id
+        if token_id is not None and not self.closed:
+            self.timing.on_tokens(1)
+        if update.prefill_progress is not None and token_id is None and not update.finished:
             self._put(StreamEvent(progress=update.prefill_progress))
             self.reported_progress = True
             return False
         # A prompt that took several chunks gets its final (total, total) with the first token.
         progress = update.prefill_progress if self.reported_progress else None
-        text = "".join(self.detokenizer.add(t) for t in update.new_token_ids)
+        text = self.detokenizer.add(token_id) if token_id is not None else ""
         hit_stop = self.detokenizer.stopped and not update.finished
         if update.finished or hit_stop:
             reason = FinishReason.STOP if hit_stop else update.finish_reason
             self._finish(text + self.detokenizer.flush(), update, reason, progress)
-        elif text or update.new_token_ids:
+        elif token_id is not None:
             self._put(self._tokens_event(text, update, progress))
         return hit_stop
 
     def _tokens_event(self, text: str, update: RequestUpdate, progress: tuple[int, int] | None) -> StreamEvent:
-        """The event carrying an update's tokens, their text and logprobs."""
+        """The event carrying an update's token (if any), its text and logprobs."""
+        if update.token_id is None:
+            return StreamEvent(text=text, prompt_logprobs=self._prompt_logprobs(update), progress=progress)
         return StreamEvent(
             text=text,
-            token_ids=update.new_token_ids,
-            logprobs=update.new_logprobs,
-            top_logprobs=update.new_top_logprobs,
+            token_ids=[update.token_id],
+            logprobs=[update.logprob],
+            top_logprobs=[] if update.top_logprobs is None else [update.top_logprobs],
             prompt_logprobs=self._prompt_logprobs(update),
             progress=progress,
         )
@@ -132,10 +137,10 @@ class RequestStream:
     def abort(self) -> None:
         self._finish("", RequestUpdate(self.request.request_id), FinishReason.ABORT)
 
-    def fail(self, code: str, message: str) -> None:
+    def fail(self, error: Exception) -> None:
         if not self.closed and not self.request.prefill_only:
             self.timing.finish("error")
-        self._put(StreamEvent(error_code=code, error_message=message))
+        self._put(StreamEvent(error=error))
         self.closed = True
 
     def _finish(

@@ -3,13 +3,13 @@ converts worker.v1 protos to and from the planner's data classes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
-from scheduler_svc.planning.planner import ScheduledSeq, StepLogprobs, StepPlan
+from scheduler_svc.planning.planner import Alternatives, ScheduledSeq, StepPlan, StepSamples
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 
 # Codes after which the worker may come back: reconnect and recompute.
@@ -44,13 +44,30 @@ class WorkerInfo:
     kv_layout: str = "paged"
     max_batch: int = 0
 
+    def mismatch(self, other: WorkerInfo, same_pool: bool = False) -> str | None:
+        """Why `other` cannot serve beside (or, same_pool, in place of) this worker:
+        every worker serves the same model, vocabulary and block size; a worker that
+        comes back must bring a pool of the same size too. None if it can."""
+        fields = ("model_name", "vocab_size", "block_size") + (("num_blocks",) if same_pool else ())
+        if all(getattr(self, f) == getattr(other, f) for f in fields):
+            return None
+        return (
+            f"worker {other.address} serves {other.model_name} (vocab {other.vocab_size}, block {other.block_size}, "
+            f"{other.num_blocks} blocks), unlike {self.address} ({self.model_name}, vocab {self.vocab_size}, "
+            f"block {self.block_size}, {self.num_blocks} blocks): "
+            + (
+                "a worker must come back with the same model and pool"
+                if same_pool
+                else "all workers must serve the same model"
+            )
+        )
 
-@dataclass
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
-    sampled: dict[int, tuple[int, float]]  # seq_id -> (token id, logprob)
-    instance_id: str
+    samples: StepSamples
+    instance_id: str  # the worker instance that ran the step
     forward_ms: float
-    logprobs: StepLogprobs = field(default_factory=StepLogprobs)  # alternatives, prompt logprobs
 
 
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
@@ -79,6 +96,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
         temperature=[o.temperature for o in options],
         top_p=[o.top_p for o in options],
         top_k=[o.top_k for o in options],
+        min_p=[o.min_p for o in options],
         seeds=[o.seed or 0 for o in options],
         token_ids=token_ids,
         slot_mapping=slot_mapping,
@@ -133,10 +151,10 @@ def _fill_extras(extras: worker_pb2.SeqExtras, s: ScheduledSeq) -> None:
 
 
 def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
-    """The sampled columns in one pass; alternatives only for the rows that have some."""
+    """The sampled columns as columns; alternatives only for the rows that have some."""
     c = reply.sampled
     seq_ids = list(c.seq_ids)
-    top: dict[int, tuple[tuple[int, float], ...]] = {}
+    top: dict[int, Alternatives] = {}
     if c.top_token_ids:
         pairs = list(zip(c.top_token_ids, c.top_logprobs))
         end = 0
@@ -145,15 +163,11 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
                 top[seq_id] = tuple(pairs[end : end + count])
                 end += count
     prompt = {p.seq_id: _prompt_rows(p) for p in reply.prompt_logprobs}
-    return StepResult(
-        sampled=dict(zip(seq_ids, zip(c.token_ids, c.logprobs))),
-        instance_id=reply.instance_id,
-        forward_ms=reply.timings.forward_ms,
-        logprobs=StepLogprobs(top, prompt),
-    )
+    samples = StepSamples(seq_ids, list(c.token_ids), list(c.logprobs), top, prompt)
+    return StepResult(samples, reply.instance_id, reply.timings.forward_ms)
 
 
-def _prompt_rows(p: worker_pb2.PromptLogprobs) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+def _prompt_rows(p: worker_pb2.PromptLogprobs) -> list[tuple[float, Alternatives]]:
     """(logprob, alternatives) per target: the alternatives come row after row, as many per row."""
     n = len(p.top_token_ids) // len(p.logprobs) if p.logprobs else 0
     pairs = list(zip(p.top_token_ids, p.top_logprobs))

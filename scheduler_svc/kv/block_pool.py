@@ -109,17 +109,11 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._block(block_id).ref_cnt
 
-    def block_hash(self, block_id: int) -> BlockHash | None:
-        return self._block(block_id).block_hash
-
     def free_block_ids(self) -> list[int]:
         """Free queue in eviction order (next to be allocated first)."""
         return [block.block_id for block in self.free_queue]
 
     # ---- allocation -----------------------------------------------------
-    def can_allocate(self, count: int) -> bool:
-        return count <= len(self.free_queue)
-
     def allocate(self, count: int) -> list[int]:
         """Pop `count` blocks off the LRU head, each with ref 1.
 

@@ -263,10 +263,10 @@ def observe_step(
     # Rate sample first: every counter then reflects the previous steps fully
     # applied (this step's tokens are neither computed nor generated yet).
     cm.sample(core, now)
-    prefill, decode, chunks = split_step_tokens(plan, core.planner.get_request)
+    prefill, decode, chunks = split_step_tokens(plan, core.planner.requests.get)
     cm.prefill_tokens += prefill
     cm.decode_tokens += decode
-    cm.first_token_prompt_tokens += first_token_prompt_tokens(plan, core.planner.get_request)
+    cm.first_token_prompt_tokens += first_token_prompt_tokens(plan, core.planner.requests.get)
     metrics.observe_step_timing(cm.worker, step_s, result.forward_ms / 1e3, prefill + decode, chunks, now)
 
 

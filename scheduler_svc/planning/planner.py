@@ -8,8 +8,8 @@ KV is written or being written, so the next plan starts after them.
 
 Protocol:
     plan = planner.schedule()      # retire -> free -> admit already happened
-    sampled = worker.step(plan)    # {seq_id: (token_id, logprob)}
-    updates = planner.update(plan, sampled)
+    samples = worker.step(plan)    # StepSamples: the sampled rows as columns
+    updates = planner.update(plan, samples)
 If a step is lost (worker error/restart), call requeue_all() instead of update().
 
 Overlapped scheduling: while one plan is in flight, schedule() may plan the
@@ -32,7 +32,7 @@ import structlog
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
-from scheduler_svc.planning.validation import RequestRejected, check_sampling
+from scheduler_svc.planning.validation import RequestRejected, check_prompt_fits, check_prompt_ids, check_sampling
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions, TokenLogprob
 
 log = structlog.get_logger(__name__)
@@ -143,22 +143,36 @@ class StepPlan:
         return not self.seqs and not self.copies
 
 
-@dataclass(slots=True)
-class StepLogprobs:
-    """What a step returned beyond the sampled (token id, logprob) pairs."""
+Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
-    # seq_id -> the sampled token's most likely alternatives (token id, logprob), most likely first
-    top: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+
+@dataclass(slots=True)
+class StepSamples:
+    """What a step sampled, as the worker answered it: one row per sampling sequence,
+    as columns in the worker's row order (a sequence finds its row by seq_id), and
+    the rarely asked extras only for the rows that asked."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top: dict[int, Alternatives] = field(default_factory=dict)  # seq_id -> the sampled token's alternatives
     # seq_id -> one (logprob, alternatives) per ScheduledSeq.prompt_logprob_targets entry
-    prompt: dict[int, list[tuple[float, tuple[tuple[int, float], ...]]]] = field(default_factory=dict)
+    prompt: dict[int, list[tuple[float, Alternatives]]] = field(default_factory=dict)
+    rows: dict[int, int] = field(init=False, repr=False)  # seq_id -> row
+
+    def __post_init__(self) -> None:
+        self.rows = dict(zip(self.seq_ids, range(len(self.seq_ids))))
 
 
 @dataclass(slots=True)
 class RequestUpdate:
+    """What one step did for one request: the planner's answer to the engine, which
+    streams it to the request's client. A step samples at most one token per request."""
+
     request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # with sampling.logprobs
+    token_id: int | None = None  # sampled this step
+    logprob: float = 0.0  # the token's
+    top_logprobs: Alternatives | None = None  # the token's alternatives, with sampling.logprobs
     # With sampling.prompt_logprobs: prompt tokens 1.. (the first has none), once, with the
     # first token (or the end of a request that scores the prompt only).
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -183,9 +197,7 @@ def _prompt_logprob_targets(request: Request, start: int, end: int) -> list[int]
     return request.prompt_token_ids[start + 1 : last + 1]
 
 
-def _record_prompt_logprobs(
-    request: Request, seq: ScheduledSeq, scored: list[tuple[float, tuple[tuple[int, float], ...]]]
-) -> None:
+def _record_prompt_logprobs(request: Request, seq: ScheduledSeq, scored: list[tuple[float, Alternatives]]) -> None:
     """Append the chunk's prompt logprobs beyond those already known (prompt token
     i + 1 is scored at position i)."""
     known = len(request.prompt_logprobs)
@@ -271,9 +283,6 @@ class Planner:
         """No live request, no step in flight, no ended request still holding blocks
         until its step comes back: nothing left for this worker to do (draining)."""
         return not (self.waiting or self.running or self._in_flight or self._free_after_step)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
 
     def add(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (never fits / bad args) or QueueFull."""
@@ -502,11 +511,10 @@ class Planner:
         return any(step.requests.get(request.request_id) is request for step in self._in_flight)
 
     # ---- results --------------------------------------------------------
-    def update(
-        self, plan: StepPlan, sampled: dict[int, tuple[int, float]], logprobs: StepLogprobs | None = None
-    ) -> list[RequestUpdate]:
+    def update(self, plan: StepPlan, samples: StepSamples) -> list[RequestUpdate]:
         """Apply a step's results; one RequestUpdate per scheduled request still live.
-        `logprobs`: the alternatives and prompt logprobs the plan asked for.
+        `samples` holds a row for each sampling sequence of the plan, and the
+        alternatives and prompt logprobs the plan asked for.
 
         Finished requests are retired and their blocks freed here, so the next
         schedule() can hand those blocks to new requests.
@@ -518,16 +526,16 @@ class Planner:
         requests = self._in_flight[0].requests
         live = [(requests[s.request_id], s) for s in plan.seqs]
         live = [(r, s) for r, s in live if r.status is RequestStatus.RUNNING]
-        if missing := [s.seq_id for _, s in live if s.sample and s.seq_id not in sampled]:
+        rows = samples.rows
+        if missing := [s.seq_id for _, s in live if s.sample and s.seq_id not in rows]:
             raise ValueError(f"step {plan.step_id}: no sampled token for seq_ids {missing}")
-        logprobs = logprobs or StepLogprobs()
-        if missing := [s.seq_id for _, s in live if s.prompt_logprob_targets and s.seq_id not in logprobs.prompt]:
+        if missing := [s.seq_id for _, s in live if s.prompt_logprob_targets and s.seq_id not in samples.prompt]:
             raise ValueError(f"step {plan.step_id}: no prompt logprobs for seq_ids {missing}")
         self._in_flight.popleft()
         for seq in plan.seqs:
             if seq.sample:
                 self._drop_pending_sample(seq.request_id)
-        updates = [self._apply(request, seq, sampled, logprobs) for request, seq in live]
+        updates = [self._apply(request, seq, samples) for request, seq in live]
         self._free_ended_in_flight()
         return updates
 
@@ -536,13 +544,11 @@ class Planner:
         if left > 0:
             self._pending_samples[request_id] = left
 
-    def _apply(
-        self, request: Request, seq: ScheduledSeq, sampled: dict[int, tuple[int, float]], logprobs: StepLogprobs
-    ) -> RequestUpdate:
+    def _apply(self, request: Request, seq: ScheduledSeq, samples: StepSamples) -> RequestUpdate:
         computed = seq.start_pos + len(seq.token_ids)  # this step's KV is written; later steps' may not be
         self.kv.cache_full_blocks(request, computed)
         if seq.prompt_logprob_targets:
-            _record_prompt_logprobs(request, seq, logprobs.prompt[seq.seq_id])
+            _record_prompt_logprobs(request, seq, samples.prompt[seq.seq_id])
         if request.prefill_only and computed == request.num_tokens:
             self._fork(request)
             return RequestUpdate(request.request_id, forked=True)
@@ -560,19 +566,20 @@ class Planner:
                     finish_reason=FinishReason.LENGTH,
                 )
             return RequestUpdate(request.request_id, prefill_progress=progress)
-        token_id, logprob = sampled[seq.seq_id]
+        row = samples.rows[seq.seq_id]
+        token_id, logprob = samples.token_ids[row], samples.logprobs[row]
         # The first token also closes the prompt's progress: (total, total).
         progress = None if request.output_token_ids else (request.num_prompt_tokens, request.num_prompt_tokens)
         request.append_output(token_id, logprob)
         reason = self._stop_reason(request, token_id)
         if reason is not None:
             self.finish(request.request_id, reason)
-        top = [logprobs.top.get(seq.seq_id, ())] if request.sampling.logprobs is not None else []
+        top = samples.top.get(seq.seq_id, ()) if request.sampling.logprobs is not None else None
         return RequestUpdate(
             request.request_id,
-            new_token_ids=[token_id],
-            new_logprobs=[logprob],
-            new_top_logprobs=top,
+            token_id=token_id,
+            logprob=logprob,
+            top_logprobs=top,
             prompt_logprobs=_take_prompt_logprobs(request),
             prefill_progress=progress,
             finished=reason is not None,
@@ -649,28 +656,8 @@ class Planner:
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in (r.request_id for r in self._free_after_step):
             raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise RequestRejected("prompt", "prompt is empty")
-        if min(request.prompt_token_ids) < 0:
-            raise RequestRejected("prompt", "token ids must be >= 0")
-        if n >= self.config.max_model_len:
-            raise RequestRejected(
-                "prompt",
-                f"prompt has {n} tokens; max_model_len is {self.config.max_model_len}, so at most "
-                f"{self.config.max_model_len - 1} prompt tokens fit (one more for the first generated token)",
-            )
-        capacity = self.kv.max_request_tokens
-        if n >= capacity:
-            u = self.kv.usage()
-            held = (
-                f"{u.num_blocks} blocks x {u.block_size}"
-                if capacity == u.num_blocks * u.block_size
-                else f"one slot of {u.block_size} per request"
-            )  # contiguous
-            raise RequestRejected(
-                "prompt",
-                f"prompt has {n} tokens; the KV cache holds {capacity} tokens ({held}), so at most "
-                f"{capacity - 1} prompt tokens fit",
-            )
+        check_prompt_ids(request.prompt_token_ids, vocab_size=None)
+        capacity, blocks, size = self.kv.max_request_tokens, self.kv.pool.num_blocks, self.kv.block_size
+        layout = f"{blocks} blocks x {size}" if capacity == blocks * size else f"one slot of {size} per request"
+        check_prompt_fits(request.num_prompt_tokens, self.config.max_model_len, capacity, layout)
         check_sampling(request.sampling)

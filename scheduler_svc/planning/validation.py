@@ -38,12 +38,7 @@ def output_limit(requested: int | None, prompt_tokens: int, max_model_len: int, 
     scheduler's --default-max-tokens)."""
     room = max_model_len - prompt_tokens
     if requested is None:
-        if room < 1:
-            raise RequestRejected(
-                "prompt",
-                f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
-                f"{prompt_tokens}: no room is left to generate (at most {max_model_len - 1} prompt tokens)",
-            )
+        check_context_room(prompt_tokens, max_model_len)
         return min(default, room) if default > 0 else room
     if requested > room:
         raise RequestRejected(
@@ -66,6 +61,8 @@ def check_sampling(s: SamplingOptions) -> None:
         raise RequestRejected("top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise RequestRejected("top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+    if not 0 <= s.min_p <= 1:  # NaN fails too
+        raise RequestRejected("min_p", f"must be in [0, 1] (0 = off), got {s.min_p}")
     if s.seed is not None and not 0 <= s.seed < SEED_SPACE:
         raise RequestRejected("seed", f"must be in [0, 2**64), got {s.seed}")
     if len(s.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in s.stop):
@@ -107,10 +104,38 @@ def check_sampling_token_ids(s: SamplingOptions, vocab_size: int) -> None:
             raise RequestRejected(name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_prompt_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+def check_prompt_ids(token_ids: Sequence[int], vocab_size: int | None) -> None:
+    """Non-empty, every id in the vocabulary (vocab_size None: the planner, which knows
+    no vocabulary, checks only that ids are >= 0)."""
     if not token_ids:
         raise RequestRejected("prompt", "prompt is empty")
-    check_in_vocab("prompt_token_ids", token_ids, vocab_size)
+    if vocab_size is not None:
+        check_in_vocab("prompt_token_ids", token_ids, vocab_size)
+    elif min(token_ids) < 0:
+        raise RequestRejected("prompt_token_ids", f"token ids must be >= 0, got {min(token_ids)}")
+
+
+def check_context_room(prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt leaves room for at least one generated token within max_model_len."""
+    if prompt_tokens >= max_model_len:
+        raise RequestRejected(
+            "prompt",
+            f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+            f"{prompt_tokens}: no room is left to generate (at most {max_model_len - 1} prompt tokens)",
+        )
+
+
+def check_prompt_fits(num_tokens: int, max_model_len: int, cache_tokens: int, cache_layout: str) -> None:
+    """A prompt leaves room for its first generated token within max_model_len
+    (check_context_room) and within the cache_tokens the KV cache can hold for one
+    request (cache_layout: how it holds them, for the message)."""
+    check_context_room(num_tokens, max_model_len)
+    if num_tokens >= cache_tokens:
+        raise RequestRejected(
+            "prompt",
+            f"prompt has {num_tokens} tokens; the KV cache holds {cache_tokens} tokens ({cache_layout}), so at "
+            f"most {cache_tokens - 1} prompt tokens fit",
+        )
 
 
 def check_in_vocab(field: str, token_ids: Sequence[int], vocab_size: int) -> None:

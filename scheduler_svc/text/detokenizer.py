@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
     tokenizer: ModelTokenizer
     stream: DecodeStream
     stop: tuple[str, ...] = ()
-    text: str = ""  # all decoded text so far, stop string excluded
+    text: str = ""  # with stop strings: all decoded text so far, the stop string excluded
     emitted: int = 0  # characters of `text` already released
     stopped: bool = False
 
@@ -43,6 +43,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         piece = self.stream.step(self.tokenizer.tokenizer, token_id)
+        if not self.stop:  # nothing to hold back or search: the piece is final as it comes
+            return piece or ""
         if piece:
             self.text += piece
             self._check_stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler_svc.planning.planner import StepPlan
+from scheduler_svc.planning.planner import StepPlan, StepSamples
 
 
 class FakeWorker:
@@ -33,7 +33,7 @@ class FakeWorker:
         """Order-sensitive, so a block with the right tokens in the wrong place is caught."""
         return (sum((pos + 1) * tok for pos, tok in enumerate(context)) + len(context)) % self.vocab_size
 
-    def execute(self, plan: StepPlan) -> dict[int, tuple[int, float]]:
+    def execute(self, plan: StepPlan) -> StepSamples:
         self.steps.append(plan)
         for src, dst in plan.copies:
             for offset in range(self.block_size):
@@ -59,7 +59,7 @@ class FakeWorker:
                 token = self.next_token(context)
                 sampled[seq.seq_id] = (token, -float(token) / self.vocab_size)
         self.last_step_id, self.last_sampled = plan.step_id, sampled
-        return sampled
+        return samples_of(sampled)
 
     def _inputs(self, plan: StepPlan, seq) -> list[int]:
         if not seq.token_from_previous_step:
@@ -92,3 +92,8 @@ class FakeWorker:
             assert entry is not None and entry[0] == pos, f"position {pos}: cache holds {entry}"
             context.append(entry[1])
         return context
+
+
+def samples_of(sampled: dict[int, tuple[int, float]]) -> StepSamples:
+    """(token id, logprob) per seq_id as a step's sampled columns."""
+    return StepSamples(list(sampled), [token for token, _ in sampled.values()], [lp for _, lp in sampled.values()])

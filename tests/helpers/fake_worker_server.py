@@ -45,8 +45,8 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             seqs=seqs_of(request),
             previous_step_id=previous,
         )
-        sampled = self.fake.execute(plan)
-        return step_response(request.step_id, self.info.instance_id, sampled)
+        self.fake.execute(plan)
+        return step_response(request.step_id, self.info.instance_id, self.fake.last_sampled)
 
 
 async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grpc.aio.Server, str, FakeWorkerServicer]:
@@ -68,3 +68,9 @@ def slow_down_steps(monkeypatch, delay_s: float) -> None:
         return await step(self, request, context)
 
     monkeypatch.setattr(FakeWorkerServicer, "Step", slow)
+
+
+def audit_engine(engine) -> None:
+    """Every worker's pool accounted for (Planner.audit raises LeakError otherwise)."""
+    for core in engine.cores:
+        core.planner.audit()

@@ -5,7 +5,7 @@ schedule must produce."""
 from __future__ import annotations
 
 from scheduler_svc.request import Request, SamplingOptions
-from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker, samples_of
 
 BS = 16
 VOCAB = 1000
@@ -43,8 +43,7 @@ def step(planner, worker):
     plan = planner.schedule()
     check_plan(planner, plan, decoding)
     planner.audit()
-    sampled = worker.execute(plan) if plan.seqs else {}
-    updates = planner.update(plan, sampled)
+    updates = planner.update(plan, worker.execute(plan) if plan.seqs else samples_of({}))
     planner.audit()
     return plan, updates
 
@@ -58,3 +57,8 @@ def run(planner, worker, max_steps=20000):
             return plans
         plans.append(step(planner, worker)[0])
     raise AssertionError("did not finish")
+
+
+def tokens_of(update) -> list[int]:
+    """The tokens a RequestUpdate carries: the one sampled this step, if any."""
+    return [] if update.token_id is None else [update.token_id]

@@ -33,6 +33,7 @@ class Seq:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
     top_logprobs: int = 0
     blocked_token_ids: list[int] = field(default_factory=list)
     logit_bias_token_ids: list[int] = field(default_factory=list)
@@ -114,6 +115,7 @@ def step_request(
         top_p=[s.top_p for s in seqs],
         top_k=[s.top_k for s in seqs],
         seeds=[s.seed or 0 for s in seqs],
+        min_p=[s.min_p for s in seqs],
         token_ids=[t for s in seqs for t in s.token_ids],
         slot_mapping=[slot for s in seqs for slot in s.slot_mapping],
         block_tables=[b for s in seqs for b in s.block_table],

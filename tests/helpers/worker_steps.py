@@ -29,6 +29,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
     top_logprobs: int = 0
     blocked_token_ids: Sequence[int] = ()
     logit_bias_token_ids: Sequence[int] = ()
@@ -54,7 +55,7 @@ class Sampling:
 
     def step_row(self) -> dict[str, float | int | None]:
         """StepBuilder.add's sampling keywords."""
-        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, min_p=self.min_p)
 
 
 def sampling_params(
@@ -70,6 +71,7 @@ def sampling_params(
         np.array([r.top_k for r in rows], dtype=np.int64),
         np.array([r.seed or 0 for r in rows], dtype=np.uint64),
         np.array([r.seed is not None for r in rows], dtype=bool),
+        np.array([r.min_p for r in rows], dtype=np.float32),
     )
     extras = {i: e for i, r in enumerate(rows) if (e := r.extras()) is not None}
     return SamplingParams(columns, np.array(positions, dtype=np.int64).reshape(-1), extras, prompt, input_ids)

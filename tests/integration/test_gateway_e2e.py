@@ -176,6 +176,21 @@ def test_seeded_sampling_is_reproducible_and_n_choices(oai):
     assert first.usage.completion_tokens == 36
 
 
+def test_min_p_near_one_keeps_only_the_greedy_token(oai):
+    """min_p through the official client reaches the worker's sampler (issue 28):
+    at temperature 1.5 the seeded sample wanders off the greedy answer; with min_p 1
+    only the most likely token is left at every step, so the answer is greedy's."""
+
+    def complete(**fields):
+        extra = {**IGNORE_EOS, **fields.pop("extra", {})}
+        done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, extra_body=extra, **fields)
+        return done.choices[0].text
+
+    greedy = complete(temperature=0)
+    assert complete(temperature=1.5, seed=3) != greedy
+    assert complete(temperature=1.5, seed=3, extra={"min_p": 1.0}) == greedy
+
+
 # ---------------------------------------------------------------- SSE, chunk by chunk
 
 

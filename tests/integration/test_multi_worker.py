@@ -148,8 +148,11 @@ def test_add_a_worker_and_drain_one_while_requests_run(workers, reference):
     w0, w1, w2 = workers
     # Two sequences at a time per worker: the queues stay long enough to act mid-run.
     with scheduler([w0, w1], "--max-num-seqs", "2") as (proc, client, admin):
-        first = start_streams(client, 10, 24, seed=11)
+        first = start_streams(client, 10, 48, seed=11)
         wait_for(lambda: list_workers(admin)[w0.address].running > 0, 30, "w0 to run requests")
+        # At once: w0's share (~5 requests of 48 tokens, 2 at a time) keeps it busy for 100+ steps.
+        draining = admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w0.address), timeout=10).worker
+        assert draining.state == DRAINING and draining.running + draining.waiting > 0  # mid-run
 
         added = admin.AddWorker(admin_pb2.AddWorkerRequest(address=w2.address), timeout=30).worker
         assert (added.address, added.state, added.blocks_total, added.blocks_used) == (
@@ -158,14 +161,12 @@ def test_add_a_worker_and_drain_one_while_requests_run(workers, reference):
             NUM_BLOCKS,
             0,
         )
-        second = start_streams(client, 6, 24, seed=12)  # the new worker is the least loaded: most go there
-
-        draining = admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w0.address), timeout=10).worker
-        assert draining.state == DRAINING and draining.running + draining.waiting > 0  # mid-run
+        second = start_streams(client, 6, 24, seed=12)  # none of these may go to w0; most go to w2
+        # Draining twice is fine; on a loaded machine w0 may already be gone by now (issue 28):
+        # then its final record answers, and waiting for the removal returns at once.
         again = admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w0.address), timeout=10).worker
-        assert again.state == DRAINING  # draining twice is fine
-        assert list_workers(admin)[w0.address].state == DRAINING
-        third = start_streams(client, 6, 24, seed=13)  # none of these may go to w0
+        assert again.state in (DRAINING, REMOVED) and again.requests_routed == draining.requests_routed
+        third = start_streams(client, 6, 24, seed=13)
 
         removed = admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w0.address, wait=True), timeout=90).worker
         assert removed.state == REMOVED and (removed.running, removed.waiting, removed.blocks_used) == (0, 0, 0)
@@ -189,7 +190,8 @@ def test_add_a_worker_and_drain_one_while_requests_run(workers, reference):
         # Errors from the real engine.
         err = admin_error(admin.AddWorker, request=admin_pb2.AddWorkerRequest(address=w1.address))
         assert err.code() == grpc.StatusCode.ALREADY_EXISTS
-        err = admin_error(admin.DrainWorker, request=admin_pb2.DrainWorkerRequest(address=w0.address))
+        assert admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w0.address), timeout=10).worker == removed
+        err = admin_error(admin.DrainWorker, request=admin_pb2.DrainWorkerRequest(address="127.0.0.1:1"))
         assert err.code() == grpc.StatusCode.NOT_FOUND
         admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=w1.address, wait=True), timeout=30)
         err = admin_error(admin.DrainWorker, request=admin_pb2.DrainWorkerRequest(address=w2.address))

@@ -28,6 +28,7 @@ from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.fake_worker_server import audit_engine
 from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.stub_dns import StubDns
 
@@ -82,7 +83,7 @@ def assert_exact(streams: list[Stream], reference) -> None:
 
 
 def status(engine, address: str):
-    return next((w for w in engine.list_workers() if w.address == address), None)
+    return next((w for w in engine.fleet.list_workers() if w.address == address), None)
 
 
 async def until(predicate) -> None:
@@ -103,7 +104,7 @@ def test_workers_join_drain_and_fail_over_as_dns_changes(workers, reference):
     )
 
     async def scenario(engine, discovery, stub):
-        assert [w.address for w in engine.list_workers()] == [w0]
+        assert [w.address for w in engine.fleet.list_workers()] == [w0]
         first = start_streams(stub, 6, 32, seed=1)
         await until(lambda: status(engine, w0).running > 0)
 
@@ -140,11 +141,13 @@ def test_workers_join_drain_and_fail_over_as_dns_changes(workers, reference):
         assert status(engine, w1) is None or status(engine, w1).state is WorkerState.DRAINING
         assert_exact(await asyncio.gather(*fourth), reference)
         await until(lambda: status(engine, w1) is None)
-        assert [w.address for w in engine.list_workers()] == [w0]
+        assert [w.address for w in engine.fleet.list_workers()] == [w0]
 
     async def main():
         engine = await Engine.connect(config, tokenizer, resolver=dns)
-        discovery = WorkerDiscovery(engine, config.worker_targets, config.worker_discovery_interval_s, resolver=dns)
+        discovery = WorkerDiscovery(
+            engine.fleet, config.worker_targets, config.worker_discovery_interval_s, resolver=dns
+        )
         server, port = await start_server(engine, "127.0.0.1", 0, 16, 16)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -152,7 +155,7 @@ def test_workers_join_drain_and_fail_over_as_dns_changes(workers, reference):
         finally:
             await server.stop(None)
             await engine.stop()
-        engine.audit()  # no block held anywhere
+        audit_engine(engine)  # no block held anywhere
         assert set(dns.queries) == {("workers.test", 50061)}
 
     try:

@@ -65,6 +65,8 @@ BAD_STEPS = [
     ("negative temperature", [_seq(temperature=-1.0)], [], "seqs.temperature[row 1]"),
     ("top_p above 1", [_seq(top_p=1.5)], [], "seqs.top_p[row 1]"),
     ("negative top_k", [_seq(top_k=-1)], [], "seqs.top_k[row 1]"),
+    ("min_p above 1", [_seq(min_p=1.5)], [], "seqs.min_p[row 1]"),
+    ("negative min_p", [_seq(min_p=-0.1)], [], "seqs.min_p[row 1]"),
     ("more alternatives than tokens", [_seq(top_logprobs=10**6)], [], "seqs.extras[row 1].top_logprobs"),
     ("blocked id outside the vocabulary", [_seq(blocked_token_ids=[-1])], [], "seqs.extras[row 1].blocked_token_ids"),
     (
@@ -114,6 +116,7 @@ BAD_COLUMNS = [
     # (case, corruption of the SeqColumns, text of the error)
     ("a per-row column one short", lambda c: c.top_k.pop(), "seqs.top_k: 1 entries for 2 rows"),
     ("a per-row column one long", lambda c: c.start_pos.append(0), "seqs.start_pos: 3 entries for 2 rows"),
+    ("min_p one short (absent is all right)", lambda c: c.min_p.pop(), "seqs.min_p: 1 entries for 2 rows"),
     ("seq_ids one short", lambda c: c.seq_ids.pop(), "seqs.start_pos: 2 entries for 1 rows"),
     ("a token more than num_tokens", lambda c: c.token_ids.append(5), "seqs.token_ids: 24 entries"),
     ("num_tokens one more than the tokens", lambda c: c.num_tokens.__setitem__(1, 4), "seqs.token_ids: 23 entries"),
@@ -152,6 +155,18 @@ def test_bad_steps_are_rejected_whole_and_write_nothing(stub):
 
     after = by_seq(worker.Step(step_request(3, [seq_step(9, [first.token_id], 20, VICTIM_TABLE)])))[9]
     np.testing.assert_array_equal(logits_of(after), logits_of(before))
+
+
+def test_a_step_without_the_min_p_column_samples_as_min_p_0(stub):
+    """min_p came after the other sampling columns: a scheduler that predates it
+    sends none, which reads as 0 (off) on every row."""
+    worker, _ = stub
+    seqs = [seq_step(s, [7, 8, 9], 0, [s], temperature=1.0, seed=s) for s in (1, 2)]
+    with_zeros = step_request(200, seqs)
+    without = step_request(201, seqs)
+    without.seqs.ClearField("min_p")
+    tokens = [[r.token_id for r in by_seq(worker.Step(request)).values()] for request in (with_zeros, without)]
+    assert tokens[0] == tokens[1]
 
 
 def test_health_is_serving(stub):

@@ -42,13 +42,13 @@ def test_free_restores_and_reuses_freed_ids_in_lru_order():
     assert pool.allocate(4) == [2, 3, 1, 0]
 
 
-def test_can_allocate_and_zero_and_empty_pool():
+def test_allocating_zero_and_an_empty_pool():
     pool = BlockPool(10, 16)
     pool.allocate(8)
-    assert pool.can_allocate(2) and not pool.can_allocate(3)
+    assert pool.num_free_blocks == 2
     assert pool.allocate(0) == [] and pool.num_free_blocks == 2
     empty = BlockPool(0, 16)
-    assert empty.num_free_blocks == 0 and empty.can_allocate(0)
+    assert empty.num_free_blocks == 0
     with pytest.raises(NoFreeBlocksError):
         empty.allocate(1)
 
@@ -158,7 +158,7 @@ def test_freed_block_keeps_hash_until_allocation_evicts_it():
     assert pool.allocate(2) == [2, 1] and pool.blocks_reclaimed == 0
     assert pool.allocate(1) == [0]  # the cached-free block goes last
     assert pool.blocks_reclaimed == 1
-    assert pool.get_cached_block(h0) is None and pool.block_hash(0) is None
+    assert pool.get_cached_block(h0) is None and pool.blocks[0].block_hash is None
     assert pool.num_cached_blocks == 0 and pool.num_cached_free_blocks == 0
 
 
@@ -186,7 +186,7 @@ def test_duplicate_content_keeps_first_block_indexed():
     h0 = h(range(16))
     assert pool.cache_block(a, h0)
     assert not pool.cache_block(b, h0)
-    assert pool.get_cached_block(h0) == a and pool.block_hash(b) is None
+    assert pool.get_cached_block(h0) == a and pool.blocks[b].block_hash is None
     assert pool.cache_block(a, h0)  # idempotent
 
 
@@ -214,6 +214,6 @@ def test_reset_prefix_cache_drops_every_hash():
     assert pool.reset_prefix_cache() == 3
     assert pool.num_cached_blocks == 0 and pool.num_cached_free_blocks == 0
     assert all(pool.get_cached_block(x) is None for x in hashes)
-    assert all(pool.block_hash(i) is None for i in range(4))
+    assert all(pool.blocks[i].block_hash is None for i in range(4))
     pool.allocate(2)
     assert pool.blocks_reclaimed == 0  # nothing cached left to evict

@@ -17,11 +17,10 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.worker_steps import Seq, sampled, step_input
+from tests.helpers.worker_steps import Sampling, Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
 from worker_svc.runner.batch import pad_decode, plan_batch
 from worker_svc.runner.cuda_graphs import DecodeGraphs, Replay, batch_ladder, ladder_rung
-from worker_svc.runner.memory import kv_budget_bytes
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.runner.warm_up import compare_logits
 from worker_svc.worker import Worker
@@ -143,13 +142,6 @@ def test_step_inputs_cross_in_one_copy():
     assert batch.sample_rows.tolist() == [0, 1, 4]
     # 16-byte aligned fields: the same pointer alignment for every field, every step.
     assert all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
-def test_kv_budget_bytes():
-    mb = 2**20
-    assert kv_budget_bytes(512 * mb, 10_000 * mb, 300 * mb) == 512 * mb
-    assert kv_budget_bytes(512 * mb, 700 * mb, 300 * mb) == 400 * mb
-    assert kv_budget_bytes(512 * mb, 200 * mb, 300 * mb) == 0
 
 
 # --------------------------------------------------------------------------- graphs vs eager
@@ -300,6 +292,108 @@ def test_graph_covers_only_decode_only_batches_that_fit():
     wide.block_table = [1, 2, 3, 4]
     assert not graphs.covers(plan_batch(step_input(1, [], [wide])))
     assert not graphs.covers(plan_batch(step_input(1, [(1, 2)] * 5, decode)))  # more copies than room
+
+
+# --------------------------------------------------------------------------- what a graph step uploads
+
+
+def _grown_seq(seq_id, tokens, start, **extra):
+    """_seq with the table cut to the blocks the context needs, as the scheduler sends it."""
+    seq = _seq(seq_id, tokens, start, **extra)
+    seq.block_table = seq.block_table[: -(-(start + len(tokens)) // BLOCK)]
+    return seq
+
+
+def test_graph_steps_send_only_the_table_entries_that_changed(monkeypatch):
+    """Issue 27, fault 7: a graph's tables are as wide as max_model_len needs (here
+    32 blocks), but a decode step sends only the entries that differ from what the
+    persistent device table holds: none while no sequence grows a block, one when
+    one does; the upload stays a few words per row, and the steps decode as eager."""
+    counting = CountingReplay()
+    graphs, eager = _worker(graph_backend=counting), _worker()
+    table = graphs.runner.graphs.tables
+    assert table.width == graphs.info.max_model_len // BLOCK == 32
+    uploaded: list[int] = []
+    changed: list[int] = []
+    real_upload, real_changes = graphs.runner.graphs.uploader.upload, table.changes
+    monkeypatch.setattr(
+        graphs.runner.graphs.uploader,
+        "upload",
+        lambda arrays, into=None: (
+            uploaded.append(sum(a.size * a.itemsize // 4 for a in arrays)) or real_upload(arrays, into)
+        ),
+    )
+    monkeypatch.setattr(table, "changes", lambda t: (lambda r: changed.append(r[0].size) or r)(real_changes(t)))
+    vocab = graphs.info.vocab_size
+    lens = {0: 10, 1: 15, 2: 3}  # seq 1 fills its first block after one decode
+    prompts = {i: _prompt(i, vocab)[:1] * lens[i] for i in lens}
+    step_id = 1
+    for w in (graphs, eager):
+        w.step(step_input(step_id, [], [_grown_seq(i, prompts[i], 0) for i in lens]))
+    counting.replays.clear()
+    for k in range(3):
+        step_id += 1
+        seqs = [_grown_seq(i, [5 + k], lens[i] + k) for i in lens]
+        outs = [w.step(step_input(step_id, [], seqs)) for w in (graphs, eager)]
+        for a, b in zip(sampled(outs[0]), sampled(outs[1]), strict=True):
+            assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)  # 3 rows padded to 4: round-off
+        rows = [list(s.block_table) for s in seqs]
+        width = max(map(len, rows))
+        for r, blocks in enumerate(rows):
+            assert table.tensor[r, : len(blocks)].tolist() == blocks == table.mirror[r, : len(blocks)].tolist()
+        assert table.tensor[: len(rows), :width].tolist() == table.mirror[: len(rows), :width].tolist()
+    assert counting.replays == [4, 4, 4]
+    # Step 1 brings the rows' tables (the start-up check left others there); step 2 only
+    # seq 1's second block (position 16); step 3 nothing.
+    assert changed[1:] == [1, 0] and changed[0] > 0
+    assert max(uploaded[-2:]) < 4 * table.width  # less than the 4 rows' padded tables alone
+
+
+def test_logprob_indices_ride_in_the_steps_one_upload(monkeypatch):
+    """Issue 27, fault 8: the rows that want alternatives, the prompt-logprob
+    targets and rows reach the device in the step's one upload, eager (a prefill
+    asking prompt logprobs) and through a graph (decodes asking alternatives, a
+    1-token chunk asking its prompt logprob): the sampler never copies an index
+    array itself, and the results are those of a runner that lets it."""
+    from worker_svc.runner.upload import InputUploader
+    from worker_svc.sampling.params import LogprobIndices
+
+    graphs, eager = _worker(graph_backend=CountingReplay()), _worker()
+    vocab = graphs.info.vocab_size
+    prompt = _prompt(3, vocab)
+    asking = Sampling(top_logprobs=3)
+
+    def steps():
+        first = _seq(0, prompt, 0)
+        first.sampling, first.prompt_logprob_targets, first.prompt_top_logprobs = asking, prompt[1:], 2
+        yield step_input(1, [], [first, _seq(1, prompt[:5], 0)])
+        decodes = [_seq(0, [9], len(prompt)), _seq(1, [9], 5), _seq(2, [4], 0)]
+        decodes[0].sampling = asking
+        decodes[2].prompt_logprob_targets, decodes[2].prompt_top_logprobs = [6], 1
+        yield step_input(2, [], decodes)
+
+    results = {}
+    for name, worker in (("eager", eager), ("graphs", graphs)):
+        results[name] = [worker.step(step) for step in steps()]
+    monkeypatch.setattr(LogprobIndices, "of", classmethod(lambda cls, *a: pytest.fail("a separate index copy")))
+    calls = []
+    real = InputUploader.upload
+    monkeypatch.setattr(InputUploader, "upload", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    for name, worker in (("eager once more", _worker()), ("graphs once more", _worker(graph_backend=CountingReplay()))):
+        calls.clear()
+        outs = [worker.step(step) for step in steps()]
+        assert len(calls) == 2, name  # one upload per step
+        for out, want in zip(outs, results["eager"]):
+            assert [t.token_id for t in sampled(out)] == [t.token_id for t in sampled(want)]
+            for got, expected in zip(sampled(out), sampled(want)):
+                assert got.top_token_ids == expected.top_token_ids
+                np.testing.assert_allclose(got.top_logprobs, expected.top_logprobs, atol=1e-5)
+            for got, expected in zip(out.prompt_logprobs, want.prompt_logprobs, strict=True):
+                np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-5)
+                assert got.top_token_ids.tolist() == expected.top_token_ids.tolist()
+    assert [len(o.prompt_logprobs) for o in results["graphs"]] == [1, 1]
+    assert len(sampled(results["graphs"][1])[0].top_token_ids) == 3
 
 
 # --------------------------------------------------------------------------- CUDA only

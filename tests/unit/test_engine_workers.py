@@ -21,7 +21,7 @@ from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.aio_generate import generate
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.fake_worker_server import slow_down_steps, start_fake_worker
+from tests.helpers.fake_worker_server import audit_engine, slow_down_steps, start_fake_worker
 
 STEP_DELAY_S = 0.005
 
@@ -59,7 +59,7 @@ def run(scenario, num_workers: int = 2, **config):
             await engine.stop()
             for s in servers:
                 await s.stop(None)
-        engine.audit()
+        audit_engine(engine)
 
     asyncio.run(asyncio.wait_for(main(), 120))
 
@@ -68,28 +68,27 @@ def test_drain_while_running_finishes_its_requests_and_removes_it():
     async def scenario(engine, stub, tokenizer, start_worker):
         a, b = (c.info.address for c in engine.cores)
         tasks = [asyncio.create_task(generate(stub, [5 + i, 9, 11, 13], 40)) for i in range(6)]
-        while engine.list_workers()[0].running == 0:
+        while engine.fleet.list_workers()[0].running == 0:
             await asyncio.sleep(0.005)
-        status = await engine.drain_worker(a)
+        status = await engine.fleet.drain_worker(a)
         assert status.state is WorkerState.DRAINING and status.running + status.waiting > 0
         assert engine.accepting  # b still serves
-        assert (await engine.drain_worker(a)).state is WorkerState.DRAINING  # twice is fine
+        assert (await engine.fleet.drain_worker(a)).state is WorkerState.DRAINING  # twice is fine
         late = [asyncio.create_task(generate(stub, [7, 8, 9 + i], 5)) for i in range(4)]  # none may go to a
-        removed = await engine.drain_worker(a, wait=True)
+        removed = await engine.fleet.drain_worker(a, wait=True)
         assert removed.state is WorkerState.REMOVED
         assert (removed.running, removed.waiting, removed.blocks_used) == (0, 0, 0)
         assert removed.requests_finished == removed.requests_routed == status.requests_routed > 0
         done = await asyncio.gather(*tasks, *late)
         assert all(r.usage.completion_tokens == (40 if i < 6 else 5) for i, r in enumerate(done))
-        assert [w.address for w in engine.list_workers()] == [b]
-        assert a not in engine.router.counters
-        with pytest.raises(UnknownWorker):
-            await engine.drain_worker(a)
+        assert [w.address for w in engine.fleet.list_workers()] == [b]
+        assert a not in engine.fleet.router.counters
+        assert await engine.fleet.drain_worker(a) == removed  # idempotent: its final record
         with pytest.raises(LastWorker):
-            await engine.drain_worker(b)
+            await engine.fleet.drain_worker(b)
         # Back again: a removed worker can be added, and gets requests.
-        assert (await engine.add_worker(a)).state is WorkerState.SERVING
-        assert [w.address for w in engine.list_workers()] == [b, a]
+        assert (await engine.fleet.add_worker(a)).state is WorkerState.SERVING
+        assert [w.address for w in engine.fleet.list_workers()] == [b, a]
 
     run(scenario)
 
@@ -98,17 +97,41 @@ def test_cancelled_wait_does_not_undo_the_drain():
     async def scenario(engine, stub, tokenizer, start_worker):
         a, b = (c.info.address for c in engine.cores)
         task = asyncio.create_task(generate(stub, [5, 9, 11, 13], 40))
-        while engine.list_workers()[0].running == 0:
+        while engine.fleet.list_workers()[0].running == 0:
             await asyncio.sleep(0.005)
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(engine.drain_worker(a, wait=True), 0.02)
-        assert engine.list_workers()[0].state is WorkerState.DRAINING
+            await asyncio.wait_for(engine.fleet.drain_worker(a, wait=True), 0.02)
+        assert engine.fleet.list_workers()[0].state is WorkerState.DRAINING
         assert (await task).usage.completion_tokens == 40
         for _ in range(1000):  # up to 10 s: removal waits for the core's loop to stop (slow under load)
             if len(engine.cores) == 1:
                 break
             await asyncio.sleep(0.01)
         assert [c.info.address for c in engine.cores] == [b]
+
+    run(scenario)
+
+
+def test_draining_again_after_the_removal_answers_the_final_record():
+    # issue 28: a worker that finished draining between two admin calls made
+    # DrainWorker(wait=True) answer NOT_FOUND. The drain is idempotent: a removed
+    # worker's final record is answered for a while; an unknown address is still unknown.
+    async def scenario(engine, stub, tokenizer, start_worker):
+        a, b = (c.info.address for c in engine.cores)
+        await generate(stub, [5, 9, 11, 13], 3)
+        assert (await engine.fleet.drain_worker(a)).state is WorkerState.DRAINING
+        while len(engine.cores) == 2:  # the drain ends by itself: no request holds the worker
+            await asyncio.sleep(0.005)
+        removed = await engine.fleet.drain_worker(a, wait=True)
+        assert removed.state is WorkerState.REMOVED and removed.address == a
+        assert await engine.fleet.drain_worker(a) == removed  # without wait too, and again
+        assert [w.address for w in engine.fleet.list_workers()] == [b]
+        with pytest.raises(UnknownWorker):
+            await engine.fleet.drain_worker("127.0.0.1:1")
+        # Added back, it is a worker again: draining it is a new drain.
+        await engine.fleet.add_worker(a)
+        again = await engine.fleet.drain_worker(a, wait=True)
+        assert again.state is WorkerState.REMOVED and again.requests_routed == 0
 
     run(scenario)
 
@@ -144,23 +167,23 @@ def test_add_worker_errors_and_draining_the_last_worker():
     async def scenario(engine, stub, tokenizer, start_worker):
         (a,) = (c.info.address for c in engine.cores)
         with pytest.raises(WorkerExists):
-            await engine.add_worker(a)
+            await engine.fleet.add_worker(a)
         with pytest.raises(WorkerIncompatible, match="same model"):
-            await engine.add_worker(await start_worker(block_size=32))
+            await engine.fleet.add_worker(await start_worker(block_size=32))
         with pytest.raises(WorkerIncompatible, match="at most"):
-            await engine.add_worker(await start_worker(num_blocks=2))  # 32 tokens < max_model_len
+            await engine.fleet.add_worker(await start_worker(num_blocks=2))  # 32 tokens < max_model_len
         with pytest.raises(WorkerUnreachable, match="did not answer"):
-            await engine.add_worker("127.0.0.1:1")
-        assert [w.address for w in engine.list_workers()] == [a]
+            await engine.fleet.add_worker("127.0.0.1:1")
+        assert [w.address for w in engine.fleet.list_workers()] == [a]
         with pytest.raises(LastWorker):
-            await engine.drain_worker(a)
-        removed = await engine.drain_worker(a, wait=True, allow_last=True)
-        assert removed.state is WorkerState.REMOVED and engine.list_workers() == [] and not engine.accepting
+            await engine.fleet.drain_worker(a)
+        removed = await engine.fleet.drain_worker(a, wait=True, allow_last=True)
+        assert removed.state is WorkerState.REMOVED and engine.fleet.list_workers() == [] and not engine.accepting
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(stub, [5, 6, 7], 3)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         b = await start_worker()
-        assert (await engine.add_worker(b)).state is WorkerState.SERVING and engine.accepting
+        assert (await engine.fleet.add_worker(b)).state is WorkerState.SERVING and engine.accepting
         assert (await generate(stub, [5, 6, 7], 3)).usage.completion_tokens == 3
 
     run(scenario, num_workers=1, connect_timeout_s=0.5, max_model_len=256)
@@ -173,19 +196,19 @@ def test_shared_prefix_colocates_and_handover_skips_draining_workers():
         # (sent together with it, all six could be admitted before any block is cached).
         await generate(stub, system + [100], 4)
         await asyncio.gather(*(generate(stub, system + [100 + i], 4) for i in range(1, 6)))
-        routed = {w.address: w.requests_routed for w in engine.list_workers()}
+        routed = {w.address: w.requests_routed for w in engine.fleet.list_workers()}
         assert sorted(routed.values()) == [0, 6]  # one worker for the shared prompt
         owner = next(a for a, n in routed.items() if n == 6)
-        assert next(w for w in engine.list_workers() if w.address == owner).prefix_hit_tokens > 0
+        assert next(w for w in engine.fleet.list_workers() if w.address == owner).prefix_hit_tokens > 0
         other = next(a for a in routed if a != owner)
         # A new prompt goes to the worker whose free blocks hold no cached prefix.
         task = asyncio.create_task(generate(stub, [7, 8, 9], 40))
-        while next(w for w in engine.list_workers() if w.address == other).running == 0:
+        while next(w for w in engine.fleet.list_workers() if w.address == other).running == 0:
             await asyncio.sleep(0.005)
         # handover: a lost worker's requests never go to a draining one.
-        assert (await engine.drain_worker(other)).state is WorkerState.DRAINING
+        assert (await engine.fleet.drain_worker(other)).state is WorkerState.DRAINING
         source = next(c for c in engine.cores if c.info.address == owner)
-        assert engine.handover(source) is False  # the only other worker is draining
+        assert engine.requests.handover(source) is False  # the only other worker is draining
         assert (await task).usage.completion_tokens == 40
 
     run(scenario, num_workers=2)

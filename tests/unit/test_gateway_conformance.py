@@ -102,7 +102,6 @@ REFUSED_CHAT = [
     ("modalities", {"modalities": ["text", "audio"]}),
     ("prediction", {"prediction": {"type": "content", "content": "x"}}),
     ("reasoning_effort", {"reasoning_effort": "low"}),
-    ("min_p", {"min_p": 0.1}),
     ("store", {"store": True}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"messages": []}}),
     ("continue_final_message", {"continue_final_message": True}),  # with add_generation_prompt (the default)
@@ -124,7 +123,6 @@ def test_chat_fields_we_cannot_honour_are_a_400_naming_them(oai, fake_scheduler,
     [
         ("suffix", {"suffix": "x"}),
         ("guided_json", {"guided_json": {}}),
-        ("min_p", {"min_p": 0.5}),
         ("prompt_logprobs", {"prompt_logprobs": 1}),
     ],
 )
@@ -148,6 +146,18 @@ def test_fields_honoured_at_their_values(oai, fake_scheduler):
     assert not req.HasField("top_k")  # -1: off, as in vLLM (serving.v1's 0)
     assert req.cache_salt == "tenant-a"
     assert not req.HasField("max_tokens")  # a chat answer may run up to the context
+    assert req.min_p == 0
+
+
+def test_min_p_reaches_the_scheduler_and_out_of_range_is_a_400(oai, fake_scheduler):
+    """min_p (vLLM's) is honoured now that the worker filters by it (issue 28)."""
+    oai.completions.create(model=MODEL_NAME, prompt="x", temperature=1.0, extra_body={"min_p": 0.25})
+    [req] = fake_scheduler.requests
+    assert req.min_p == 0.25
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL_NAME, prompt="x", extra_body={"min_p": 1.5})
+    assert err.value.body["param"] == "min_p"
+    assert len(fake_scheduler.requests) == 1
 
 
 # ---- the chat template -----------------------------------------------------------------------

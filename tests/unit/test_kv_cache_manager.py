@@ -181,8 +181,8 @@ def test_cache_full_blocks_is_incremental():
     kv.allocate_slots(a, 30)
     kv.cache_full_blocks(a, 50)
     assert kv.pool.num_cached_blocks == 3
-    assert [kv.pool.block_hash(b) for b in kv.block_table("a")[:3]] == a.block_hashes[:3]
-    assert kv.pool.block_hash(3) is None
+    assert [kv.pool.blocks[b].block_hash for b in kv.block_table("a")[:3]] == a.block_hashes[:3]
+    assert kv.pool.blocks[3].block_hash is None
 
 
 def test_lru_eviction_takes_chain_tail_before_prefix():
@@ -225,7 +225,7 @@ def test_audit_detects_leaks_and_corruption():
     with pytest.raises(LeakError, match="block 5"):
         kv.audit()
     kv.tables["a"].pop()
-    first_hash = kv.pool.block_hash(0)
+    first_hash = kv.pool.blocks[0].block_hash
     kv.pool.blocks[0].block_hash = b"x" * 32
     with pytest.raises(LeakError, match="does not match"):
         kv.audit()

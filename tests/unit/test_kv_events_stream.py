@@ -25,7 +25,7 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.kv_events import KvEventBatch
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.fake_worker_server import start_fake_worker
+from tests.helpers.fake_worker_server import audit_engine, start_fake_worker
 
 NUM_BLOCKS = 12  # 16-token blocks: a few requests of 50 tokens fill it
 WAIT_S = 30.0
@@ -69,7 +69,7 @@ class Harness:
         while not all(c.planner.idle for c in self.engine.cores):
             await asyncio.sleep(0.005)
         truth = {c.info.address: set(c.planner.kv.pool.cached) for c in self.engine.cores}
-        last = {w: s.next_seq - 1 for w, s in self.engine.kv_events.workers.items()}
+        last = {w: s.next_seq - 1 for w, s in self.engine.fleet.kv_events.workers.items()}
         return truth, last
 
     async def collect(self, into: list[admin_pb2.KvEventBatch]) -> None:
@@ -101,7 +101,7 @@ def run(scenario, num_workers: int = 1, **config):
         addresses = ",".join(address for _, address, _ in workers)
         engine = await Engine.connect(SchedulerConfig(workers=addresses, **config), tokenizer)
         server, port = await start_server(engine, "127.0.0.1", 0, 16, 16)
-        admin, admin_port = await start_admin_server(engine, "127.0.0.1", 0)
+        admin, admin_port = await start_admin_server(engine.fleet, "127.0.0.1", 0)
         try:
             async with (
                 grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
@@ -117,7 +117,7 @@ def run(scenario, num_workers: int = 1, **config):
             await engine.stop()
             for worker_server, _, _ in workers:
                 await worker_server.stop(None)
-        engine.audit()
+        audit_engine(engine)
 
     asyncio.run(asyncio.wait_for(main(), 150))
 
@@ -168,7 +168,7 @@ def test_grpc_subscribers_rebuild_each_workers_exact_cached_blocks_after_evictio
         by_worker = lambda x: (x.worker, x.seq)  # the live stream interleaves the workers
         assert sorted(live, key=by_worker) == sorted(replayed, key=by_worker)
         # Drained: the worker's blocks are gone from the scheduler's view.
-        await h.engine.drain_worker(b, wait=True)
+        await h.engine.fleet.drain_worker(b, wait=True)
         after = await h.subscribe({a: last[a], b: last[b]}, {a: last[a], b: last[b] + 1})
         assert [(x.worker, x.seq) for x in after] == [(b, last[b] + 1)]
         assert after[0].events[0].WhichOneof("event") == "all_blocks_cleared"
@@ -183,7 +183,7 @@ def test_reconnecting_inside_the_buffer_gets_exactly_the_missed_batches_outside_
         _, last = await h.idle()
         n = last[w] + 1
         assert n > 8, "the load must outrun the buffer of 4 batches"
-        buffered = [kv_batch_to_proto(b) for b in h.engine.kv_events.workers[w].buffer]
+        buffered = [kv_batch_to_proto(b) for b in h.engine.fleet.kv_events.workers[w].buffer]
         assert [b.seq for b in buffered] == list(range(n - 4, n))
         inside = await h.subscribe({w: n - 3}, last)
         assert inside == buffered[2:]  # exactly the two missed, event for event
@@ -259,7 +259,7 @@ def test_zmq_subscriber_from_vllms_schema_rebuilds_each_workers_cached_blocks():
     replay_port = free_port_pair(avoid=(pub_port, pub_port + 1))
 
     async def scenario(h: Harness):
-        publisher = ZmqKvEventPublisher(h.engine.kv_events, f"tcp://*:{pub_port}", f"tcp://*:{replay_port}")
+        publisher = ZmqKvEventPublisher(h.engine.fleet.kv_events, f"tcp://*:{pub_port}", f"tcp://*:{replay_port}")
         ctx = zmq.asyncio.Context()
         # Rank r publishes on port + r (vLLM's data-parallel offsets).
         subs = [
@@ -309,8 +309,8 @@ def test_a_port_in_use_fails_the_publisher():
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             with pytest.raises(OSError, match="--kv-events-zmq"):
-                ZmqKvEventPublisher(h.engine.kv_events, f"tcp://*:{taken.getsockname()[1]}")
-        assert h.engine.kv_events.sinks == []
+                ZmqKvEventPublisher(h.engine.fleet.kv_events, f"tcp://*:{taken.getsockname()[1]}")
+        assert h.engine.fleet.kv_events.sinks == []
 
     run(scenario)
 

@@ -475,10 +475,10 @@ from kernels import quant, triton_ops as T
 assert not T.interpreter_enabled()
 NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", quant.FP8_DTYPE: "fp8e4nv", torch.int8: "i8"}
 
-def compile(fn, pointers, constexprs, arch):
+def compile(fn, pointers, constexprs, arch, options=None):
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32))
+    triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 
 # (arch, cache, query dtype, decode): FP8 on Hopper, INT8 on Ampere (where FP8 falls back to it).
 # The split-KV decode variant too (SPLIT: fp32 partials).
@@ -489,12 +489,13 @@ for arch, cache, q, decode, split in (
     c = "*" + NAME[cache]
     zero = "*i8" if cache == torch.int8 else "*fp32"
     scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_zero_ptr=zero, v_zero_ptr=zero)
-    meta = T._attention_constexprs(8, 2, 128, 16, q, cache, decode, not decode, False, split)
+    capability = (arch // 10, arch % 10)
+    meta, options = T.attention_launch(8, 2, 128, 16, q, cache, decode, not decode, capability, False, split)
     io = "*" + NAME[q]
     part = "*fp32" if split else io
     compile(T._paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=c, v_cache_ptr=c,
             block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", part_out_ptr=part,
-            part_max_ptr=part, part_sum_ptr=part, **scales), meta, arch)
+            part_max_ptr=part, part_sum_ptr=part, **scales), meta, arch, options)
     compile(T._write_kv_quant_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=c, v_cache_ptr=c,
             slot_ptr="*i64", **scales), dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_D=128,
             QUANT=quant.quant_code(cache)), arch)

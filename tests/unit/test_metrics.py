@@ -85,12 +85,11 @@ def run_step(core, worker, metrics=None, forward_ms=2.0):
 
     plan = core.planner.schedule()
     started = time.perf_counter()
-    sampled = worker.execute(plan)
-    result = StepResult(sampled=sampled, instance_id="i1", forward_ms=forward_ms)
+    result = StepResult(worker.execute(plan), instance_id="i1", forward_ms=forward_ms)
     observe_step(core, plan, result, started, metrics=metrics)
-    updates = core.planner.update(plan, sampled)
+    updates = core.planner.update(plan, result.samples)
     core.counters.steps_run += 1
-    core.counters.generation_tokens += sum(len(u.new_token_ids) for u in updates)
+    core.counters.generation_tokens += sum(u.token_id is not None for u in updates)
     return plan, updates
 
 
@@ -258,11 +257,11 @@ def test_split_step_tokens_classifies_decodes_and_chunks():
     a = req("a", range(100, 120))
     planner.add(a)
     plan = planner.schedule()
-    assert split_step_tokens(plan, planner.get_request) == (20, 0, 1)
+    assert split_step_tokens(plan, planner.requests.get) == (20, 0, 1)
     plan.seqs[0].token_ids, plan.seqs[0].start_pos = [5], 20  # one token past the prompt: a decode
-    assert split_step_tokens(plan, planner.get_request) == (0, 1, 0)
+    assert split_step_tokens(plan, planner.requests.get) == (0, 1, 0)
     plan.seqs[0].start_pos = 19  # the last prompt token alone (a fork sample): prefill
-    assert split_step_tokens(plan, planner.get_request) == (1, 0, 1)
+    assert split_step_tokens(plan, planner.requests.get) == (1, 0, 1)
 
 
 # ---- vLLM's names --------------------------------------------------------------
@@ -281,10 +280,10 @@ def test_vllm_series_count_as_vllm_does():
     assert vllm(got, "vllm:num_requests_running") == 2 and vllm(got, "vllm:num_requests_waiting") == 0
     assert vllm(got, "vllm:kv_cache_usage_perc") == planner.kv.pool.num_used_blocks / 8
     assert vllm(got, "vllm:prompt_tokens_total") == 0  # nobody sampled yet
-    while planner.get_request("b").num_output_tokens == 0:
+    while planner.requests["b"].num_output_tokens == 0:
         run_step(core, worker)
     # b's prompt counts once b samples its first token, the cached part included; a's not yet.
-    assert planner.get_request("a").num_output_tokens == 0
+    assert planner.requests["a"].num_output_tokens == 0
     assert vllm(scrape(engine), "vllm:prompt_tokens_total") == 20
     while planner.has_work():
         run_step(core, worker)
@@ -409,7 +408,7 @@ def test_request_stream_drives_its_timing():
         request.append_output(token, -1.0)
         last = token == 44
         stream.on_update(
-            RequestUpdate("s", [token], [-1.0], finished=last, finish_reason=FinishReason.LENGTH if last else None)
+            RequestUpdate("s", token, -1.0, finished=last, finish_reason=FinishReason.LENGTH if last else None)
         )
     g = metrics.registry.get_sample_value
     assert g("pagedserve_time_to_first_token_seconds_sum") == 1.0

@@ -11,7 +11,7 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import FinishReason, RequestStatus
-from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker, samples_of
 from tests.helpers.planner_sim import BS, VOCAB, check_plan, reference, req, run, step
 
 
@@ -49,7 +49,7 @@ def test_block_size_must_match_kv_cache():
 
 def test_prompt_that_can_never_fit_is_rejected():
     planner, _ = make(num_blocks=8, max_model_len=100)  # pool holds 128 tokens
-    with pytest.raises(RequestRejected, match="max_model_len is 100") as e:
+    with pytest.raises(RequestRejected, match="maximum context length is 100 tokens") as e:
         planner.add(req("a", range(100)))
     assert e.value.field == "prompt"
     planner2, _ = make(num_blocks=4, max_model_len=1000)  # pool holds 64 tokens
@@ -71,7 +71,7 @@ def test_largest_prompt_that_fits_gets_one_token():
     ("field", "kwargs", "prompt"),
     [
         ("prompt", {}, []),
-        ("prompt", {}, [1, -2]),
+        ("prompt_token_ids", {}, [1, -2]),
         ("max_tokens", {"max_tokens": 0}, [1]),
         ("temperature", {"temperature": -1.0}, [1]),
         ("temperature", {"temperature": float("nan")}, [1]),
@@ -107,7 +107,7 @@ def test_single_request_matches_reference():
     plans = run(planner, worker)
     assert r.output_token_ids == reference(range(1, 40), 12)
     assert r.output_logprobs == [-t / VOCAB for t in r.output_token_ids]
-    assert r.finish_reason is FinishReason.LENGTH and r.is_finished
+    assert r.finish_reason is FinishReason.LENGTH and r.status is RequestStatus.FINISHED
     assert len(plans) == 12 and [len(p.seqs[0].token_ids) for p in plans] == [39] + [1] * 11
 
 
@@ -134,10 +134,10 @@ def test_lazy_allocation_long_context_limit():
     step(planner, worker)  # prefill
     assert len(planner.kv.tables["a"]) == math.ceil(100 / 16) == 7
     grew_at = []
-    while not r.is_finished:
+    while r.status is not RequestStatus.FINISHED:
         before = len(planner.kv.tables["a"])
         plan, _ = step(planner, worker)
-        if not r.is_finished and len(planner.kv.tables["a"]) > before:
+        if r.status is not RequestStatus.FINISHED and len(planner.kv.tables["a"]) > before:
             grew_at.append(plan.seqs[0].start_pos)
     assert grew_at == [112, 128, 144]  # one new block per 16 decoded tokens, no more
     assert r.output_token_ids == reference(range(100), 60)
@@ -401,7 +401,7 @@ def test_abort_waiting_and_running_frees_immediately():
     assert planner.num_running == 1 and planner.num_waiting == 1
     assert planner.abort("b") and planner.num_waiting == 0
     assert planner.abort("a") and planner.kv.pool.num_used_blocks == 0
-    assert a.finish_reason is FinishReason.ABORT and a.is_finished
+    assert a.finish_reason is FinishReason.ABORT and a.status is RequestStatus.FINISHED
     assert not planner.abort("a") and not planner.has_work()
     planner.audit()
 
@@ -447,10 +447,10 @@ def test_update_protocol_is_enforced():
     with pytest.raises(RuntimeError, match="oldest step in flight"):
         planner.update(ahead, worker.execute(plan))  # results apply in order
     with pytest.raises(ValueError, match="no sampled token"):
-        planner.update(plan, {})
+        planner.update(plan, samples_of({}))
     planner.update(plan, worker.execute(plan))  # the failed update changed nothing
     with pytest.raises(RuntimeError):
-        planner.update(plan, {})
+        planner.update(plan, samples_of({}))
     empty_planner, _ = make()
     empty = empty_planner.schedule()
     assert empty.is_empty and empty_planner.update(empty, {}) == []
@@ -515,7 +515,7 @@ def test_random_workload_with_aborts(seed):
             planner.abort(rid)
             aborted.add(rid)
         planner.audit()
-        sampled = worker.execute(plan) if plan.seqs else {}
+        sampled = worker.execute(plan) if plan.seqs else samples_of({})
         planner.update(plan, sampled)
         planner.audit()
     assert planner.kv.pool.num_used_blocks == 0

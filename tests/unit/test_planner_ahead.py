@@ -13,7 +13,8 @@ from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan
 from scheduler_svc.request import FinishReason, Request, SamplingOptions
-from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.fake_worker import FakeWorker, samples_of
+from tests.helpers.planner_sim import tokens_of
 
 BS, VOCAB = 16, 1000
 
@@ -40,8 +41,8 @@ def run_sync(planner: Planner, worker: FakeWorker) -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = defaultdict(list)
     while planner.has_work():
         plan = planner.schedule()
-        for update in planner.update(plan, worker.execute(plan) if plan.seqs else {}):
-            outputs[update.request_id].extend(update.new_token_ids)
+        for update in planner.update(plan, worker.execute(plan) if plan.seqs else samples_of({})):
+            outputs[update.request_id].extend(tokens_of(update))
         planner.audit()
     return outputs
 
@@ -55,7 +56,7 @@ def run_ahead(planner: Planner, worker: FakeWorker, on_update=None) -> tuple[dic
     while planner.has_work() or in_flight:
         if not in_flight:
             plan = planner.schedule()
-            in_flight.append((plan, worker.execute(plan) if plan.seqs else {}))
+            in_flight.append((plan, worker.execute(plan) if plan.seqs else samples_of({})))
         if planner.can_plan_ahead and planner.has_work():
             ahead = planner.schedule()
             if not ahead.is_empty:
@@ -64,7 +65,7 @@ def run_ahead(planner: Planner, worker: FakeWorker, on_update=None) -> tuple[dic
                 in_flight.append((ahead, worker.execute(ahead)))
         plan, sampled = in_flight.popleft()
         for update in planner.update(plan, sampled):
-            outputs[update.request_id].extend(update.new_token_ids)
+            outputs[update.request_id].extend(tokens_of(update))
             if on_update:
                 on_update(planner, update)
         planner.audit()
@@ -97,7 +98,7 @@ def test_a_request_ending_in_flight_discards_its_speculative_token_and_frees_its
     ahead = planner.schedule()  # decodes the token n samples, not knowing it is EOS
     assert ahead.seqs[0].token_from_previous_step and ahead.previous_step_id == n.step_id
     (update,) = planner.update(n, worker.execute(n))
-    assert update.finished and update.finish_reason is FinishReason.STOP and update.new_token_ids == [first]
+    assert update.finished and update.finish_reason is FinishReason.STOP and update.token_id == first
     assert planner.kv.pool.num_used_blocks == 2, "its blocks stay until the step in flight that holds them is done"
     assert planner.update(ahead, worker.execute(ahead)) == []  # the speculative token is dropped
     assert planner.kv.pool.num_used_blocks == 0 and r.output_token_ids == [first]

@@ -10,10 +10,11 @@ import pytest
 
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
-from scheduler_svc.planning.planner import Planner, PlannerConfig, StepLogprobs, StepPlan
+from scheduler_svc.planning.planner import Planner, PlannerConfig, StepPlan, StepSamples
 from scheduler_svc.planning.validation import RequestRejected, check_num_samples, check_sampling
 from scheduler_svc.request import FinishReason, Request, SamplingOptions
 from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.planner_sim import tokens_of
 
 BS, VOCAB = 16, 1000
 PROMPT = [(7 * i + 3) % VOCAB for i in range(40)]
@@ -30,15 +31,14 @@ def score(token_id: int, position: int) -> float:
     return -(token_id + position) / 10_000
 
 
-def scored(plan: StepPlan) -> StepLogprobs:
-    """The prompt logprobs a worker returns for the plan's targets, with one alternative."""
-    return StepLogprobs(
-        prompt={
-            s.seq_id: [(score(t, s.start_pos + i), ((t + 1, -0.5),)) for i, t in enumerate(s.prompt_logprob_targets)]
-            for s in plan.seqs
-            if s.prompt_logprob_targets
-        }
-    )
+def scored(plan: StepPlan, samples: StepSamples) -> StepSamples:
+    """`samples` with the prompt logprobs a worker returns for the plan's targets, with one alternative."""
+    samples.prompt = {
+        s.seq_id: [(score(t, s.start_pos + i), ((t + 1, -0.5),)) for i, t in enumerate(s.prompt_logprob_targets)]
+        for s in plan.seqs
+        if s.prompt_logprob_targets
+    }
+    return samples
 
 
 def run(planner: Planner, worker: FakeWorker, plans: list[StepPlan] | None = None):
@@ -47,7 +47,7 @@ def run(planner: Planner, worker: FakeWorker, plans: list[StepPlan] | None = Non
         plan = planner.schedule()
         if plans is not None:
             plans.append(plan)
-        updates += planner.update(plan, worker.execute(plan), scored(plan))
+        updates += planner.update(plan, scored(plan, worker.execute(plan)))
         planner.audit()
     return updates
 
@@ -66,7 +66,7 @@ def test_prompt_logprobs_are_asked_chunk_by_chunk_and_delivered_once_in_order():
     assert all(not targets for _, targets in asked[3:])  # decodes ask nothing
     delivered = [u.prompt_logprobs for u in updates if u.prompt_logprobs is not None]
     assert len(delivered) == 1
-    [first_token] = [u for u in updates if u.new_token_ids][:1]
+    [first_token] = [u for u in updates if u.token_id is not None][:1]
     assert first_token.prompt_logprobs is delivered[0]
     assert [(t.token_id, t.logprob, t.top) for t in delivered[0]] == [
         (PROMPT[p + 1], score(PROMPT[p + 1], p), ((PROMPT[p + 1] + 1, -0.5),)) for p in range(39)
@@ -80,9 +80,9 @@ def test_a_request_still_needing_prompt_logprobs_reads_no_cached_block():
     planner.add(request("scored", seq_id=2, max_tokens=1, prompt_logprobs=0))
     plan = planner.schedule()
     [seq] = plan.seqs
-    assert seq.start_pos == 0 and planner.get_request("scored").num_cached_prompt_tokens == 0
+    assert seq.start_pos == 0 and planner.requests["scored"].num_cached_prompt_tokens == 0
     assert seq.prompt_logprob_targets == PROMPT[1:]
-    planner.update(plan, worker.execute(plan), scored(plan))
+    planner.update(plan, scored(plan, worker.execute(plan)))
     planner.add(request("after", seq_id=3, max_tokens=1))  # the cache still serves everyone else
     run(planner, worker)
     assert worker.steps[-1].seqs[0].start_pos == 32
@@ -92,12 +92,12 @@ def test_a_resumed_request_reads_only_the_blocks_already_scored():
     planner, worker = make(chunk_size=16)
     planner.add(request("a", max_tokens=2, prompt_logprobs=0))
     plan = planner.schedule()
-    planner.update(plan, worker.execute(plan), scored(plan))  # positions 0..15 scored, block 0 cached
+    planner.update(plan, scored(plan, worker.execute(plan)))  # positions 0..15 scored, block 0 cached
     planner.requeue_all(reset_prefix_cache=False)  # as when the worker is lost
     plan = planner.schedule()
     [seq] = plan.seqs
     assert seq.start_pos == 16 and seq.prompt_logprob_targets == PROMPT[17:33]
-    planner.update(plan, worker.execute(plan), scored(plan))
+    planner.update(plan, scored(plan, worker.execute(plan)))
     updates = run(planner, worker)
     [delivered] = [u.prompt_logprobs for u in updates if u.prompt_logprobs is not None]
     assert [t.token_id for t in delivered] == PROMPT[1:]
@@ -111,7 +111,7 @@ def test_max_tokens_zero_scores_the_prompt_and_samples_nothing():
     updates = run(planner, worker, plans)
     assert not any(s.sample for p in plans for s in p.seqs) and len(plans) == 3
     last = updates[-1]
-    assert last.finished and last.finish_reason is FinishReason.LENGTH and not last.new_token_ids
+    assert last.finished and last.finish_reason is FinishReason.LENGTH and last.token_id is None
     assert len(last.prompt_logprobs) == 39
     assert planner.kv.pool.num_used_blocks == 0
 
@@ -133,7 +133,7 @@ def _sample_inputs(ahead: bool, **sampling):
                 in_flight.append((plan, worker.execute(plan)))
         plan, sampled = in_flight.pop(0)
         seen += [(s.blocked_token_ids, s.penalty_output_ids, s.token_from_previous_step) for s in plan.seqs if s.sample]
-        outputs += [t for u in planner.update(plan, sampled) for t in u.new_token_ids]
+        outputs += [t for u in planner.update(plan, sampled) for t in tokens_of(u)]
     return seen, outputs
 
 
@@ -171,6 +171,9 @@ def test_penalised_samples_carry_the_tokens_generated_before_them(ahead):
         ("logit_bias", ((5, 100.5),)),
         ("logit_bias", tuple((i, 1.0) for i in range(1025))),
         ("min_tokens", 17),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("min_p", float("nan")),
         ("min_tokens", -1),
         ("stop_token_ids", tuple(range(65))),
         ("max_tokens", 0),

@@ -9,11 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import quant, reference
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.attention import cache_attention
+from worker_svc.attention import prefill_route as route_module
 from worker_svc.attention.backend import BACKENDS
 from worker_svc.attention.prefill_route import PREFILL_ATTENTION, fresh_prefill_attention, prefill_route, sdpa_takes
 from worker_svc.config import WorkerConfig
@@ -67,8 +69,130 @@ def test_fresh_prefill_attention_matches_the_reference(q_heads, kv_heads):
     cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
     ctx = torch.tensor(query_lens, dtype=torch.int32)
     expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, 0.3)
-    out = fresh_prefill_attention(query, key, value, query_lens, 0.3)
+    out = fresh_prefill_attention(query, key, value, cu, query_lens, 0.3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+class FakeVarlen:
+    """torch.nn.attention.varlen.varlen_attn as a given torch release spells it,
+    computed per chunk with SDPA from the cumulative lengths it is given."""
+
+    def __init__(self, causal_keyword: str):
+        self.calls: list[tuple[list[int], int]] = []
+        self.causal_keyword = causal_keyword
+
+    def attn_2_11(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                  window_size=(-1, -1)):  # fmt: skip
+        assert window_size == (-1, 0), "not causal"
+        return self._run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+
+    def attn_2_10(
+        self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None, scale=None
+    ):
+        assert is_causal
+        return self._run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+
+    def _run(self, query, key, value, cu_q, cu_k, max_q, max_k, scale):
+        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        bounds = cu_q.tolist()
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        assert bounds[0] == 0 and bounds[-1] == query.shape[0] and max_q == max_k == max(lens)
+        self.calls.append((bounds, max_q))
+        out = torch.empty_like(query)
+        for a, b in zip(bounds, bounds[1:]):
+            q, k, v = (t[a:b].transpose(0, 1)[None] for t in (query, key, value))
+            gqa = q.shape[1] != k.shape[1]
+            out[a:b] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[
+                0
+            ].transpose(0, 1)
+        return out
+
+    @property
+    def attn(self):
+        return self.attn_2_11 if self.causal_keyword == "window_size" else self.attn_2_10
+
+
+@pytest.fixture
+def fake_varlen(monkeypatch, request):
+    """varlen_attn faked (as torch 2.11 spells it, or 2.10 with param 'is_causal'),
+    and taken on CPU fp32 as on a GPU in bf16."""
+    from torch.nn.attention import varlen
+
+    fake = FakeVarlen(getattr(request, "param", "window_size"))
+    monkeypatch.setattr(varlen, "varlen_attn", fake.attn)
+    monkeypatch.setattr(route_module, "varlen_takes", lambda query: True)
+    route_module.varlen_attention.cache_clear()
+    yield fake
+    route_module.varlen_attention.cache_clear()
+
+
+@pytest.mark.parametrize("fake_varlen", ["window_size", "is_causal"], indirect=True)
+def test_fresh_chunks_take_one_varlen_call(fake_varlen):
+    """Issue 27, fault 6: every fresh chunk of a step in one varlen call (not one
+    SDPA call per chunk per layer), its cumulative lengths and longest chunk as
+    the batch says, the result the per-chunk one."""
+    query_lens = (17, 1, 40)
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(58, heads, 16, generator=g) for heads in (8, 2, 2))
+    cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    out = fresh_prefill_attention(query, key, value, cu, query_lens, 0.3)
+    assert fake_varlen.calls == [([0, 17, 18, 58], 40)]
+    torch.testing.assert_close(out, _per_chunk(query, key, value, query_lens, 0.3))
+
+
+def _per_chunk(query, key, value, query_lens, scale):
+    out, start = [], 0
+    for n in query_lens:
+        q, k, v = (t[start : start + n].transpose(0, 1)[None] for t in (query, key, value))
+        out.append(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        )
+        start += n
+    return torch.cat(out)
+
+
+def test_no_varlen_in_this_torch_means_per_chunk_sdpa(monkeypatch):
+    from torch.nn.attention import varlen
+
+    def without_scale(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        raise AssertionError("never called: it cannot take the model's scale")
+
+    monkeypatch.setattr(varlen, "varlen_attn", without_scale)
+    route_module.varlen_attention.cache_clear()
+    try:
+        assert route_module.varlen_attention() is None
+        assert not route_module.varlen_takes(torch.zeros(4, 2, 16, dtype=torch.bfloat16))
+    finally:
+        route_module.varlen_attention.cache_clear()
+
+
+def test_the_worker_runs_one_varlen_call_per_layer(fake_varlen):
+    """Two fresh prompts and a continued chunk in one step through the worker:
+    one varlen call per layer (the tiny llama has 2), over both prompts, and the
+    paged route's tokens and logits."""
+    model = str(tiny_checkpoint("llama"))
+    workers = {
+        route: Worker(WorkerConfig(model=model, dtype="float32", num_blocks=64, prefill_attention=route))
+        for route in ("paged", "sdpa")
+    }
+    vocab = workers["paged"].info.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (30, 21, 9)]
+
+    def seq(i, tokens, start):
+        table = [4 * i + b for b in range(4)]
+        slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
+        return Seq(i, tokens, start, table, slots, sample=True, return_logits=True)
+
+    first = step_input(1, [], [seq(2, prompts[2][:4], 0)])
+    second = step_input(2, [], [seq(0, prompts[0], 0), seq(1, prompts[1], 0), seq(2, prompts[2][4:], 4)])
+    for step in (first, second):
+        fake_varlen.calls.clear()
+        outs = {route: w.step(step) for route, w in workers.items()}
+        for a, b in zip(sampled(outs["sdpa"]), sampled(outs["paged"]), strict=True):
+            assert (a.seq_id, a.token_id) == (b.seq_id, b.token_id)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    assert fake_varlen.calls == [([0, 30, 51], 30)] * 2
 
 
 def test_plan_batch_orders_fresh_chunks_after_decodes():

@@ -108,7 +108,7 @@ def test_pinned_prefix_survives_pressure_and_unpins():
         planner.add(Request(f"r{i}", next(_ids), [500 + i] * 150, SamplingOptions(max_tokens=2)))
     run(planner, worker)
     assert planner.kv.pool.blocks_reclaimed > 0
-    assert all(planner.kv.pool.block_hash(b) is not None and planner.kv.pool.ref_count(b) == 1 for b in pinned)
+    assert all(planner.kv.pool.blocks[b].block_hash is not None and planner.kv.pool.ref_count(b) == 1 for b in pinned)
     hit = Request("hit", next(_ids), system + [7, 8], SamplingOptions(max_tokens=2))
     planner.add(hit)
     step(planner, worker)

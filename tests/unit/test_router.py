@@ -297,14 +297,13 @@ def test_candidate_from_core_duck_types_an_engine_core():
         address = "h:9"
 
     class Core:
-        info, planner, healthy = Info(), Planner(), True
+        info, planner = Info(), Planner()
 
     core = Core()
-    c = Candidate.from_core(core)
+    c = Candidate.from_core(core, WorkerState.SERVING)
     assert (c.address, c.num_seqs, c.free_blocks, c.state, c.accepting) == ("h:9", 5, 8, WorkerState.SERVING, True)
-    assert Candidate.from_core(core, draining=True).state is WorkerState.DRAINING
-    core.healthy = False
-    assert not Candidate.from_core(core).accepting
+    assert not Candidate.from_core(core, WorkerState.DRAINING).accepting
+    assert not Candidate.from_core(core, WorkerState.UNHEALTHY).accepting
 
 
 def test_affinity_table_is_bounded():

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     from scheduler_svc.engine.engine import Engine
     from scheduler_svc.api.server import start_server
     from scheduler_svc.text.tokenizer import load_tokenizer
-    from tests.helpers.fake_worker_server import start_fake_worker
+    from tests.helpers.fake_worker_server import audit_engine, start_fake_worker
 
     for mod in pkgutil.walk_packages(scheduler_svc.__path__, "scheduler_svc."):
         importlib.import_module(mod.name)
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
         await engine.stop()
         await worker.stop(None)
         assert replies[-1].finished and replies[-1].usage.completion_tokens == 5, replies
-        engine.audit()
+        audit_engine(engine)
 
     asyncio.run(main(sys.argv[1]))
     loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from scheduler_svc.engine.errors import WorkerUnavailable
 from scheduler_svc.engine.streams import StreamEvent, Usage, coalesce
 
 
@@ -34,12 +35,12 @@ def test_queued_tokens_merge_into_one_event_up_to_the_finish():
 def test_an_error_stops_the_merge_and_is_handed_back():
     queue = queue_of(
         StreamEvent("b", [2], [-0.2]),
-        StreamEvent(error_code="UNAVAILABLE", error_message="gone"),
+        StreamEvent(error=WorkerUnavailable("gone")),
         StreamEvent("c", [3]),
     )
     merged, error = coalesce(queue, StreamEvent("a", [1], [-0.1]))
     assert merged.token_ids == [1, 2] and not merged.finished
-    assert error is not None and error.error_code == "UNAVAILABLE" and queue.qsize() == 1
+    assert error is not None and isinstance(error.error, WorkerUnavailable) and queue.qsize() == 1
 
 
 def test_nothing_waiting_leaves_the_event_alone():

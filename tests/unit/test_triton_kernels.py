@@ -227,6 +227,33 @@ def test_split_kv_never_reads_unseen_slots(window):
     _assert_close(out, expected, torch.float32)
 
 
+@pytest.mark.skipif(not triton_ops.interpreter_enabled(), reason="reads the interpreter's program ids")
+def test_each_sequence_takes_the_partitions_its_own_length_fills(monkeypatch):
+    """Issue 27, fault 7: the grid's partition count comes from the table's reach (a
+    captured graph's tables are as wide as max_model_len), but a sequence splits
+    only as far as its own context makes partitions of min_split_tokens: a long and
+    a short sequence under the same 8 partitions of >= 128 positions, the long one
+    (1000 positions) works in all 8, the short one (100) in one; the result is the
+    reference's either way."""
+    from triton.runtime import interpreter
+
+    working: dict[int, set[int]] = {}
+    real_dot = interpreter.InterpreterBuilder.create_dot
+
+    def dot(self, *args):
+        seq, _, split = self.grid_idx
+        working.setdefault(seq, set()).add(split)
+        return real_dot(self, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
+    query, k_cache, v_cache, tables, ctx = _split_case([1000, 100], 4, 1, 16)
+    out = triton_ops.split_kv_decode_attention(
+        query, k_cache, v_cache, tables, ctx, SCALE, num_splits=8, min_split_tokens=128
+    )
+    assert working == {0: set(range(8)), 1: {0}}
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE), torch.float32)
+
+
 def test_decode_chooses_splits_from_the_sm_count(monkeypatch):
     """paged_decode_attention (and the contiguous layout through it) asks
     num_kv_splits with the table's reach as the longest context."""
@@ -357,7 +384,7 @@ def test_unseen_slots_are_never_read(window):
 @pytest.mark.skipif(not triton_ops.interpreter_enabled(), reason="counts tl.dot calls in the interpreter")
 def test_window_skips_blocks_outside(monkeypatch):
     """KV tiles wholly before the window are not visited at all (the loop starts at
-    the 64-position tile holding the window's first position), not loaded and
+    the BLOCK_N-position tile holding the window's first position), not loaded and
     masked: count the kernel's tl.dot calls, two per KV tile visited."""
     from triton.runtime import interpreter
 
@@ -366,24 +393,66 @@ def test_window_skips_blocks_outside(monkeypatch):
     monkeypatch.setattr(
         interpreter.InterpreterBuilder, "create_dot", lambda self, *args: dots.append(1) or real_dot(self, *args)
     )
+
+    def tiles_of(decode: bool) -> tuple[int, int]:
+        meta, _ = triton_ops.attention_launch(4, 1, 16, 16, torch.float32, torch.float32, decode, True)
+        return int(meta["BLOCK_N"]), int(meta["BLOCK_Q"])
+
+    def visited(first: int, end: int, block_n: int) -> int:
+        """KV tiles the loop visits for the positions [first, end)."""
+        return -(-end // block_n) - first // block_n
+
     k_cache, v_cache = _kv_cache(64, 1, 16, torch.float32)
     tables, cu, ctx = _batch([1], [1000], 64)
     query = _query(1, 4, 16, torch.float32)
-    # full: 1000 positions / 64 per tile; window 300 sees 700..999, tiles 640..1023
-    for window, tiles in ((0, 16), (8, 1), (300, 6)):
+    block_n, _ = tiles_of(decode=True)
+    # full: all 1000 positions; window W sees 1000 - W .. 999
+    for window in (0, 8, 300):
         dots.clear()
         out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window)
-        assert len(dots) == 2 * tiles, (window, len(dots))
+        first = 1000 - window if window else 0
+        assert len(dots) == 2 * visited(first, 1000, block_n), (window, len(dots))
         _assert_close(
             out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window), torch.float32
         )
-    # prefill: 10 new tokens at positions 990..999, window 8 -> positions 983..999.
-    # Query tiles sit at multiples of 16 positions: 990..991 and 992..999, one KV tile each.
+    assert visited(992, 1000, block_n) == 1 < visited(0, 1000, block_n)
+    # prefill: 10 new tokens at positions 990..999, window 8. Query tiles sit at
+    # multiples of BLOCK_Q positions; each sees from its first position - 7 to its last.
     dots.clear()
+    block_n, block_q = tiles_of(decode=False)
     cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     query = _query(10, 4, 16, torch.float32)
     triton_ops.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE, 8)
-    assert len(dots) == 2 * 2
+    starts = range(990 // block_q * block_q, 1000, block_q)
+    expected = sum(visited(max(s, 990) - 7, min(1000, s + block_q), block_n) for s in starts)
+    assert len(dots) == 2 * expected and expected < visited(983, 1000, 1) // 2
+
+
+# --------------------------------------------------------------------------- masked loads
+
+
+def test_every_masked_load_says_what_masked_lanes_hold():
+    """A masked tl.load without `other=` leaves masked lanes undefined on the GPU
+    (the interpreter zero-fills them, so no CPU run can show it): the split-KV
+    merge read its partials that way, right only while the lanes happened to be
+    zero (issue 27, fault 11). Every masked load in the kernels names `other=`."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(triton_ops))
+    loads = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "load"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "tl"
+    ]
+    masked = [call for call in loads if any(k.arg == "mask" for k in call.keywords)]
+    assert len(masked) >= 10, "the walk found too few masked loads"
+    bare = [call.lineno for call in masked if not any(k.arg == "other" for k in call.keywords)]
+    assert not bare, f"kernels/triton_ops.py lines {bare}: masked tl.load without other="
 
 
 # --------------------------------------------------------------------------- compiled for CUDA
@@ -400,10 +469,10 @@ from kernels import triton_ops as T
 assert not T.interpreter_enabled()
 NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-def compile(fn, pointers, constexprs, arch):
+def compile(fn, pointers, constexprs, arch, options=None):
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32))
+    triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 for arch, q, c, heads, kv_heads, head_dim, block_size, decode, sliding, split in [
@@ -412,12 +481,14 @@ for arch, q, c, heads, kv_heads, head_dim, block_size, decode, sliding, split in
     (80, f16, f16, 16, 2, 64, 8, True, True, False), (90, bf16, bf16, 32, 8, 64, 16, True, True, True),
     (80, f32, f32, 4, 1, 128, 16, True, False, True),
 ]:
-    meta = T._attention_constexprs(heads, kv_heads, head_dim, block_size, q, c, decode, sliding, False, split)
+    capability = (arch // 10, arch % 10)
+    meta, options = T.attention_launch(heads, kv_heads, head_dim, block_size, q, c, decode, sliding, capability, False,
+                                       split)
     io, cache = "*" + NAME[q], "*" + NAME[c]
     part = "*fp32" if split else io
     compile(T._paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=cache, v_cache_ptr=cache,
             block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", part_out_ptr=part,
-            part_max_ptr=part, part_sum_ptr=part), meta, arch)
+            part_max_ptr=part, part_sum_ptr=part), meta, arch, options)
 for arch, io, splits in ((90, "*bf16", 64), (80, "*fp32", 2)):
     compile(T._merge_splits_kernel, dict(out_ptr=io, part_out_ptr="*fp32", part_max_ptr="*fp32",
             part_sum_ptr="*fp32"), dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=splits), arch)

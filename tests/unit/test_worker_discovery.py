@@ -23,7 +23,7 @@ from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.targets import Resolution, Target, format_address, parse_targets, resolve_dns, resolve_targets
 from tests.helpers.aio_generate import generate
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.fake_worker_server import FakeWorkerServicer, slow_down_steps, start_fake_worker
+from tests.helpers.fake_worker_server import FakeWorkerServicer, audit_engine, slow_down_steps, start_fake_worker
 from tests.helpers.stub_dns import StubDns
 
 NAME = "workers.test"
@@ -110,7 +110,7 @@ def run(scenario, workers: str = TARGET, num_fake: int = 3, answer: int = 1, **c
         dns = StubDns(*addresses[:answer])
         cfg = SchedulerConfig(workers=workers.format(*addresses), worker_discovery_interval_s=0.05, **config)
         engine = await Engine.connect(cfg, tokenizer, resolver=dns)
-        discovery = WorkerDiscovery(engine, cfg.worker_targets, cfg.worker_discovery_interval_s, resolver=dns)
+        discovery = WorkerDiscovery(engine.fleet, cfg.worker_targets, cfg.worker_discovery_interval_s, resolver=dns)
         server, port = await start_server(engine, "127.0.0.1", 0, 16, 16)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -122,13 +122,13 @@ def run(scenario, workers: str = TARGET, num_fake: int = 3, answer: int = 1, **c
             await engine.stop()
             for s, _, _ in started:
                 await s.stop(None)
-        engine.audit()
+        audit_engine(engine)
 
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
 def states(engine) -> dict[str, WorkerState]:
-    return {w.address: w.state for w in engine.list_workers()}
+    return {w.address: w.state for w in engine.fleet.list_workers()}
 
 
 async def until(predicate, what: str) -> None:
@@ -145,12 +145,12 @@ def test_workers_join_and_leave_with_the_answer():
 
         # b appears: it joins in the next round and, cold and idle, takes the next new prompt.
         busy = asyncio.create_task(generate(stub, [5, 9, 11, 13], 60))
-        await until(lambda: engine.list_workers()[0].running > 0, "a to run")
+        await until(lambda: engine.fleet.list_workers()[0].running > 0, "a to run")
         dns.answer = [a, b]
         await discovery.reconcile()
         assert states(engine) == {a: WorkerState.SERVING, b: WorkerState.SERVING} and discovery.managed == {a, b}
         assert (await generate(stub, [7, 8, 9], 4)).usage.completion_tokens == 4
-        routed = {w.address: w.requests_routed for w in engine.list_workers()}
+        routed = {w.address: w.requests_routed for w in engine.fleet.list_workers()}
         assert routed == {a: 1, b: 1}
 
         # a vanishes while it runs a request: drained (no new request), the request finishes there.
@@ -161,14 +161,14 @@ def test_workers_join_and_leave_with_the_answer():
         assert all(r.usage.completion_tokens == 3 for r in late)
         assert (await busy).usage.completion_tokens == 60
         await until(lambda: a not in states(engine), "a to be removed")
-        assert a not in engine.router.counters
+        assert a not in engine.fleet.router.counters
         await discovery.reconcile()
         assert states(engine) == {b: WorkerState.SERVING, c: WorkerState.SERVING} and discovery.managed == {b, c}
 
         # It comes back: a new worker to the engine, cold.
         dns.answer = [a, b, c]
         await discovery.reconcile()
-        assert states(engine)[a] is WorkerState.SERVING and engine.list_workers()[-1].requests_routed == 0
+        assert states(engine)[a] is WorkerState.SERVING and engine.fleet.list_workers()[-1].requests_routed == 0
 
     run(scenario)
 
@@ -181,7 +181,7 @@ def test_dns_outage_keeps_workers_and_empty_answer_drains_even_the_last():
         assert states(engine) == {a: WorkerState.SERVING}
         dns.fail, dns.answer = False, []
         await discovery.reconcile()
-        await until(lambda: not engine.list_workers(), "a to be removed")
+        await until(lambda: not engine.fleet.list_workers(), "a to be removed")
         assert not engine.accepting
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(stub, [5, 6, 7], 3)
@@ -202,7 +202,7 @@ def test_fixed_workers_stay_and_unreachable_peers_are_retried():
         assert states(engine) == {a: WorkerState.SERVING, b: WorkerState.SERVING} and discovery.managed == {b}
         dns.answer = []
         await discovery.reconcile()
-        await until(lambda: len(engine.list_workers()) == 1, "b to be removed")
+        await until(lambda: len(engine.fleet.list_workers()) == 1, "b to be removed")
         assert states(engine) == {a: WorkerState.SERVING}  # fixed: never drained by discovery
 
     run(scenario, workers="{0}," + TARGET, num_fake=2, answer=0, connect_timeout_s=0.2)

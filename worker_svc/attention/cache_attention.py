@@ -54,5 +54,5 @@ class CacheAttention:
             return self.cache.decode(layer, q, group, self.scale, window)
         longest = max(group.query_lens)
         if kind == "fresh" and self.route == "sdpa" and sdpa_takes(self.cache.dtype, q.dtype, window, longest):
-            return fresh_prefill_attention(q, k, v, group.query_lens, self.scale)
+            return fresh_prefill_attention(q, k, v, group.cu_query_lens, group.query_lens, self.scale)
         return self.cache.prefill(layer, q, group, self.scale, window)

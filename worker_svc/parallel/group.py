@@ -148,6 +148,13 @@ class TensorParallelGroup:
         dist.gather(tensor, parts, dst=0)
         return parts
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. the KV blocks each rank's GPU has
+        room for: every rank must hold the same number)."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tensor, src=0)
         return tensor

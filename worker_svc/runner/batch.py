@@ -74,6 +74,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [N] row in [T] of the last token of each sampling sequence
     copy_src: torch.Tensor | None = None  # [C] int64
     copy_dst: torch.Tensor | None = None
+    extra: tuple[torch.Tensor, ...] = ()  # what else the step's upload carried (upload_batch's `extra`)
 
 
 def check_references(step: StepInput, previous: LastSamples | None) -> IntArray:

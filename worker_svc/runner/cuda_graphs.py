@@ -8,10 +8,12 @@ launch. Graphs need fixed shapes and fixed addresses, so:
   captured at start-up, and a decode batch is padded up to the next rung
   (batch.pad_decode says what a padding row does: writes nothing, reads one
   finite position);
-* every input the forward reads (ids, positions, slots, block tables as wide as
-  the longest sequence allowed, context lengths) lives in one persistent device
-  buffer, which each step fills with its one host->device copy
-  (upload.upload_batch into that buffer) before replaying;
+* every input the forward reads (ids, positions, slots, context lengths) lives
+  in one persistent device buffer, which each step fills with its one
+  host->device copy (upload.upload_batch into that buffer) before replaying;
+  the block tables live in a persistent table as wide as the longest sequence
+  allowed (block_table.DeviceBlockTable), of which a step sends only the
+  entries that changed, in that same copy;
 * prefill and mixed steps, bigger batches, and steps whose tables or block
   copies do not fit stay eager.
 
@@ -26,8 +28,9 @@ runner drops its graphs (one warning) if they differ.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +38,7 @@ import numpy.typing as npt
 import torch
 
 from worker_svc.runner.batch import ForwardBatch, HostBatch, HostGroup, pad_decode
+from worker_svc.runner.block_table import DeviceBlockTable
 from worker_svc.runner.last_samples import LastSamples
 from worker_svc.runner.upload import InputUploader, packed_layout, upload_batch
 
@@ -99,13 +103,15 @@ class DecodeGraphs:
         self.max_num_seqs = max_num_seqs
         self.table_width = table_width  # blocks per table: the longest sequence the worker serves
         self.uploader = InputUploader(device)
-        # The top rung's inputs plus the rest of a step's upload (samples, references, copies).
+        self.tables = DeviceBlockTable(max_num_seqs, table_width, device)
+        # The top rung's inputs plus the rest of a step's upload (samples, references,
+        # copies, the sampler's logprob indices, the table's changed entries).
         self.buffer = torch.zeros(_buffer_words(max_num_seqs, table_width), dtype=torch.int32, device=device)
         self.replays: dict[int, Replay] = {}
 
     def capture(self) -> None:
         for size in reversed(self.ladder):  # largest first: see CudaGraphBackend
-            batch = upload_batch(padding_batch(size, self.table_width), self.uploader, into=self.buffer)
+            batch = self.upload(padding_batch(size, 1))
             self.replays[size] = self.backend.capture(functools.partial(self.forward, batch))
 
     def covers(self, host: HostBatch) -> bool:
@@ -118,11 +124,34 @@ class DecodeGraphs:
             and host.copies.shape[1] <= self.max_num_seqs
         )
 
-    def upload(self, host: HostBatch, previous: LastSamples | None = None) -> ForwardBatch:
-        """The batch padded to its rung, copied into the captured graph's inputs."""
+    def upload(
+        self,
+        host: HostBatch,
+        previous: LastSamples | None = None,
+        extra: Sequence[npt.NDArray[np.int64]] = (),
+    ) -> ForwardBatch:
+        """The batch padded to its rung, copied into the captured graph's inputs:
+        its tables' changed entries only (DeviceBlockTable), in the same copy.
+        `extra` (at most one entry per row each: the sampler's logprob indices)
+        rides along as upload_batch's; ForwardBatch.extra holds them."""
         size = ladder_rung(self.ladder, host.num_tokens)
         assert size is not None and self.covers(host), "not a batch the graphs cover"
-        return upload_batch(pad_decode(host, size, self.table_width), self.uploader, previous, into=self.buffer)
+        assert len(extra) <= _EXTRA_ARRAYS and all(a.size <= self.max_num_seqs for a in extra)
+        assert host.decode is not None
+        padded = pad_decode(host, size, host.decode.block_tables.shape[1])  # as wide as this step's tables
+        assert padded.decode is not None
+        flat, values = self.tables.changes(padded.decode.block_tables)
+        batch = upload_batch(
+            padded,
+            self.uploader,
+            previous,
+            into=self.buffer,
+            decode_tables=self.tables.tensor[:size],
+            extra=[flat, values, *extra],
+        )
+        flat_on_device, values_on_device, *rest = batch.extra
+        self.tables.apply(flat, values, flat_on_device, values_on_device)
+        return dataclasses.replace(batch, extra=tuple(rest))
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the padded batch [size, hidden]; the real rows come first."""
@@ -149,20 +178,29 @@ def padding_batch(size: int, table_width: int) -> HostBatch:
     return pad_decode(host, size, table_width)
 
 
+# Arrays a covered step may add to its upload (the sampler's logprob indices), each one entry per row at most.
+_EXTRA_ARRAYS = 4
+
+
 def _buffer_words(max_num_seqs: int, table_width: int) -> int:
     """Words of the largest upload a covered step makes: the top rung's inputs, a
-    sample and a reference per row, and up to max_num_seqs block copies."""
+    sample and a reference per row, up to max_num_seqs block copies, every table
+    entry changed (the first step, or a reshuffled batch; most steps send few),
+    and the extra arrays."""
     rows = np.zeros(max_num_seqs, dtype=np.int64)
+    entries = max_num_seqs * table_width
     shapes: list[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = [
         rows,
         rows,
         rows,
-        np.zeros((max_num_seqs, table_width), np.int32),
         np.zeros(max_num_seqs, np.int32),
         np.zeros(max_num_seqs + 1, np.int32),
         rows,
         rows,
         rows,
         np.zeros((2, max_num_seqs), np.int64),
+        np.zeros(entries, np.int64),
+        np.zeros(entries, np.int32),
+        *[rows] * _EXTRA_ARRAYS,
     ]
     return packed_layout(shapes)[1]

@@ -15,9 +15,12 @@ rows' logits, nothing sampled or kept: start-up check, benchmarks),
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from worker_svc.attention.cache_attention import CacheAttention
@@ -28,10 +31,12 @@ from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
 from worker_svc.runner.last_samples import LastSamples
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
-from worker_svc.sampling.params import SamplingParams
+from worker_svc.sampling.params import LogprobIndices, SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
 from worker_svc.step.input import BoolArray, IntArray, StepInput, UIntArray
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class ModelRunner:
@@ -74,10 +79,20 @@ class ModelRunner:
     ) -> tuple[HostBatch, ForwardBatch, DecodeGraphs | None]:
         """The step on the device (one copy), through the graphs' buffer when they cover it."""
         host = plan_batch(step, self.prefill_route == "sdpa", ref_sources)
+        batch, graphs = self._upload(host, previous, use_graphs)
+        return host, batch, graphs
+
+    def _upload(
+        self,
+        host: HostBatch,
+        previous: LastSamples | None,
+        use_graphs: bool,
+        extra: Sequence[npt.NDArray[np.int64]] = (),
+    ) -> tuple[ForwardBatch, DecodeGraphs | None]:
         graphs = self._graphs if use_graphs and self._graphs is not None and self._graphs.covers(host) else None
         if graphs is not None:
-            return host, graphs.upload(host, previous), graphs
-        return host, upload_batch(host, self.uploader, previous), None
+            return graphs.upload(host, previous, extra), graphs
+        return upload_batch(host, self.uploader, previous, extra=extra), None
 
     def _hidden(self, batch: ForwardBatch, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Block copies first (the forward may read the copies), then the forward."""
@@ -101,24 +116,36 @@ class ModelRunner:
             self.cache.copy_blocks(step.copies[:, 0], step.copies[:, 1])
             return StepOutput(step.step_id, SampledRows.empty(), 0, {"total_ms": _ms(t0)})
         previous, self.last_samples = self.last_samples, None  # a failed step leaves nothing to name
-        host, batch, graphs = self._prepare(step, previous, ref_sources, use_graphs=True)
+        host = plan_batch(step, self.prefill_route == "sdpa", ref_sources)
+        prompt = PromptRows.of(step.seqs, host.order)  # None unless a chunk asks for prompt logprobs
+        params = SamplingParams.of_rows(
+            step.seqs,
+            host.sample_order,
+            None if prompt is None else prompt.scoring,
+            lambda: batch.input_ids[batch.sample_rows],
+        )
+        # The logprob paths' indices (and the prompt rows' batch rows) ride in the step's one upload.
+        extra = (
+            [*params.index_arrays(), prompt.rows if prompt is not None else _NONE]
+            if params.asks_logprob_indices
+            else []
+        )
+        batch, graphs = self._upload(host, previous, use_graphs=True, extra=extra)
         t1 = time.perf_counter()
         hidden = self._hidden(batch, graphs)
         samples = SampledRows.empty()
         prompt_logprobs: list[PromptLogprobsOut] = []
         t2 = time.perf_counter()
-        prompt = PromptRows.of(step.seqs, host.order)  # None unless a chunk asks for prompt logprobs
         if host.sample_order.size or prompt is not None:
             # Sampled positions first, then the prompt-logprob positions: one lm_head call.
             rows = batch.sample_rows
-            if prompt is not None:
-                rows = torch.cat([rows, prompt.rows_on(self.model.device)])
+            if extra:
+                *indices, prompt_rows = batch.extra
+                params = dataclasses.replace(params, indices=LogprobIndices(*indices))
+                if prompt is not None:
+                    rows = torch.cat([rows, prompt_rows])
             logits = self.model.logits(hidden[rows])
             t2 = time.perf_counter()
-            scoring = None if prompt is None else prompt.scoring
-            params = SamplingParams.of_rows(
-                step.seqs, host.sample_order, scoring, lambda: batch.input_ids[batch.sample_rows]
-            )
             packed = self.sampler.sample_packed(logits, params)  # on the device
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
@@ -155,8 +182,16 @@ def _sampled_rows(
         token_ids=pairs[:n, 0].astype(np.int64),
         logprobs=pairs[:n, 1].copy(),
         top={i: block[: params.extras[i].top_logprobs] for i, block in packed.layout.top(pairs).items()},
-        logits={int(i): logits[i].cpu() for i in np.flatnonzero(return_logits)},
+        logits=_logits_rows(logits, np.flatnonzero(return_logits)),
     )
+
+
+def _logits_rows(logits: torch.Tensor, rows: IntArray) -> dict[int, torch.Tensor]:
+    """The asked rows' logits on the host, in one copy (after the step's sync)."""
+    if not rows.size:
+        return {}
+    host = logits[torch.from_numpy(rows).to(logits.device)].cpu()
+    return {int(i): row for i, row in zip(rows, host)}
 
 
 def _ms(start: float) -> float:

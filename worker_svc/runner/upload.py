@@ -80,22 +80,34 @@ def upload_batch(
     uploader: InputUploader,
     previous: LastSamples | None = None,
     into: torch.Tensor | None = None,
+    decode_tables: torch.Tensor | None = None,
+    extra: Sequence[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = (),
 ) -> ForwardBatch:
     """The device tensors of `host`, in one copy; then the decodes that name the
-    previous step's samples take them on the device (they never went through the host)."""
+    previous step's samples take them on the device (they never went through the
+    host). `decode_tables`: the decode group's block tables already on the device
+    (a captured graph's persistent table), not sent; `extra`: more arrays for the
+    same copy (the sampler's logprob indices, a table's changed entries), handed
+    back as ForwardBatch.extra."""
     groups = [host.decode, host.fresh, host.prefill]
     arrays: list[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = [host.input_ids, host.positions, host.slot_mapping]
-    for g in groups:
+    for kind, g in zip(("decode", "fresh", "prefill"), groups):
         if g is not None:
-            arrays += [g.block_tables, g.context_lens, g.cu_query_lens]
-    arrays += [host.sample_rows, host.ref_rows, host.ref_sources, host.copies]
+            sent_tables = [] if kind == "decode" and decode_tables is not None else [g.block_tables]
+            arrays += [*sent_tables, g.context_lens, g.cu_query_lens]
+    arrays += [host.sample_rows, host.ref_rows, host.ref_sources, host.copies, *extra]
     tensors = iter(uploader.upload(arrays, into))
     input_ids, positions, slot_mapping = next(tensors), next(tensors), next(tensors)
-    decode, fresh, prefill = (
-        None if g is None else AttentionGroup(next(tensors), next(tensors), next(tensors), *_query_lens(g))
-        for g in groups
-    )
+
+    def group(kind: str, g: HostGroup | None) -> AttentionGroup | None:
+        if g is None:
+            return None
+        tables = decode_tables if kind == "decode" and decode_tables is not None else next(tensors)
+        return AttentionGroup(tables, next(tensors), next(tensors), *_query_lens(g))
+
+    decode, fresh, prefill = (group(kind, g) for kind, g in zip(("decode", "fresh", "prefill"), groups))
     sample_rows, ref_rows, ref_sources, copies = (next(tensors) for _ in range(4))
+    extra_tensors = tuple(tensors)
     if ref_rows.numel() and previous is not None:
         input_ids[ref_rows] = previous.token_ids[ref_sources]
     return ForwardBatch(
@@ -105,6 +117,7 @@ def upload_batch(
         sample_rows=sample_rows,
         copy_src=copies[0] if copies.numel() else None,
         copy_dst=copies[1] if copies.numel() else None,
+        extra=extra_tensors,
     )
 
 

@@ -74,7 +74,7 @@ def start_up_check(runner: ModelRunner, num_blocks: int) -> str | None:
         decode = step(1, prompt, 1)
         eager = runner.logits(decode, use_graphs=False)
         # A throwaway sampler: the worker's own generator must not move.
-        Sampler(0).sample_packed(eager.repeat(2, 1), _mixed_sampling(n, prompt)).tensor.cpu()
+        Sampler(0).sample_packed(eager.repeat(2, 1), mixed_sampling(n, prompt)).tensor.cpu()
         if runner.model.device.type == "cuda":
             _compile_split_variants(runner)
         if graphs is None:
@@ -85,14 +85,15 @@ def start_up_check(runner: ModelRunner, num_blocks: int) -> str | None:
     return compare_logits(graph, eager, runner.model.dtype)
 
 
-def _mixed_sampling(n: int, position: int) -> SamplingParams:
-    """2n rows, alternately greedy and seeded temperature 0.8 with top-p 0.9 and top-k 20."""
+def mixed_sampling(n: int, position: int) -> SamplingParams:
+    """2n rows, alternately greedy and seeded temperature 0.8 with top-p 0.9, top-k 20 and min-p 0.05."""
     columns = SamplingColumns(
         np.tile(np.array([0.0, 0.8], dtype=np.float32), n),
         np.tile(np.array([1.0, 0.9], dtype=np.float32), n),
         np.tile(np.array([0, 20], dtype=np.int64), n),
         np.zeros(2 * n, dtype=np.uint64),
         np.tile(np.array([False, True]), n),
+        np.tile(np.array([0.0, 0.05], dtype=np.float32), n),
     )
     return SamplingParams(columns, np.full(2 * n, position, dtype=np.int64))
 

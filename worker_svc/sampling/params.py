@@ -21,6 +21,24 @@ class PromptScoring:
 
 
 @dataclass(frozen=True, slots=True)
+class LogprobIndices:
+    """What the logprob paths index the logits with, on their device: the sampled
+    rows that want alternatives, the prompt rows' target ids and the prompt rows
+    that want alternatives. The model runner sends them in its step's one upload
+    (SamplingParams.index_arrays, then these views of the uploaded buffer), so no
+    pageable copy syncs the stream mid-step; a sampler called without them (a
+    test, the start-up check) copies them itself (`of`)."""
+
+    top_rows: torch.Tensor  # [R] int64
+    prompt_targets: torch.Tensor  # [M] int64
+    prompt_top_rows: torch.Tensor  # [P] int64
+
+    @classmethod
+    def of(cls, params: SamplingParams, device: torch.device) -> LogprobIndices:
+        return cls(*(torch.from_numpy(a).to(device) for a in params.index_arrays()))
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """One entry per row to sample, in the order of the logits' rows; then what
     else the sampler is asked for those logits."""
@@ -32,6 +50,7 @@ class SamplingParams:
     # The token input at each sampled position, on the device: asked for only when a
     # penalty counts it (a decode whose input is the previous step's sample).
     input_ids: Callable[[], torch.Tensor] | None = None
+    indices: LogprobIndices | None = None  # index_arrays() on the device, if the caller uploaded them
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -50,6 +69,18 @@ class SamplingParams:
         where[rows] = np.arange(len(rows))
         extras = {int(where[row]): e for row, e in seqs.extras.items() if where[row] >= 0}
         return cls(seqs.sampling.take(rows), seqs.context_lens[rows], extras, prompt, input_ids)
+
+    @property
+    def asks_logprob_indices(self) -> bool:
+        """Whether sampling will index with index_arrays(): alternatives or prompt logprobs asked."""
+        return self.prompt is not None or any(e.top_logprobs for e in self.extras.values())
+
+    def index_arrays(self) -> list[IntArray]:
+        """LogprobIndices' arrays on the host, in its field order."""
+        prompt = self.prompt
+        targets = prompt.targets if prompt is not None else np.zeros(0, dtype=np.int64)
+        prompt_top = np.flatnonzero(prompt.top_n) if prompt is not None else np.zeros(0, dtype=np.int64)
+        return [np.flatnonzero(self.top_logprobs), targets.astype(np.int64), prompt_top]
 
     @property
     def top_logprobs(self) -> IntArray:

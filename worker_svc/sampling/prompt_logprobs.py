@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from worker_svc.sampling.packed import HostPairs, PackedLayout
 from worker_svc.sampling.params import PromptScoring
@@ -51,9 +50,6 @@ class PromptRows:
             ranges(batch_starts, counts),
             PromptScoring(targets, np.repeat(top_n, counts)),
         )
-
-    def rows_on(self, device: torch.device) -> torch.Tensor:
-        return torch.from_numpy(self.rows).to(device)
 
     def unpack(self, host: HostPairs, layout: PackedLayout) -> list[PromptLogprobsOut]:
         targets, top_rows, top = layout.prompt(host)

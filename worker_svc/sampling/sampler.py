@@ -1,11 +1,13 @@
-"""Token sampling on the logits' device: greedy, temperature, top-k, top-p.
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p.
 
 A sample is a Gumbel race, argmax(logits / T + Gumbel noise), over the tokens
-the top-k/top-p filter keeps. The noise of token t is a hash of (row key, t)
-computed with integer tensor ops, and a seeded row's key is a hash of
-(seed, position): the same request samples the same token at the same
-position whatever else is in the batch, on any device. Unseeded rows get keys
-drawn on the host each step and go through the same path.
+the filters keep: min-p, then top-k/top-p, as one cut on the scaled logits per
+row (_thresholds). The noise of token t is a hash of (row key, t), and a seeded
+row's key is a hash of (seed, position): the same request samples the same
+token at the same position whatever else is in the batch, on any device. The
+race itself is kernels' gumbel_argmax: the fused Triton kernel on CUDA (one pass
+over the logits), the torch reference elsewhere. Unseeded rows get keys drawn
+on the host each step and go through the same path.
 
 Only one tensor crosses to the host per step: (token id, logprob) pairs as
 float64 (ids < 2**53 are exact): one per sample, then the top-N alternatives of
@@ -26,17 +28,18 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kernels import reference
 from worker_svc.sampling.logits_processing import add_logit_bias_, apply_penalties_, block_tokens_, token_counts
 from worker_svc.sampling.packed import Packed, PackedLayout
-from worker_svc.sampling.params import PromptScoring, SamplingParams
+from worker_svc.sampling.params import LogprobIndices, PromptScoring, SamplingParams
 from worker_svc.step.input import IntArray, RowExtras, UIntArray
 
 F64Array = npt.NDArray[np.float64]
 
-_M32 = 0xFFFFFFFF
 # Columns of the per-row parameter block sent to the device in one copy.
-_TEMP, _GREEDY, _TOP_K, _TOP_P, _KEY = range(5)
-_NCOLS = 5
+_TEMP, _GREEDY, _TOP_K, _TOP_P, _MIN_P, _KEY = range(6)
+_NCOLS = 6
+GumbelArgmax = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def row_keys(seeds: UIntArray, positions: UIntArray) -> UIntArray:
@@ -48,56 +51,22 @@ def row_keys(seeds: UIntArray, positions: UIntArray) -> UIntArray:
     return (z ^ (z >> np.uint64(31))) >> np.uint64(32)
 
 
-def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x *= c mod 2**32 for 0 <= x < 2**32, in 16-bit halves of c so no int64 product
-    overflows (signed overflow is undefined in the C++ kernels, not merely wrapping).
-    In place: a [B, vocab] int64 temporary per op made the hash 2-3x slower on CPU."""
-    high = x * (c >> 16)
-    high.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
-    return x.mul_(c & 0xFFFF).add_(high).bitwise_and_(_M32)
+def device_gumbel_argmax(device: torch.device) -> GumbelArgmax:
+    """The Gumbel race for logits on `device`: the fused Triton kernel on CUDA (one
+    pass over the logits), the torch reference elsewhere; the same tokens."""
+    if device.type == "cuda":
+        from kernels import triton_ops  # imported lazily: triton is heavy and optional on CPU
 
-
-def hash32_(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (Wellons), in place, on int64 lanes holding 32-bit values: exact on every device."""
-    x.bitwise_xor_(x >> 16)
-    _mul32_(x, 0x7FEB352D)
-    x.bitwise_xor_(x >> 15)
-    _mul32_(x, 0x846CA68B)
-    return x.bitwise_xor_(x >> 16)
-
-
-def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise, float32, a pure function of (key, token); broadcasts."""
-    bits = hash32_(keys ^ tokens).bitwise_right_shift_(9)
-    # (23-bit integer + 0.5) * 2**-23 needs 24 significant bits: exact in float32, strictly in (0, 1).
-    uniform = bits.float().add_(0.5).mul_(2.0**-23)
-    return uniform.log_().neg_().log_().neg_()
-
-
-# The noise lies in [-2.81, 16.64] (uniforms in [2**-24, 1 - 2**-24]); 21 leaves room for rounding.
-_NOISE_SPREAD = 21.0
-
-
-def add_noise(scaled: torch.Tensor, keys: torch.Tensor, prune: bool) -> torch.Tensor:
-    """scaled [B, V] + every token's noise. Pruned: a token more than the noise's spread
-    below its row's max cannot win the race, so it gets -inf instead of hashed noise:
-    the same argmax, and on CPU, where hashing dominates, much less hashing when most
-    tokens are out of reach. Not on GPUs: hashing all is cheap there and a
-    data-dependent shape would cost a sync."""
-    if prune:
-        can_win = scaled >= scaled.amax(dim=-1, keepdim=True) - _NOISE_SPREAD
-        if 4 * int(can_win.sum()) < can_win.numel():
-            rows, tokens = can_win.nonzero(as_tuple=True)
-            scores = torch.full_like(scaled, -torch.inf)
-            scores[rows, tokens] = scaled[rows, tokens] + gumbel(keys[rows], tokens)
-            return scores
-    tokens = torch.arange(scaled.shape[-1], device=scaled.device)
-    return scaled + gumbel(keys[:, None], tokens[None, :])
+        return triton_ops.gumbel_argmax
+    return reference.gumbel_argmax
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, gumbel_argmax: GumbelArgmax | None = None):
+        """`gumbel_argmax`: the race's implementation; None = device_gumbel_argmax
+        of the logits' device (tests pass the Triton one under the interpreter)."""
         self.rng = np.random.default_rng(seed)
+        self.gumbel_argmax = gumbel_argmax
 
     def sample_packed(self, logits: torch.Tensor, params: SamplingParams) -> Packed:
         """Samples the first len(params) rows of `logits`; the rows after them are
@@ -113,36 +82,39 @@ class Sampler:
             rows, block = processed
             tokens[rows] = block.argmax(dim=-1)
         if (params.columns.temperature > 0).any():
-            rows_block, filter_rows = self._row_params(params, logits.shape[-1], logits.device)
-            sampled = _sample(raw, rows_block, filter_rows, processed)
+            rows_block, filter_rows, min_p_rows = self._row_params(params, logits.shape[-1], logits.device)
+            race = self.gumbel_argmax or device_gumbel_argmax(logits.device)
+            sampled = _sample(raw, rows_block, filter_rows, min_p_rows, processed, race)
             tokens = torch.where(rows_block[:, _GREEDY] > 0, tokens, sampled)
         # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
         lse = torch.logsumexp(raw, dim=-1)
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         parts = [torch.stack([tokens.double(), logprobs.double()], dim=1)]
+        if not params.asks_logprob_indices:
+            return Packed(parts[0], PackedLayout(num, np.zeros(0, dtype=np.int64), 0))
+        indices = params.indices or LogprobIndices.of(params, logits.device)
         top_n = params.top_logprobs
         top_rows = np.flatnonzero(top_n)
         width = int(top_n.max()) if top_rows.size else 0
         if top_rows.size:
-            parts.append(_top_pairs(raw, lse, top_rows, width))
+            parts.append(_top_pairs(raw, lse, indices.top_rows, width))
         layout = PackedLayout(num, top_rows, width)
         if (prompt := params.prompt) is not None:
-            parts += self._score(logits[num:], prompt)
+            parts += self._score(logits[num:], prompt, indices)
             prompt_top_rows = np.flatnonzero(prompt.top_n)
             prompt_width = int(prompt.top_n.max()) if prompt_top_rows.size else 0
             layout = PackedLayout(num, top_rows, width, prompt.targets.size, prompt_top_rows, prompt_width)
-        return Packed(torch.cat(parts) if len(parts) > 1 else parts[0], layout)
+        return Packed(torch.cat(parts), layout)
 
     @staticmethod
-    def _score(logits: torch.Tensor, prompt: PromptScoring) -> list[torch.Tensor]:
+    def _score(logits: torch.Tensor, prompt: PromptScoring, indices: LogprobIndices) -> list[torch.Tensor]:
         """(target id, logprob) per row, then the alternatives of the rows that want them."""
-        targets = torch.from_numpy(prompt.targets).to(logits.device)
+        targets = indices.prompt_targets
         lse = torch.logsumexp(logits, dim=-1)
         logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse
         parts = [torch.stack([targets.double(), logprobs.double()], dim=1)]
-        top_rows = np.flatnonzero(prompt.top_n)
-        if top_rows.size:
-            parts.append(_top_pairs(logits, lse, top_rows, int(prompt.top_n.max())))
+        if indices.prompt_top_rows.numel():
+            parts.append(_top_pairs(logits, lse, indices.prompt_top_rows, int(prompt.top_n.max())))
         return parts
 
     def _process(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -189,8 +161,9 @@ class Sampler:
 
     def _row_params(
         self, params: SamplingParams, vocab: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-row parameter block and the rows to filter, in one host->device copy."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-row parameter block, the rows that filter by top-k/top-p and the
+        rows that filter by min-p, in one host->device copy."""
         c = params.columns
         n = len(params)
         temp = c.temperature.astype(np.float64)
@@ -202,48 +175,69 @@ class Sampler:
         greedy = temp <= 0
         top_k = np.where((c.top_k > 0) & ~greedy, c.top_k, vocab)
         top_p = np.where((c.top_p > 0) & (c.top_p < 1) & ~greedy, c.top_p.astype(np.float64), 1.0)
+        min_p = np.where(~greedy, c.min_p.astype(np.float64), 0.0)
         filter_rows = np.flatnonzero((top_k < vocab) | (top_p < 1))
-        block = np.empty(n * _NCOLS + len(filter_rows), dtype=np.float64)
-        block[: n * _NCOLS] = np.stack([np.where(greedy, 1.0, temp), greedy, top_k, top_p, keys], axis=1).ravel()
-        block[n * _NCOLS :] = filter_rows
+        min_p_rows = np.flatnonzero(min_p > 0)
+        columns = [np.where(greedy, 1.0, temp), greedy, top_k, top_p, min_p, keys]
+        block = np.concatenate([np.stack(columns, axis=1).ravel(), filter_rows, min_p_rows]).astype(np.float64)
         on_device = _to_device(block, device)
-        return on_device[: n * _NCOLS].view(n, _NCOLS), on_device[n * _NCOLS :].long()
+        rows, filters, min_ps = torch.split(on_device, [n * _NCOLS, len(filter_rows), len(min_p_rows)])
+        return rows.view(n, _NCOLS), filters.long(), min_ps.long()
 
 
 def _sample(
     logits: torch.Tensor,
     rows: torch.Tensor,
     filter_rows: torch.Tensor,
-    processed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    min_p_rows: torch.Tensor,
+    processed: tuple[torch.Tensor, torch.Tensor] | None,
+    gumbel_argmax: GumbelArgmax,
 ) -> torch.Tensor:
-    temperature = rows[:, _TEMP, None].float()
-    scaled = logits / temperature
+    """The Gumbel race of every row over its processed logits, within the cut its
+    filters make (_thresholds)."""
     if processed is not None:
         processed_rows, block = processed
-        scaled[processed_rows] = block / temperature[processed_rows]
-    scores = add_noise(scaled, rows[:, _KEY].long(), prune=logits.device.type == "cpu")
+        logits = logits.index_copy(0, processed_rows, block)
+    temperature = rows[:, _TEMP].float()
+    thresholds = _thresholds(logits, temperature, rows, filter_rows, min_p_rows)
+    return gumbel_argmax(logits, temperature, rows[:, _KEY].long(), thresholds)
+
+
+def _thresholds(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    rows: torch.Tensor,
+    filter_rows: torch.Tensor,
+    min_p_rows: torch.Tensor,
+) -> torch.Tensor:
+    """[N] the lowest scaled logit (logits / T) each row keeps; -inf: every token.
+
+    vLLM's order: min-p first (a token stays if its probability is at least min_p
+    times the top token's: scaled >= max + log(min_p)), then top-k and top-p over
+    what min-p left (one sort, only of the rows that use them; a token stays while
+    the mass before it is < p and its rank < k, so the top token always survives).
+    A cut by value keeps every token tied with the last one kept, as vLLM's top-k."""
+    cut = torch.full_like(temperature, -torch.inf)
+    if min_p_rows.numel():
+        top = logits[min_p_rows].amax(dim=-1) / temperature[min_p_rows]
+        cut[min_p_rows] = top + torch.log(rows[min_p_rows, _MIN_P].float())
     if filter_rows.numel():
-        dropped = ~_keep_mask(scaled[filter_rows], rows[filter_rows])
-        scores[filter_rows] = scores[filter_rows].masked_fill(dropped, -torch.inf)
-    return scores.argmax(dim=-1)
+        scaled = logits[filter_rows] / temperature[filter_rows, None]
+        scaled = scaled.masked_fill(scaled < cut[filter_rows, None], -torch.inf)
+        sorted_logits = scaled.sort(dim=-1, descending=True).values
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep = (rank < rows[filter_rows, _TOP_K, None]) & (mass_before < rows[filter_rows, _TOP_P, None].float())
+        last_kept = keep.sum(dim=-1, keepdim=True) - 1
+        cut[filter_rows] = torch.maximum(cut[filter_rows], sorted_logits.gather(1, last_kept).squeeze(1))
+    return cut
 
 
-def _keep_mask(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Top-k and top-p over softmax(scaled), one sort for every row that filters."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    # Keep a token while the mass before it is < p: the top token always survives.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < rows[:, _TOP_K, None]) & (mass_before < rows[:, _TOP_P, None].float())
-    return torch.zeros_like(keep).scatter_(1, order, keep)
-
-
-def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: IntArray, n: int) -> torch.Tensor:
+def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """[len(rows) * n, 2]: each row's n most likely (token id, logprob), most likely first."""
-    index = torch.from_numpy(rows).to(logits.device)
-    values, ids = logits[index].topk(n, dim=-1)
-    logprobs = values - lse[index, None]
+    values, ids = logits[rows].topk(n, dim=-1)
+    logprobs = values - lse[rows, None]
     return torch.stack([ids.double(), logprobs.double()], dim=-1).view(-1, 2)
 
 

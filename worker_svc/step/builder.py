@@ -25,6 +25,7 @@ class _Row(NamedTuple):
     top_k: int
     seed: int
     seeded: bool
+    min_p: float
 
 
 class StepBuilder:
@@ -50,6 +51,7 @@ class StepBuilder:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
         seed: int | None = None,
         return_logits: bool = False,
         from_previous: bool = False,
@@ -77,6 +79,7 @@ class StepBuilder:
                 top_k,
                 0 if seed is None else seed,
                 seed is not None,
+                min_p,
             )
         )
         self._tokens.extend(token_ids)
@@ -99,6 +102,7 @@ class StepBuilder:
             np.array(c["top_k"], np.int64),
             np.array(c["seed"], np.uint64),
             np.array(c["seeded"], bool),
+            np.array(c["min_p"], np.float32),
         )
         seqs = SeqColumns(
             seq_ids=np.array(c["seq_id"], np.uint64),

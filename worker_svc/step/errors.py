@@ -18,7 +18,13 @@ class StaleStep(RuntimeError):
 
 
 class WorkerDown(RuntimeError):
-    """A tensor-parallel rank is gone: this worker cannot run steps any more (UNAVAILABLE)."""
+    """This worker cannot run steps any more (UNAVAILABLE): a tensor-parallel rank is
+    gone, or a CUDA error left its device context unusable."""
+
+
+class StepOutOfMemory(RuntimeError):
+    """The step needed more device memory than was free (RESOURCE_EXHAUSTED); the
+    worker serves on: a smaller step may fit."""
 
 
 def row_field(column: str, row: int) -> str:

@@ -62,10 +62,16 @@ class SamplingColumns:
     top_k: IntArray  # 0 = off
     seeds: UIntArray  # read where `seeded`
     seeded: BoolArray
+    min_p: FloatArray  # 0 = off: keep tokens at least min_p times as likely as the top one
 
     def take(self, rows: IntArray) -> SamplingColumns:
         return SamplingColumns(
-            self.temperature[rows], self.top_p[rows], self.top_k[rows], self.seeds[rows], self.seeded[rows]
+            self.temperature[rows],
+            self.top_p[rows],
+            self.top_k[rows],
+            self.seeds[rows],
+            self.seeded[rows],
+            self.min_p[rows],
         )
 
 
@@ -112,9 +118,8 @@ class SeqColumns:
     def empty(cls) -> SeqColumns:
         ints = np.zeros(0, dtype=np.int64)
         flags = np.zeros(0, dtype=bool)
-        sampling = SamplingColumns(
-            np.zeros(0, np.float32), np.zeros(0, np.float32), ints, np.zeros(0, np.uint64), flags
-        )
+        floats = np.zeros(0, np.float32)
+        sampling = SamplingColumns(floats, floats, ints, np.zeros(0, np.uint64), flags, floats)
         return cls(np.zeros(0, np.uint64), ints, ints, ints, flags, flags, flags, sampling, ints, ints, ints)
 
 

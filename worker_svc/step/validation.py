@@ -157,14 +157,15 @@ def _validate_slots(seqs: SeqColumns, block_size: int) -> None:
 
 
 def _validate_sampling(seqs: SeqColumns) -> None:
-    """Temperature >= 0, top-p in [0, 1], top-k >= 0 on the sampling rows (NaN fails)."""
+    """Temperature >= 0, top-p and min-p in [0, 1], top-k >= 0 on the sampling rows (NaN fails)."""
     s = seqs.sampling
     checks = (
         ("temperature", s.temperature >= 0, "must be >= 0"),
         ("top_p", (s.top_p >= 0) & (s.top_p <= 1), "must be in [0, 1]"),
         ("top_k", s.top_k >= 0, "must be >= 0"),
+        ("min_p", (s.min_p >= 0) & (s.min_p <= 1), "must be in [0, 1]"),
     )
-    if not (seqs.sample & ~(checks[0][1] & checks[1][1] & checks[2][1])).any():
+    if not (seqs.sample & ~np.logical_and.reduce([ok for _, ok, _ in checks])).any():
         return
     for column, ok, rule in checks:
         if (i := _first(seqs.sample & ~ok)) is not None:

@@ -1,0 +1,340 @@
+"""Fleet membership: the workers the scheduler serves from, one EngineCore each.
+Connecting at start-up (fixed --workers, or the first dns:/// workers that answer),
+adding one at run time (admin.v1, DNS discovery: engine/discovery.py), draining
+one (nothing new routed there; removed once its requests have finished), and
+what each worker's state is. Requests themselves are engine/flow.py's business."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+import structlog
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine.core import CoreOptions, EngineCore, Handover
+from scheduler_svc.engine.discovery import first_workers
+from scheduler_svc.engine.errors import (
+    LastWorker,
+    StartupError,
+    UnknownWorker,
+    WorkerCallFailed,
+    WorkerExists,
+    WorkerIncompatible,
+    WorkerUnreachable,
+)
+from scheduler_svc.engine.kv_events import KvEventHub
+from scheduler_svc.engine.router import Router, WorkerState
+from scheduler_svc.engine.timing import EngineHooks
+from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.engine.worker_status import WorkerStatus
+from scheduler_svc.kv.block_manager import KVCacheManager
+from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.kv.slot_manager import SlotManager
+from scheduler_svc.planning.planner import Planner
+from scheduler_svc.text.tokenizer import ModelTokenizer
+from svc_common.targets import Resolver, resolve_dns
+from svc_common.tls import channel_credentials
+
+log = structlog.get_logger(__name__)
+
+# How often a draining worker is checked for the end of its last request.
+_DRAIN_POLL_S = 0.05
+# A removed worker's last record answers a repeated drain for this long (the drain
+# is idempotent: a caller whose worker finished draining between two calls gets
+# REMOVED, not NOT_FOUND), for at most this many workers.
+REMOVED_RECORD_TTL_S = 300.0
+_REMOVED_RECORDS_MAX = 256
+
+
+class Fleet:
+    def __init__(
+        self,
+        cores: list[EngineCore],
+        tokenizer: ModelTokenizer,
+        config: SchedulerConfig,
+        router: Router,
+        hooks: EngineHooks = EngineHooks(),
+    ) -> None:
+        self.cores = cores  # in the order the workers were added
+        self.tokenizer = tokenizer
+        self.config = config
+        self.router = router
+        self.hooks = hooks
+        self.closed = False  # shutting down: no worker joins
+        self.reference = cores[0].info  # what every worker must serve (WorkerInfo.mismatch)
+        self.max_model_len = cores[0].planner.max_len
+        # Every worker's prefix-index changes (admin.v1 SubscribeKvEvents, --kv-events-zmq).
+        self.kv_events = KvEventHub(config.kv_events_buffer_steps)
+        self._handover: Handover | None = None
+        # Workers being drained: no new request is routed there; each has a task that
+        # removes it once it holds no request (its result: the last WorkerStatus).
+        self._draining: set[str] = set()
+        self._drains: dict[str, asyncio.Task[WorkerStatus]] = {}
+        self._adding: set[str] = set()
+        self._removed: OrderedDict[str, tuple[WorkerStatus, float]] = OrderedDict()  # address -> (record, when)
+        for core in cores:
+            core.kv_events = self.kv_events.worker(core.info.address)
+
+    @classmethod
+    async def connect(
+        cls,
+        config: SchedulerConfig,
+        tokenizer: ModelTokenizer,
+        router: Router,
+        hooks: EngineHooks = EngineHooks(),
+        resolver: Resolver = resolve_dns,
+    ) -> Fleet:
+        """Connect to the fixed workers of --workers (each must answer within
+        connect_timeout_s); with dns:/// entries only, to the first of their workers
+        that answer (engine/discovery.py adds the others later). Cores not started."""
+        targets = config.worker_targets
+        fixed = [t.address for t in targets if not t.dns]
+
+        async def open_worker(address: str, tls_server_name: str, timeout_s: float) -> tuple[WorkerClient, WorkerInfo]:
+            client = _worker_client(address, config, tls_server_name)
+            try:
+                return client, await _first_info(client, timeout_s)
+            except BaseException:
+                await client.close()
+                raise
+
+        if fixed:
+            workers = await asyncio.gather(*(open_worker(a, "", config.connect_timeout_s) for a in fixed))
+        else:
+            workers = await first_workers(
+                targets, resolver, open_worker, config.connect_timeout_s, config.worker_discovery_interval_s
+            )
+        first = workers[0][1]
+        for _, info in workers[1:]:
+            if problem := first.mismatch(info):
+                raise StartupError(problem)
+        if tokenizer.vocab_size > first.vocab_size:
+            raise StartupError(f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's {first.vocab_size}")
+        options = _core_options(config)
+        cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks) for c, info in workers]
+        return cls(cores, tokenizer, config, router, hooks)
+
+    def on_lost_worker(self, handover: Handover) -> None:
+        """What a core that lost its worker calls to move its requests elsewhere."""
+        self._handover = handover
+        for core in self.cores:
+            core.handover = handover
+
+    @property
+    def routing(self) -> str:
+        return self.router.name
+
+    @property
+    def block_size(self) -> int:
+        return self.reference.block_size  # the same on every worker (WorkerInfo.mismatch)
+
+    # ---- states -------------------------------------------------------------
+    def state(self, core: EngineCore) -> WorkerState:
+        if core.info.address in self._draining:
+            return WorkerState.DRAINING
+        return WorkerState.SERVING if core.healthy else WorkerState.UNHEALTHY
+
+    def serving_cores(self) -> list[EngineCore]:
+        """The cores that take new work: healthy and not being drained."""
+        return [c for c in self.cores if self.state(c) is WorkerState.SERVING]
+
+    def list_workers(self) -> list[WorkerStatus]:
+        """Every worker (serving, draining, unhealthy), in the order they were added."""
+        return [self._status(c) for c in self.cores]
+
+    def _status(self, core: EngineCore, state: WorkerState | None = None) -> WorkerStatus:
+        routed = self.router.counters.get(core.info.address)
+        return WorkerStatus.from_core(
+            core,
+            state or self.state(core),
+            prefix_hit_tokens=core.counters.finished_cached_prompt_tokens,
+            requests_routed=routed.routed if routed else 0,
+        )
+
+    def _find(self, address: str) -> EngineCore | None:
+        return next((c for c in self.cores if c.info.address == address), None)
+
+    # ---- joining ------------------------------------------------------------
+    async def add_worker(self, address: str, tls_server_name: str = "", timeout_s: float | None = None) -> WorkerStatus:
+        """Connect to a worker (Info, waiting up to timeout_s, default connect_timeout_s,
+        for it to be ready), check it serves what the others serve, start its core and
+        route to it. tls_server_name: the name its certificate carries, when it is dialled
+        by IP (found through DNS). Raises WorkerExists, WorkerUnreachable, WorkerIncompatible."""
+        if self._find(address) is not None or address in self._adding:
+            raise WorkerExists(f"worker {address} is already known")
+        self._adding.add(address)
+        try:
+            client = _worker_client(address, self.config, tls_server_name)
+            try:
+                try:
+                    info = await _first_info(client, timeout_s or self.config.connect_timeout_s)
+                except StartupError as exc:
+                    raise WorkerUnreachable(str(exc)) from None
+                planner = self._check_new_worker(info)
+                if self.closed:
+                    raise WorkerUnreachable("the scheduler is shutting down")
+            except BaseException:
+                await client.close()
+                raise
+            options = _core_options(self.config)
+            core = EngineCore(client, info, planner, self.tokenizer, options, self._handover, self.hooks)
+            core.kv_events = self.kv_events.worker(address)
+            self.cores.append(core)
+            self._removed.pop(address, None)  # a worker again: a drain is a new drain
+            core.start()
+        finally:
+            self._adding.discard(address)
+        log.info(
+            "worker added", worker=address, model=info.model_name, num_blocks=info.num_blocks, workers=len(self.cores)
+        )
+        return self._status(core)
+
+    def _check_new_worker(self, info: WorkerInfo) -> Planner:
+        """The new worker's planner, if it serves what the others serve; else WorkerIncompatible."""
+        if problem := self.reference.mismatch(info):
+            raise WorkerIncompatible(problem)
+        planner = _planner(self.config, info)
+        if planner.max_len < self.max_model_len:
+            raise WorkerIncompatible(
+                f"worker {info.address} holds at most {planner.max_len} tokens per request; "
+                f"this scheduler serves up to {self.max_model_len}"
+            )
+        return planner
+
+    # ---- leaving --------------------------------------------------------------
+    async def drain_worker(self, address: str, wait: bool = False, allow_last: bool = False) -> WorkerStatus:
+        """Route nothing new to the worker; once its requests have finished (or moved,
+        if it fails meanwhile) remove it. wait: return once removed (state REMOVED).
+        Idempotent: a worker removed in the last REMOVED_RECORD_TTL_S answers its final
+        record (state REMOVED). Raises UnknownWorker, LastWorker."""
+        core = self._find(address)
+        if core is None:
+            if (removed := self._removed_record(address)) is not None:
+                return removed
+            known = ", ".join(c.info.address for c in self.cores) or "none"
+            raise UnknownWorker(f"no worker {address} (workers: {known})")
+        if address not in self._draining:
+            others = [c for c in self.serving_cores() if c is not core]
+            if not others and not allow_last:
+                raise LastWorker(
+                    f"no other worker is serving: draining {address} would leave none "
+                    f"(pass allow_last to drain it anyway)"
+                )
+            self._draining.add(address)
+            self._drains[address] = asyncio.create_task(self._drain(core), name=f"drain-{address}")
+            log.info(
+                "worker draining", worker=address, running=core.planner.num_running, waiting=core.planner.num_waiting
+            )
+        if not wait:
+            return self._status(core)
+        # A cancelled wait (the client went away) must not cancel the drain itself.
+        return await asyncio.shield(self._drains[address])
+
+    async def _drain(self, core: EngineCore) -> WorkerStatus:
+        address = core.info.address
+        try:
+            while not core.planner.idle:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            # Still listed (DRAINING) while it stops: a second drain_worker(wait=True) waits too.
+            await core.stop()
+            await core.client.close()
+            core.healthy = False  # whoever still holds it (a PinPrefix in progress) gets WorkerUnavailable
+            status = self._status(core, WorkerState.REMOVED)
+            self.cores.remove(core)
+            self._remember_removed(status)
+            self.router.forget(address)
+            self.kv_events.worker_removed(address)
+            core.audit()
+            log.info(
+                "worker removed",
+                worker=address,
+                requests_finished=core.counters.requests_finished,
+                blocks_used=status.blocks_used,
+                workers=len(self.cores),
+            )
+            return status
+        finally:
+            self._draining.discard(address)
+            self._drains.pop(address, None)
+
+    def _remember_removed(self, status: WorkerStatus) -> None:
+        self._removed[status.address] = (status, time.monotonic())
+        self._removed.move_to_end(status.address)
+        while len(self._removed) > _REMOVED_RECORDS_MAX:
+            self._removed.popitem(last=False)
+
+    def _removed_record(self, address: str) -> WorkerStatus | None:
+        entry = self._removed.get(address)
+        if entry is None or time.monotonic() - entry[1] > REMOVED_RECORD_TTL_S:
+            return None
+        return entry[0]
+
+    # ---- shutdown -----------------------------------------------------------
+    async def halt(self) -> None:
+        """Stop every core's step loop (and every worker drain); a step in flight is abandoned."""
+        drains = list(self._drains.values())
+        for task in drains:
+            task.cancel()
+        await asyncio.gather(*drains, return_exceptions=True)
+        for core in list(self.cores):
+            await core.stop()
+
+    async def close(self) -> None:
+        await self.halt()
+        for core in self.cores:
+            await core.client.close()
+
+
+def _core_options(config: SchedulerConfig) -> CoreOptions:
+    return CoreOptions(
+        worker_timeout_s=config.worker_timeout_s,
+        health_interval_s=config.health_interval_s,
+        async_scheduling=config.async_scheduling,
+    )
+
+
+def _worker_client(address: str, config: SchedulerConfig, tls_server_name: str = "") -> WorkerClient:
+    credentials = channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
+    return WorkerClient(address, config.max_message_mb, credentials, tls_server_name if credentials else "")
+
+
+def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
+    max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+    # Anything that changes a block's KV besides its tokens keys the prefix hash.
+    extra_keys = (info.model_name, info.model_type, info.dtype, info.kv_dtype)
+    kv: KVManager
+    if info.kv_layout == "contiguous":  # one max_seq_len slot per sequence (num_blocks slots of block_size)
+        kv = SlotManager(info.num_blocks, info.block_size, extra_keys=extra_keys)
+    else:
+        pool = BlockPool(
+            info.num_blocks,
+            info.block_size,
+            enable_prefix_caching=config.prefix_caching,
+            eviction_policy=config.eviction_policy,
+            record_events=True,
+        )
+        kv = KVCacheManager(
+            pool,
+            extra_keys=extra_keys,
+            max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks,
+        )
+    return Planner(config.planner_config(max_len, info.block_size), kv)
+
+
+async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:
+    try:
+        info = await client.info(timeout_s=timeout_s, wait_for_ready=True)
+    except WorkerCallFailed as err:
+        raise StartupError(f"worker {client.address} did not answer Info within {timeout_s}s ({err})") from None
+    log.info(
+        "worker connected",
+        worker=client.address,
+        model=info.model_name,
+        num_blocks=info.num_blocks,
+        kv_dtype=info.kv_dtype,
+        device=info.device,
+    )
+    return info
