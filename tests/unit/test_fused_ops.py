@@ -82,7 +82,7 @@ def test_rope_write_kv_matches_the_reference(ops, dtype, cache_dtype):
         scales = quant.KVScales.zeros(shape, cache_dtype, k_cache.device)
         fn = reference.rope_write_kv if name == "ref" else ops.rope_write_kv
         caches[name] = (*fn(q, k, v, cos, sin, k_cache, v_cache, slots, scales=scales), k_cache, v_cache, scales)
-    (q_ref, k_ref, kc_ref, vc_ref, sc_ref), (q_out, k_out, kc, vc, sc) = caches["ref"], caches["ops"]
+    (q_ref, k_ref, kc_ref, vc_ref, _), (q_out, k_out, kc, vc, sc) = caches["ref"], caches["ops"]
     close(q_out, q_ref)
     close(k_out, k_ref)
     live = slots >= 0
