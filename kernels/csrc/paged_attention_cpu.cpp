@@ -225,10 +225,43 @@ inline void prefetch_block(const CT* k_cache, const CT* v_cache, int64_t offset,
   }
 }
 
+// Every block of the item's sequence that query positions [first_pos, first_pos + rows)
+// see (their sliding windows included), for each KV head of the item: that head's K and
+// V of the block read into kb / vb as fp32 [n][d], then body(h, j0, n) for its keys
+// j0 .. j0 + n - 1. The next block is prefetched while this one is read.
+template <typename Q, template <typename> class C, typename Body>
+inline void for_each_block(const Args& a, const WorkItem& w, int first_pos, int rows, int d, float* kb, float* vb,
+                           Body&& body) {
+  using CT = typename C<Q>::T;
+  const int bs = a.block_size, heads = w.head_end - w.head_begin;
+  const int last_pos = first_pos + rows - 1;
+  const int key_lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
+  const int key_hi = last_pos + 1;  // exclusive
+  const int32_t* table = a.block_tables + static_cast<int64_t>(w.seq) * a.table_stride;
+  const int64_t head_stride = static_cast<int64_t>(bs) * d;
+  const int64_t block_stride = a.num_kv_heads * head_stride;
+  const CT* k_cache = static_cast<const CT*>(a.k_cache);
+  const CT* v_cache = static_cast<const CT*>(a.v_cache);
+  for (int blk = key_lo / bs; blk * bs < key_hi; ++blk) {
+    const int64_t phys = table[blk];
+    const int j0 = blk * bs;
+    const int n = std::min(bs, key_hi - j0);
+    if ((blk + 1) * bs < key_hi)
+      prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
+    for (int h = 0; h < heads; ++h) {
+      const int kv_head = w.head_begin + h;
+      const int64_t base = phys * block_stride + kv_head * head_stride;
+      const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
+      read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, d, kb);
+      read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, d, vb);
+      body(h, j0, n);
+    }
+  }
+}
+
 template <typename Q, template <typename> class C, int D>
 void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
   using QT = typename Q::T;
-  using CT = typename C<Q>::T;
   const int d = D > 0 ? D : a.head_dim, bs = a.block_size, group = a.num_heads / a.num_kv_heads;
   const int rows = w.row_end - w.row_begin, heads = w.head_end - w.head_begin;
   const int nq = heads * rows * group;  // query vectors: [head][row][group]
@@ -261,39 +294,18 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
 
   // Positions of the tile's rows: first_pos .. first_pos + rows - 1.
   const int first_pos = ctx - q_len + w.row_begin;
-  const int last_pos = first_pos + rows - 1;
-  const int key_lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
-  const int key_hi = last_pos + 1;  // exclusive
-  const int32_t* table = a.block_tables + static_cast<int64_t>(w.seq) * a.table_stride;
-  const int64_t head_stride = static_cast<int64_t>(bs) * d;
-  const int64_t block_stride = a.num_kv_heads * head_stride;
-  const CT* k_cache = static_cast<const CT*>(a.k_cache);
-  const CT* v_cache = static_cast<const CT*>(a.v_cache);
-
-  for (int blk = key_lo / bs; blk * bs < key_hi; ++blk) {
-    const int64_t phys = table[blk];
-    const int j0 = blk * bs;
-    const int n = std::min(bs, key_hi - j0);
-    if ((blk + 1) * bs < key_hi)
-      prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
-    for (int h = 0; h < heads; ++h) {
-      const int kv_head = w.head_begin + h;
-      const int64_t base = phys * block_stride + kv_head * head_stride;
-      const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
-      read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, d, kb);
-      read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, d, vb);
-      for (int r = 0; r < rows; ++r) {
-        const int pos = first_pos + r;
-        const int lo = std::max(j0, a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0) - j0;
-        const int hi = std::min(j0 + n, pos + 1) - j0;  // keys [lo, hi) of this block
-        if (lo >= hi) continue;
-        for (int g = 0; g < group; ++g) {
-          const int qi = (h * rows + r) * group + g;
-          attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, scores, m[qi], l[qi], acc + qi * d);
-        }
+  for_each_block<Q, C>(a, w, first_pos, rows, d, kb, vb, [&](int h, int j0, int n) {
+    for (int r = 0; r < rows; ++r) {
+      const int pos = first_pos + r;
+      const int lo = std::max(j0, a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0) - j0;
+      const int hi = std::min(j0 + n, pos + 1) - j0;  // keys [lo, hi) of this block
+      if (lo >= hi) continue;
+      for (int g = 0; g < group; ++g) {
+        const int qi = (h * rows + r) * group + g;
+        attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, scores, m[qi], l[qi], acc + qi * d);
       }
     }
-  }
+  });
 
   QT* out = static_cast<QT*>(a.out);
   for (int h = 0; h < heads; ++h)
@@ -379,7 +391,6 @@ inline void lanes_chunk(const float* __restrict__ qt, const float* __restrict__ 
 template <typename Q, template <typename> class C, int D>
 void attend_item_lanes(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
   using QT = typename Q::T;
-  using CT = typename C<Q>::T;
   const int bs = a.block_size, group = a.num_heads / a.num_kv_heads;
   const int rows = w.row_end - w.row_begin, heads = w.head_end - w.head_begin;
   const int lanes = rows * group;                         // query vectors per KV head
@@ -423,38 +434,18 @@ void attend_item_lanes(const Args& a, const WorkItem& w, std::vector<float>& scr
     std::memcpy(&pos[lg], p, sizeof p);
   }
 
-  const int last_pos = first_pos + rows - 1;
-  const int key_lo = a.sliding_window > 0 ? std::max(0, first_pos - a.sliding_window + 1) : 0;
-  const int key_hi = last_pos + 1;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(w.seq) * a.table_stride;
-  const int64_t head_stride = static_cast<int64_t>(bs) * D;
-  const int64_t block_stride = a.num_kv_heads * head_stride;
-  const CT* k_cache = static_cast<const CT*>(a.k_cache);
-  const CT* v_cache = static_cast<const CT*>(a.v_cache);
-  for (int blk = key_lo / bs; blk * bs < key_hi; ++blk) {
-    const int64_t phys = table[blk];
-    const int j0 = blk * bs;
-    const int n = std::min(bs, key_hi - j0);
-    if ((blk + 1) * bs < key_hi)
-      prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
-    for (int h = 0; h < heads; ++h) {
-      const int kv_head = w.head_begin + h;
-      const int64_t base = phys * block_stride + kv_head * head_stride;
-      const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
-      read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, D, kb);
-      read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, D, vb);
-      for (int lg = 0; lg < lane_groups; ++lg) {
-        const size_t at = static_cast<size_t>(h) * lane_groups + lg;
-        vfloat mv = vload(m + at * kLanes), lv = vload(l + at * kLanes);
-        const int used = std::min(kLanes, lanes - lg * kLanes);
-        for (int jc = 0; jc < n; jc += kLanes)
-          lanes_chunk<D>(qt + at * D * kLanes, kb, vb, jc, std::min(kLanes, n - jc), j0, pos[lg], a.sliding_window,
-                         mv, lv, acc + at * kLanes * D, used, pbuf);
-        vstore(m + at * kLanes, mv);
-        vstore(l + at * kLanes, lv);
-      }
+  for_each_block<Q, C>(a, w, first_pos, rows, D, kb, vb, [&](int h, int j0, int n) {
+    for (int lg = 0; lg < lane_groups; ++lg) {
+      const size_t at = static_cast<size_t>(h) * lane_groups + lg;
+      vfloat mv = vload(m + at * kLanes), lv = vload(l + at * kLanes);
+      const int used = std::min(kLanes, lanes - lg * kLanes);
+      for (int jc = 0; jc < n; jc += kLanes)
+        lanes_chunk<D>(qt + at * D * kLanes, kb, vb, jc, std::min(kLanes, n - jc), j0, pos[lg], a.sliding_window,
+                       mv, lv, acc + at * kLanes * D, used, pbuf);
+      vstore(m + at * kLanes, mv);
+      vstore(l + at * kLanes, lv);
     }
-  }
+  });
 
   QT* out = static_cast<QT*>(a.out);
   for (int h = 0; h < heads; ++h)
