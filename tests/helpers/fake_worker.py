@@ -9,6 +9,7 @@ block table, slot mapping or shared block shows up as different output tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 from scheduler_svc.planning.planner import StepPlan, StepSamples
 
@@ -33,7 +34,9 @@ class FakeWorker:
         """Order-sensitive, so a block with the right tokens in the wrong place is caught."""
         return (sum((pos + 1) * tok for pos, tok in enumerate(context)) + len(context)) % self.vocab_size
 
-    def execute(self, plan: StepPlan) -> StepSamples:
+    def execute(self, plan: StepPlan, allowed: Mapping[int, Sequence[int]] | None = None) -> StepSamples:
+        """`allowed`: seq_id -> the ids its mask allows (structured outputs); such a row
+        samples the allowed id its context picks."""
         self.steps.append(plan)
         for src, dst in plan.copies:
             for offset in range(self.block_size):
@@ -57,6 +60,8 @@ class FakeWorker:
         for seq, context in zip(plan.seqs, contexts):
             if seq.sample:
                 token = self.next_token(context)
+                if allowed is not None and seq.seq_id in allowed:
+                    token = allowed[seq.seq_id][token % len(allowed[seq.seq_id])]
                 sampled[seq.seq_id] = (token, -float(token) / self.vocab_size)
         self.last_step_id, self.last_sampled = plan.step_id, sampled
         return samples_of(sampled)
