@@ -17,6 +17,8 @@ eager forward: --attention-backend torch --enforce-eager), the C++ attention alo
 
     python -m bench.cpu.worker_step                        # every step, every variant
     python -m bench.cpu.worker_step --steps "decode 1 x 256" --profile
+    python -m bench.cpu.worker_step --variants "today bf16" "all bf16" --profile --out cpu_worker_step
+                                                           # and bench/results/cpu_worker_step.md
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.results import fmt, markdown_table, write_result
 from svc_common.cpu_features import read_cpu_features
 from worker_svc.config import WorkerConfig
 from worker_svc.step.builder import StepBuilder
@@ -108,12 +111,12 @@ def measure(workers: dict[str, Worker], shape: StepShape, rounds: int, wall: boo
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile(worker: Worker, shape: StepShape) -> dict[str, object]:
+def profile(worker: Worker, shape: StepShape) -> tuple[dict[str, float], dict[str, float]]:
+    """(ms by op family, the costliest ops' ms) of one step (decode_study.profile_split)."""
     from bench.cpu.decode_study import profile_split
 
     vocab = worker.info.vocab_size
-    split, top = profile_split(lambda: worker.step(build_step(shape, 1, vocab)))
-    return {"split_ms": split, "top_ops_ms": top}
+    return profile_split(lambda: worker.step(build_step(shape, 1, vocab)))
 
 
 def emit(**record: object) -> None:
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--wall", action="store_true", help="wall time even with one thread")
     parser.add_argument("--profile", action="store_true", help="torch.profiler split of each variant's step")
+    parser.add_argument("--out", default="", help="also write bench/results/<out>.md")
     args = parser.parse_args(argv)
     emit(
         section="machine",
@@ -144,16 +148,49 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in VARIANTS[name].items():
             setattr(config, key, value)
         workers[name] = Worker(config)
+    step_ms: dict[str, dict[str, float]] = {}
+    splits: dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]] = {}
     for step_name in args.steps:
         shape = STEPS[step_name]
-        ms = measure(workers, shape, args.rounds, args.wall)
+        ms = step_ms[step_name] = measure(workers, shape, args.rounds, args.wall)
         tokens = shape.seqs * shape.new_tokens
         emit(section="step", step=step_name, ms=ms, tok_s={k: tokens / v * 1e3 for k, v in ms.items()})
         if args.profile:
             for name, w in workers.items():
-                emit(section="profile", step=step_name, variant=name, **profile(w, shape))
-    emit(section="end", load=open("/proc/loadavg").read().split()[:3])
+                split, top = splits[step_name, name] = profile(w, shape)
+                emit(section="profile", step=step_name, variant=name, split_ms=split, top_ops_ms=top)
+    load = open("/proc/loadavg").read().split()[:3]
+    emit(section="end", load=load)
+    if args.out:
+        write_report(args, step_ms, splits, load)
     return 0
+
+
+def write_report(
+    args: argparse.Namespace,
+    step_ms: dict[str, dict[str, float]],
+    splits: dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]],
+    load_after: list[str],
+) -> None:
+    """bench/results/<out>.md: ms per step and variant, then each profiled step's split."""
+    clock = "wall time" if args.wall or args.threads > 1 else "CPU time of the stepping thread"
+    body = markdown_table(
+        ["step", *args.variants], [[s, *(fmt(ms[v]) for v in args.variants)] for s, ms in step_ms.items()]
+    )
+    body = (
+        f"ms per step, median of {args.rounds} interleaved rounds, {clock}, {args.threads} torch thread(s).\n\n{body}"
+    )
+    if splits:
+        by_family = {key: split for key, (split, _) in splits.items()}
+        families = sorted(
+            {f for split in by_family.values() for f in split},
+            key=lambda f: -max(split.get(f, 0.0) for split in by_family.values()),
+        )
+        rows = [[s, v, *(fmt(split.get(f, 0.0)) for f in families)] for (s, v), split in by_family.items()]
+        body += "\n\n### Where a step's time goes (torch.profiler self CPU ms, 5 steps averaged)\n\n"
+        body += markdown_table(["step", "variant", *families], rows)
+    notes = f"Load average after: {' '.join(load_after)}. Workers built in-process from the default model."
+    write_result(args.out, "The CPU worker's own step, side by side (issue 25)", body, notes, module="cpu.worker_step")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ bench/results/<name>.png, and a progress bar for long runs."""
 from __future__ import annotations
 
 import math
+import shlex
 import statistics
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def write_result(name: str, title: str, body: str, notes: str = "", module: str 
     module: the benchmark's module where the results file is named otherwise (an --out name)."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
-    command = " ".join([Path(sys.executable).name, "-m", f"bench.{module or name}", *sys.argv[1:]])
+    command = shlex.join([Path(sys.executable).name, "-m", f"bench.{module or name}", *sys.argv[1:]])
     path.write_text(
         f"# {title}\n\nmachine: {describe()}  \ncommit: {commit()}  \ncommand: `{command}`  \n"
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{body}\n\n{notes}\n"
