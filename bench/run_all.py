@@ -82,6 +82,23 @@ BENCHMARKS = [
         plot=False,
     ),
     Benchmark(
+        "spec_cost",
+        (
+            "--batches",
+            "1",
+            "8",
+            "32",
+            "--max-k",
+            "4",
+            "--repeats",
+            "2",
+            "--variants",
+            "smollm2-bf16",
+            "tiny-llama-fp32",
+        ),
+        "issue 30: what verifying K drafts costs vs one decode step; the proposer's cost",
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",

@@ -17,6 +17,7 @@ from tests.helpers.import_graph import DEFERRED, KINDS, RUNTIME, TYPE_ONLY, cycl
 ALLOWED: dict[str, set[str]] = {
     "request": set(),
     "text": set(),
+    "speculative": set(),
     "structured": {"text"},
     "kv": {"request"},
     "planning": {"request", "kv", "structured"},
