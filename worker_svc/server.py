@@ -34,7 +34,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
 _PER_ROW = ("start_pos", "num_tokens", "table_lens", "flags", "temperature", "top_p", "top_k", "seeds")
 # Per-row columns added since: absent (a scheduler that predates them) means 0 on every row.
-_LATER_PER_ROW = ("min_p",)
+_LATER_PER_ROW = ("min_p", "num_drafts")
 _KNOWN_FLAGS = sum(worker_pb2.SeqFlag.values())  # the bits are distinct powers of two
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
@@ -85,6 +85,7 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         slot_mapping=slot_mapping,
         block_tables=block_tables,
         extras={row: _extras(more, from_previous, row) for row, more in c.extras.items()},
+        num_drafts=np.array(c.num_drafts, np.int64),
     )
     copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
@@ -136,6 +137,7 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         top_token_ids=top[:, 0].astype(np.int64).tolist(),
         top_logprobs=top[:, 1].tolist(),
         logits={row: t.float().numpy().astype("<f4").tobytes() for row, t in rows.logits.items()},
+        num_accepted=rows.num_accepted.tolist(),
     )
     prompt_logprobs = [
         worker_pb2.PromptLogprobs(

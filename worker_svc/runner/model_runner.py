@@ -33,6 +33,7 @@ from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
+from worker_svc.sampling.verify import verify_drafts
 from worker_svc.step.input import BoolArray, IntArray, StepInput, UIntArray
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
 
@@ -100,6 +101,19 @@ class ModelRunner:
             self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
         return graphs.replay(batch) if graphs is not None else self.forward(batch)
 
+    def _verify(self, hidden: torch.Tensor, batch: ForwardBatch, host: HostBatch, packed: Packed) -> torch.Tensor:
+        """Greedy verification of the rows with drafts (sampling/verify.py): each one's
+        bonus token replaces its sample in `packed` (in place, so LastSamples and the
+        host copy see it); returns [R, 2] float64 rows (accepted, 0) to ride in that copy."""
+        device = hidden.device
+        verify_rows = torch.from_numpy(host.verify_rows).to(device)
+        inner = self.model.logits(hidden[verify_rows])
+        drafts = batch.input_ids[verify_rows + 1]  # each inner position's next token is a draft
+        rows = torch.from_numpy(host.draft_rows).to(device)
+        accepted, bonus = verify_drafts(inner, packed.tensor[rows], drafts, host.draft_counts)
+        packed.tensor[rows] = bonus
+        return torch.stack([accepted.double(), torch.zeros_like(accepted, dtype=torch.float64)], dim=1)
+
     # ---- steps --------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, step: StepInput, use_graphs: bool = True) -> torch.Tensor:
@@ -147,12 +161,15 @@ class ModelRunner:
             logits = self.model.logits(hidden[rows])
             t2 = time.perf_counter()
             packed = self.sampler.sample_packed(logits, params)  # on the device
+            accepted = self._verify(hidden, batch, host, packed) if host.draft_rows.size else None
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
             self.last_samples = LastSamples(step.step_id, seq_ids, packed.token_ids)
-            pairs = packed.tensor.cpu().numpy()
+            everything = packed.tensor if accepted is None else torch.cat([packed.tensor, accepted])
+            pairs = everything.cpu().numpy()
+            pairs, num_accepted = pairs[: len(packed.tensor)], _num_accepted(pairs[len(packed.tensor) :], host)
             return_logits = step.seqs.return_logits[host.sample_order]
-            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits)
+            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits, num_accepted)
             if prompt is not None:
                 prompt_logprobs = prompt.unpack(pairs, packed.layout)
         t3 = time.perf_counter()
@@ -165,6 +182,15 @@ class ModelRunner:
         return StepOutput(step.step_id, samples, len(step.seqs.token_ids), timings, prompt_logprobs)
 
 
+def _num_accepted(rows: HostPairs, host: HostBatch) -> IntArray:
+    """[N] drafts accepted per sampled row from _verify's packed rows; empty without drafts."""
+    if not host.draft_rows.size:
+        return _NONE
+    out = np.zeros(len(host.sample_order), dtype=np.int64)
+    out[host.draft_rows] = rows[:, 0].astype(np.int64)
+    return out
+
+
 def _sampled_rows(
     seq_ids: UIntArray,
     pairs: HostPairs,
@@ -172,6 +198,7 @@ def _sampled_rows(
     params: SamplingParams,
     return_logits: BoolArray,
     logits: torch.Tensor,
+    num_accepted: IntArray,
 ) -> SampledRows:
     """The samples' columns from the packed host copy: ids and logprobs sliced out
     whole; alternatives (cut to what each row asked) and logits rows only for the
@@ -183,6 +210,7 @@ def _sampled_rows(
         logprobs=pairs[:n, 1].copy(),
         top={i: block[: params.extras[i].top_logprobs] for i, block in packed.layout.top(pairs).items()},
         logits=_logits_rows(logits, np.flatnonzero(return_logits)),
+        num_accepted=num_accepted,
     )
 
 
