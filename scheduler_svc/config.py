@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
+from scheduler_svc.speculative.ngram import NgramConfig
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.targets import Target, parse_targets, targets_check
@@ -13,6 +14,7 @@ from svc_common.tls import file_checks, pair_check
 
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
+_NGRAM = NgramConfig()  # the speculative flags' defaults
 
 
 @dataclass
@@ -43,6 +45,18 @@ class SchedulerConfig:
     )
     dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
+    speculative_ngram: bool = field(
+        default=False,
+        metadata={
+            "help": "speculative decoding: greedy decodes carry up to --num-speculative-tokens drafts found by "
+            "prompt lookup (n-grams of --ngram-min..--ngram-max tokens), verified by the worker in the same forward"
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=_NGRAM.num_speculative_tokens, metadata={"help": "drafts per decode (vLLM's meaning)"}
+    )
+    ngram_min: int = field(default=_NGRAM.ngram_min, metadata={"help": "shortest n-gram matched (prompt_lookup_min)"})
+    ngram_max: int = field(default=_NGRAM.ngram_max, metadata={"help": "longest n-gram matched (prompt_lookup_max)"})
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     prefix_caching: bool = field(
@@ -244,6 +258,11 @@ class SchedulerConfig:
             dynamic_chunking=self.dynamic_chunking,
             dynamic_chunk_min=self.dynamic_chunk_min,
             dynamic_chunk_max=self.dynamic_chunk_max,
+            speculative=(
+                NgramConfig(self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+                if self.speculative_ngram
+                else None
+            ),
         )
 
 
