@@ -99,6 +99,11 @@ BENCHMARKS = [
         "issue 30: what verifying K drafts costs vs one decode step; the proposer's cost",
     ),
     Benchmark(
+        "structured",
+        ("--models", "tiny", "--repeats", "2"),
+        "issue 26: constrained vs unconstrained tok/s at 1 and 32 streams (late masks, held back), mask share",
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",

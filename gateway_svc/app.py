@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from gateway_svc import convert
+from gateway_svc import convert, structured
+from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
@@ -55,6 +56,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     started = int(time.time())
     require_key = _key_checker(config.api_key)
     served = _model_checker(config.model_id)
+    parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
 
@@ -62,16 +64,21 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
-        samples = convert.completion_samples(body, shape.id, config.max_n)
-        return await _generate(client, live, request, body, shape, samples)
+        constraint, field = structured.constraint_fields(body, parsers)
+        samples = convert.completion_samples(body, shape.id, config.max_n, constraint)
+        return await _generate(client, live, request, body, shape, samples, field)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         served(body.model)
-        prompt = convert.chat_prompt(template, body.messages, body)
-        shape = ResponseShape("chat", config.model_id)
-        samples = convert.chat_samples(body, prompt, shape.id, config.max_n)
-        return await _generate(client, live, request, body, shape, samples)
+        mode = body.tool_mode
+        tools = [t.for_template() for t in body.tools or []] if mode != "none" else None
+        prompt = convert.chat_prompt(template, body.messages, body, tools)
+        constraint, field = structured.constraint_fields(body, parsers, prompt)
+        reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
+        shape = ResponseShape("chat", config.model_id, reading)
+        samples = convert.chat_samples(body, prompt, shape.id, config.max_n, constraint)
+        return await _generate(client, live, request, body, shape, samples, field)
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
@@ -159,7 +166,10 @@ async def _generate(
     body: SamplingFields,
     shape: ResponseShape,
     samples: list[Sample],
+    constraint_field: str | None = None,
 ) -> Response:
+    """`constraint_field`: the request field a structured-output constraint came from, named
+    when the scheduler refuses the constraint."""
     generation = Generation(client, samples, _forwarded_key(request))
     live.add(generation)
     try:
@@ -174,6 +184,12 @@ async def _generate(
                 results.add(index, message)
         live.discard(generation)
         return JSONResponse(shape.body(results))
+    except grpc.aio.AioRpcError as err:
+        generation.cancel()
+        live.discard(generation)
+        error = convert.grpc_error(err.code(), err.details())
+        log.info("scheduler error", code=err.code().name, status=error.status, details=err.details())
+        raise structured.renamed_error(error, constraint_field) from None
     except BaseException:
         generation.cancel()
         live.discard(generation)

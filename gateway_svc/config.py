@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway_svc.structured import Parsers
 from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
@@ -101,6 +102,24 @@ class GatewayConfig:
             "ends with an error event and [DONE] (a non-streamed request: 503)"
         },
     )
+    tool_call_parser: str = field(
+        default="",
+        metadata={
+            "help": "how the model writes tool calls, turned into OpenAI tool_calls: hermes (Hermes, Qwen2.5, "
+            "Qwen3: <tool_call>{...}</tool_call>) or llama3_json (Llama 3.x JSON calls); '' = tools are refused "
+            "unless tool_choice is none. The model's chat template must write that format",
+            "choices": ("", "hermes", "llama3_json"),
+        },
+    )
+    reasoning_parser: str = field(
+        default="",
+        metadata={
+            "help": "a reasoning model's <think>...</think> as reasoning_content apart from content: qwen3 (the "
+            "answer opens <think> itself) or deepseek_r1 (the template opens it); a structured-output constraint "
+            "then starts after </think>. '' = off",
+            "choices": ("", "qwen3", "deepseek_r1"),
+        },
+    )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
@@ -156,3 +175,4 @@ class GatewayConfig:
         for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
+        Parsers.load(self.tool_call_parser, self.reasoning_parser, self.model_dir)  # ValueError naming the flag

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from gateway_svc.chat_output import ChatOutput, ChatStream
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
 from gateway_svc.openai_types import (
     UINT64_MAX,
@@ -75,7 +76,10 @@ class Sample:
     prompt_text: str | None = None  # the prompt as sent; None for token ids (their texts are echoed)
 
 
-def completion_samples(body: CompletionRequest, response_id: str, max_n: int) -> list[Sample]:
+def completion_samples(
+    body: CompletionRequest, response_id: str, max_n: int, constraint: dict[str, Any] | None = None
+) -> list[Sample]:
+    """`constraint`: serving.v1's structured_output fields (gateway_svc/structured.py)."""
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (this server returns every sample)", "best_of")
     if body.max_tokens == 0 and not body.echo:
@@ -91,7 +95,7 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
             if body.logprobs is not None or body.max_tokens == 0 or "prompt_token_ids" in prompt:
                 prompt["prompt_logprobs"] = body.logprobs or 0
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    samples = _samples(prompts, body, max_tokens, response_id, max_n, body.logprobs)
+    samples = _samples(prompts, body, max_tokens, response_id, max_n, body.logprobs, constraint)
     texts = [p if isinstance(p, str) else None for p in body.prompts]
     return [
         dataclasses.replace(s, logprobs=body.logprobs is not None, echo=body.echo, prompt_text=texts[s.group])
@@ -99,8 +103,14 @@ def completion_samples(body: CompletionRequest, response_id: str, max_n: int) ->
     ]
 
 
-def chat_prompt(template: ChatTemplate | None, messages: list[ChatMessage], rendering: ChatRendering) -> str:
-    """The messages rendered by the model's chat template, as the prompt text."""
+def chat_prompt(
+    template: ChatTemplate | None,
+    messages: list[ChatMessage],
+    rendering: ChatRendering,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The messages rendered by the model's chat template, as the prompt text; `tools` as the
+    template's `tools` (HF's apply_chat_template(tools=...))."""
     if template is None:
         raise bad_request("this model has no chat template: use /v1/completions (or tokenize a prompt)", "messages")
     if rendering.add_generation_prompt and rendering.continue_final_message:
@@ -112,20 +122,22 @@ def chat_prompt(template: ChatTemplate | None, messages: list[ChatMessage], rend
         raise bad_request("continue_final_message: the last message must be the assistant's", "continue_final_message")
     try:
         turns = [m.for_template() for m in messages]
-        return template.render(
-            turns, rendering.add_generation_prompt, rendering.continue_final_message, rendering.chat_template_kwargs
-        )
+        variables = {**(rendering.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return template.render(turns, rendering.add_generation_prompt, rendering.continue_final_message, variables)
     except (ChatTemplateError, ValueError) as exc:  # ValueError: a tool call's arguments are not JSON
         raise bad_request(str(exc), "messages") from exc
 
 
-def chat_samples(body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int) -> list[Sample]:
+def chat_samples(
+    body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int, constraint: dict[str, Any] | None = None
+) -> list[Sample]:
     """Without max_tokens / max_completion_tokens the answer may run up to the
     model's context (serving.v1's unset max_tokens), as OpenAI's chat API does."""
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    samples = _samples([{"prompt": _utf8_prompt(prompt)}], body, body.output_limit, response_id, max_n, logprobs)
+    prompts = [{"prompt": _utf8_prompt(prompt)}]
+    samples = _samples(prompts, body, body.output_limit, response_id, max_n, logprobs, constraint)
     return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 
 
@@ -145,6 +157,7 @@ def _samples(
     response_id: str,
     max_n: int,
     logprobs: int | None,
+    constraint: dict[str, Any] | None = None,
 ) -> list[Sample]:
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}", "n")
@@ -171,7 +184,9 @@ def _samples(
     for group, prompt in enumerate(prompts):
         for i in range(body.n):
             index = group * body.n + i
-            request = serving_pb2.GenerateRequest(request_id=f"{response_id}-{index}", **prompt, **params)
+            request = serving_pb2.GenerateRequest(
+                request_id=f"{response_id}-{index}", **prompt, **params, **(constraint or {})
+            )
             if body.seed is not None:
                 # Sample i of a seeded request gets seed+i: reproducible, yet the n choices differ;
                 # sample 0 matches the same request sent with n=1.
@@ -288,12 +303,15 @@ class Results:
 
 
 class ResponseShape:
-    """OpenAI JSON for one response: `kind` is "completion" (/v1/completions) or "chat"."""
+    """OpenAI JSON for one response: `kind` is "completion" (/v1/completions) or "chat";
+    `chat`: how a chat choice's text reads (reasoning, tool calls; chat_output.py)."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, chat: ChatOutput | None = None):
         self.kind, self.model = kind, model
+        self.chat = chat or ChatOutput()
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._streams: dict[int, ChatStream] = {}  # a streamed chat choice's parsers, by index
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: Any = ...) -> dict[str, Any]:
         # usage: ... = no "usage" key at all; None = "usage": null (include_usage chunks).
@@ -307,10 +325,15 @@ class ResponseShape:
         choices = []
         for index in sorted(results.choices):
             c = results.choices[index]
-            text = "".join(c.text)
-            content = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            text, reason = "".join(c.text), c.finish_reason
+            content: dict[str, Any]
+            if self.kind == "chat":
+                message, called = self.chat.message(text)
+                content, reason = {"message": message}, self.chat.finish_reason(reason, called)
+            else:
+                content = {"text": text}
             logprobs = self._logprobs(c.sample, c.entries, c.offsets)
-            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, choices, results.usage())
 
@@ -335,11 +358,20 @@ class ResponseShape:
         """The stream chunk for one serving.v1 message (`delta`: what it added); None
         for progress-only messages."""
         reason = finish_reason(message)
-        if not delta.text and not delta.entries and reason is None:
-            return None
-        content: dict[str, Any] = (
-            {"delta": {"content": delta.text} if delta.text else {}} if self.kind == "chat" else {"text": delta.text}
-        )
+        content: dict[str, Any]
+        if self.kind == "chat":
+            stream = self._streams.setdefault(sample.index, self.chat.stream())
+            said = stream.feed(delta.text)
+            if reason is not None:
+                said = _joined(said, stream.finish())
+                reason = self.chat.finish_reason(reason, stream.called)
+            if not said and not delta.entries and reason is None:
+                return None  # progress only, or text the parsers hold back for now
+            content = {"delta": said}
+        else:
+            if not delta.text and not delta.entries and reason is None:
+                return None
+            content = {"text": delta.text}
         logprobs = self._logprobs(sample, delta.entries, delta.offsets)
         return self._chunk(sample.index, content, reason, include_usage, logprobs)
 
@@ -357,6 +389,14 @@ class ResponseShape:
 
     def usage_chunk(self, results: Results) -> dict[str, Any]:
         return self._envelope(self.chunk_object, [], results.usage())
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two chat deltas as one: texts end to end, tool-call pieces one after the other."""
+    joined = dict(first)
+    for key, value in then.items():
+        joined[key] = joined[key] + value if key in joined else value
+    return joined
 
 
 def completion_logprobs(entries: list[LogprobEntry], offsets: list[int]) -> dict[str, Any]:

@@ -8,9 +8,13 @@ conversion. Every field is honoured or refused with a 400 naming it:
 * unknown fields are refused (`extra="forbid"`), as OpenAI answers
   "Unrecognized request argument supplied"; fields that cannot change the
   answer (`user`, `metadata`, `service_tier`, ...) are accepted and named here;
-* known fields we cannot honour yet (tools, structured outputs, legacy
-  functions, ...) are declared with a refusal saying why, so the
-  400 is specific.
+* known fields we cannot honour yet (legacy functions, ...) are
+  declared with a refusal saying why, so the 400 is specific.
+
+Structured outputs come from one of OpenAI's `response_format`, vLLM's
+`structured_outputs` or vLLM's older `guided_*` fields (accepted as vLLM
+accepts them), never two (`OutputConstraint`); tools (`Tool`, `ToolChoice`)
+are chat's. gateway_svc/structured.py turns them into serving.v1's fields.
 
 Ranges are OpenAI's (logprobs up to 20 as vLLM allows); the scheduler checks
 them again (scheduler_svc/planning/validation.py) for its gRPC clients.
@@ -21,7 +25,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -65,17 +70,10 @@ def _is_unset(value: Any) -> bool:
     return value is None
 
 
-_STRUCTURED = "structured outputs are not supported yet"
-_TOOLS = "tool calling is not supported yet"
 # Fields known and refused (any value but null), and why.
 _REFUSED = {
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
+    "guided_decoding_backend": "choosing the grammar backend (this server has one: llguidance)",
+    "guided_whitespace_pattern": "a whitespace pattern (JSON is written as json.dumps writes it)",
     "functions": "legacy function calling; use tools",
     "function_call": "legacy function calling; use tools and tool_choice",
     "prediction": "predicted outputs",
@@ -106,6 +104,90 @@ def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
 
 # OpenAI: token id (a JSON object key, so a string) -> bias in [-100, 100].
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None, AfterValidator(_token_id_keys)]
+
+
+# ---- structured outputs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What the output must match, as serving.v1's structured_output names it, and the request
+    field it came from (named in errors)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: Any  # the schema (an object, or JSON text), the regex, the choices, the grammar; True for json_object
+    field: str
+    strict: bool | None = None  # json_schema: None = serving.v1's default (strict)
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema (OpenAI)."""
+
+    model_config = STRICT
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def constraint(self) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint("json_object", True, "response_format")
+        if self.json_schema is not None:
+            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+            # OpenAI's strict defaults to false: keywords the engine does not implement are ignored then.
+            return OutputConstraint("json_schema", schema, "response_format", bool(self.json_schema.strict))
+        return None
+
+
+JsonSchema = dict[str, Any] | Text  # an object, or its JSON text (vLLM takes both)
+Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra body field: exactly one constraint. Its other options
+    (structural_tag, disable_any_whitespace, whitespace_pattern, ...) are refused as unknown."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: JsonSchema | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in self.KINDS if self._value(name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(self.KINDS)} (got {given or 'none'})")
+        if self.json_object is False:
+            raise ValueError("json_object: true, or leave it out")
+        return self
+
+    def _value(self, name: str) -> Any:
+        return self.json_ if name == "json" else getattr(self, name)
+
+    def constraint(self) -> OutputConstraint:
+        name = next(n for n in self.KINDS if self._value(n) is not None)
+        kind = "json_schema" if name == "json" else name
+        return OutputConstraint(kind, self._value(name), f"structured_outputs.{name}")  # type: ignore[arg-type]
+
+
+# vLLM's older names for the same constraints: guided field -> serving.v1's kind.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -147,17 +229,26 @@ class SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     store: Annotated[bool | None, _only(lambda v: not v, "store: true (nothing is stored)")] = None
-    # vLLM's structured-output fields.
-    guided_json: Refused = None
-    guided_regex: Refused = None
-    guided_choice: Refused = None
-    guided_grammar: Refused = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
+    # guided_* fields (at most one of them: gateway_svc/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
     guided_decoding_backend: Refused = None
     guided_whitespace_pattern: Refused = None
-    structured_outputs: Refused = None
-    response_format: Annotated[
-        dict[str, Any] | None, _only(lambda v: v is None or v == {"type": "text"}, _STRUCTURED)
-    ] = None
+
+    @property
+    def output_constraints(self) -> list[OutputConstraint]:
+        """What the output must match, from every field that says (more than one is a 400)."""
+        found = [self.response_format.constraint() if self.response_format else None]
+        found.append(self.structured_outputs.constraint() if self.structured_outputs else None)
+        for name, kind in GUIDED.items():
+            if (value := getattr(self, name)) is not None:
+                found.append(OutputConstraint(kind, value, name))  # type: ignore[arg-type]
+        return [c for c in found if c is not None]
 
     @property
     def logit_bias_ids(self) -> dict[int, float]:
@@ -229,6 +320,35 @@ class ToolCall(BaseModel):
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # the arguments are always held to the schema when a call is forced
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        """As HF chat templates read `tools` (the OpenAI JSON, unset fields left out)."""
+        return self.model_dump(exclude_none=True, by_alias=True)
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
@@ -289,7 +409,9 @@ class ChatRendering(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted((value or {}).keys() & {"messages", "add_generation_prompt", "continue_final_message"})
+        reserved = sorted(
+            (value or {}).keys() & {"messages", "add_generation_prompt", "continue_final_message", "tools"}
+        )
         if reserved:
             raise ValueError(f"must not set {', '.join(reserved)} (use the request's own fields)")
         return value
@@ -301,9 +423,10 @@ class ChatCompletionRequest(ChatRendering, SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    tools: Annotated[list[Any] | None, _only(lambda v: not v, _TOOLS)] = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    # Unset: auto with tools, none without (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # tool_choice required: more than one call (default true)
     functions: Refused = None
     function_call: Refused = None
     echo: Annotated[bool, _only(lambda v: not v, "echo on chat completions")] = False
@@ -313,12 +436,32 @@ class ChatCompletionRequest(ChatRendering, SamplingFields):
     audio: Refused = None
     web_search_options: Refused = None
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same function name")
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in (None, "none") and not info.data.get("tools"):
+        tools = info.data.get("tools") or []
+        if value not in (None, "none") and not tools:
             raise ValueError("needs tools (none were given)")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names function {value.function.name!r}, which is not among the tools")
         return value
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the answer may use the tools: none (no tools, or tool_choice none), auto, required, named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @property
     def output_limit(self) -> int | None:

@@ -131,6 +131,8 @@ class ToolParser(ABC):
     name: ClassVar[str]
     stream_type: ClassVar[type[ToolStream]]
     arguments_key: ClassVar[str]  # the body's key for the arguments, as the format writes it
+    # Text the chat template of a model using this format writes (checked at start-up).
+    template_marker: ClassVar[str]
 
     def __init__(self, make_id: IdMaker = new_call_id) -> None:
         self._make_id = make_id
@@ -272,6 +274,7 @@ class HermesParser(ToolParser):
     name = "hermes"
     stream_type = HermesStream
     arguments_key = "arguments"
+    template_marker = "<tool_call>"
 
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
         one = f'"<tool_call>\\n" {call_rule} "\\n</tool_call>"'
@@ -342,6 +345,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     stream_type = Llama3JsonStream
     arguments_key = "parameters"
+    template_marker = '"parameters"'  # Llama 3.x templates ask for {"name": ..., "parameters": ...}
 
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
         return f"start: {call_rule}" + (f' ("; " {call_rule})*' if parallel else "")

@@ -75,6 +75,14 @@ class SchedulerConfig:
             "help": "plan and send step N+1 while step N runs on the worker (overlapped scheduling); --no-async-scheduling: strict alternation"
         },
     )
+    constrained_ahead: bool = field(
+        default=True,
+        metadata={
+            "help": "structured outputs with async scheduling: plan a constrained request's next token ahead like any "
+            "other, its token mask sent after it once the token it follows is known (late masks); "
+            "--no-constrained-ahead: such a request is not planned ahead (it decodes every other step)"
+        },
+    )
     max_pinned_blocks: int = field(
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
     )
@@ -263,6 +271,7 @@ class SchedulerConfig:
                 if self.speculative_ngram
                 else None
             ),
+            constrained_ahead=self.constrained_ahead,
         )
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only: kv/ and planning/ read requests without loading the grammar engine
+    from scheduler_svc.structured.matcher import GrammarMatcher
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +95,9 @@ class Request:
     # With sampling.prompt_logprobs: prompt tokens 1.. scored so far, in order.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
     prompt_logprobs_sent: bool = False
+    # Structured outputs: where the output is in its grammar (each sample of n > 1 has its
+    # own); advanced by Planner.update with every token appended to the outputs.
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
     # prompt + outputs, kept incrementally so a decode step does not copy the prompt.
     _all_token_ids: list[int] = field(init=False, repr=False)
     _distinct_prompt_ids: tuple[int, ...] | None = field(default=None, init=False, repr=False)

@@ -21,9 +21,9 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
-from worker_svc.step.input import BoolArray, Penalties, RowExtras, SamplingColumns, SeqColumns, StepInput
+from worker_svc.step.input import BoolArray, Penalties, RowExtras, SamplingColumns, SeqColumns, StepInput, TokenMasks
 from worker_svc.step.output import StepOutput
-from worker_svc.step.validation import check_columns
+from worker_svc.step.validation import check_columns, check_mask_shape
 from worker_svc.worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -40,6 +40,7 @@ _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
 _RETURN_LOGITS = worker_pb2.SEQ_FLAG_RETURN_LOGITS
 _SEEDED = worker_pb2.SEQ_FLAG_SEEDED
+_MASK_FOLLOWS = worker_pb2.SEQ_FLAG_MASK_FOLLOWS
 
 
 def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
@@ -65,8 +66,8 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         _KNOWN_FLAGS,
         c.extras.keys(),
     )
-    sample, from_previous, return_logits, seeded = (
-        (flags & bit) != 0 for bit in (_SAMPLE, _FROM_PREVIOUS, _RETURN_LOGITS, _SEEDED)
+    sample, from_previous, return_logits, seeded, mask_follows = (
+        (flags & bit) != 0 for bit in (_SAMPLE, _FROM_PREVIOUS, _RETURN_LOGITS, _SEEDED, _MASK_FOLLOWS)
     )
     temperature, top_p = np.array(c.temperature, np.float32), np.array(c.top_p, np.float32)
     min_p = np.array(c.min_p, np.float32) if len(c.min_p) else np.zeros(rows, np.float32)
@@ -86,10 +87,24 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         block_tables=block_tables,
         extras={row: _extras(more, from_previous, row) for row, more in c.extras.items()},
         num_drafts=np.array(c.num_drafts, np.int64),
+        masks=masks_from_proto("seqs.masks", c.masks) if c.HasField("masks") else None,
+        late_mask_rows=np.flatnonzero(mask_follows),
     )
     copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
-    return StepInput(req.step_id, copies, seqs, previous)
+    late = (
+        masks_from_proto("previous_step_masks", req.previous_step_masks)
+        if req.HasField("previous_step_masks")
+        else None
+    )
+    return StepInput(req.step_id, copies, seqs, previous, late)
+
+
+def masks_from_proto(field_name: str, m: worker_pb2.TokenMasks) -> TokenMasks:
+    """The words as one [rows, W] int32 array read straight from the bytes (one copy, no varints)."""
+    check_mask_shape(field_name, len(m.rows), m.width_words, len(m.words))
+    words = np.frombuffer(m.words, dtype="<i4").astype(np.int32).reshape(len(m.rows), m.width_words)
+    return TokenMasks(np.array(m.rows, dtype=np.int64), words)
 
 
 def _extras(extras: worker_pb2.SeqExtras, from_previous: BoolArray, row: int) -> RowExtras:
@@ -168,6 +183,16 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
+
+    def StepMasks(
+        self, request: worker_pb2.StepMasksRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.StepMasksResponse:
+        try:
+            self.worker.deliver_masks(request.step_id, masks_from_proto("step_masks.masks", request.masks))
+        except InvalidStep as exc:
+            log.warning("step masks rejected", step_id=request.step_id, error=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.StepMasksResponse()
 
     def Info(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(**dataclasses.asdict(self.worker.info))

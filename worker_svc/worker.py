@@ -29,10 +29,10 @@ from worker_svc.runner.memory import MB, CudaMemory, MemoryBaseline, plan_kv_poo
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
-from worker_svc.step.errors import StaleStep, StepOutOfMemory, WorkerDown
-from worker_svc.step.input import StepInput
+from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
+from worker_svc.step.input import StepInput, TokenMasks
 from worker_svc.step.output import StepOutput
-from worker_svc.step.validation import Limits, validate
+from worker_svc.step.validation import Limits, validate, validate_masks
 
 log = structlog.get_logger(__name__)
 
@@ -337,6 +337,10 @@ class Worker:
         (a rank gone, a CUDA error); StepOutOfMemory for a step that did not fit."""
         if (reason := self.failed) is not None:
             raise WorkerDown(reason)
+        if step.previous_step_masks is not None:  # before this step waits for the one that needs them
+            if step.previous_step_id is None:
+                raise InvalidStep("previous_step_masks", "needs the previous_step_id whose masks they are")
+            self.deliver_masks(step.previous_step_id, step.previous_step_masks, "previous_step_masks")
         validate(step, self.limits)
         with self._step_done:
             if step.previous_step_id is not None:
@@ -393,6 +397,13 @@ class Worker:
         log.error("worker failed: the device cannot run steps any more, going down", reason=reason, fatal=True)
         for callback in self._failure_callbacks:
             callback()
+
+    def deliver_masks(self, step_id: int, masks: TokenMasks, field_name: str = "step_masks.masks") -> None:
+        """The late masks of step `step_id`, from a StepMasks call or riding along with the next
+        step (checked now; their rows when the step takes them at sampling). Never waits on the
+        step lock: that step may be running, waiting for them."""
+        validate_masks(field_name, masks, self.limits.vocab_size)
+        self.runner.late_masks.put(step_id, masks, field_name)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""

@@ -62,9 +62,13 @@ class StreamsRun:
         return self.tokens / self.wall_s
 
 
-async def drive(address: str, prompts: Sequence[list[int]], max_tokens: int) -> StreamsRun:
+async def drive(
+    address: str, prompts: Sequence[list[int]], max_tokens: int, fields: dict[str, Any] | None = None
+) -> StreamsRun:
     """One grpc.aio channel, one Generate stream per prompt, all at once: greedy,
-    ignore_eos, max_tokens each. Raises if a stream fails or comes up short."""
+    ignore_eos, max_tokens each; `fields`: more GenerateRequest fields, instead of
+    ignore_eos (a structured-output constraint that cannot end before max_tokens).
+    Raises if a stream fails or comes up short."""
     channel = grpc.aio.insecure_channel(address, options=channel_options())
     stub = serving_pb2_grpc.SchedulerStub(channel)
     gaps: list[float] = []
@@ -75,7 +79,7 @@ async def drive(address: str, prompts: Sequence[list[int]], max_tokens: int) -> 
         nonlocal tokens
         last = None
         request = serving_pb2.GenerateRequest(
-            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, **(fields or {"ignore_eos": True})
         )
         try:
             async for reply in stub.Generate(request, timeout=1800):

@@ -20,6 +20,7 @@ from scheduler_svc.engine.streams import StreamEvent, coalesce
 from scheduler_svc.planning.validation import (
     SEED_SPACE,
     RequestRejected,
+    check_constrained,
     check_in_vocab,
     check_num_samples,
     check_prompt_ids,
@@ -28,6 +29,8 @@ from scheduler_svc.planning.validation import (
     output_limit,
 )
 from scheduler_svc.request import Request, SamplingOptions, TokenLogprob
+from scheduler_svc.structured.constraint import Constraint, ConstraintKind
+from scheduler_svc.structured.errors import ConstraintRejected
 from scheduler_svc.text.tokenizer import ModelTokenizer
 
 log = structlog.get_logger(__name__)
@@ -86,6 +89,43 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
         eos_token_ids=eos,
         cache_salt=salt,
     )
+
+
+def constraint_from_proto(msg: serving_pb2.GenerateRequest) -> Constraint | None:
+    """The request's structured_output, or None; ConstraintRejected / RequestRejected naming the field."""
+    kind = msg.WhichOneof("structured_output")
+    if msg.HasField("json_schema_strict") and kind != ConstraintKind.JSON_SCHEMA:
+        raise RequestRejected("json_schema_strict", "only with structured_output json_schema")
+    if kind is None:
+        if msg.structured_output_after:
+            raise RequestRejected("structured_output_after", "only with a structured_output constraint")
+        return None
+    match ConstraintKind(kind):
+        case ConstraintKind.JSON_SCHEMA:
+            strict = msg.json_schema_strict if msg.HasField("json_schema_strict") else True
+            return Constraint.json_schema(msg.json_schema, strict=strict)
+        case ConstraintKind.JSON_OBJECT:
+            if not msg.json_object:
+                raise ConstraintRejected("structured_output.json_object", "true, or leave the constraint out")
+            return Constraint.json_object()
+        case ConstraintKind.REGEX:
+            return Constraint.regex(msg.regex)
+        case ConstraintKind.CHOICE:
+            return Constraint.choice(msg.choice.choices)
+        case ConstraintKind.GRAMMAR:
+            return Constraint.grammar(msg.grammar)
+
+
+async def attach_grammar(request: Request, msg: serving_pb2.GenerateRequest, engine: Engine) -> None:
+    """Compile the request's constraint (before it takes a queue slot: a bad grammar is
+    INVALID_ARGUMENT) and give each of its samples a matcher of its own."""
+    constraint = constraint_from_proto(msg)
+    if constraint is None:
+        return
+    check_constrained(request.sampling)
+    grammar = await engine.grammars.compile(constraint)
+    for sample in request.children or [request]:
+        sample.grammar = engine.grammars.matcher(grammar, msg.structured_output_after)
 
 
 def _sample_seed(sampling: SamplingOptions, index: int) -> SamplingOptions:
@@ -177,6 +217,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         try:
             req = request_from_proto(request, self.engine, self.default_max_tokens)
+            await attach_grammar(req, request, self.engine)
             stream = self.engine.requests.submit(req)
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)

@@ -19,9 +19,15 @@ from scheduler_svc.engine.errors import (
 from scheduler_svc.kv.block_manager import PinLimitExceeded
 from scheduler_svc.planning.planner import QueueFull
 from scheduler_svc.planning.validation import RequestRejected
+from scheduler_svc.structured.errors import ConstraintRejected, GrammarFailed, TokenRejected
 
 _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConstraintRejected, grpc.StatusCode.INVALID_ARGUMENT),  # a structured output that cannot compile
+    # A constrained output that cannot go on: its grammar refused the sampled token (a text this
+    # vocabulary cannot spell) or hit one of the grammar engine's limits. A stream ends with these.
+    (TokenRejected, grpc.StatusCode.INVALID_ARGUMENT),
+    (GrammarFailed, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PinLimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WorkerUnavailable, grpc.StatusCode.UNAVAILABLE),

@@ -12,6 +12,14 @@ then end with UNAVAILABLE. A worker that comes back with a new instance id has
 an empty cache, so the prefix index is reset before anything is scheduled.
 While idle, the core probes its worker every `health_interval_s`, so a dead or
 restarted worker is noticed before the next request is routed to it.
+
+Structured outputs: a step's token masks are computed by the grammar engine's
+filler off the event loop (engine/masks.py): before the step is sent for rows
+whose input is known, and for rows planned ahead of their input token right
+after the step before them is applied (late masks). Late masks ride along with
+the next step planned ahead (StepRequest.previous_step_masks), or go in a
+StepMasks call of their own when no step follows; the worker runs the forward
+meanwhile and waits for them only at sampling.
 """
 
 from __future__ import annotations
@@ -25,14 +33,17 @@ from dataclasses import dataclass
 
 import structlog
 
+from scheduler_svc.engine import masks
 from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed, WorkerUnavailable
 from scheduler_svc.engine.kv_events import WorkerKvEvents
 from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
 from scheduler_svc.kv.block_manager import LeakError
-from scheduler_svc.planning.planner import Planner, RequestUpdate, StepPlan
+from scheduler_svc.planning.planner import PlanMasks, Planner, RequestUpdate, StepPlan
 from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.structured.errors import GrammarFailed
+from scheduler_svc.structured.grammars import Grammars
 from scheduler_svc.text.tokenizer import ModelTokenizer
 
 log = structlog.get_logger(__name__)
@@ -65,11 +76,17 @@ class CoreOptions:
     async_scheduling: bool = True  # plan and send step N+1 while step N runs
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _SentStep:
     plan: StepPlan
-    started: float  # perf_counter when it was sent
+    started: float  # perf_counter when it was planned (its inline masks computed, then sent)
     call: asyncio.Task[StepResult]
+    # Its mask_follows rows' masks: being computed (once the step before it is applied), then
+    # delivered with the next step or in their own StepMasks call (masks_call).
+    late_masks: asyncio.Task[PlanMasks] | None = None
+    masks_delivered: bool = False
+    masks_call: asyncio.Task[None] | None = None
+    mask_ms: float = 0.0  # its masks (inline and late): from handing the rows to the filler to having them
 
 
 # Called by a core that lost its worker, with itself: moves its live requests to
@@ -96,6 +113,7 @@ class EngineCore:
         self.handover = handover
         self.hooks = hooks
         self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
+        self.grammars: Grammars | None = None  # the fleet's grammar engine (structured outputs)
         # Where this worker's prefix-index changes go, a batch per step (the Engine sets its hub's stream).
         self.kv_events = WorkerKvEvents(info.address)
         self.streams: dict[str, RequestStream] = {}
@@ -227,36 +245,94 @@ class EngineCore:
     async def _run_steps(self, first: StepPlan) -> None:
         """Run `first`; with overlapped scheduling, plan and send step N+1 while step
         N runs on the worker (planning, encoding and the RPC hide behind N's
-        forward), as long as the planner can plan ahead."""
+        forward), as long as the planner can plan ahead. A step whose late masks
+        wait on the applied step's tokens gets them before that step is streamed:
+        with the next step planned ahead, or in a StepMasks call of their own."""
         in_flight = deque([await self._send(first)])
         try:
             while in_flight:
-                if self.options.async_scheduling and self.planner.can_plan_ahead and self.planner.has_work():
-                    ahead = self.planner.schedule()
-                    if not ahead.is_empty:
-                        in_flight.append(await self._send(ahead))
-                if not await self._complete(in_flight.popleft()):
+                await self._plan_ahead(in_flight)
+                following = in_flight[1] if len(in_flight) > 1 else None
+                updates = await self._complete(in_flight.popleft(), following)
+                if updates is None:
                     break  # the worker failed or refused: the planner dropped the later steps
+                if following is not None and following.late_masks is not None:
+                    await self._plan_ahead(in_flight)
+                    await self._deliver_late_masks(following)
+                self._dispatch(updates)
         finally:
             await self._abandon(in_flight)
 
-    async def _send(self, plan: StepPlan) -> _SentStep:
-        sent = _SentStep(plan, time.perf_counter(), asyncio.create_task(self.client.step(plan)))
+    async def _plan_ahead(self, in_flight: deque[_SentStep]) -> None:
+        """With one step in flight, plan and send the next (async scheduling)."""
+        if self.options.async_scheduling and self.planner.can_plan_ahead and self.planner.has_work():
+            ahead = self.planner.schedule()
+            if not ahead.is_empty:
+                in_flight.append(await self._send(ahead, after=in_flight[-1]))
+
+    async def _send(self, plan: StepPlan, after: _SentStep | None = None) -> _SentStep:
+        """Send `plan` (planned ahead: right `after` that step, whose late masks it takes along)."""
+        started = time.perf_counter()
+        if self.grammars is not None and (rows := masks.inline_rows(plan)):
+            plan.masks, failures = await masks.compute(self.grammars.filler, plan, rows, self._is_live)
+            self._end_failed_grammars(failures, plan.step_id)
+        if after is not None and after.late_masks is not None and not after.masks_delivered:
+            plan.previous_masks = await after.late_masks  # computed while this plan was made
+            after.masks_delivered = True
+        sent = _SentStep(plan, started, asyncio.create_task(self.client.step(plan)))
+        sent.mask_ms = (time.perf_counter() - started) * 1e3 if plan.masks is not None else 0.0
         await asyncio.sleep(0)  # let the call encode and go out before the next step is planned
         return sent
 
-    @staticmethod
-    async def _abandon(steps: deque[_SentStep]) -> None:
+    async def _start_late_masks(self, step: _SentStep) -> None:
+        """Start computing the masks of `step`'s rows planned ahead of their input, now
+        that the step before it is applied (its tokens advanced the matchers). The
+        filler's thread computes them while the loop streams the applied step and plans
+        the next; nothing advances a matcher meanwhile: the next update() is that of
+        `step`, whose result needs these masks."""
+        step.late_masks = asyncio.create_task(self._late_masks(step))
+        await asyncio.sleep(0)  # hand the rows to the filler's thread now
+
+    async def _late_masks(self, step: _SentStep) -> PlanMasks:
+        assert self.grammars is not None, "a row waits for a mask, but this core has no grammar engine"
+        plan = step.plan
+        started = time.perf_counter()
+        computed, failures = await masks.compute(self.grammars.filler, plan, plan.late_mask_rows, self._is_live)
+        step.mask_ms += (time.perf_counter() - started) * 1e3
+        self._end_failed_grammars(failures, plan.step_id)
+        return computed
+
+    async def _deliver_late_masks(self, step: _SentStep) -> None:
+        """Late masks no next step took along go in a StepMasks call of their own."""
+        if step.late_masks is not None and not step.masks_delivered:
+            step.masks_call = asyncio.create_task(self.client.step_masks(step.plan.step_id, await step.late_masks))
+            step.masks_delivered = True
+
+    def _is_live(self, request_id: str) -> bool:
+        return request_id in self.planner.requests
+
+    async def _abandon(self, steps: deque[_SentStep]) -> None:
         """Wait out steps whose results no longer count: the worker runs a step only
-        right after the one it names, so none of them can land after a new plan."""
+        right after the one it names, so none of them can land after a new plan. One
+        still waiting for its late masks gets masks that allow everything, so the
+        worker is not held up waiting for them."""
         for step in steps:
+            if not step.masks_delivered and (rows := step.plan.late_mask_rows) and self.grammars is not None:
+                if step.late_masks is not None:
+                    step.late_masks.cancel()
+                void = masks.allowing_all(step.plan, rows, self.grammars.mask_words)
+                step.masks_call = asyncio.create_task(self.client.step_masks(step.plan.step_id, void))
+                step.masks_delivered = True
             if not step.call.done():
                 step.call.cancel()
-        await asyncio.gather(*(step.call for step in steps), return_exceptions=True)
+        tasks = (task for step in steps for task in (step.call, step.late_masks, step.masks_call))
+        calls = [task for task in tasks if task is not None]
+        await asyncio.gather(*calls, return_exceptions=True)
         steps.clear()
 
-    async def _complete(self, step: _SentStep) -> bool:
-        """Apply a step's result and stream it; False if the steps after it are void."""
+    async def _complete(self, step: _SentStep, following: _SentStep | None = None) -> list[RequestUpdate] | None:
+        """Apply a step's result: its updates, to stream (_dispatch); None if the steps after
+        it are void. `following`: the step sent after it, whose late masks can be computed now."""
         plan = step.plan
         step_log = log.bind(step_id=plan.step_id, worker=self.info.address)
         try:
@@ -267,18 +343,23 @@ class EngineCore:
             else:
                 step_log.error("worker rejected step", code=err.reason, details=err.details)
                 self._fail_plan(plan, err)
-            return False
+            return None
+        finally:
+            if step.masks_call is not None:  # it failed (or not) with the step; nothing more to learn
+                await asyncio.gather(step.masks_call, return_exceptions=True)
         if result.instance_id != self.info.instance_id:
             # The worker restarted between two steps: its cache is empty, so this
             # result was computed over garbage. Forget it and recompute.
             step_log.warning("worker restarted", old=self.info.instance_id, new=result.instance_id)
             self.planner.requeue_all(reset_prefix_cache=True)
             self._lose("restarted between steps", step_id=plan.step_id)
-            return False
+            return None
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
         updates = self.planner.update(plan, result.samples)
+        if following is not None and following.plan.late_mask_rows:
+            await self._start_late_masks(following)  # the worker waits for them
         self._publish_kv_events()
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
@@ -292,10 +373,13 @@ class EngineCore:
                 step_ms=round(self.counters.last_step_ms, 2),
                 preempted=plan.preempted,
                 planned_ahead=plan.previous_step_id is not None,
+                masks=len(plan.masks.rows) if plan.masks is not None else 0,
+                late_masks=len(plan.late_mask_rows),
+                late_masks_call=step.masks_call is not None,
+                mask_ms=round(step.mask_ms, 3),
                 request_ids=[s.request_id for s in plan.seqs],
             )
-        self._dispatch(updates)
-        return True
+        return updates
 
     def _publish_kv_events(self) -> None:
         """The prefix index's changes since the last batch, as one batch."""
@@ -303,6 +387,9 @@ class EngineCore:
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
+            if update.error is not None:  # the planner has ended it
+                self._fail_request(update.request_id, update.error)
+                continue
             self.counters.generation_tokens += update.token_id is not None
             stream = self.streams.get(update.request_id)
             if stream is None:
@@ -328,6 +415,27 @@ class EngineCore:
             preemptions=r.num_preemptions,
             **(timing.log_fields() if timing is not None else {}),
         )  # ttft_ms, e2e_ms, itl_ms_mean
+
+    def _end_failed_grammars(self, failures: list[masks.MaskFailure], step_id: int) -> None:
+        """Requests whose grammar failed while their masks were computed end with the error."""
+        for failure in failures:
+            self.planner.finish(failure.request_id, FinishReason.ABORT)
+            self._fail_request(failure.request_id, GrammarFailed(failure.error), step_id)
+
+    def _fail_request(self, request_id: str, error: Exception, step_id: int | None = None) -> None:
+        """End one request's stream with `error` (the planner has ended the request). A grammar
+        that failed is compiled afresh for the next request: its lexer states are spent."""
+        if isinstance(error, GrammarFailed) and self.grammars is not None:
+            request = self.streams[request_id].request if request_id in self.streams else None
+            if request is not None and request.grammar is not None:
+                self.grammars.forget(request.grammar.grammar.constraint)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(error)
+        self.counters.requests_failed += 1
+        log.warning(
+            "request failed", request_id=request_id, step_id=step_id, error=type(error).__name__, reason=str(error)
+        )
 
     def _fail_plan(self, plan: StepPlan, err: WorkerCallFailed) -> None:
         """A step the worker refuses will be refused again: end its requests with

@@ -29,6 +29,7 @@ class Engine:
         fleet.on_lost_worker(self.requests.handover)
         self.tokenizer = fleet.tokenizer
         self.max_model_len = fleet.max_model_len
+        self.grammars = fleet.grammars  # structured outputs: compiled at admission (api/serving.py)
 
     @classmethod
     async def connect(

@@ -34,6 +34,7 @@ from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.kv.slot_manager import SlotManager
 from scheduler_svc.planning.planner import Planner
+from scheduler_svc.structured.grammars import Grammars
 from scheduler_svc.text.tokenizer import ModelTokenizer
 from svc_common.targets import Resolver, resolve_dns
 from svc_common.tls import channel_credentials
@@ -66,6 +67,8 @@ class Fleet:
         self.closed = False  # shutting down: no worker joins
         self.reference = cores[0].info  # what every worker must serve (WorkerInfo.mismatch)
         self.max_model_len = cores[0].planner.max_len
+        # Structured outputs: one grammar engine for the model every worker serves.
+        self.grammars = Grammars(tokenizer, self.reference.vocab_size)
         # Every worker's prefix-index changes (admin.v1 SubscribeKvEvents, --kv-events-zmq).
         self.kv_events = KvEventHub(config.kv_events_buffer_steps)
         self._handover: Handover | None = None
@@ -77,6 +80,7 @@ class Fleet:
         self._removed: OrderedDict[str, tuple[WorkerStatus, float]] = OrderedDict()  # address -> (record, when)
         for core in cores:
             core.kv_events = self.kv_events.worker(core.info.address)
+            core.grammars = self.grammars
 
     @classmethod
     async def connect(
@@ -182,6 +186,7 @@ class Fleet:
             options = _core_options(self.config)
             core = EngineCore(client, info, planner, self.tokenizer, options, self._handover, self.hooks)
             core.kv_events = self.kv_events.worker(address)
+            core.grammars = self.grammars
             self.cores.append(core)
             self._removed.pop(address, None)  # a worker again: a drain is a new drain
             core.start()
@@ -286,6 +291,7 @@ class Fleet:
         await self.halt()
         for core in self.cores:
             await core.client.close()
+        self.grammars.close()
 
 
 def _core_options(config: SchedulerConfig) -> CoreOptions:

@@ -9,7 +9,7 @@ import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
-from scheduler_svc.planning.planner import Alternatives, ScheduledSeq, StepPlan, StepSamples
+from scheduler_svc.planning.planner import Alternatives, PlanMasks, ScheduledSeq, StepPlan, StepSamples
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 
 # Codes after which the worker may come back: reconnect and recompute.
@@ -73,6 +73,7 @@ class StepResult:
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
 _SEEDED = worker_pb2.SEQ_FLAG_SEEDED
+_MASK_FOLLOWS = worker_pb2.SEQ_FLAG_MASK_FOLLOWS
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
@@ -107,10 +108,15 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     for row, s in enumerate(seqs):
         if _has_extras(s):
             _fill_extras(columns.extras[row], s)
+    if plan.masks is not None:
+        columns.masks.CopyFrom(masks_to_proto(plan.masks))
     copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
-    return worker_pb2.StepRequest(
+    request = worker_pb2.StepRequest(
         step_id=plan.step_id, copies=copies, seqs=columns, previous_step_id=plan.previous_step_id
     )
+    if plan.previous_masks is not None:
+        request.previous_step_masks.CopyFrom(masks_to_proto(plan.previous_masks))
+    return request
 
 
 def _flags(s: ScheduledSeq) -> int:
@@ -118,7 +124,14 @@ def _flags(s: ScheduledSeq) -> int:
         (_SAMPLE if s.sample else 0)
         | (_FROM_PREVIOUS if s.token_from_previous_step else 0)
         | (_SEEDED if s.sampling.seed is not None else 0)
+        | (_MASK_FOLLOWS if s.mask_follows else 0)
     )
+
+
+def masks_to_proto(masks: PlanMasks) -> worker_pb2.TokenMasks:
+    """The words as little-endian bytes: one copy, no per-word varints."""
+    words = masks.words.astype("<i4", copy=False)
+    return worker_pb2.TokenMasks(rows=masks.rows, width_words=words.shape[1], words=words.tobytes())
 
 
 def _has_extras(s: ScheduledSeq) -> bool:
@@ -228,6 +241,14 @@ class WorkerClient:
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
         return result_from_proto(reply)
+
+    async def step_masks(self, step_id: int, masks: PlanMasks, timeout_s: float | None = None) -> None:
+        """The late masks of step `step_id` (its mask_follows rows). Raises WorkerCallFailed."""
+        request = worker_pb2.StepMasksRequest(step_id=step_id, masks=masks_to_proto(masks))
+        try:
+            await self.stub.StepMasks(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise self._failure(err) from None
 
     def _failure(self, err: grpc.aio.AioRpcError) -> WorkerCallFailed:
         code = err.code()

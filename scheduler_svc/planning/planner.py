@@ -28,6 +28,16 @@ after them, ends the request inside the run where EOS, a stop id or max_tokens
 says so, and releases the slots of the rejected positions (KVManager.trim). A
 request with drafts in flight is not planned ahead: its next input depends on
 how many are accepted. Rows without drafts keep full overlap.
+
+Structured outputs: a request with a grammar (Request.grammar) samples under
+its allowed-token mask. update() advances the grammar with each token it
+appends, in step order, and ends the request with `stop` once the grammar is
+complete (or with an error if the token was refused). A sampling row of such a
+request carries its matcher (ScheduledSeq.grammar) for the engine to compute
+the mask from: before the step is sent when the row's input is known
+(StepPlan.masks), or, for a row planned ahead of its input token
+(`mask_follows`), once the step in flight has been applied. With
+`constrained_ahead` off such rows are not planned ahead at all.
 """
 
 from __future__ import annotations
@@ -35,15 +45,28 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
+import numpy as np
 import structlog
+from numpy.typing import NDArray
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.planning.speculation import Drafter
-from scheduler_svc.planning.validation import RequestRejected, check_prompt_fits, check_prompt_ids, check_sampling
+from scheduler_svc.planning.validation import (
+    RequestRejected,
+    check_constrained,
+    check_prompt_fits,
+    check_prompt_ids,
+    check_sampling,
+)
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions, TokenLogprob
 from scheduler_svc.speculative.ngram import NgramConfig
+from scheduler_svc.structured.errors import GrammarFailed, TokenRejected
+
+if TYPE_CHECKING:
+    from scheduler_svc.structured.matcher import GrammarMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +90,10 @@ class PlannerConfig:
     dynamic_chunk_min: int = 512
     dynamic_chunk_max: int = 2048
     speculative: NgramConfig | None = None  # n-gram drafts for greedy decodes; None: off
+    # Structured outputs: plan a constrained request's decode ahead of the token it
+    # follows (its mask is sent late, once that token is known); off: such a decode
+    # waits for the next plan made with nothing in flight ahead of it.
+    constrained_ahead: bool = True
 
     _MINIMUMS = {"max_model_len": 2}  # a prompt token plus a generated one
 
@@ -74,7 +101,7 @@ class PlannerConfig:
         for f in fields(self):
             value, low = getattr(self, f.name), self._MINIMUMS.get(f.name, 1)
             flag = "--" + f.name.replace("_", "-")
-            if f.name in ("dynamic_chunking", "speculative"):
+            if f.name in ("dynamic_chunking", "constrained_ahead", "speculative"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(
@@ -125,6 +152,11 @@ class ScheduledSeq:
     penalty_output_ids: tuple[int, ...] = ()
     penalty_prompt_ids: tuple[int, ...] = ()
     num_drafts: int = 0  # the last num_drafts of token_ids are drafts for the worker to verify
+    # Structured outputs (sampling rows of a request with a grammar): the matcher the
+    # row's mask comes from, and whether that mask follows the step (the input is
+    # token_from_previous_step, so the matcher is one token behind until it is applied).
+    grammar: GrammarMatcher | None = None
+    mask_follows: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +171,14 @@ class PrefillProgress:
 
 
 @dataclass(slots=True)
+class PlanMasks:
+    """Allowed-token masks of some sampling rows of a plan (worker.v1 TokenMasks)."""
+
+    rows: list[int]  # indexes into StepPlan.seqs, ascending
+    words: NDArray[np.int32]  # [len(rows), W]
+
+
+@dataclass(slots=True)
 class StepPlan:
     step_id: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies, done first
@@ -147,10 +187,18 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)  # request ids preempted while planning
     previous_step_id: int | None = None  # planned ahead of this step's result (overlapped scheduling)
     deferred: bool = False  # planned ahead, something did not fit: drain the pipeline before the next plan
+    masks: PlanMasks | None = None  # set by the engine before sending: the masks of rows whose input is known
+    # Set by the engine: the late masks of step previous_step_id (its mask_follows rows), taken along.
+    previous_masks: PlanMasks | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.seqs)
+
+    @property
+    def late_mask_rows(self) -> list[int]:
+        """The rows whose masks follow the step."""
+        return [row for row, seq in enumerate(self.seqs) if seq.mask_follows]
 
     @property
     def is_empty(self) -> bool:
@@ -199,6 +247,9 @@ class RequestUpdate:
     # Set on the tokens of an accepted run of drafts: the request's outputs once this
     # token is in (a stop string found here drops the run's later tokens).
     num_output_tokens: int = 0
+    # The request ended with this error instead (its grammar refused the token: TokenRejected,
+    # or hit a limit: GrammarFailed); the token is not in its outputs.
+    error: Exception | None = None
 
 
 def _prompt_total(request: Request) -> int:
@@ -225,6 +276,19 @@ def _record_prompt_logprobs(request: Request, seq: ScheduledSeq, scored: list[tu
         raise RuntimeError(f"{request.request_id}: prompt logprobs of tokens {known + 1}..{first - 1} were skipped")
     for offset, (logprob, top) in enumerate(scored[known + 1 - first :], start=known + 1):
         request.prompt_logprobs.append(TokenLogprob(request.prompt_token_ids[offset], logprob, top))
+
+
+def _advance_grammar(request: Request, token_id: int) -> TokenRejected | GrammarFailed | None:
+    """Take the sampled token into the request's grammar; the error that ends the request if
+    the grammar refuses it (left as it was) or fails on it."""
+    if request.grammar is None:
+        return None
+    try:
+        request.grammar.advance(token_id)
+    except (TokenRejected, GrammarFailed) as exc:
+        log.warning("grammar refused the sampled token", request_id=request.request_id, error=str(exc))
+        return exc
+    return None
 
 
 def _take_prompt_logprobs(request: Request) -> list[TokenLogprob] | None:
@@ -396,6 +460,8 @@ class Planner:
                 continue
             if decodes and budget.ahead and self._waits_to_draft(request):
                 continue
+            if budget.ahead and not self.config.constrained_ahead and self._waits_for_its_grammar(request):
+                continue
             if not budget.has_room():
                 return
             want = min(remaining, self._chunk_limit(), budget.tokens_left)
@@ -408,6 +474,10 @@ class Planner:
         """Tokens of the request once the steps in flight are applied: its own, plus
         one per in-flight step that samples it."""
         return request.num_tokens + self._pending_samples.get(request.request_id, 0)
+
+    def _waits_for_its_grammar(self, request: Request) -> bool:
+        """Its next token's mask needs the token the step in flight samples."""
+        return request.grammar is not None and self._pending_samples.get(request.request_id, 0) > 0
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The token sampled in flight will reach max_tokens or the length limit:
@@ -540,6 +610,8 @@ class Planner:
             )
             if sample:
                 self._add_sample_inputs(scheduled, request)
+                scheduled.grammar = request.grammar
+                scheduled.mask_follows = request.grammar is not None and from_previous
             plan.seqs.append(scheduled)
             request.num_computed_tokens = end
             if sample:
@@ -630,6 +702,9 @@ class Planner:
             return RequestUpdate(request.request_id, prefill_progress=progress)
         row = samples.rows[seq.seq_id]
         token_id, logprob = samples.token_ids[row], samples.logprobs[row]
+        if (error := _advance_grammar(request, token_id)) is not None:
+            self.finish(request.request_id, FinishReason.ABORT)
+            return RequestUpdate(request.request_id, finished=True, finish_reason=FinishReason.ABORT, error=error)
         # The first token also closes the prompt's progress: (total, total).
         progress = None if request.output_token_ids else (request.num_prompt_tokens, request.num_prompt_tokens)
         request.append_output(token_id, logprob)
@@ -699,6 +774,8 @@ class Planner:
         s = request.sampling
         if token_id in s.stop_token_ids or (token_id in request.eos_token_ids and not s.ignore_eos):
             return FinishReason.STOP
+        if request.grammar is not None and request.grammar.is_complete:
+            return FinishReason.STOP  # only EOS could follow: end now rather than sample it
         if request.num_output_tokens >= request.sampling.max_tokens or request.num_tokens >= self.max_len:
             return FinishReason.LENGTH
         return None
@@ -762,3 +839,5 @@ class Planner:
         layout = f"{blocks} blocks x {size}" if capacity == blocks * size else f"one slot of {size} per request"
         check_prompt_fits(request.num_prompt_tokens, self.config.max_model_len, capacity, layout)
         check_sampling(request.sampling)
+        if request.grammar is not None:
+            check_constrained(request.sampling)

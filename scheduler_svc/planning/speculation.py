@@ -50,6 +50,7 @@ def can_draft(request: Request) -> bool:
     return (
         s.temperature == 0
         and not request.no_speculation
+        and request.grammar is None
         and s.logprobs is None
         and not s.logit_bias
         and not s.has_penalties

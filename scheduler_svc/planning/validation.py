@@ -76,6 +76,17 @@ def check_sampling(s: SamplingOptions) -> None:
         raise RequestRejected("min_tokens", f"must be in [0, max_tokens = {s.max_tokens}], got {s.min_tokens}")
 
 
+def check_constrained(s: SamplingOptions) -> None:
+    """What a structured-output constraint cannot go with: a complete grammar allows
+    only EOS, so the output must be free to end there."""
+    if s.ignore_eos:
+        raise RequestRejected("ignore_eos", "not with a structured output constraint: the output ends with its grammar")
+    if s.min_tokens:
+        raise RequestRejected(
+            "min_tokens", "not with a structured output constraint: the grammar decides where the output may end"
+        )
+
+
 def _check_penalties(s: SamplingOptions) -> None:
     low, high = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):

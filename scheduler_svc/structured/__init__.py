@@ -1,5 +1,5 @@
 """Structured outputs: JSON-schema, regex, choice and grammar constraints
-compiled to token masks by llguidance, without torch (docs/structured_outputs.md).
+compiled to token masks by llguidance, without torch (docs/design.md, section 12).
 
     vocab = GrammarVocab.from_model_tokenizer(tokenizer)         # once
     compiler = GrammarCompiler(vocab)                             # once; LRU of compiled grammars
@@ -15,6 +15,7 @@ from scheduler_svc.structured.compiler import CompiledGrammar, GrammarCompiler
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected, GrammarFailed, TokenRejected
 from scheduler_svc.structured.fill import MaskFiller, MaskRows
+from scheduler_svc.structured.grammars import Grammars
 from scheduler_svc.structured.matcher import GrammarMatcher
 from scheduler_svc.structured.vocab import GrammarVocab, mask_words
 
@@ -27,6 +28,7 @@ __all__ = [
     "GrammarFailed",
     "GrammarMatcher",
     "GrammarVocab",
+    "Grammars",
     "MaskFiller",
     "MaskRows",
     "TokenRejected",

@@ -11,7 +11,7 @@ the drafts the model would have produced are kept, then the model's own token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from scheduler_svc.planning.planner import StepPlan, StepSamples
 
@@ -46,7 +46,9 @@ class FakeWorker:
             return self.model(context)
         return (sum((pos + 1) * tok for pos, tok in enumerate(context)) + len(context)) % self.vocab_size
 
-    def execute(self, plan: StepPlan) -> StepSamples:
+    def execute(self, plan: StepPlan, allowed: Mapping[int, Sequence[int]] | None = None) -> StepSamples:
+        """`allowed`: seq_id -> the ids its mask allows (structured outputs); such a row
+        samples the allowed id its context picks."""
         self.steps.append(plan)
         for src, dst in plan.copies:
             for offset in range(self.block_size):
@@ -74,6 +76,8 @@ class FakeWorker:
                 while n < seq.num_drafts and context[known + n] == self.next_token(context[: known + n]):
                     n += 1
                 token = self.next_token(context[: known + n])
+                if allowed is not None and seq.seq_id in allowed:
+                    token = allowed[seq.seq_id][token % len(allowed[seq.seq_id])]
                 sampled[seq.seq_id], accepted[seq.seq_id] = (token, -float(token) / self.vocab_size), n
         self.last_step_id, self.last_sampled = plan.step_id, sampled
         return samples_of(sampled, accepted if any(s.num_drafts for s in plan.seqs) else None)

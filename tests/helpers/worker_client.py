@@ -41,6 +41,10 @@ class Seq:
     penalties: worker_pb2.Penalties | None = None
     prompt_logprob_targets: list[int] = field(default_factory=list)
     prompt_top_logprobs: int = 0
+    # Structured outputs: the row's allowed-token bitmask words (SeqColumns.masks), or
+    # mask_follows: it comes in a StepMasks call.
+    mask: list[int] | None = None
+    mask_follows: bool = False
 
     @property
     def flags(self) -> int:
@@ -49,6 +53,7 @@ class Seq:
             | (worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP if self.token_from_previous_step else 0)
             | (worker_pb2.SEQ_FLAG_RETURN_LOGITS if self.return_logits else 0)
             | (worker_pb2.SEQ_FLAG_SEEDED if self.seed is not None else 0)
+            | (worker_pb2.SEQ_FLAG_MASK_FOLLOWS if self.mask_follows else 0)
         )
 
     def extras(self) -> worker_pb2.SeqExtras | None:
@@ -123,12 +128,21 @@ def step_request(
     for row, s in enumerate(seqs):
         if (extras := s.extras()) is not None:
             columns.extras[row].CopyFrom(extras)
+    masked = [(row, s.mask) for row, s in enumerate(seqs) if s.mask is not None]
+    if masked:
+        columns.masks.CopyFrom(token_masks([row for row, _ in masked], [mask for _, mask in masked]))
     return worker_pb2.StepRequest(
         step_id=step_id,
         copies=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in copies],
         seqs=columns,
         previous_step_id=previous_step_id,
     )
+
+
+def token_masks(rows: Sequence[int], words: Sequence[Sequence[int]]) -> worker_pb2.TokenMasks:
+    """The TokenMasks column of `rows`, each row's words as given (width: the first row's)."""
+    packed = np.array(words, dtype="<i4").reshape(len(rows), -1)
+    return worker_pb2.TokenMasks(rows=rows, width_words=packed.shape[1], words=packed.tobytes())
 
 
 def seqs_of(request: worker_pb2.StepRequest) -> list[Seq]:

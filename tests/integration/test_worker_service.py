@@ -13,10 +13,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from proto import worker_pb2, worker_pb2_grpc
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.procs import ServiceProcess
-from tests.helpers.worker_client import Seq, by_seq, logits_of, seq_step, step_request
+from tests.helpers.worker_client import Seq, by_seq, logits_of, seq_step, step_request, token_masks
 
 NUM_BLOCKS = 32
 VICTIM_TABLE = [30, 31]
+VOCAB = 768  # the tiny checkpoints'
+MASK_WORDS = VOCAB // 32
+ALL_ALLOWED = [-1] * MASK_WORDS
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,10 @@ BAD_STEPS = [
         [],
         "seqs.flags[row 1]",
     ),
+    ("mask of another width", [_seq(mask=[-1] * (MASK_WORDS + 1))], [], "seqs.masks.width_words"),
+    ("mask on a row that samples nothing", [_seq(sample=False, mask=ALL_ALLOWED)], [], "seqs.masks.rows[0]"),
+    ("mask allowing nothing", [_seq(mask=[0] * MASK_WORDS)], [], "seqs.masks.words"),
+    ("late mask on a row that samples nothing", [_seq(sample=False, mask_follows=True)], [], "seqs.flags[row 1]"),
     ("copy source outside the pool", [], [(NUM_BLOCKS, 3)], "copies[0].src"),
     ("copy onto itself", [], [(3, 3)], "copies[0].dst"),
     ("empty step", [], [], "seqs"),
@@ -123,7 +130,12 @@ BAD_COLUMNS = [
     ("a slot less than num_tokens", lambda c: c.slot_mapping.pop(), "seqs.slot_mapping: 22 entries"),
     ("table_lens past block_tables", lambda c: c.table_lens.__setitem__(1, 2), "seqs.block_tables: 3 entries"),
     ("extras of a row that does not exist", lambda c: c.extras[2].SetInParent(), "seqs.extras[row 2]"),
-    ("an unknown flag bit", lambda c: c.flags.__setitem__(1, c.flags[1] | 16), "seqs.flags[row 1]: unknown bits 0x10"),
+    ("an unknown flag bit", lambda c: c.flags.__setitem__(1, c.flags[1] | 32), "seqs.flags[row 1]: unknown bits 0x20"),
+    (
+        "mask words one short of rows x width",
+        lambda c: c.masks.CopyFrom(worker_pb2.TokenMasks(rows=[1], width_words=MASK_WORDS, words=b"\xff" * 4)),
+        f"seqs.masks.words: 4 bytes, but 1 rows x width_words {MASK_WORDS}",
+    ),
 ]
 
 
@@ -190,3 +202,55 @@ def test_info_describes_model_and_pool(stub):
     assert (info.model_type, info.num_blocks, info.block_size, info.max_model_len) == ("llama", NUM_BLOCKS, 16, 256)
     assert info.kv_dtype == "float32" and info.device == "cpu" and len(info.instance_id) == 32
     assert info.kv_bytes_per_block == 2 * info.num_layers * info.num_kv_heads * 16 * info.head_dim * 4
+
+
+def _allowing(ids: list[int]) -> list[int]:
+    allowed = np.zeros(32 * MASK_WORDS, dtype=bool)
+    allowed[ids] = True
+    return np.packbits(allowed, bitorder="little").view("<i4").tolist()
+
+
+def test_masked_rows_sample_the_best_allowed_token_inline_and_late(stub):
+    """Greedy under a mask is the argmax of the masked logits (the numpy reference), the
+    logprob stays the raw one; a step planned ahead gets its masks in a StepMasks call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scheduler_svc.structured.bitmask import apply_bitmask
+
+    worker, _ = stub
+    prompt, table, allowed = list(range(50, 70)), [20, 21], [7, 300, 301, 767]
+    words = _allowing(allowed)
+    first = by_seq(worker.Step(step_request(200, [_seq_masked(9, prompt, 0, table, words)])))[9]
+    logits = logits_of(first)
+    assert first.token_id in allowed and first.token_id == int(
+        apply_bitmask(logits[None], np.array([words]))[0].argmax()
+    )
+    np.testing.assert_allclose(first.logprob, logits[first.token_id] - np.logaddexp.reduce(logits), atol=1e-4)
+
+    ahead = dataclasses.replace(seq_step(9, [0], 20, table), token_from_previous_step=True, mask_follows=True)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(worker.Step, step_request(201, [ahead], previous_step_id=200))
+        with pytest.raises(grpc.RpcError) as err:  # another width: refused on the StepMasks call itself
+            worker.StepMasks(worker_pb2.StepMasksRequest(step_id=201, masks=token_masks([0], [[-1]])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "step_masks.masks.width_words" in err.value.details()
+        later = _allowing([first.token_id, 11])
+        worker.StepMasks(worker_pb2.StepMasksRequest(step_id=201, masks=token_masks([0], [later])))
+        second = by_seq(call.result(timeout=30))[9]
+    masked = apply_bitmask(logits_of(second)[None], np.array([later]))[0]
+    assert second.token_id == int(masked.argmax())
+
+    # Masks of other rows than the flagged ones: the step fails, naming the column.
+    ahead = dataclasses.replace(seq_step(9, [0], 21, table), token_from_previous_step=True, mask_follows=True)
+    other = seq_step(10, [5, 6], 0, [22])
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(worker.Step, step_request(202, [ahead, other], previous_step_id=201))
+        worker.StepMasks(worker_pb2.StepMasksRequest(step_id=202, masks=token_masks([1], [later])))
+        with pytest.raises(grpc.RpcError) as err:
+            call.result(timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "step_masks.masks.rows: [1], but the SEQ_FLAG_MASK_FOLLOWS rows of step 202 are [0]" in err.value.details()
+
+
+def _seq_masked(seq_id: int, tokens: list[int], start: int, table: list[int], words: list[int]) -> Seq:
+    return dataclasses.replace(seq_step(seq_id, tokens, start, table), mask=words)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -29,13 +29,15 @@ from worker_svc.models import DecoderModel
 from worker_svc.runner.batch import ForwardBatch, HostBatch, check_references, plan_batch
 from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
 from worker_svc.runner.last_samples import LastSamples
+from worker_svc.runner.late_masks import LateMasks
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
 from worker_svc.sampling.verify import verify_drafts
-from worker_svc.step.input import BoolArray, IntArray, StepInput, UIntArray
+from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
+from worker_svc.step.validation import check_late_rows
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -49,6 +51,7 @@ class ModelRunner:
         self.uploader = InputUploader(model.device)
         self._graphs: DecodeGraphs | None = None
         self.last_samples: LastSamples | None = None
+        self.late_masks = LateMasks()  # filled by StepMasks calls (Worker.deliver_masks)
 
     # ---- decode graphs ------------------------------------------------------------
     @property
@@ -137,6 +140,7 @@ class ModelRunner:
             host.sample_order,
             None if prompt is None else prompt.scoring,
             lambda: batch.input_ids[batch.sample_rows],
+            self._token_masks(step),
         )
         # The logprob paths' indices (and the prompt rows' batch rows) ride in the step's one upload.
         extra = (
@@ -180,6 +184,20 @@ class ModelRunner:
             "total_ms": (t3 - t0) * 1e3,
         }
         return StepOutput(step.step_id, samples, len(step.seqs.token_ids), timings, prompt_logprobs)
+
+    def _token_masks(self, step: StepInput) -> Callable[[], TokenMasks] | None:
+        """The step's masks for the sampler: those it carries, and those of its
+        SEQ_FLAG_MASK_FOLLOWS rows, waited for only when the sampler asks."""
+        inline, late_rows = step.seqs.masks, step.seqs.late_mask_rows
+        if not late_rows.size:
+            return None if inline is None else (lambda: inline)
+
+        def with_late() -> TokenMasks:
+            late, field_name = self.late_masks.take(step.step_id)
+            check_late_rows(field_name, step.step_id, late, late_rows)
+            return late if inline is None else TokenMasks.join([inline, late])
+
+        return with_late
 
 
 def _num_accepted(rows: HostPairs, host: HostBatch) -> IntArray:

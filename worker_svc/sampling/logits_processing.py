@@ -3,6 +3,9 @@
 
 Pure functions over a [R, V] block of logits (the processed rows only), in
 place, with vLLM v1's order and formulas:
+  0. structured outputs: the tokens a row's bitmask does not allow -> -inf
+     (`mask_tokens_`; scheduler_svc/structured/bitmask.py's `apply_bitmask` is its
+     numpy reference and the test oracle);
   1. blocked ids -> -inf;
   2. + bias;
   3. repetition (HF / vLLM): a logit of a token seen in the prompt or generated
@@ -17,6 +20,25 @@ whatever the number of rows.
 from __future__ import annotations
 
 import torch
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, W] int32 words -> [M, vocab] allowed flags: id t is bit t % 32 of word t // 32 (ids
+    past 32 * W are not allowed). An arithmetic shift keeps bit 31's meaning: only `& 1` is read."""
+    bits = (words[:, :, None] >> _BIT.to(words.device)) & 1
+    allowed = bits.view(words.shape[0], -1).bool()
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+
+
+def mask_tokens_(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of logits [R, V]: every token their bitmask words [M, W] do not allow -> -inf."""
+    allowed = unpack_bitmask(words, logits.shape[-1])
+    logits[rows] = logits[rows].masked_fill(~allowed, -torch.inf)
+    return logits
 
 
 def block_tokens_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

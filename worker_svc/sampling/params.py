@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker_svc.step.input import IntArray, RowExtras, SamplingColumns, SeqColumns
+from worker_svc.step.input import IntArray, RowExtras, SamplingColumns, SeqColumns, TokenMasks
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,9 @@ class SamplingParams:
     # penalty counts it (a decode whose input is the previous step's sample).
     input_ids: Callable[[], torch.Tensor] | None = None
     indices: LogprobIndices | None = None  # index_arrays() on the device, if the caller uploaded them
+    # Structured outputs: the allowed-token masks of some rows (rows of these params), asked for
+    # at sampling: a step planned ahead gets them only then (runner/late_masks.py).
+    token_masks: Callable[[], TokenMasks] | None = None
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -62,13 +65,16 @@ class SamplingParams:
         rows: IntArray,
         prompt: PromptScoring | None = None,
         input_ids: Callable[[], torch.Tensor] | None = None,
+        token_masks: Callable[[], TokenMasks] | None = None,
     ) -> SamplingParams:
         """The parameters of the step's rows `rows`, in that order; extras are
-        looked at only for the rows that have them."""
+        looked at only for the rows that have them. `token_masks`: the step's masks
+        (step rows), asked for when the sampler needs them."""
         where = np.full(len(seqs), -1, dtype=np.int64)
         where[rows] = np.arange(len(rows))
         extras = {int(where[row]): e for row, e in seqs.extras.items() if where[row] >= 0}
-        return cls(seqs.sampling.take(rows), seqs.context_lens[rows], extras, prompt, input_ids)
+        masks = None if token_masks is None else (lambda: token_masks().take(where))
+        return cls(seqs.sampling.take(rows), seqs.context_lens[rows], extras, prompt, input_ids, token_masks=masks)
 
     @property
     def asks_logprob_indices(self) -> bool:

@@ -29,12 +29,20 @@ import numpy.typing as npt
 import torch
 
 from kernels import reference
-from worker_svc.sampling.logits_processing import add_logit_bias_, apply_penalties_, block_tokens_, token_counts
+from worker_svc.sampling.logits_processing import (
+    add_logit_bias_,
+    apply_penalties_,
+    block_tokens_,
+    mask_tokens_,
+    token_counts,
+)
 from worker_svc.sampling.packed import Packed, PackedLayout
 from worker_svc.sampling.params import LogprobIndices, PromptScoring, SamplingParams
 from worker_svc.step.input import IntArray, RowExtras, UIntArray
 
 F64Array = npt.NDArray[np.float64]
+
+_NO_EXTRAS = RowExtras()
 
 # Columns of the per-row parameter block sent to the device in one copy.
 _TEMP, _GREEDY, _TOP_K, _TOP_P, _MIN_P, _KEY = range(6)
@@ -118,16 +126,24 @@ class Sampler:
         return parts
 
     def _process(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, their processed logits [R, V]) for the rows with blocked ids, a logit
-        bias or penalties; None (and no work at all) when no row has any."""
-        rows = sorted(row for row, e in params.extras.items() if e.processes_logits)
+        """(rows, their processed logits [R, V]) for the rows with a token mask, blocked
+        ids, a logit bias or penalties; None (and no work at all) when no row has any."""
+        masks = params.token_masks() if params.token_masks is not None else None
+        rows = sorted(
+            {row for row, e in params.extras.items() if e.processes_logits}.union(
+                [] if masks is None else masks.rows.tolist()
+            )
+        )
         if not rows:
             return None
-        inputs = _processing_inputs([params.extras[i] for i in rows], rows)
+        inputs = _processing_inputs([params.extras.get(i, _NO_EXTRAS) for i in rows], rows)
         on_device = _to_device(inputs.block, logits.device)
         part = dict(zip(inputs.names, torch.split(on_device, inputs.sizes)))
         rows_t = part["rows"].long()
         block = logits[rows_t]  # a copy: the raw logits stay for the logprobs
+        if masks is not None and len(masks):  # first: nothing processed may revive a token the mask forbids
+            local = torch.from_numpy(np.searchsorted(rows, masks.rows)).to(logits.device)
+            mask_tokens_(block, local, _to_device(masks.words, logits.device))
         block_tokens_(block, part["blocked_rows"].long(), part["blocked_ids"].long())
         add_logit_bias_(block, part["bias_rows"].long(), part["bias_ids"].long(), part["bias_values"])
         if inputs.penalized.size:
@@ -241,7 +257,7 @@ def _top_pairs(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, n: i
     return torch.stack([ids.double(), logprobs.double()], dim=-1).view(-1, 2)
 
 
-def _to_device(block: F64Array, device: torch.device) -> torch.Tensor:
+def _to_device(block: F64Array | npt.NDArray[np.int32], device: torch.device) -> torch.Tensor:
     host = torch.from_numpy(block)
     if device.type == "cuda":
         host = host.pin_memory()

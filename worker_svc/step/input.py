@@ -18,6 +18,7 @@ IntArray = npt.NDArray[np.int64]
 UIntArray = npt.NDArray[np.uint64]
 BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float32]
+Int32Array = npt.NDArray[np.int32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,30 @@ class SamplingColumns:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenMasks:
+    """Allowed-token bitmasks of some rows (structured outputs), a sparse column:
+    row rows[i] may sample token t iff bit t % 32 of words[i, t // 32] is set."""
+
+    rows: IntArray  # [M] the rows they belong to (step rows on the wire, sampled rows in SamplingParams)
+    words: Int32Array  # [M, W] little-endian int32 words, W = ceil(vocab / 32)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, where: IntArray) -> TokenMasks:
+        """The same masks with each row renamed to where[row]."""
+        return TokenMasks(where[self.rows], self.words)
+
+    @staticmethod
+    def join(parts: Sequence[TokenMasks]) -> TokenMasks:
+        return TokenMasks(np.concatenate([p.rows for p in parts]), np.concatenate([p.words for p in parts]))
+
+
+def _no_rows() -> IntArray:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
 class SeqColumns:
     """A step's sequences (all integer columns int64 but seq_ids)."""
 
@@ -93,7 +118,11 @@ class SeqColumns:
     extras: Mapping[int, RowExtras] = field(default_factory=dict)  # row -> its rare options
     # Speculative decoding: [S] the row's last num_drafts tokens are drafts to verify
     # (sampling/verify.py); empty: no row carries any.
-    num_drafts: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    num_drafts: IntArray = field(default_factory=_no_rows)
+    # Structured outputs: the masks sent with the step, and the rows whose masks follow
+    # in a StepMasks call (SEQ_FLAG_MASK_FOLLOWS).
+    masks: TokenMasks | None = None
+    late_mask_rows: IntArray = field(default_factory=_no_rows)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -138,6 +167,8 @@ class StepInput:
     seqs: SeqColumns
     # Planned ahead of that step's result: run only right after it (overlapped scheduling).
     previous_step_id: int | None = None
+    # The late masks of that step (its SEQ_FLAG_MASK_FOLLOWS rows), riding along with this one.
+    previous_step_masks: TokenMasks | None = None
 
 
 def ranges(starts: IntArray, lens: IntArray) -> IntArray:

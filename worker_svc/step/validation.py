@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from worker_svc.step.errors import InvalidStep, row_field
-from worker_svc.step.input import IntArray, RowExtras, SeqColumns, StepInput
+from worker_svc.step.input import IntArray, RowExtras, SeqColumns, StepInput, TokenMasks
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +116,8 @@ def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limit
             "SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP needs exactly one (placeholder) token and the step's previous_step_id",
         )
     _validate_drafts(seqs)
+    if seqs.masks is not None or seqs.late_mask_rows.size:
+        _validate_mask_rows(seqs, limits.vocab_size)
     for row, extras in sorted(seqs.extras.items()):
         if seqs.sample[row] and (extras.top_logprobs or extras.processes_logits):
             _validate_logit_processing(row_field("extras", row), extras, limits.vocab_size)
@@ -140,6 +142,10 @@ def _validate_drafts(seqs: SeqColumns) -> None:
             row_field("num_drafts", i),
             "drafts need a greedy sampling row (temperature 0), its input in token_ids, no returned logits",
         )
+    inline = seqs.masks.rows if seqs.masks is not None else np.zeros(0, dtype=np.int64)
+    masked = np.concatenate([inline, seqs.late_mask_rows])
+    if (i := _first(drafts[masked] > 0)) is not None:
+        raise InvalidStep(row_field("num_drafts", int(masked[i])), "drafts cannot be verified under a token mask")
     for row, e in seqs.extras.items():
         if drafts[row] and (e.top_logprobs or e.processes_logits or len(e.prompt_logprob_targets)):
             raise InvalidStep(
@@ -231,4 +237,69 @@ def _validate_prompt_logprobs(row: int, e: RowExtras, num_tokens: int, vocab_siz
     if not 0 <= e.prompt_top_logprobs <= vocab_size:
         raise InvalidStep(
             f"{field_name}.prompt_top_logprobs", f"must be in [0, {vocab_size}], got {e.prompt_top_logprobs}"
+        )
+
+
+# ---- structured outputs: token masks ----------------------------------------------------------
+
+
+def mask_width(vocab_size: int) -> int:
+    """int32 words of one mask row: ceil(vocab / 32) (the scheduler's rule, bitmask.py)."""
+    return (vocab_size + 31) // 32
+
+
+def check_mask_shape(field_name: str, rows: int, width: int, num_bytes: int) -> None:
+    """A TokenMasks message holds rows x width int32 words, before they are read."""
+    if num_bytes != 4 * rows * width:
+        raise InvalidStep(
+            f"{field_name}.words",
+            f"{num_bytes} bytes, but {rows} rows x width_words {width} x 4 bytes = {4 * rows * width}",
+        )
+
+
+def validate_masks(field_name: str, masks: TokenMasks, vocab_size: int) -> None:
+    """The width is this worker's, and every row allows some token of its vocabulary."""
+    width = masks.words.shape[1]
+    if width != (want := mask_width(vocab_size)):
+        raise InvalidStep(
+            f"{field_name}.width_words",
+            f"{width} words per row; a vocabulary of {vocab_size} ids takes ceil({vocab_size} / 32) = {want}",
+        )
+    if not len(masks):
+        return
+    valid = masks.words.copy()
+    valid[:, -1] &= np.int32(-1) if vocab_size % 32 == 0 else np.int32((1 << (vocab_size % 32)) - 1)
+    if (i := _first(np.all(valid == 0, axis=1))) is not None:
+        raise InvalidStep(f"{field_name}.words", f"the mask of row {masks.rows[i]} allows no token")
+
+
+def _validate_mask_rows(seqs: SeqColumns, vocab_size: int) -> None:
+    """Masks belong to sampling rows, each row's once (inline or late); inline rows ascending."""
+    late = seqs.late_mask_rows
+    if (i := _first(~seqs.sample[late])) is not None:
+        raise InvalidStep(row_field("flags", int(late[i])), "SEQ_FLAG_MASK_FOLLOWS on a row that samples nothing")
+    if seqs.masks is None:
+        return
+    rows = seqs.masks.rows
+    bad = (rows < 0) | (rows >= len(seqs))
+    bad[1:] |= rows[1:] <= rows[:-1]
+    if (i := _first(bad)) is not None:
+        raise InvalidStep(f"seqs.masks.rows[{i}]", f"row {rows[i]}: rows must be ascending and in [0, {len(seqs)})")
+    if (i := _first(~seqs.sample[rows])) is not None:
+        raise InvalidStep(f"seqs.masks.rows[{i}]", f"row {rows[i]} samples nothing")
+    if (i := _first(np.isin(rows, late))) is not None:
+        raise InvalidStep(
+            f"seqs.masks.rows[{i}]", f"row {rows[i]} is flagged SEQ_FLAG_MASK_FOLLOWS: its mask comes in StepMasks"
+        )
+    validate_masks("seqs.masks", seqs.masks, vocab_size)
+
+
+def check_late_rows(field_name: str, step_id: int, masks: TokenMasks, expected_rows: IntArray) -> None:
+    """Late masks (a StepMasks call's, or the next step's previous_step_masks: `field_name`) are
+    those of exactly the step's SEQ_FLAG_MASK_FOLLOWS rows (their width and contents were checked
+    when they came: validate_masks)."""
+    if not np.array_equal(masks.rows, expected_rows):
+        raise InvalidStep(
+            f"{field_name}.rows",
+            f"{masks.rows.tolist()}, but the SEQ_FLAG_MASK_FOLLOWS rows of step {step_id} are {expected_rows.tolist()}",
         )

@@ -1,0 +1,143 @@
+"""Structured outputs, token-exact: a greedy constrained request through real
+worker and scheduler processes equals transformers' greedy `generate` with the
+same mask applied to its logits by a logits processor (the grammar engine's
+numpy reference), in fp32 on a tiny random checkpoint, where the mask alone
+decides what is valid. Constrained and free requests run side by side, with
+chunked prefill, and samples of one constrained request (n > 1, each with its
+own matcher) that outgrow the pool and preempt each other, in every scheduling
+mode: planned ahead with late masks (the default), constrained rows held back,
+strict alternation."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from proto import serving_pb2
+from scheduler_svc.client import SchedulerClient
+from scheduler_svc.structured import Constraint, GrammarCompiler, GrammarMatcher, GrammarVocab, apply_bitmask
+from scheduler_svc.text.tokenizer import load_tokenizer
+from tests.helpers.cluster import hf_greedy, wait_idle
+from tools.processes import Cluster
+
+WAIT_S = 120.0
+MODES = {"late masks": [], "held back": ["--no-constrained-ahead"], "sync": ["--no-async-scheduling"]}
+# Small budgets: prompts are chunked and requests wait; 28 blocks of 16 for the crowded samples below.
+SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}(-[0-9]{1,3})+"
+CHOICES = ["red", "green", "blue sky"]
+LARK = 'start: "(" item (", " item)* ")"\nitem: /[a-z]{1,5}/'
+# (GenerateRequest fields, the same constraint for the reference, max_tokens)
+CONSTRAINTS = [
+    ({"json_schema": json.dumps(SCHEMA)}, Constraint.json_schema(SCHEMA), 60),
+    ({"regex": REGEX}, Constraint.regex(REGEX), 30),
+    ({"choice": serving_pb2.ChoiceList(choices=CHOICES)}, Constraint.choice(CHOICES), 10),
+    ({"grammar": LARK}, Constraint.grammar(LARK), 40),
+    ({}, None, 20),
+]
+# An order that cannot be complete within max_tokens: four greedy samples of 20 + 100 tokens need
+# 1 shared + 4 x 7 own blocks > 28, so they preempt each other whatever the timing.
+ORDER = {
+    "type": "array",
+    "minItems": 40,
+    "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}},
+}
+CROWDING_PROMPT, CROWDING_SAMPLES, CROWDING_TOKENS = list(range(40, 60)), 4, 100
+
+
+class GrammarMask(LogitsProcessor):
+    """The request's grammar over transformers' greedy search: advanced with each token
+    generated so far, its mask applied to the next token's logits."""
+
+    def __init__(self, matcher: GrammarMatcher, prompt_len: int):
+        self.matcher, self.prompt_len = matcher, prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for token in input_ids[0, self.prompt_len + self.matcher.num_tokens :].tolist():
+            self.matcher.advance(token)
+        if not self.matcher.needs_mask:
+            return scores
+        return torch.from_numpy(apply_bitmask(scores.numpy(), self.matcher.mask()[None]))
+
+
+def reference(model, compiler, prompt: list[int], constraint: Constraint | None, max_tokens: int) -> list[int]:
+    """transformers' greedy tokens under the mask, up to where the scheduler ends the request:
+    the token that completes the grammar (the EOS it would force is never sampled)."""
+    if constraint is None:
+        return hf_greedy(model, prompt, max_tokens)
+    grammar = compiler.compile(constraint)
+    mask = LogitsProcessorList([GrammarMask(GrammarMatcher(grammar), len(prompt))])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, logits_processor=mask)
+    tokens = out[0, len(prompt) :].tolist()
+    walk = GrammarMatcher(grammar)
+    for i, token in enumerate(tokens):
+        walk.advance(token)
+        if walk.is_complete:
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def compiler(model_dir):
+    compiler = GrammarCompiler(GrammarVocab.from_model_tokenizer(load_tokenizer(model_dir)))
+    yield compiler
+    compiler.close()
+
+
+def _cases() -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(26)
+    return [(rng.integers(4, 700, rng.integers(3, 60)).tolist(), i % len(CONSTRAINTS)) for i in range(15)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model_dir, model, compiler):
+    cases = _cases()
+    worker = ["--dtype", "float32", "--num-blocks", "28"]
+    with Cluster(model_dir, worker, SCHEDULER + MODES[mode]) as cluster, SchedulerClient(cluster.address) as client:
+
+        def run(case: tuple[list[int], int]):
+            prompt, kind = case
+            fields, _, max_tokens = CONSTRAINTS[kind]
+            return client.generate(
+                prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, timeout=WAIT_S, **fields
+            )
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            results = list(pool.map(run, cases))
+        samples: dict[int, list[int]] = {i: [] for i in range(CROWDING_SAMPLES)}
+        for reply in client.stream(
+            prompt_token_ids=CROWDING_PROMPT,
+            max_tokens=CROWDING_TOKENS,
+            temperature=0.0,
+            n=CROWDING_SAMPLES,
+            json_schema=json.dumps(ORDER),
+            timeout=WAIT_S,
+        ):
+            samples[reply.index].extend(reply.token_ids)
+        stats = wait_idle(client)
+        log = cluster.scheduler.log()
+    for (prompt, kind), got in zip(cases, results):
+        _, constraint, max_tokens = CONSTRAINTS[kind]
+        want = reference(model, compiler, prompt, constraint, max_tokens)
+        assert got.token_ids == want, (mode, kind, prompt)
+    crowded = reference(model, compiler, CROWDING_PROMPT, Constraint.json_schema(ORDER), CROWDING_TOKENS)
+    assert len(crowded) == CROWDING_TOKENS and all(tokens == crowded for tokens in samples.values())
+    assert stats.preemptions > 0, "samples that outgrow the pool must preempt each other"
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+    assert "engine audit failed" not in log
