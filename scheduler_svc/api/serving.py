@@ -65,7 +65,13 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     eos, salt = engine.tokenizer.eos_token_ids, msg.cache_salt or None
     if n == 1:
         return Request(
-            request_id, engine.requests.next_seq_id(), prompt_ids, sampling, eos_token_ids=eos, cache_salt=salt
+            request_id,
+            engine.requests.next_seq_id(),
+            prompt_ids,
+            sampling,
+            eos_token_ids=eos,
+            cache_salt=salt,
+            no_speculation=msg.no_speculation,
         )
     children = [
         Request(
@@ -76,6 +82,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
             sample_index=i,
             eos_token_ids=eos,
             cache_salt=salt,
+            no_speculation=msg.no_speculation,
         )
         for i in range(n)
     ]
