@@ -357,6 +357,8 @@ class EngineCore:
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
+        spec = self.planner.drafter.counters if self.planner.drafter is not None else None
+        accepted_before = spec.accepted_tokens if spec is not None else 0
         updates = self.planner.update(plan, result.samples)
         if following is not None and following.plan.late_mask_rows:
             await self._start_late_masks(following)  # the worker waits for them
@@ -377,6 +379,8 @@ class EngineCore:
                 late_masks=len(plan.late_mask_rows),
                 late_masks_call=step.masks_call is not None,
                 mask_ms=round(step.mask_ms, 3),
+                drafts=sum(s.num_drafts for s in plan.seqs),
+                accepted=spec.accepted_tokens - accepted_before if spec is not None else 0,
                 request_ids=[s.request_id for s in plan.seqs],
             )
         return updates

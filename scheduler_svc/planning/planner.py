@@ -27,7 +27,8 @@ slots for them all; update() keeps the drafts the worker accepted and its token
 after them, ends the request inside the run where EOS, a stop id or max_tokens
 says so, and releases the slots of the rejected positions (KVManager.trim). A
 request with drafts in flight is not planned ahead: its next input depends on
-how many are accepted. Rows without drafts keep full overlap.
+how many are accepted, and no step is planned ahead of a step with drafts
+(can_plan_ahead), so a request that drafts can draft in every step.
 
 Structured outputs: a request with a grammar (Request.grammar) samples under
 its allowed-token mask. update() advances the grammar with each token it
@@ -446,8 +447,14 @@ class Planner:
 
     @property
     def can_plan_ahead(self) -> bool:
-        """One step is in flight and the next may be planned before its result."""
-        return len(self._in_flight) == 1 and not self._in_flight[0].plan.deferred
+        """One step is in flight and the next may be planned before its result. Not
+        behind a step with drafts: its drafting requests go on drafting in the next
+        step (planned ahead they would sit it out), and on a CPU a step's forward
+        dwarfs what overlapping the plan saves."""
+        if len(self._in_flight) != 1:
+            return False
+        plan = self._in_flight[0].plan
+        return not plan.deferred and not any(seq.num_drafts for seq in plan.seqs)
 
     def _schedule_running(self, budget: _StepBudget, preempted: list[str], decodes: bool) -> None:
         """Decodes (one token left) of running requests, or else their next prefill chunks; oldest first."""

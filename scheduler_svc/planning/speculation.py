@@ -11,11 +11,12 @@ flight), and which has not opted out.
 
 Overlapped scheduling plans a decode ahead of the token it follows, which
 leaves nothing to look up, so a request that drafts is not planned ahead: it
-waits for its token and drafts in the plan after. That costs it a step's
-overlap, worth it only while its drafts get accepted: a request whose lookup
-finds nothing, or whose drafts all get rejected, backs off and is planned
-ahead as usual for a while (4 decodes, doubling up to 64 while it keeps
-missing) before it waits to draft again.
+waits for its token and drafts in the plan after, and no step is planned ahead
+of a step with drafts (Planner.can_plan_ahead). Waiting costs the request a
+step when others keep the worker busy, worth it only while its drafts get
+accepted: a request whose lookup finds nothing, or whose drafts all get
+rejected, backs off and is planned ahead as usual for a while (2 decodes,
+doubling up to 32 while it keeps missing) before it waits to draft again.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def can_draft(request: Request) -> bool:
     )
 
 
-_BACKOFF_FIRST, _BACKOFF_MAX = 4, 64
+_BACKOFF_FIRST, _BACKOFF_MAX = 2, 32
 
 
 @dataclass(slots=True)
