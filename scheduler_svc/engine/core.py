@@ -390,7 +390,10 @@ class EngineCore:
         self.kv_events.publish(self.planner.kv.take_events())
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        stopped: set[str] = set()  # ended by a stop string in this step
         for update in updates:
+            if update.request_id in stopped:
+                continue  # the rest of an accepted run of drafts, after the stop string
             if update.error is not None:  # the planner has ended it
                 self._fail_request(update.request_id, update.error)
                 continue
@@ -400,6 +403,7 @@ class EngineCore:
                 continue
             if stream.on_update(update):
                 self.planner.finish(update.request_id, FinishReason.STOP)
+                stopped.add(update.request_id)
             if stream.closed:
                 del self.streams[update.request_id]
                 if not update.forked:  # a fork parent's samples carry on under their own ids
