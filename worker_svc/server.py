@@ -153,6 +153,7 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         top_logprobs=top[:, 1].tolist(),
         logits={row: t.float().numpy().astype("<f4").tobytes() for row, t in rows.logits.items()},
         num_accepted=rows.num_accepted.tolist(),
+        draft_logprobs=rows.draft_logprobs.tolist(),
     )
     prompt_logprobs = [
         worker_pb2.PromptLogprobs(

@@ -178,7 +178,9 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
                 top[seq_id] = tuple(pairs[end : end + count])
                 end += count
     prompt = {p.seq_id: _prompt_rows(p) for p in reply.prompt_logprobs}
-    samples = StepSamples(seq_ids, list(c.token_ids), list(c.logprobs), top, prompt, list(c.num_accepted))
+    samples = StepSamples(
+        seq_ids, list(c.token_ids), list(c.logprobs), top, prompt, list(c.num_accepted), list(c.draft_logprobs)
+    )
     return StepResult(samples, reply.instance_id, reply.timings.forward_ms)
 
 

@@ -221,12 +221,22 @@ class StepSamples:
     top: dict[int, Alternatives] = field(default_factory=dict)  # seq_id -> the sampled token's alternatives
     # seq_id -> one (logprob, alternatives) per ScheduledSeq.prompt_logprob_targets entry
     prompt: dict[int, list[tuple[float, Alternatives]]] = field(default_factory=dict)
-    # Per row: drafts accepted, token_ids[row] following them (empty: the step carried none).
+    # Per row: drafts accepted, token_ids[row] following them (empty: the step carried none),
+    # and the accepted drafts' logprobs, row after row.
     num_accepted: list[int] = field(default_factory=list)
+    draft_logprobs: list[float] = field(default_factory=list)
     rows: dict[int, int] = field(init=False, repr=False)  # seq_id -> row
 
     def __post_init__(self) -> None:
         self.rows = dict(zip(self.seq_ids, range(len(self.seq_ids))))
+
+    def accepted(self, row: int) -> tuple[int, list[float]]:
+        """(drafts accepted, their logprobs) of a row."""
+        if not self.num_accepted:
+            return 0, []
+        start = sum(self.num_accepted[:row])  # only drafting rows ask: a few per step
+        count = self.num_accepted[row]
+        return count, self.draft_logprobs[start : start + count]
 
 
 @dataclass(slots=True)
@@ -736,15 +746,14 @@ class Planner:
         slots past the computed tokens (rejected drafts) are released first."""
         assert self.drafter is not None, "a plan with drafts from a planner that does not draft"
         row = samples.rows[seq.seq_id]
-        accepted = samples.num_accepted[row] if samples.num_accepted else 0
-        if not 0 <= accepted <= seq.num_drafts:
+        accepted, draft_logprobs = samples.accepted(row)
+        if not 0 <= accepted <= seq.num_drafts or len(draft_logprobs) != accepted:
             raise ValueError(f"seq_id {seq.seq_id}: {accepted} drafts accepted of {seq.num_drafts}")
         self.drafter.record(request.request_id, seq.num_drafts, accepted)
         computed = seq.start_pos + 1 + accepted  # the input and the accepted drafts have their K/V
         request.num_computed_tokens = computed
         self.kv.trim(request, computed)
-        # The drafts' own logprobs are not sent: a request that asks for logprobs never drafts.
-        run = [(t, 0.0) for t in seq.token_ids[1 : 1 + accepted]] + [(samples.token_ids[row], samples.logprobs[row])]
+        run = [*zip(seq.token_ids[1 : 1 + accepted], draft_logprobs), (samples.token_ids[row], samples.logprobs[row])]
         updates, reason = [], None
         for token_id, logprob in run:
             request.append_output(token_id, logprob)

@@ -68,7 +68,7 @@ class FakeWorker:
         for seq in plan.seqs:
             for i, slot in enumerate(seq.slot_mapping):
                 self.slots[slot] = (seq.start_pos + i, inputs[seq.seq_id][i])
-        sampled, accepted = {}, {}
+        sampled, accepted, draft_logprobs = {}, {}, {}
         for seq, context in zip(plan.seqs, contexts):
             if seq.sample:
                 known = len(context) - seq.num_drafts  # the context before the drafts
@@ -79,8 +79,11 @@ class FakeWorker:
                 if allowed is not None and seq.seq_id in allowed:
                     token = allowed[seq.seq_id][token % len(allowed[seq.seq_id])]
                 sampled[seq.seq_id], accepted[seq.seq_id] = (token, -float(token) / self.vocab_size), n
+                draft_logprobs[seq.seq_id] = [-float(t) / self.vocab_size for t in context[known : known + n]]
         self.last_step_id, self.last_sampled = plan.step_id, sampled
-        return samples_of(sampled, accepted if any(s.num_drafts for s in plan.seqs) else None)
+        if not any(s.num_drafts for s in plan.seqs):
+            return samples_of(sampled)
+        return samples_of(sampled, accepted, draft_logprobs)
 
     def _inputs(self, plan: StepPlan, seq) -> list[int]:
         if not seq.token_from_previous_step:
@@ -115,9 +118,15 @@ class FakeWorker:
         return context
 
 
-def samples_of(sampled: dict[int, tuple[int, float]], accepted: dict[int, int] | None = None) -> StepSamples:
-    """(token id, logprob) per seq_id as a step's sampled columns; `accepted`: drafts
-    accepted per seq_id, when the step carried drafts."""
+def samples_of(
+    sampled: dict[int, tuple[int, float]],
+    accepted: dict[int, int] | None = None,
+    draft_logprobs: dict[int, list[float]] | None = None,
+) -> StepSamples:
+    """(token id, logprob) per seq_id as a step's sampled columns; `accepted` and
+    `draft_logprobs`: drafts accepted per seq_id and their logprobs, when the step
+    carried drafts."""
     num_accepted = [accepted[seq_id] for seq_id in sampled] if accepted is not None else []
+    flat = [lp for seq_id in sampled for lp in (draft_logprobs or {}).get(seq_id, [])]
     tokens, logprobs = [token for token, _ in sampled.values()], [lp for _, lp in sampled.values()]
-    return StepSamples(list(sampled), tokens, logprobs, num_accepted=num_accepted)
+    return StepSamples(list(sampled), tokens, logprobs, num_accepted=num_accepted, draft_logprobs=flat)

@@ -77,6 +77,7 @@ def test_tiny_model_tokens_are_exact_with_speculation(mode):
         for (ids, n), got, want in zip(cases, spec, plain):
             assert got.token_ids == want.token_ids == hf_greedy(ref, ids, n)
             assert got.completion_tokens == want.completion_tokens
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)  # accepted drafts' too
         totals = spec_totals(f"http://127.0.0.1:{port}/metrics")
         assert totals["pagedserve_spec_decode_drafts_total"] > 0
         assert_pool_clean(client, cluster)

@@ -34,8 +34,9 @@ def step_with_drafts(worker: WorkerUnderTest, seq_id: int, tokens: list[int], st
     request = step_request(worker.step_id, [seq_step(seq_id, tokens, start, TABLE, logits=False)])
     request.seqs.num_drafts.extend([drafts])
     reply = worker.stub.Step(request)
-    assert list(reply.sampled.num_accepted) == [reply.sampled.num_accepted[0]]
-    return reply.sampled.num_accepted[0], reply.sampled.token_ids[0]
+    (accepted,) = reply.sampled.num_accepted
+    assert len(reply.sampled.draft_logprobs) == accepted
+    return accepted, reply.sampled.token_ids[0], list(reply.sampled.draft_logprobs)
 
 
 @pytest.mark.parametrize("wrong_at", [0, 3, None])
@@ -48,10 +49,14 @@ def test_verification_gives_the_greedy_tokens_and_decoding_goes_on(worker, wrong
     drafts = list(expected[1:6])  # 5 drafts, right up to wrong_at
     if wrong_at is not None:
         drafts[wrong_at] = (drafts[wrong_at] + 1) % worker.info.vocab_size
-    accepted, bonus = step_with_drafts(worker, seq_id, [first, *drafts], len(prompt), len(drafts))
+    accepted, bonus, draft_logprobs = step_with_drafts(worker, seq_id, [first, *drafts], len(prompt), len(drafts))
     assert accepted == (5 if wrong_at is None else wrong_at)
     tokens = [first, *expected[1 : 1 + accepted], bonus]
     assert tokens == expected[: len(tokens)]
+    # Each accepted draft's logprob is the one transformers gives that token there.
+    ref = torch.log_softmax(torch.from_numpy(worker.ref_logits(prompt + expected[:accepted])), dim=-1)
+    want = [float(ref[len(prompt) + i, expected[i + 1]]) for i in range(accepted)]
+    assert draft_logprobs == pytest.approx(want, abs=1e-4)
     # The rejected drafts' K/V sit past the context the next steps attend to: decoding goes on exactly.
     while len(tokens) < len(expected):
         start = len(prompt) + len(tokens) - 1

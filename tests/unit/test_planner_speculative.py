@@ -19,6 +19,8 @@ from scheduler_svc.speculative.ngram import NgramConfig
 from tests.helpers.fake_worker import FakeWorker, samples_of
 from tests.helpers.planner_sim import tokens_of
 
+PROMPT = [3, 1, 4, 1, 5, 9, 2] * 3  # cyclic copies it: long accepted runs
+
 BS, VOCAB = 16, 1000
 SPEC = NgramConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3)
 
@@ -46,10 +48,10 @@ def requests(seed: int, count: int, eos: frozenset[int] = frozenset(), **samplin
     return out
 
 
-def run(planner: Planner, worker: FakeWorker, ahead: bool) -> tuple[dict[str, list[int]], int]:
-    """(tokens per request, steps run), keeping one step planned ahead if `ahead`
-    (the fake worker runs each step as it is sent, in order, as the engine's worker)."""
-    outputs: dict[str, list[int]] = defaultdict(list)
+def run(planner: Planner, worker: FakeWorker, ahead: bool) -> tuple[dict[str, list[tuple[int, float]]], int]:
+    """((token, logprob) per request, steps run), keeping one step planned ahead if
+    `ahead` (the fake worker runs each step as it is sent, in order, as the engine's worker)."""
+    outputs: dict[str, list[tuple[int, float]]] = defaultdict(list)
     in_flight: deque[tuple[StepPlan, StepSamples]] = deque()
     steps = 0
     while planner.has_work() or in_flight:
@@ -62,7 +64,7 @@ def run(planner: Planner, worker: FakeWorker, ahead: bool) -> tuple[dict[str, li
         plan, sampled = in_flight.popleft()
         steps += bool(plan.seqs)
         for update in planner.update(plan, sampled):
-            outputs[update.request_id].extend(tokens_of(update))
+            outputs[update.request_id].extend((t, update.logprob) for t in tokens_of(update))
         planner.audit()
     planner.audit()
     assert planner.kv.pool.num_used_blocks == 0
@@ -92,7 +94,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding_in_fewer_steps(seed, ahe
 
 @pytest.mark.parametrize("max_tokens", range(1, 14))
 def test_max_tokens_can_fall_inside_an_accepted_run(max_tokens):
-    prompt = [3, 1, 4, 1, 5, 9, 2] * 3  # cyclic copies it: long accepted runs
+    prompt = PROMPT
     for spec in (None, SPEC):
         planner, worker = make(spec)
         planner.add(Request("r", 1, list(prompt), SamplingOptions(temperature=0.0, max_tokens=max_tokens)))
@@ -105,21 +107,21 @@ def test_max_tokens_can_fall_inside_an_accepted_run(max_tokens):
 
 
 def test_eos_inside_an_accepted_run_ends_the_request_there():
-    prompt = [3, 1, 4, 1, 5, 9, 2] * 3
+    prompt = PROMPT
     outputs = []
     for spec in (None, SPEC):
         planner, worker = make(spec)
         options = SamplingOptions(temperature=0.0, max_tokens=40)
         planner.add(Request("r", 1, list(prompt), options, eos_token_ids=frozenset({5})))
         outputs.append(run(planner, worker, ahead=False)[0]["r"])
-    assert outputs[0] == outputs[1] and outputs[1][-1] == 5 and len(outputs[1]) < 40
+    assert outputs[0] == outputs[1] and outputs[1][-1][0] == 5 and len(outputs[1]) < 40
     # The EOS was a draft with drafts after it: the run was cut there.
     last = worker.steps[-1].seqs[0]
     assert last.num_drafts and 5 in last.token_ids[1:-1]
 
 
 def test_the_length_limit_bounds_the_drafts():
-    prompt = [3, 1, 4, 1, 5, 9, 2] * 3
+    prompt = PROMPT
     planner, worker = make(SPEC, max_model_len=len(prompt) + 6)
     planner.add(Request("r", 1, list(prompt), SamplingOptions(temperature=0.0, max_tokens=100)))
     out, _ = run(planner, worker, ahead=False)
@@ -137,7 +139,7 @@ def test_the_length_limit_bounds_the_drafts():
     ],
 )
 def test_requests_that_cannot_be_verified_exactly_never_draft(sampling):
-    prompt = [3, 1, 4, 1, 5, 9, 2] * 3
+    prompt = PROMPT
     planner, worker = make(SPEC)
     planner.add(Request("r", 1, list(prompt), SamplingOptions(max_tokens=30, **sampling)))
     run(planner, worker, ahead=False)
@@ -148,7 +150,7 @@ def test_requests_that_cannot_be_verified_exactly_never_draft(sampling):
 def test_no_drafts_before_min_tokens():
     """Until min_tokens, EOS is blocked at every position: the worker would not verify
     that, so the request decodes plainly until then and drafts after."""
-    prompt = [3, 1, 4, 1, 5, 9, 2] * 3
+    prompt = PROMPT
     planner, worker = make(SPEC)
     planner.add(Request("r", 1, list(prompt), SamplingOptions(temperature=0.0, max_tokens=40, min_tokens=20)))
     run(planner, worker, ahead=False)
@@ -157,7 +159,7 @@ def test_no_drafts_before_min_tokens():
 
 
 def test_a_request_can_opt_out():
-    prompt = [3, 1, 4, 1, 5, 9, 2] * 3
+    prompt = PROMPT
     planner, worker = make(SPEC)
     r = Request("r", 1, list(prompt), SamplingOptions(temperature=0.0, max_tokens=30), no_speculation=True)
     planner.add(r)
@@ -178,5 +180,6 @@ def test_rejected_drafts_leave_no_block_behind_and_never_reach_the_prefix_index(
     # Every full block a request computed is indexed under its own tokens: a rejected draft in one
     # would make a second request with the same prompt + outputs miss (or hit wrong tokens).
     r = requests(7, 10)[3]
-    _, tokens = planner.kv.get_computed_blocks(Request("again", 99, r.prompt_token_ids + out[r.request_id]))
-    assert tokens == (len(r.prompt_token_ids) + len(out[r.request_id]) - 1) // BS * BS
+    generated = [t for t, _ in out[r.request_id]]
+    _, tokens = planner.kv.get_computed_blocks(Request("again", 99, r.prompt_token_ids + generated))
+    assert tokens == (len(r.prompt_token_ids) + len(generated) - 1) // BS * BS

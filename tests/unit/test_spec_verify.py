@@ -11,15 +11,19 @@ import torch
 from worker_svc.sampling.verify import accept_greedy, verify_drafts
 
 
-def reference(logits_rows: list[torch.Tensor], drafts: list[int]) -> tuple[int, int, float]:
-    """(accepted, bonus token, its logprob) of one row: logits_rows[i] follows chunk position i."""
+def reference(logits_rows: list[torch.Tensor], drafts: list[int]) -> tuple[int, int, float, list[float]]:
+    """(accepted, bonus token, its logprob, the accepted drafts' logprobs) of one row:
+    logits_rows[i] follows chunk position i."""
+    kept: list[float] = []
     for i, draft in enumerate(drafts):
+        logprobs = torch.log_softmax(logits_rows[i].double(), -1)
         choice = int(logits_rows[i].argmax())
         if choice != draft:
-            return i, choice, float(torch.log_softmax(logits_rows[i].double(), -1)[choice])
+            return i, choice, float(logprobs[choice]), kept
+        kept.append(float(logprobs[draft]))
     last = logits_rows[len(drafts)]
     choice = int(last.argmax())
-    return len(drafts), choice, float(torch.log_softmax(last.double(), -1)[choice])
+    return len(drafts), choice, float(torch.log_softmax(last.double(), -1)[choice]), kept
 
 
 def test_accept_greedy_examples():
@@ -46,9 +50,12 @@ def test_verify_drafts_agrees_with_the_loop(seed: int):
     last_lp = torch.stack([torch.log_softmax(row[-1], -1)[i] for row, i in zip(rows, last_ids)])
     last = torch.stack([last_ids.double(), last_lp.double()], dim=1)
     flat = torch.tensor([d for ds in drafts for d in ds])
-    accepted, bonus = verify_drafts(inner, last, flat, counts.astype(np.int64))
+    accepted, bonus, inner_logprobs = verify_drafts(inner, last, flat, counts.astype(np.int64))
     expected = [reference(list(row), ds) for row, ds in zip(rows, drafts)]
     assert accepted.tolist() == [e[0] for e in expected]
     assert bonus[:, 0].long().tolist() == [e[1] for e in expected]
     assert bonus[:, 1].tolist() == pytest.approx([e[2] for e in expected], abs=1e-5)
+    starts = np.cumsum(counts) - counts
+    kept = [inner_logprobs[s : s + e[0]].tolist() for s, e in zip(starts, expected)]
+    assert kept == [pytest.approx(e[3], abs=1e-5) for e in expected]
     assert 0 < accepted.sum() < counts.sum()  # both outcomes were exercised

@@ -35,7 +35,7 @@ from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
 from worker_svc.sampling.verify import verify_drafts
-from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray
+from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray, ranges
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
 from worker_svc.step.validation import check_late_rows
 
@@ -107,15 +107,17 @@ class ModelRunner:
     def _verify(self, hidden: torch.Tensor, batch: ForwardBatch, host: HostBatch, packed: Packed) -> torch.Tensor:
         """Greedy verification of the rows with drafts (sampling/verify.py): each one's
         bonus token replaces its sample in `packed` (in place, so LastSamples and the
-        host copy see it); returns [R, 2] float64 rows (accepted, 0) to ride in that copy."""
+        host copy see it); returns what rides in that copy after it: [R + D, 2] float64,
+        a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
         device = hidden.device
         verify_rows = torch.from_numpy(host.verify_rows).to(device)
         inner = self.model.logits(hidden[verify_rows])
         drafts = batch.input_ids[verify_rows + 1]  # each inner position's next token is a draft
         rows = torch.from_numpy(host.draft_rows).to(device)
-        accepted, bonus = verify_drafts(inner, packed.tensor[rows], drafts, host.draft_counts)
+        accepted, bonus, inner_logprobs = verify_drafts(inner, packed.tensor[rows], drafts, host.draft_counts)
         packed.tensor[rows] = bonus
-        return torch.stack([accepted.double(), torch.zeros_like(accepted, dtype=torch.float64)], dim=1)
+        counted = torch.stack([accepted.double(), torch.zeros_like(accepted, dtype=torch.float64)], dim=1)
+        return torch.cat([counted, torch.stack([torch.zeros_like(inner_logprobs), inner_logprobs], dim=1)])
 
     # ---- steps --------------------------------------------------------------------
     @torch.inference_mode()
@@ -171,9 +173,9 @@ class ModelRunner:
             self.last_samples = LastSamples(step.step_id, seq_ids, packed.token_ids)
             everything = packed.tensor if accepted is None else torch.cat([packed.tensor, accepted])
             pairs = everything.cpu().numpy()
-            pairs, num_accepted = pairs[: len(packed.tensor)], _num_accepted(pairs[len(packed.tensor) :], host)
+            pairs, drafted = pairs[: len(packed.tensor)], _drafted(pairs[len(packed.tensor) :], host)
             return_logits = step.seqs.return_logits[host.sample_order]
-            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits, num_accepted)
+            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits, *drafted)
             if prompt is not None:
                 prompt_logprobs = prompt.unpack(pairs, packed.layout)
         t3 = time.perf_counter()
@@ -200,13 +202,17 @@ class ModelRunner:
         return with_late
 
 
-def _num_accepted(rows: HostPairs, host: HostBatch) -> IntArray:
-    """[N] drafts accepted per sampled row from _verify's packed rows; empty without drafts."""
+def _drafted(rows: HostPairs, host: HostBatch) -> tuple[IntArray, npt.NDArray[np.float64]]:
+    """From _verify's rows of the host copy: [N] drafts accepted per sampled row, and
+    the accepted drafts' logprobs, row after row; both empty without drafts."""
     if not host.draft_rows.size:
-        return _NONE
+        return _NONE, np.zeros(0)
+    num = len(host.draft_rows)
+    accepted = rows[:num, 0].astype(np.int64)
     out = np.zeros(len(host.sample_order), dtype=np.int64)
-    out[host.draft_rows] = rows[:, 0].astype(np.int64)
-    return out
+    out[host.draft_rows] = accepted
+    starts = np.cumsum(host.draft_counts) - host.draft_counts
+    return out, rows[num:, 1][ranges(starts, accepted)]
 
 
 def _sampled_rows(
@@ -217,6 +223,7 @@ def _sampled_rows(
     return_logits: BoolArray,
     logits: torch.Tensor,
     num_accepted: IntArray,
+    draft_logprobs: npt.NDArray[np.float64],
 ) -> SampledRows:
     """The samples' columns from the packed host copy: ids and logprobs sliced out
     whole; alternatives (cut to what each row asked) and logits rows only for the
@@ -229,6 +236,7 @@ def _sampled_rows(
         top={i: block[: params.extras[i].top_logprobs] for i, block in packed.layout.top(pairs).items()},
         logits=_logits_rows(logits, np.flatnonzero(return_logits)),
         num_accepted=num_accepted,
+        draft_logprobs=draft_logprobs,
     )
 
 

@@ -38,8 +38,9 @@ def accept_greedy(drafts: torch.Tensor, num_drafts: torch.Tensor, targets: torch
 
 def verify_drafts(
     inner_logits: torch.Tensor, last: torch.Tensor, drafts: torch.Tensor, counts: IntArray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted [R], (token id, logprob) [R, 2] float64 of each row's bonus token).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(accepted [R], (token id, logprob) [R, 2] float64 of each row's bonus token,
+    [D] float64 logprob of the argmax at each inner position: an accepted draft's).
 
     inner_logits [D, V]: the logits at the chunk positions before the last of
     every drafting row, row after row (D = counts.sum()); last [R, 2]: the
@@ -67,4 +68,4 @@ def verify_drafts(
     padded[row_of, column] = drafts.long()
     accepted = accept_greedy(padded, ends, targets)
     bonus = torch.stack([targets[every, accepted].double(), logprobs[every, accepted]], dim=1)
-    return accepted, bonus
+    return accepted, bonus, inner_logprobs.double()

@@ -25,6 +25,8 @@ class SampledRows:
     # Speculative decoding: [N] drafts accepted per row (token_ids then follows them);
     # empty when the step carried no drafts.
     num_accepted: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # The accepted drafts' logprobs (raw distribution), row after row: sum(num_accepted).
+    draft_logprobs: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def empty(cls) -> SampledRows:
