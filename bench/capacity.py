@@ -143,14 +143,17 @@ def layout_args(layout: str, model_len: int = MAX_SEQ_LEN) -> list[str]:
     ]
 
 
-def check_equal_memory(address_by_layout: dict[str, str]) -> dict[str, int]:
-    """KV bytes each worker allocated, from Info (they must be equal)."""
+def check_equal_memory(
+    address_by_layout: dict[str, str], metadata: tuple[tuple[str, str], ...] | None = None
+) -> dict[str, int]:
+    """KV bytes each worker allocated, from Info (they must be equal); `metadata`: a
+    Cluster's internal token."""
     from proto import worker_pb2, worker_pb2_grpc
 
     sizes = {}
     for layout, address in address_by_layout.items():
         with grpc.insecure_channel(address) as channel:
-            info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest())
+            info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), metadata=metadata)
         assert info.kv_layout == layout, (info.kv_layout, layout)
         sizes[layout] = info.num_blocks * info.kv_bytes_per_block
     return sizes
@@ -166,10 +169,11 @@ def part_workload(args) -> tuple[list[Run], dict[str, int]]:
     runs, memory = [], {}
     for layout, batch in configs:
         name = f"{layout}, batch {batch}"
-        worker_args = ["--dtype", args.dtype, *layout_args(layout)]
-        scheduler_args = ["--max-num-seqs", str(batch), "--max-waiting", "4096"]
+        # The scheduler takes --max-num-seqs from the worker's Info.
+        worker_args = ["--dtype", args.dtype, "--max-num-seqs", str(batch), *layout_args(layout)]
+        scheduler_args = ["--max-waiting", "4096"]
         with Cluster(Path(args.model), worker_args, scheduler_args) as cluster:
-            memory[layout] = check_equal_memory({layout: cluster.workers[0].address})[layout]
+            memory[layout] = check_equal_memory({layout: cluster.workers[0].address}, cluster.worker_metadata)[layout]
             with SchedulerClient(cluster.address) as client:  # warm-up: first-call costs off the clock
                 client.generate(prompt_token_ids=cases[0][0][:32], max_tokens=4, ignore_eos=True, timeout=300)
             run, _ = run_burst(cluster.address, cases, name)
@@ -220,8 +224,6 @@ def part_capacity(args) -> list[list]:
     # A step may hold every admitted prompt whole: admission then allocates a
     # sequence's whole prompt, and only a full pool stops it.
     scheduler_args = [
-        "--max-num-seqs",
-        "1024",
         "--max-num-batched-tokens",
         str(4 * TOKENS),
         "--chunk-size",
@@ -233,7 +235,9 @@ def part_capacity(args) -> list[list]:
     measured: dict[tuple[str, int], int] = {}
     bar = tqdm(total=2 * len(CAPACITY_LENGTHS), desc="capacity table", leave=False)
     for layout in ("contiguous", "paged"):
-        with Cluster(model, ["--dtype", "float32", *layout_args(layout)], scheduler_args) as cluster:
+        # --max-num-seqs 1024 on the worker: the scheduler takes it from its Info.
+        worker_args = ["--dtype", "float32", "--max-num-seqs", "1024", *layout_args(layout)]
+        with Cluster(model, worker_args, scheduler_args) as cluster:
             for length in CAPACITY_LENGTHS:
                 expected = TOKENS // length if layout == "paged" else CONTIGUOUS_BATCH
                 count = expected + max(4, expected // 4)  # more than fit: the surplus waits

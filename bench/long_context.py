@@ -68,7 +68,7 @@ def run(model, args, prompt: list[int], chunk: int | None, check_short: bool = F
     rng = random.Random(1)
     out = {}
     with Cluster(model, worker_args, scheduler_args) as cluster, SchedulerClient(cluster.address) as client:
-        info = worker_info(cluster.workers[0].address)
+        info = worker_info(cluster.workers[0].address, cluster.worker_metadata)
         pid = cluster.workers[0].proc.pid
         out["info"] = info
         if check_short:

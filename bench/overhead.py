@@ -200,10 +200,11 @@ def part_a(args, model: Path, bar) -> dict:
 # ---- part B: the real services -------------------------------------------------------
 def part_b(args, model: Path, seqs: list[int], bar) -> dict:
     log_args = ["--log-format", "json", "--log-level", "debug"]
-    worker_args = ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks), *log_args]
+    # --max-num-seqs on the worker: the scheduler takes it from its Info.
+    worker_args = ["--dtype", args.dtype, "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(max(seqs))]
     results = {}
     with (
-        Cluster(model, worker_args, [*log_args, "--max-num-seqs", str(max(seqs))]) as cluster,
+        Cluster(model, [*worker_args, *log_args], log_args) as cluster,
         SchedulerClient(cluster.address) as client,
     ):
         max_tokens = args.warmup + args.steps + 2

@@ -112,7 +112,7 @@ def main() -> None:
         SchedulerClient(off_cluster.address) as off,
     ):
         clients = {"on": on, "off": off}
-        info = worker_info(on_cluster.workers[0].address)
+        info = worker_info(on_cluster.workers[0].address, on_cluster.worker_metadata)
         for client in clients.values():  # warm-up; caches the system prompt where caching is on
             ttft_ms(client, system + question())
             ttft_ms(client, system + question())

@@ -15,13 +15,18 @@ RUN python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONPATH=/app
 COPY docker/requirements-scheduler.txt /tmp/requirements.txt
+# /secrets: where docker-compose.yml's `secrets` service writes (a named volume
+# takes this directory's owner when it is first mounted).
 RUN pip install --no-cache-dir -r /tmp/requirements.txt && rm /tmp/requirements.txt \
-    && useradd --system --uid 10001 --no-create-home pagedserve
+    && useradd --system --uid 10001 --no-create-home pagedserve \
+    && mkdir /secrets && chown pagedserve /secrets
 WORKDIR /app
 COPY proto/__init__.py proto/
 COPY --from=stubs /src/proto/*_pb2*.py proto/
 COPY svc_common/ svc_common/
 COPY scheduler_svc/ scheduler_svc/
+# The one-shot certificate and key maker (python -m tools.certs).
+COPY tools/__init__.py tools/certs.py tools/
 COPY docker/healthcheck.py /usr/local/bin/pagedserve-healthcheck
 USER pagedserve
 # Inside a container the service must listen on all interfaces to be reachable

@@ -29,6 +29,7 @@ from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
 from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.limits import BodyLimit
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.openapi import (
@@ -59,26 +60,28 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
+    rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
+    window = config.max_parallel_per_request
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
         constraint, field = structured.constraint_fields(body, parsers)
-        samples = convert.completion_samples(body, shape.id, config.max_n, constraint)
-        return await _generate(client, live, request, body, shape, samples, field)
+        samples = convert.completion_samples(body, shape.id, rules, _forwarded_key(request), constraint)
+        return await _generate(client, live, request, body, shape, samples, window, field)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         served(body.model)
         mode = body.tool_mode
         tools = [t.for_template() for t in body.tools or []] if mode != "none" else None
-        prompt = convert.chat_prompt(template, body.messages, body, tools)
+        prompt = await _render_chat(template, body, tools)
         constraint, field = structured.constraint_fields(body, parsers, prompt)
         reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
         shape = ResponseShape("chat", config.model_id, reading)
-        samples = convert.chat_samples(body, prompt, shape.id, config.max_n, constraint)
-        return await _generate(client, live, request, body, shape, samples, field)
+        samples = convert.chat_samples(body, prompt, shape.id, rules, _forwarded_key(request), constraint)
+        return await _generate(client, live, request, body, shape, samples, window, field)
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
@@ -102,10 +105,25 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
     app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
+    # An oversized body is refused before anything reads it (413), inside the metrics' count.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
     publish_openapi(app)
     return app
+
+
+# Messages longer than this (characters, all of them) are rendered in a worker thread:
+# the template's Python code then shares the GIL in slices instead of holding the loop.
+RENDER_INLINE_CHARS = 65_536
+
+
+async def _render_chat(
+    template: ChatTemplate | None, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+) -> str:
+    if sum(len(m.content or "") for m in body.messages) <= RENDER_INLINE_CHARS:
+        return convert.chat_prompt(template, body.messages, body, tools)
+    return await asyncio.to_thread(convert.chat_prompt, template, body.messages, body, tools)
 
 
 def _model_checker(model_id: str) -> Callable[[str | None], None]:
@@ -166,11 +184,12 @@ async def _generate(
     body: SamplingFields,
     shape: ResponseShape,
     samples: list[Sample],
+    window: int,
     constraint_field: str | None = None,
 ) -> Response:
     """`constraint_field`: the request field a structured-output constraint came from, named
     when the scheduler refuses the constraint."""
-    generation = Generation(client, samples, _forwarded_key(request))
+    generation = Generation(client, samples, _forwarded_key(request), window)
     live.add(generation)
     try:
         if body.stream:

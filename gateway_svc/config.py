@@ -10,6 +10,7 @@ from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.targets import targets_check
+from svc_common.tls import file_checks, pair_check
 
 # How the gateway picks one of several schedulers (gateway_svc/prefix_routing.py).
 SCHEDULER_ROUTING = ("prefix", "least-loaded", "random")
@@ -121,6 +122,41 @@ class GatewayConfig:
         },
     )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
+    max_prompts: int = field(
+        default=1024, metadata={"help": "most prompts one /v1/completions request may batch (a 400 beyond)"}
+    )
+    max_parallel_per_request: int = field(
+        default=16,
+        metadata={
+            "help": "Generate calls one HTTP request runs at once (its prompts x n): the rest start as these end, so a "
+            "batch of many prompts is admitted piecewise and other requests interleave with it instead of queueing "
+            "behind all of it"
+        },
+    )
+    max_request_bytes: int = field(
+        default=8 * 2**20,
+        metadata={
+            "help": "largest request body in bytes: a larger one is refused with 413 before it is read (by its "
+            "Content-Length) or as soon as that many bytes arrived"
+        },
+    )
+    cache_salt_from_api_key: bool = field(
+        default=False,
+        metadata={
+            "help": "give each caller's API key its own prefix cache: the request's cache salt is derived from the key "
+            "(and its own cache_salt, if any), so callers with different keys never share cached blocks, and "
+            "usage.prompt_tokens_details.cached_tokens counts only their own"
+        },
+    )
+    scheduler_tls_ca: str = field(
+        default="",
+        metadata={"help": "PEM CA that signed the schedulers' certificates (their --tls-cert): talk TLS to them"},
+    )
+    scheduler_tls_cert: str = field(
+        default="",
+        metadata={"help": "PEM client certificate to present to the schedulers (with --scheduler-tls-key); optional"},
+    )
+    scheduler_tls_key: str = field(default="", metadata={"help": "PEM private key for --scheduler-tls-cert"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
@@ -166,6 +202,22 @@ class GatewayConfig:
                 "HOST:PORT, comma-separated",
             ),
             (1 <= self.max_n <= 128, "--max-n", "in 1..128"),
+            (self.max_prompts >= 1, "--max-prompts", ">= 1"),
+            (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
+            (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
+            pair_check(self.scheduler_tls_cert, self.scheduler_tls_key, "--scheduler-tls-cert", "--scheduler-tls-key"),
+            (
+                not self.scheduler_tls_cert or bool(self.scheduler_tls_ca),
+                "--scheduler-tls-cert",
+                "used with --scheduler-tls-ca",
+            ),
+            *file_checks(
+                {
+                    "--scheduler-tls-ca": self.scheduler_tls_ca,
+                    "--scheduler-tls-cert": self.scheduler_tls_cert,
+                    "--scheduler-tls-key": self.scheduler_tls_key,
+                }
+            ),
             (
                 self.log_level.lower() in ("debug", "info", "warning", "error"),
                 "--log-level",

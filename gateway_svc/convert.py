@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Iterable
@@ -65,6 +66,25 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 @dataclass(frozen=True)
+class RequestRules:
+    """What the operator set for every request (GatewayConfig)."""
+
+    max_n: int = 16
+    max_prompts: int = 1024  # prompts of one /v1/completions batch
+    cache_salt_from_api_key: bool = False  # each API key its own prefix cache (tenant_salt)
+
+
+def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:
+    """The cache salt of a caller known by `api_key`: a digest of the key, then the
+    request's own salt. Two keys never share a cached block, and no salt a caller can
+    choose reaches into another key's (every one of them starts with the caller's digest)."""
+    if api_key is None:
+        return cache_salt
+    digest = hashlib.sha256(b"pagedserve-tenant\0" + api_key.encode()).hexdigest()[:32]
+    return f"key:{digest}" + (f"/{cache_salt}" if cache_salt else "")
+
+
+@dataclass(frozen=True)
 class Sample:
     """One Generate call: the choice `index` it answers and the prompt (`group`) it samples."""
 
@@ -77,7 +97,11 @@ class Sample:
 
 
 def completion_samples(
-    body: CompletionRequest, response_id: str, max_n: int, constraint: dict[str, Any] | None = None
+    body: CompletionRequest,
+    response_id: str,
+    rules: RequestRules,
+    api_key: str | None = None,
+    constraint: dict[str, Any] | None = None,
 ) -> list[Sample]:
     """`constraint`: serving.v1's structured_output fields (gateway_svc/structured.py)."""
     if body.best_of is not None and body.best_of != body.n:
@@ -86,6 +110,8 @@ def completion_samples(
         raise bad_request(
             "max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)", "max_tokens"
         )
+    if len(body.prompts) > rules.max_prompts:
+        raise bad_request(f"at most {rules.max_prompts} prompts per request, got {len(body.prompts)}", "prompt")
     prompts: list[dict[str, Any]] = [
         {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts
     ]
@@ -95,7 +121,7 @@ def completion_samples(
             if body.logprobs is not None or body.max_tokens == 0 or "prompt_token_ids" in prompt:
                 prompt["prompt_logprobs"] = body.logprobs or 0
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    samples = _samples(prompts, body, max_tokens, response_id, max_n, body.logprobs, constraint)
+    samples = _samples(prompts, body, max_tokens, response_id, rules, body.logprobs, api_key, constraint)
     texts = [p if isinstance(p, str) else None for p in body.prompts]
     return [
         dataclasses.replace(s, logprobs=body.logprobs is not None, echo=body.echo, prompt_text=texts[s.group])
@@ -129,15 +155,21 @@ def chat_prompt(
 
 
 def chat_samples(
-    body: ChatCompletionRequest, prompt: str, response_id: str, max_n: int, constraint: dict[str, Any] | None = None
+    body: ChatCompletionRequest,
+    prompt: str,
+    response_id: str,
+    rules: RequestRules,
+    api_key: str | None = None,
+    constraint: dict[str, Any] | None = None,
 ) -> list[Sample]:
     """Without max_tokens / max_completion_tokens the answer may run up to the
-    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does."""
+    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does;
+    the operator caps that with the scheduler's --default-max-tokens."""
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompts = [{"prompt": _utf8_prompt(prompt)}]
-    samples = _samples(prompts, body, body.output_limit, response_id, max_n, logprobs, constraint)
+    samples = _samples(prompts, body, body.output_limit, response_id, rules, logprobs, api_key, constraint)
     return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 
 
@@ -155,12 +187,14 @@ def _samples(
     body: SamplingFields,
     max_tokens: int | None,
     response_id: str,
-    max_n: int,
+    rules: RequestRules,
     logprobs: int | None,
+    api_key: str | None,
     constraint: dict[str, Any] | None = None,
 ) -> list[Sample]:
-    if body.n > max_n:
-        raise bad_request(f"n must be <= {max_n}", "n")
+    if body.n > rules.max_n:
+        raise bad_request(f"n must be <= {rules.max_n}", "n")
+    salt = tenant_salt(api_key, body.cache_salt) if rules.cache_salt_from_api_key else body.cache_salt
     # Every value is in serving.v1's range already (openai_types.py checked them).
     params: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -177,7 +211,8 @@ def _samples(
         "logit_bias": body.logit_bias_ids,
         "min_tokens": body.min_tokens,
         "stop_token_ids": body.stop_token_ids,
-        "cache_salt": body.cache_salt,
+        "cache_salt": salt,
+        "priority": body.priority,
     }
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []

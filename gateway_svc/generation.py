@@ -1,15 +1,19 @@
 """The Generate calls of one HTTP request, merged into one stream of (choice index, message).
 
 An OpenAI request with n choices (or a batch of prompts) is several serving.v1
-Generate streams running concurrently; one reader task per call feeds a queue
-so the HTTP side sees them as a single ordered stream. `cancel()` cancels every
-call that is still running (a disconnect, an error in a sibling, or the end of
-the response) and wakes whoever is waiting on the stream.
+Generate streams; one reader task per call feeds a queue so the HTTP side sees
+them as a single ordered stream. At most `window` calls run at once (the
+gateway's --max-parallel-per-request): the next starts when one ends, so a batch
+of a thousand prompts takes a share of the scheduler's queue and batch, and
+other requests interleave with it. `cancel()` cancels every call that is still
+running and starts no more (a disconnect, an error in a sibling, or the end of
+the response), and wakes whoever is waiting on the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 
 from gateway_svc.convert import Sample
@@ -30,13 +34,26 @@ class ShuttingDown(Exception):
 
 
 class Generation:
-    def __init__(self, client: Scheduler, samples: list[Sample], api_key: str | None):
-        self._calls = {s.index: client.generate(s.request, api_key) for s in samples}
+    def __init__(self, client: Scheduler, samples: list[Sample], api_key: str | None, window: int = 0):
+        """window: calls at once (0: all of them)."""
+        self._client, self._api_key = client, api_key
+        self._unstarted = deque(samples)
+        self._calls: dict[int, GenerateCall] = {}
         self._queue: asyncio.Queue[tuple[int, _Item]] = asyncio.Queue()
-        self._readers = [asyncio.create_task(self._read(i, call)) for i, call in self._calls.items()]
-        self._running = len(self._calls)
+        self._readers: list[asyncio.Task[None]] = []
+        self._running = len(samples)  # calls not ended yet, started or not
         self._head: list[tuple[int, serving_pb2.GenerateResponse | None]] = []
         self._cancelled = False
+        for _ in range(min(window or len(samples), len(samples))):
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if self._cancelled or not self._unstarted:
+            return
+        sample = self._unstarted.popleft()
+        call = self._client.generate(sample.request, self._api_key)
+        self._calls[sample.index] = call
+        self._readers.append(asyncio.create_task(self._read(sample.index, call)))
 
     async def _read(self, index: int, call: GenerateCall) -> None:
         try:
@@ -45,6 +62,8 @@ class Generation:
             self._queue.put_nowait((index, _DONE))
         except Exception as exc:  # AioRpcError mostly; anything else must not leave the reader hanging
             self._queue.put_nowait((index, exc))
+            return
+        self._start_next()  # its place in the window goes to the next prompt
 
     async def _next(self) -> tuple[int, serving_pb2.GenerateResponse | None]:
         index, item = await self._queue.get()
@@ -55,7 +74,7 @@ class Generation:
         return index, item
 
     async def start(self) -> None:
-        """Wait for every call's first message (or its end).
+        """Wait for the first message (or the end) of every call started so far.
 
         Admission errors (bad argument, queue full, no worker) arrive before any
         output; waiting for them lets a streaming request still answer with an
@@ -81,6 +100,7 @@ class Generation:
         if self._cancelled:
             return
         self._cancelled = True
+        self._unstarted.clear()
         for call in self._calls.values():
             call.cancel()
         for reader in self._readers:

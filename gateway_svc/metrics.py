@@ -3,8 +3,9 @@ vLLM user scrapes:
 
 * its own HTTP series: requests counted by route, method and status, and their
   latency up to the last byte sent, so a streamed completion counts whole.
-  Routes are the app's path templates; a path that matches none is `other`, so
-  scanners cannot grow the label set;
+  Routes are the app's path templates and methods HTTP's own; a path that
+  matches none, or a method HTTP does not define, is `other`, so scanners and
+  fuzzers cannot grow the label set (every label value comes from a fixed set);
 * the engine's series (`pagedserve_*` and vLLM's `vllm:*`), scraped from the
   schedulers' own endpoints (--scheduler-metrics: their --metrics-port) at each
   request and served after the gateway's. With several schedulers each series
@@ -38,6 +39,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # From a health check to a long streamed answer.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 UNMATCHED = "other"
+# RFC 9110's methods (and PATCH): anything else a client sends is counted as UNMATCHED.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
 class HttpMetrics:
@@ -84,7 +87,8 @@ class MetricsMiddleware:
         finally:
             # The router put the matched route in the scope (the same dict).
             route = getattr(scope.get("route"), "path", UNMATCHED)
-            self.metrics.observe(route, scope["method"], status, time.perf_counter() - started)
+            method = scope["method"] if scope["method"] in METHODS else UNMATCHED
+            self.metrics.observe(route, method, status, time.perf_counter() - started)
 
 
 class SchedulerMetrics:

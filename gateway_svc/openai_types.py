@@ -30,9 +30,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-INT32_MAX = 2**31 - 1  # serving.v1's int32 fields (max_tokens, min_tokens, top_k, token ids)
+INT32_MAX = 2**31 - 1  # what the engine takes for counts and token ids (max_tokens, min_tokens, top_k)
 UINT64_MAX = 2**64 - 1
 INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
 
 # Strictly: a request that names an unknown field is refused, not half-served.
@@ -224,6 +225,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     # Requests share prefix-cache blocks only with requests of the same salt (vLLM's field).
     cache_salt: Text | None = None
+    # vLLM's: with the scheduler's --scheduling-policy priority lower values go first (else only 0).
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     # Fields that cannot change the answer: accepted.
     user: str | None = None
     metadata: dict[str, str] | None = None

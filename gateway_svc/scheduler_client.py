@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import serving_pb2, serving_pb2_grpc
+from svc_common.grpc_options import channel_options
 
 
 class GenerateCall(Protocol):
@@ -48,11 +49,25 @@ class Scheduler(Protocol):
 
 
 class SchedulerClient:
-    def __init__(self, target: str, request_timeout_s: float = 0.0, health_timeout_s: float = 2.0):
+    def __init__(
+        self,
+        target: str,
+        request_timeout_s: float = 0.0,
+        health_timeout_s: float = 2.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls_server_name: str = "",
+    ):
+        """credentials: TLS to a scheduler with --tls-cert (--scheduler-tls-ca, and a client
+        certificate if given); tls_server_name: the name its certificate carries when it is
+        dialled by IP (found through DNS)."""
         self._target = target
         self._request_timeout = request_timeout_s or None  # 0 = no deadline
         self._health_timeout = health_timeout_s
-        self._channel = grpc.aio.insecure_channel(target)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target)
+        else:
+            options = channel_options(tls_server_name=tls_server_name)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._stub = serving_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -38,6 +38,7 @@ from gateway_svc.prefix_routing import HashRing, PrefixKeys, choose, least_loade
 from gateway_svc.scheduler_client import GenerateCall, Scheduler, SchedulerClient
 from proto import serving_pb2
 from svc_common.targets import Resolver, parse_targets, resolve_dns, resolve_targets
+from svc_common.tls import channel_credentials
 
 log = structlog.get_logger("gateway")
 
@@ -156,7 +157,8 @@ class SchedulerPool:
     async def refresh_members(self) -> None:
         resolved = await resolve_targets(self.targets, self._resolver)
         for address in resolved.peers.keys() - self._members.keys():
-            self._members[address] = _Member(address, self._client(address))
+            target = resolved.peers[address]
+            self._members[address] = _Member(address, self._client(address, target.host if target.dns else ""))
             log.info("scheduler joined", scheduler=address)
         if not resolved.failed:
             for address in self._members.keys() - resolved.peers.keys():
@@ -181,8 +183,8 @@ class SchedulerPool:
             except Exception:  # a bug must not end the watch: the next round tries again
                 log.exception("scheduler pool round failed")
 
-    def _client(self, address: str) -> SchedulerClient:
-        return SchedulerClient(address, self.config.request_timeout_s, self.config.health_timeout_s)
+    def _client(self, address: str, tls_server_name: str) -> SchedulerClient:
+        return scheduler_client(self.config, address, tls_server_name)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -263,4 +265,11 @@ async def open_scheduler_client(config: GatewayConfig) -> Scheduler:
     """--schedulers: a pool; otherwise the one --scheduler, as always."""
     if config.schedulers:
         return await SchedulerPool.open(config)
-    return SchedulerClient(config.scheduler, config.request_timeout_s, config.health_timeout_s)
+    return scheduler_client(config, config.scheduler)
+
+
+def scheduler_client(config: GatewayConfig, address: str, tls_server_name: str = "") -> SchedulerClient:
+    """A client of one scheduler, with TLS when --scheduler-tls-ca is set."""
+    credentials = channel_credentials(config.scheduler_tls_ca, config.scheduler_tls_cert, config.scheduler_tls_key)
+    name = tls_server_name if credentials else ""
+    return SchedulerClient(address, config.request_timeout_s, config.health_timeout_s, credentials, name)

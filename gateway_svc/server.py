@@ -104,6 +104,8 @@ class GatewayServer:
             scheduler=self.config.schedulers or self.config.scheduler,
             model=self.config.model_id,
             api_key=bool(self.config.api_key),
+            scheduler_tls=bool(self.config.scheduler_tls_ca),
+            cache_salt_from_api_key=self.config.cache_salt_from_api_key,
         )
         self.ready.set()
 

@@ -91,11 +91,18 @@ def _text(body: TokenizeRequest, template: ChatTemplate | None) -> tuple[str, bo
     return chat_prompt(template, body.messages, body), body.add_special_tokens is True
 
 
+# The scheduler refused the caller, not the question: /v1/models answers as Generate would (401/403).
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 async def max_model_len(client: Scheduler, api_key: str | None) -> dict[str, int]:
     """{"max_model_len": N} from the scheduler, or {} when it cannot say (down,
-    or an older scheduler): /v1/models answers either way."""
+    or an older scheduler): /v1/models answers either way, but only to a caller
+    the scheduler takes (its API keys)."""
     try:
         info = await client.model_info(api_key)
-    except grpc.aio.AioRpcError:
+    except grpc.aio.AioRpcError as err:
+        if err.code() in _REFUSALS:
+            raise
         return {}
     return {"max_model_len": info.max_model_len}

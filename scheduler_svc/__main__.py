@@ -9,7 +9,6 @@ import sys
 import structlog
 
 from scheduler_svc.api.admin import start_admin_server
-from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.kv_events_zmq import ZmqKvEventPublisher
 from scheduler_svc.api.server import SchedulerServer, start_server
 from scheduler_svc.config import SchedulerConfig
@@ -22,6 +21,7 @@ from scheduler_svc.observability.stats import stats_fields
 from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
+from svc_common.peer_auth import is_loopback
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 
@@ -32,7 +32,8 @@ FINAL_FLUSH_S = 2.0
 
 async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
-    api_keys = load_api_keys(config.api_keys, config.api_keys_file)
+    api_keys, admin_keys = config.client_keys, config.admin_key_set
+    credentials = server_credentials(config.tls_cert, config.tls_key)
     engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))
     # Prometheus text on --metrics-port, served from this event loop (observability/exposition.py);
     # up before the first request can arrive, so every request is in vLLM's histograms too.
@@ -40,7 +41,11 @@ async def serve(config: SchedulerConfig) -> None:
     # KV events as vLLM publishes them, for KV-aware routers (api/kv_events_zmq.py), before the first request.
     zmq_events = (
         ZmqKvEventPublisher(
-            engine.fleet.kv_events, config.kv_events_zmq, config.kv_events_zmq_replay, config.kv_events_zmq_topic
+            engine.fleet.kv_events,
+            config.kv_events_zmq,
+            config.kv_events_zmq_replay,
+            config.kv_events_zmq_topic,
+            admin_keys=admin_keys,
         )
         if config.kv_events_zmq
         else None
@@ -54,13 +59,23 @@ async def serve(config: SchedulerConfig) -> None:
         config.port,
         config.max_message_mb,
         config.default_max_tokens,
-        credentials=server_credentials(config.tls_cert, config.tls_key),
+        credentials=credentials,
         api_keys=api_keys,
         extra_stats=lambda: stats_fields(engine, METRICS),
+        max_request_mb=config.max_request_mb,
+        max_prompt_chars=config.max_prompt_chars,
     )
-    # admin.v1 (AddWorker, DrainWorker, ListWorkers) on its own listener; --admin-port -1: none.
+    # admin.v1 (AddWorker, DrainWorker, ListWorkers, SubscribeKvEvents) on its own listener, with
+    # the admin keys and the client API's TLS; --admin-port -1: none.
     admin, admin_port = (
-        await start_admin_server(engine.fleet, config.admin_host, config.admin_bind_port)
+        await start_admin_server(
+            engine.fleet,
+            config.admin_host,
+            config.admin_bind_port,
+            admin_keys=admin_keys,
+            credentials=credentials,
+            max_request_mb=config.max_request_mb,
+        )
         if config.admin_port >= 0
         else (None, -1)
     )
@@ -72,17 +87,20 @@ async def serve(config: SchedulerConfig) -> None:
         max_model_len=engine.max_model_len,
         tls=bool(config.tls_cert),
         api_keys=len(api_keys),
+        admin_keys=len(admin_keys),
         worker_tls=bool(config.worker_tls_ca),
+        internal_token=bool(config.internal_token_file),
         routing=engine.fleet.routing,
         admin=f"{config.admin_host}:{admin_port}" if admin is not None else "off",
         metrics=f"http://{config.host}:{metrics.port}/metrics" if metrics is not None else "off",
         kv_events_zmq=config.kv_events_zmq or "off",
     )
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and api_keys):
+    if not is_loopback(config.host) and not (config.tls_cert and api_keys):
         log.warning("listening beyond loopback without TLS and API keys", host=config.host)
-    if admin is not None and config.admin_host not in ("127.0.0.1", "localhost", "::1"):
+    if admin is not None and not admin_keys:
         log.warning(
-            "admin service listening beyond loopback: whoever reaches it can add and drain workers",
+            "admin service without --admin-keys-file: any local process can add and drain workers and read the "
+            "KV events",
             admin_host=config.admin_host,
         )
     write_ready_file(config.ready_file, config.host, port, admin_port=admin_port)

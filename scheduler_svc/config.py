@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
+from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.ngram import NgramConfig
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
 from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
 
+# --max-num-seqs when neither the scheduler nor the worker says (vLLM's default).
+DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 _NGRAM = NgramConfig()  # the speculative flags' defaults
@@ -35,7 +40,12 @@ class SchedulerConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
-    max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step / running at once"})
+    max_num_seqs: int = field(
+        default=0,
+        metadata={
+            "help": f"sequences in one step / running at once; 0 = the worker's --max-num-seqs (from its Info; {DEFAULT_MAX_NUM_SEQS} for a worker that does not say). A value above a worker's is refused"
+        },
+    )
     chunk_size: int = field(default=8192, metadata={"help": "largest prefill chunk of one request per step"})
     dynamic_chunking: bool = field(
         default=False,
@@ -57,8 +67,27 @@ class SchedulerConfig:
     )
     ngram_min: int = field(default=_NGRAM.ngram_min, metadata={"help": "shortest n-gram matched (prompt_lookup_min)"})
     ngram_max: int = field(default=_NGRAM.ngram_max, metadata={"help": "longest n-gram matched (prompt_lookup_max)"})
-    max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's"})
+    max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's (from its Info)"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: requests are admitted in arrival order and the newest running one is preempted first; priority: by the request's `priority` (lower first, then arrival) both ways, as vLLM's. With fcfs a priority other than 0 is refused",
+            "choices": SCHEDULING_POLICIES,
+        },
+    )
+    max_prompt_chars: int = field(
+        default=0,
+        metadata={
+            "help": "longest text prompt (Generate, PinPrefix, Tokenize) in characters, refused before it is tokenized; 0 = what can fit the context: max_model_len x the longest token's characters"
+        },
+    )
+    max_request_mb: int = field(
+        default=16,
+        metadata={
+            "help": "largest serving.v1 / admin.v1 request message in MiB, refused by gRPC before it is parsed (steps to the workers use --max-message-mb)"
+        },
+    )
     prefix_caching: bool = field(
         default=True, metadata={"help": "share full prompt blocks through the prefix hash index"}
     )
@@ -134,6 +163,25 @@ class SchedulerConfig:
         default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"}
     )
     worker_tls_key: str = field(default="", metadata={"help": "PEM private key for --worker-tls-cert"})
+    internal_token_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the internal token the scheduler presents to its workers (their "
+            "--internal-token-file names the same file); with or instead of mutual TLS"
+        },
+    )
+    admin_keys: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated admin keys: admin.v1 callers (AddWorker, DrainWorker, ListWorkers, "
+            "SubscribeKvEvents) and ZMQ KV-event subscribers present one ('authorization: Bearer KEY'; ZMQ PLAIN "
+            "password); never a client's key. Needed when --api-keys is set or --admin-host is not loopback. "
+            "Prefer --admin-keys-file or the env var: flags show in ps"
+        },
+    )
+    admin_keys_file: str = field(
+        default="", metadata={"help": "file with one admin key per line (# comments); adds to --admin-keys"}
+    )
     routing: str = field(
         default="prefix",
         metadata={
@@ -227,6 +275,7 @@ class SchedulerConfig:
             ),
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
+            (self.max_num_seqs >= 0, "--max-num-seqs", ">= 1, or 0 for the worker's"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
@@ -234,31 +283,91 @@ class SchedulerConfig:
             (self.health_interval_s > 0, "--health-interval-s", "> 0"),
             (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "in 1..2047"),
+            (1 <= self.max_request_mb <= 2047, "--max-request-mb", "in 1..2047"),
+            (self.max_prompt_chars >= 0, "--max-prompt-chars", ">= 1, or 0 for what fits the context"),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             pair_check(self.worker_tls_cert, self.worker_tls_key, "--worker-tls-cert", "--worker-tls-key"),
             (not self.worker_tls_cert or bool(self.worker_tls_ca), "--worker-tls-cert", "used with --worker-tls-ca"),
+            (
+                token_file_problem(self.internal_token_file) is None,
+                "--internal-token-file",
+                str(token_file_problem(self.internal_token_file)),
+            ),
             *file_checks(
                 {
                     "--tls-cert": self.tls_cert,
                     "--tls-key": self.tls_key,
                     "--api-keys-file": self.api_keys_file,
+                    "--admin-keys-file": self.admin_keys_file,
                     "--worker-tls-ca": self.worker_tls_ca,
                     "--worker-tls-cert": self.worker_tls_cert,
                     "--worker-tls-key": self.worker_tls_key,
                 }
             ),
         ]
-        for ok, flag, valid in checks:
+        for ok, flag, valid in checks + self._credential_checks():
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
         # The planner's own options are checked where they are used, once.
-        self.planner_config(max_model_len=max(self.max_model_len, 2), block_size=1).validate()
+        self.planner_config(max(self.max_model_len, 2), 1, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS).validate()
 
-    def planner_config(self, max_model_len: int, block_size: int) -> PlannerConfig:
-        """The planner's options for a worker holding `max_model_len` tokens per request in `block_size` blocks."""
+    @property
+    def client_keys(self) -> frozenset[str]:
+        """The API keys serving.v1 callers present (none: the client API is open)."""
+        return load_keys(self.api_keys, self.api_keys_file)
+
+    @property
+    def admin_key_set(self) -> frozenset[str]:
+        """The keys admin.v1 callers and ZMQ KV-event subscribers present."""
+        return load_keys(self.admin_keys, self.admin_keys_file)
+
+    def internal_token(self) -> str | None:
+        """What the scheduler presents to its workers, if it has one."""
+        return read_token_file(self.internal_token_file) if self.internal_token_file else None
+
+    def _credential_checks(self) -> list[tuple[bool, str, str]]:
+        """Who may reach admin.v1 and the KV events (they show every tenant's prompts): an admin key,
+        never a client's; without admin keys only loopback, and only while clients need no key either."""
+        if not all(path == "" or os.path.isfile(path) for path in (self.api_keys_file, self.admin_keys_file)):
+            return []  # the file checks above name the missing file
+        client, admin = self.client_keys, self.admin_key_set
+        open_admin = self.admin_port >= 0 and not admin
+        zmq_open = bool(self.kv_events_zmq) and not admin
+        or_off = "(or --admin-port -1: no admin service)"
+        return [
+            (not client & admin, "--admin-keys", "distinct from every --api-keys key: a client must not administer"),
+            (
+                not open_admin or is_loopback(self.admin_host),
+                "--admin-keys-file",
+                f"set when --admin-host {self.admin_host} is not loopback {or_off}",
+            ),
+            (
+                not open_admin or not client,
+                "--admin-keys-file",
+                "set when --api-keys is: otherwise any local process could drain workers and read every tenant's "
+                f"prompts from the KV events {or_off}",
+            ),
+            *(
+                (
+                    not zmq_open or (zmq_bind_is_local(endpoint) and not client),
+                    flag,
+                    "a loopback, ipc:// or inproc:// endpoint, with no --api-keys, unless --admin-keys-file is set "
+                    "(subscribers then present an admin key as their ZMQ PLAIN password)",
+                )
+                for flag, endpoint in (
+                    ("--kv-events-zmq", self.kv_events_zmq),
+                    ("--kv-events-zmq-replay", self.kv_events_zmq_replay),
+                )
+                if endpoint and zmq_binds(endpoint)
+            ),
+        ]
+
+    def planner_config(self, max_model_len: int, block_size: int, max_num_seqs: int) -> PlannerConfig:
+        """The planner's options for a worker holding `max_model_len` tokens per request in
+        `block_size` blocks, running up to `max_num_seqs` sequences at once."""
         return PlannerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             chunk_size=self.chunk_size,
             max_model_len=max_model_len,
             max_waiting=self.max_waiting,
@@ -272,10 +381,28 @@ class SchedulerConfig:
                 else None
             ),
             constrained_ahead=self.constrained_ahead,
+            scheduling_policy=self.scheduling_policy,
         )
 
 
 _ZMQ_ENDPOINTS = "'', tcp://HOST:PORT (HOST may be *), ipc://PATH or inproc://NAME"
+_ZMQ_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def zmq_binds(endpoint: str) -> bool:
+    """A KV-event endpoint the scheduler binds (subscribers connect to it): a wildcard or loopback
+    host, ipc:// or inproc://. Any other host is a proxy it connects to (vLLM's rule, loopback added)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return host in _ZMQ_WILDCARDS or is_loopback(host)
+
+
+def zmq_bind_is_local(endpoint: str) -> bool:
+    """Only this machine can subscribe: a loopback host, ipc:// (file permissions) or inproc://."""
+    return endpoint.startswith(("ipc://", "inproc://")) or is_loopback(
+        endpoint.removeprefix("tcp://").rpartition(":")[0]
+    )
 
 
 def _zmq_endpoint_ok(endpoint: str) -> bool:

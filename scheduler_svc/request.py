@@ -70,6 +70,8 @@ class Request:
     # Separates prefix-cache namespaces (e.g. per tenant): equal prompts with
     # different salts never share blocks.
     cache_salt: str | None = None
+    # --scheduling-policy priority: lower values are admitted first and preempted last.
+    priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_index: int = -1  # set by Planner.add: FIFO order among all requests
     output_token_ids: list[int] = field(default_factory=list)

@@ -16,9 +16,13 @@ _FAST_RECONNECT: GrpcOptions = [
 ]
 
 
-def message_limits(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> GrpcOptions:
-    limit = max_message_mb * 2**20
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+def message_limits(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, max_receive_mb: int | None = None) -> GrpcOptions:
+    """Both directions at max_message_mb, unless max_receive_mb caps what is received."""
+    receive = max_message_mb if max_receive_mb is None else max_receive_mb
+    return [
+        ("grpc.max_send_message_length", max_message_mb * 2**20),
+        ("grpc.max_receive_message_length", receive * 2**20),
+    ]
 
 
 def channel_options(
@@ -30,7 +34,12 @@ def channel_options(
     return message_limits(max_message_mb) + (_FAST_RECONNECT if fast_reconnect else []) + name
 
 
-def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, reuse_port: bool = True) -> GrpcOptions:
+def server_options(
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, reuse_port: bool = True, max_receive_mb: int | None = None
+) -> GrpcOptions:
+    """max_receive_mb: a client-facing server's cap on requests, refused by gRPC before
+    anything parses them (what a client sends is small; a worker's step is not)."""
     # Without SO_REUSEPORT a second server on a taken port fails to start instead
     # of silently sharing the port (and receiving half of the calls).
-    return message_limits(max_message_mb) + ([] if reuse_port else [("grpc.so_reuseport", 0)])
+    limits = message_limits(max_message_mb, max_receive_mb)
+    return limits + ([] if reuse_port else [("grpc.so_reuseport", 0)])

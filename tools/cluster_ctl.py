@@ -10,7 +10,9 @@ front of all of them (`--schedulers`): the multi-scheduler topology.
     python -m tools.cluster_ctl down
 
 Everything lives in --run-dir (default run/): <name>.pid, <name>.log and
-<name>.ready.json per service, cluster.json with the addresses. Each service
+<name>.ready.json per service, cluster.json with the addresses, and secrets/
+(mode 0700): the internal token the scheduler presents to its workers and the
+admin key admin.v1 asks for, made anew by every `up`. Each service
 runs in its own session and process group, so `down` stops the whole group and
 nothing is left behind; a pid is only signalled if /proc says it is still the
 process we started (its command line names this run dir), so a stale pid file
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.ports import free_port
-from tools.processes import flag_value
+from tools.processes import ClusterSecrets, flag_value
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_ORDER = ("gateway", "scheduler", "worker")  # front to back: no new work reaches a stopped service
@@ -151,7 +153,9 @@ def up(args: argparse.Namespace) -> int:
     # Workers share the machine's cores instead of each taking all of them.
     env.setdefault("PAGEDSERVE_WORKER_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.workers)))
     model = str(Path(args.model).resolve())
-    worker_args = ["--model", model, *shlex.split(args.worker_args)]
+    # Workers take steps only from their scheduler; admin.v1 needs the admin key (both new each `up`).
+    secrets = ClusterSecrets.create(run_dir / "secrets")
+    worker_args = ["--model", model, *secrets.worker_args, *shlex.split(args.worker_args)]
     deadline = time.monotonic() + args.timeout
     addresses: dict[str, str] = {}
     try:
@@ -170,7 +174,7 @@ def up(args: argparse.Namespace) -> int:
             addresses[w.name] = wait_ready(w, p, run_dir, deadline)
             print(f"{w.name:<12} ready on {addresses[w.name]}  (pid {p.pid}, log {w.paths(run_dir)[1]})", flush=True)
         schedulers = [
-            _scheduler(cell, workers[cell * args.workers : (cell + 1) * args.workers], addresses, model, args)
+            _scheduler(cell, workers[cell * args.workers : (cell + 1) * args.workers], addresses, model, args, secrets)
             for cell in range(args.cells)
         ]
         for scheduler in schedulers:
@@ -217,7 +221,10 @@ def up(args: argparse.Namespace) -> int:
     ]
     admin = first.replace("scheduler", "admin")
     if admin in addresses:
-        lines.append(f"  workers (admin.v1):   grpcurl -plaintext {addresses[admin]} admin.v1.Admin/ListWorkers")
+        lines.append(
+            f'  workers (admin.v1):   grpcurl -plaintext -H "authorization: Bearer $(cat {secrets.admin_key_file})" '
+            f"{addresses[admin]} admin.v1.Admin/ListWorkers"
+        )
     if "gateway" in addresses:
         lines.append(
             f"  HTTP (OpenAI API):    curl http://{addresses['gateway']}/v1/completions "
@@ -230,13 +237,18 @@ def up(args: argparse.Namespace) -> int:
 
 
 def _scheduler(
-    cell: int, workers: list[Service], addresses: dict[str, str], model: str, args: argparse.Namespace
+    cell: int,
+    workers: list[Service],
+    addresses: dict[str, str],
+    model: str,
+    args: argparse.Namespace,
+    secrets: ClusterSecrets,
 ) -> Service:
     """Cell `cell`'s scheduler over its workers: `scheduler` when there is one cell,
     else `scheduler-<cell>` on --port + 2 x cell (its admin.v1 takes the port after)."""
     name = "scheduler" if args.cells == 1 else f"scheduler-{cell}"
     port = args.port + 2 * cell if args.port else 0
-    flags = ["--model", model, "--workers", ",".join(addresses[w.name] for w in workers)]
+    flags = ["--model", model, "--workers", ",".join(addresses[w.name] for w in workers), *secrets.scheduler_args]
     # Its Prometheus endpoint, which the gateway's /metrics serves too.
     flags += ["--metrics-port", str(free_port(args.host))]
     return Service(name, "scheduler_svc", [*flags, *shlex.split(args.scheduler_args)], args.host, port)

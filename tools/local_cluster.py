@@ -282,6 +282,19 @@ def _exit_reason(process: ServiceProcess) -> str:
     return f"exited with status {code}"
 
 
+def _admin_usage(cluster: Cluster) -> str:
+    """admin.v1 with the admin key the launcher made (workers take steps only from the scheduler)."""
+    assert cluster.scheduler is not None and cluster.secrets is not None
+    port = cluster.scheduler.ready_info.get("admin_port", -1)
+    if port < 0:
+        return ""
+    key = cluster.secrets.admin_key_file
+    return (
+        f'\n  workers (admin.v1):   grpcurl -plaintext -H "authorization: Bearer $(cat {key})" '
+        f"127.0.0.1:{port} admin.v1.Admin/ListWorkers"
+    )
+
+
 def _banner(args: argparse.Namespace, cluster: Cluster, model_id: str, with_gateway: bool) -> str:
     target = cluster.address
     workers = ", ".join(w.address for w in cluster.workers)
@@ -289,6 +302,7 @@ def _banner(args: argparse.Namespace, cluster: Cluster, model_id: str, with_gate
 pagedserve is serving {Path(args.model).name} on {target} ({args.workers} worker(s): {workers})
 
 {usage(model_id, target, cluster.gateway_url if with_gateway else None)}
+{_admin_usage(cluster)}
 
 Ctrl-C drains and stops everything (a second Ctrl-C stops at once).
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +32,50 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+@dataclass(frozen=True)
+class ClusterSecrets:
+    """What a launcher hands its services so that only they can reach each other: the
+    internal token (workers take steps only from its holder, the scheduler) and an
+    admin key (admin.v1 and the KV events), each in a file only this user can read."""
+
+    internal_token_file: Path
+    admin_key_file: Path
+
+    @classmethod
+    def create(cls, directory: Path) -> ClusterSecrets:
+        """New random secrets in `directory` (made if missing, mode 0700)."""
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = cls(directory / "internal.token", directory / "admin.key")
+        for path in (made.internal_token_file, made.admin_key_file):
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(24) + "\n")
+        return made
+
+    @property
+    def admin_key(self) -> str:
+        return self.admin_key_file.read_text().strip()
+
+    @property
+    def admin_metadata(self) -> tuple[tuple[str, str]]:
+        """gRPC call metadata for admin.v1."""
+        return (("authorization", f"Bearer {self.admin_key}"),)
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str]]:
+        """gRPC call metadata for a worker's own calls (what its scheduler presents)."""
+        return (("authorization", f"Bearer {self.internal_token_file.read_text().strip()}"),)
+
+    @property
+    def worker_args(self) -> list[str]:
+        return ["--internal-token-file", str(self.internal_token_file)]
+
+    @property
+    def scheduler_args(self) -> list[str]:
+        return [*self.worker_args, "--admin-keys-file", str(self.admin_key_file)]
 
 
 @dataclass
@@ -167,7 +212,9 @@ class Cluster:
     with `gateway=True` also the OpenAI-compatible HTTP gateway in front of the
     scheduler (`gateway_url` is its base URL). `worker_port`: worker i binds
     worker_port + i (0: the OS picks); `metrics_port` > 0: the scheduler's
-    Prometheus endpoint, which the gateway's /metrics then serves too."""
+    Prometheus endpoint, which the gateway's /metrics then serves too. The
+    workers take steps only from the scheduler (an internal token it makes) and
+    admin.v1 needs `secrets.admin_metadata`; `secure=False` starts them without."""
 
     def __init__(
         self,
@@ -183,13 +230,18 @@ class Cluster:
         worker_port: int = 0,
         metrics_port: int = 0,
         supervised: bool = False,
+        secure: bool = True,
     ):
         self.model_dir = model_dir
         self.supervised = supervised
+        # Removed with this object (or at exit), not by stop(): a restarted service reads them again.
+        self._secrets_dir = tempfile.TemporaryDirectory(prefix="pagedserve-secrets-") if secure else None
+        self.secrets = ClusterSecrets.create(Path(self._secrets_dir.name)) if self._secrets_dir else None
+        own = self.secrets.worker_args if self.secrets else []
         self.workers = [
             ServiceProcess(
                 "worker_svc",
-                ["--model", str(model_dir), *worker_args],
+                ["--model", str(model_dir), *own, *worker_args],
                 inherit_output=inherit_output,
                 bind_port=worker_port + i if worker_port else 0,
                 supervised=supervised,
@@ -219,6 +271,16 @@ class Cluster:
         return f"http://{self.gateway.address}"
 
     @property
+    def admin_metadata(self) -> tuple[tuple[str, str]] | None:
+        """gRPC call metadata for the scheduler's admin.v1 (None: started with secure=False)."""
+        return self.secrets.admin_metadata if self.secrets else None
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str]] | None:
+        """gRPC call metadata for calling the workers directly (Info), as the scheduler does."""
+        return self.secrets.worker_metadata if self.secrets else None
+
+    @property
     def processes(self) -> list[ServiceProcess]:
         """Every started service process: workers, scheduler, gateway."""
         return [p for p in (*self.workers, self.scheduler, self.gateway) if p is not None and p.proc is not None]
@@ -237,9 +299,10 @@ class Cluster:
                 else []
             )
             metrics = ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []
+            own = self.secrets.scheduler_args if self.secrets else []
             self.scheduler = ServiceProcess(
                 "scheduler_svc",
-                ["--model", str(self.model_dir), "--workers", workers, *admin, *metrics, *self.scheduler_args],
+                ["--model", str(self.model_dir), "--workers", workers, *own, *admin, *metrics, *self.scheduler_args],
                 inherit_output=self.inherit_output,
                 bind_port=self.scheduler_port,
                 supervised=self.supervised,

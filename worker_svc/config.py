@@ -8,6 +8,7 @@ from pathlib import Path
 
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
+from svc_common.peer_auth import is_loopback, token_file_problem
 from svc_common.tls import file_checks, pair_check
 from worker_svc.parallel.layout import layout_problem
 
@@ -78,7 +79,7 @@ class WorkerConfig:
     max_num_seqs: int = field(
         default=256,
         metadata={
-            "help": "largest decode batch run as a CUDA graph: sizes 1, 2, 4, 8, then every 8 up to this are captured at start (match the scheduler's --max-num-seqs); larger batches run eager"
+            "help": "largest decode batch: memory is sized for it and, on CUDA, graphs of sizes 1, 2, 4, 8, then every 8 up to it are captured at start. The scheduler takes it from the worker's Info unless given its own --max-num-seqs, which may not be larger"
         },
     )
     enforce_eager: bool = field(
@@ -107,11 +108,29 @@ class WorkerConfig:
     tls_client_ca: str = field(
         default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"}
     )
+    tls_client_names: str = field(
+        default="",
+        metadata={
+            "help": "with --tls-client-ca: only client certificates whose common name or a DNS name is one of these "
+            "(comma-separated, e.g. pagedserve-scheduler) may call; another certificate of the same CA gets "
+            "PERMISSION_DENIED. '' = any the CA signed"
+        },
+    )
+    internal_token_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the scheduler's internal token: every call but health must present it "
+            "('authorization: Bearer TOKEN'; the scheduler's --internal-token-file names the same file). Beyond "
+            "loopback (--host) the worker needs it or --tls-client-ca: whoever can run a step can rewrite any "
+            "cached block"
+        },
+    )
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
 
     def validate(self) -> None:
+        token_problem = token_file_problem(self.internal_token_file)
         checks = [
             model_dir_check(self.model, "--model"),
             (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
@@ -131,6 +150,14 @@ class WorkerConfig:
             self._tensor_parallel_check(),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),
+            (not self.tls_client_names or bool(self.tls_client_ca), "--tls-client-names", "used with --tls-client-ca"),
+            (token_problem is None, "--internal-token-file", str(token_problem)),
+            (
+                is_loopback(self.host) or bool(self.internal_token_file or self.tls_client_ca),
+                "--internal-token-file",
+                f"set (or --tls-client-ca) when --host {self.host} is not loopback: without it anyone who can "
+                "connect can run steps and rewrite cached blocks",
+            ),
             *file_checks(
                 {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-client-ca": self.tls_client_ca}
             ),

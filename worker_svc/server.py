@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common.grpc_options import server_options
+from svc_common.peer_auth import peer_interceptors
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
@@ -240,8 +241,18 @@ class WorkerServer:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+def _log_refusal(method: str, why: str) -> None:
+    log.warning("call refused", method=method, reason=why)
+
+
 def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=server_options(config.max_message_mb))
+    # Only the scheduler (the holder of the internal token, or of a client certificate) may call.
+    interceptors = peer_interceptors(config.internal_token_file, config.tls_client_names, _log_refusal)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=server_options(config.max_message_mb),
+        interceptors=interceptors,
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -260,12 +271,12 @@ def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
         port=bound,
         tls=bool(credentials),
         mutual_tls=bool(config.tls_client_ca),
+        internal_token=bool(config.internal_token_file),
+        client_names=config.tls_client_names or "any the CA signed",
         **dataclasses.asdict(worker.info),
         **({"rank_pids": worker.parallel.pids} if worker.parallel else {}),
     )
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.tls_client_ca:
-        log.warning(
-            "listening beyond loopback without mutual TLS: anyone who can connect can run steps", host=config.host
-        )
+    if not (config.internal_token_file or config.tls_client_ca):
+        log.warning("no --internal-token-file or --tls-client-ca: any local process can run steps", host=config.host)
     write_ready_file(config.ready_file, config.host, bound)
     return WorkerServer(server, health_servicer, bound)

@@ -170,6 +170,7 @@ class WorkerInfo:
     max_batch: int = 0  # contiguous: slots (sequences at once); paged: 0, no limit
     tensor_parallel_size: int = 1
     kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
+    max_num_seqs: int = 0  # --max-num-seqs: the largest decode batch sized for (the scheduler's default)
 
 
 class Worker:
@@ -266,6 +267,7 @@ class Worker:
             max_batch=num_ids if contiguous else 0,
             tensor_parallel_size=ranks,
             kv_bytes_per_block_per_rank=self.cache.block_bytes,
+            max_num_seqs=config.max_num_seqs,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.

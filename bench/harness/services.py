@@ -60,9 +60,11 @@ def tiny_model(family: str = "llama") -> Path:
     return ensure_checkpoint(family)
 
 
-def worker_info(address: str) -> worker_pb2.InfoResponse:
+def worker_info(address: str, metadata: tuple[tuple[str, str], ...] | None = None) -> worker_pb2.InfoResponse:
+    """A worker's Info; `metadata`: the internal token of a Cluster's workers (Cluster.worker_metadata)."""
     with grpc.insecure_channel(address) as channel:
-        reply: worker_pb2.InfoResponse = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=30)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        reply: worker_pb2.InfoResponse = stub.Info(worker_pb2.InfoRequest(), metadata=metadata, timeout=30)
     return reply
 
 

@@ -3,12 +3,16 @@
 The servicer only validates, converts and maps errors; the work is done by the
 engine's fleet (scheduler_svc/engine/fleet.py) through the `AdminEngine` interface below. It is served on its own
 listener (`start_admin_server`, 127.0.0.1 by default) rather than on the
-client-facing port: whoever can add a worker decides what every client gets.
+client-facing port, and needs an admin key (api/auth.py): whoever can add a
+worker decides what every client gets, and the KV events show every tenant's
+prompts.
 
-    grpcurl -plaintext -d '{"address": "127.0.0.1:50062"}' 127.0.0.1:50052 admin.v1.Admin/AddWorker
-    grpcurl -plaintext -d '{"address": "127.0.0.1:50061", "wait": true}' 127.0.0.1:50052 admin.v1.Admin/DrainWorker
-    grpcurl -plaintext 127.0.0.1:50052 admin.v1.Admin/ListWorkers
-    grpcurl -plaintext 127.0.0.1:50052 admin.v1.Admin/SubscribeKvEvents
+    H="authorization: Bearer $(cat admin.key)"
+    grpcurl -plaintext -H "$H" -d '{"address": "127.0.0.1:50062"}' 127.0.0.1:50052 admin.v1.Admin/AddWorker
+    grpcurl -plaintext -H "$H" -d '{"address": "127.0.0.1:50061", "wait": true}' 127.0.0.1:50052 \
+        admin.v1.Admin/DrainWorker
+    grpcurl -plaintext -H "$H" 127.0.0.1:50052 admin.v1.Admin/ListWorkers
+    grpcurl -plaintext -H "$H" 127.0.0.1:50052 admin.v1.Admin/SubscribeKvEvents
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import admin_pb2, admin_pb2_grpc
+from scheduler_svc.api.auth import admin_key_interceptor
 from scheduler_svc.api.status import abort, abort_with
 from scheduler_svc.engine.errors import WorkerAdminError
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub
@@ -185,18 +190,29 @@ def add_admin_to_server(server: grpc.aio.Server, engine: AdminEngine) -> str:
 
 
 async def start_admin_server(
-    engine: AdminEngine, host: str = "127.0.0.1", port: int = 0
+    engine: AdminEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    admin_keys: frozenset[str] = frozenset(),
+    credentials: grpc.ServerCredentials | None = None,
+    max_request_mb: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """admin.v1 + health + reflection on their own listener. Returns (server, bound port)."""
-    server = grpc.aio.server(options=server_options(reuse_port=False))
+    """admin.v1 + health + reflection on their own listener, every call but health
+    needing one of `admin_keys` (none: open, which the config allows on loopback only).
+    Returns (server, bound port)."""
+    interceptors = [admin_key_interceptor(admin_keys)] if admin_keys else []
+    options = server_options(reuse_port=False, max_receive_mb=max_request_mb)
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     add_admin_to_server(server, engine)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpcio raises this (not OSError) when the port is taken
         raise OSError(f"admin service: cannot bind {host}:{port} ({exc})") from None
     if bound == 0:

@@ -3,8 +3,12 @@ ZmqEventPublisher), for KV-aware routers written for vLLM (`--kv-events-zmq`):
 
 * one PUB socket per worker: the worker of data-parallel rank r on the
   endpoint's port + r (an ipc/inproc name gets the suffix `_dp{r}`), as vLLM
-  places its data-parallel ranks. A wildcard host (`*`, `::`) or an
-  ipc/inproc endpoint is bound; any other is connected to (a proxy).
+  places its data-parallel ranks. A wildcard (`*`, `0.0.0.0`, `::`) or
+  loopback host, or an ipc/inproc endpoint is bound; any other is connected
+  to (a proxy). The events show every tenant's prompt tokens: with admin keys
+  the bound sockets take only subscribers whose ZMQ PLAIN password is one (any
+  user name; `socket.plain_username = b"admin"; socket.plain_password = KEY`),
+  and without them config.py allows only local endpoints.
 * a batch is one multipart message [topic, seq, payload]: seq the worker's
   batch number as 8 bytes big-endian, payload vLLM's KVEventBatch in msgpack,
   in the array layout of its structs (array_like, tagged):
@@ -33,9 +37,12 @@ import msgpack
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
+from scheduler_svc.config import zmq_binds
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub, WorkerKvEvents
 from scheduler_svc.kv.events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from svc_common.peer_auth import Credentials
 
 log = structlog.get_logger(__name__)
 
@@ -75,15 +82,35 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
-def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+_ZAP_DOMAIN = b"pagedserve"
+
+
+class _AdminKeyAuthenticator(ThreadAuthenticator):
+    """ZAP for the sockets we bind: a PLAIN subscriber's password must be an admin key."""
+
+    def __init__(self, context: zmq.Context[Any], credentials: Credentials) -> None:
+        super().__init__(context)
+        self._credentials = credentials
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        allowed = self._credentials.allows(password)
+        if not allowed:
+            log.warning("kv events subscriber refused", reason="invalid admin key")
+        return allowed, b"" if allowed else b"invalid admin key"
 
 
 class ZmqKvEventPublisher:
     """A sink of the engine's KvEventHub. Sockets are opened when a worker's
     stream starts; a bad endpoint fails the constructor (start-up)."""
 
-    def __init__(self, hub: KvEventHub, endpoint: str, replay_endpoint: str = "", topic: str = "") -> None:
+    def __init__(
+        self,
+        hub: KvEventHub,
+        endpoint: str,
+        replay_endpoint: str = "",
+        topic: str = "",
+        admin_keys: frozenset[str] = frozenset(),
+    ) -> None:
         self._hub = hub
         self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
@@ -93,6 +120,14 @@ class ZmqKvEventPublisher:
         self._async_ctx = zmq.asyncio.Context()
         self._pub: dict[int, zmq.Socket[bytes]] = {}
         self._replay: dict[int, asyncio.Task[None]] = {}
+        # One ZAP handler per context: each checks the PLAIN passwords of its sockets' subscribers.
+        self._auth = (
+            [_AdminKeyAuthenticator(c, Credentials(admin_keys, "admin key")) for c in (self._ctx, self._async_ctx)]
+            if admin_keys
+            else []
+        )
+        for authenticator in self._auth:
+            authenticator.start()
         try:
             hub.add_sink(self)
         except zmq.ZMQError as exc:
@@ -104,7 +139,8 @@ class ZmqKvEventPublisher:
         pub.set_hwm(_HWM)
         address = rank_endpoint(self._endpoint, rank)
         try:
-            if _binds(address):
+            if zmq_binds(address):
+                self._guard(pub)
                 pub.bind(address)
             else:
                 pub.connect(address)
@@ -115,6 +151,7 @@ class ZmqKvEventPublisher:
         if self._replay_endpoint:
             router = self._async_ctx.socket(zmq.ROUTER)
             try:
+                self._guard(router)
                 router.bind(rank_endpoint(self._replay_endpoint, rank))
             except zmq.ZMQError:
                 router.close(linger=0)
@@ -122,6 +159,12 @@ class ZmqKvEventPublisher:
             stream = self._hub.workers[worker]
             self._replay[rank] = asyncio.create_task(self._serve_replay(stream, router), name=f"kv-replay-{rank}")
         log.info("kv events on zmq", worker=worker, rank=rank, endpoint=address)
+
+    def _guard(self, socket: zmq.Socket[Any]) -> None:
+        """With admin keys: only PLAIN subscribers whose password is one (the ZAP handler checks)."""
+        if self._auth:
+            socket.plain_server = True
+            socket.zap_domain = _ZAP_DOMAIN
 
     def publish(self, batch: KvEventBatch) -> None:
         pub = self._pub.get(batch.rank)
@@ -159,5 +202,7 @@ class ZmqKvEventPublisher:
     def _destroy(self) -> None:
         for task in self._replay.values():
             task.cancel()
+        for authenticator in self._auth:
+            authenticator.stop()
         self._ctx.destroy(linger=0)  # closes its sockets
         self._async_ctx.destroy(linger=0)

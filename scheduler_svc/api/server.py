@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import serving_pb2, serving_pb2_grpc
-from scheduler_svc.api.auth import ApiKeyInterceptor
+from scheduler_svc.api.auth import api_key_interceptor
 from scheduler_svc.api.serving import ExtraStats, SchedulerServicer
 from scheduler_svc.api.status import abort
 from scheduler_svc.engine.engine import Engine
@@ -69,11 +69,17 @@ async def start_server(
     credentials: grpc.ServerCredentials | None = None,
     api_keys: frozenset[str] = frozenset(),
     extra_stats: ExtraStats = dict,
+    max_request_mb: int | None = None,
+    max_prompt_chars: int = 0,
 ) -> tuple[SchedulerServer, int]:
-    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+    """max_request_mb: the largest request message, refused by gRPC unparsed (None: max_message_mb);
+    max_prompt_chars: the longest text prompt (0: what fits the context)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [api_key_interceptor(api_keys)] if api_keys else []
     interceptors.append(ParseErrorInterceptor())  # after auth: an unauthenticated payload is never parsed
-    server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_mb))
-    serving_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, default_max_tokens, extra_stats), server)
+    options = server_options(max_message_mb, max_receive_mb=max_request_mb)
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    servicer = SchedulerServicer(engine, default_max_tokens, extra_stats, max_prompt_chars)
+    serving_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -23,7 +23,9 @@ from scheduler_svc.planning.validation import (
     check_constrained,
     check_in_vocab,
     check_num_samples,
+    check_prompt_chars,
     check_prompt_ids,
+    check_request_id,
     check_sampling,
     check_sampling_token_ids,
     output_limit,
@@ -36,8 +38,11 @@ from scheduler_svc.text.tokenizer import ModelTokenizer
 log = structlog.get_logger(__name__)
 
 
-def prompt_from_proto(msg: serving_pb2.GenerateRequest | serving_pb2.PinPrefixRequest, engine: Engine) -> list[int]:
-    """Token ids of a message with `prompt` / `prompt_token_ids` (exactly one)."""
+async def prompt_from_proto(
+    msg: serving_pb2.GenerateRequest | serving_pb2.PinPrefixRequest, engine: Engine, max_chars: int
+) -> list[int]:
+    """Token ids of a message with `prompt` / `prompt_token_ids` (exactly one). A text
+    longer than `max_chars` is refused unread; a long one is tokenized off the event loop."""
     has_text, has_ids = bool(msg.prompt), bool(msg.prompt_token_ids)
     if has_text == has_ids:
         raise RequestRejected("prompt", "give exactly one of prompt (non-empty text) and prompt_token_ids")
@@ -45,16 +50,19 @@ def prompt_from_proto(msg: serving_pb2.GenerateRequest | serving_pb2.PinPrefixRe
         prompt_ids = list(msg.prompt_token_ids)
         check_prompt_ids(prompt_ids, engine.tokenizer.vocab_size)
         return prompt_ids
-    prompt_ids = engine.tokenizer.encode(msg.prompt)
+    check_prompt_chars(len(msg.prompt), max_chars)
+    prompt_ids = await engine.tokenizer.encode_async(msg.prompt)
     if not prompt_ids:
         raise RequestRejected("prompt", "the prompt encodes to no tokens")
     return prompt_ids
 
 
-def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default_max_tokens: int) -> Request:
-    """Validate and convert; raises RequestRejected naming the field. With n > 1,
-    returns a prefill-only parent whose children are the n samples."""
-    prompt_ids = prompt_from_proto(msg, engine)
+def request_from_proto(
+    msg: serving_pb2.GenerateRequest, engine: Engine, default_max_tokens: int, prompt_ids: list[int]
+) -> Request:
+    """Validate and convert (the prompt already tokenized: prompt_from_proto); raises
+    RequestRejected naming the field. With n > 1, returns a prefill-only parent whose
+    children are the n samples."""
     requested = msg.max_tokens if msg.HasField("max_tokens") else None
     max_tokens = output_limit(requested, len(prompt_ids), engine.max_model_len, default_max_tokens)
     sampling = _sampling_from_proto(msg, max_tokens)
@@ -62,7 +70,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
     n = msg.n if msg.HasField("n") else 1
     check_num_samples(n, len(prompt_ids), sampling)
     request_id = msg.request_id or uuid.uuid4().hex
-    eos, salt = engine.tokenizer.eos_token_ids, msg.cache_salt or None
+    eos, salt, priority = engine.tokenizer.eos_token_ids, msg.cache_salt or None, msg.priority
     if n == 1:
         return Request(
             request_id,
@@ -72,6 +80,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
             eos_token_ids=eos,
             cache_salt=salt,
             no_speculation=msg.no_speculation,
+            priority=priority,
         )
     children = [
         Request(
@@ -83,6 +92,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
             eos_token_ids=eos,
             cache_salt=salt,
             no_speculation=msg.no_speculation,
+            priority=priority,
         )
         for i in range(n)
     ]
@@ -95,6 +105,7 @@ def request_from_proto(msg: serving_pb2.GenerateRequest, engine: Engine, default
         children=children,
         eos_token_ids=eos,
         cache_salt=salt,
+        priority=priority,
     )
 
 
@@ -214,16 +225,22 @@ ExtraStats = Callable[[], dict[str, Any]]
 
 
 class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, default_max_tokens: int, extra_stats: ExtraStats = dict):
+    def __init__(
+        self, engine: Engine, default_max_tokens: int, extra_stats: ExtraStats = dict, max_prompt_chars: int = 0
+    ):
+        """max_prompt_chars: the longest text prompt; 0 = what can fit the context."""
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.extra_stats = extra_stats
+        self.max_prompt_chars = max_prompt_chars or engine.max_model_len * engine.tokenizer.longest_token_chars
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         try:
-            req = request_from_proto(request, self.engine, self.default_max_tokens)
+            check_request_id(request.request_id)
+            prompt_ids = await prompt_from_proto(request, self.engine, self.max_prompt_chars)
+            req = request_from_proto(request, self.engine, self.default_max_tokens, prompt_ids)
             await attach_grammar(req, request, self.engine)
             stream = self.engine.requests.submit(req)
         except DOMAIN_ERRORS as exc:
@@ -261,7 +278,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
         self, request: serving_pb2.PinPrefixRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PinPrefixResponse:
         try:
-            prompt_ids = prompt_from_proto(request, self.engine)
+            prompt_ids = await prompt_from_proto(request, self.engine, self.max_prompt_chars)
             if len(prompt_ids) < self.engine.fleet.block_size:
                 raise RequestRejected(
                     "prompt",
@@ -298,10 +315,14 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     async def Tokenize(
         self, request: serving_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.TokenizeResponse:
-        if not request.prompt:
-            await abort_with(context, RequestRejected("prompt", "must be non-empty text"))
+        try:
+            if not request.prompt:
+                raise RequestRejected("prompt", "must be non-empty text")
+            check_prompt_chars(len(request.prompt), self.max_prompt_chars)
+        except RequestRejected as exc:
+            await abort_with(context, exc)
         special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = self.engine.tokenizer.encode(request.prompt, add_special_tokens=special)
+        ids = await self.engine.tokenizer.encode_async(request.prompt, add_special_tokens=special)
         return serving_pb2.TokenizeResponse(
             token_ids=ids,
             max_model_len=self.engine.max_model_len,
@@ -313,11 +334,16 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     ) -> serving_pb2.DetokenizeResponse:
         ids = list(request.token_ids)
         try:
+            if len(ids) > self.engine.max_model_len:
+                raise RequestRejected(
+                    "token_ids", f"at most max_model_len ({self.engine.max_model_len}), got {len(ids)}"
+                )
             check_in_vocab("token_ids", ids, self.engine.tokenizer.vocab_size)
         except RequestRejected as exc:
             await abort_with(context, exc)
         # Special tokens stay: the text is what the ids say, as vLLM's /detokenize answers.
-        return serving_pb2.DetokenizeResponse(text=self.engine.tokenizer.decode(ids, skip_special_tokens=False))
+        text = await self.engine.tokenizer.decode_async(ids, skip_special_tokens=False)
+        return serving_pb2.DetokenizeResponse(text=text)
 
     async def ModelInfo(
         self, request: serving_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import structlog
 
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import DEFAULT_MAX_NUM_SEQS, SchedulerConfig
 from scheduler_svc.engine.core import CoreOptions, EngineCore, Handover
 from scheduler_svc.engine.discovery import first_workers
 from scheduler_svc.engine.errors import (
@@ -112,8 +112,8 @@ class Fleet:
                 targets, resolver, open_worker, config.connect_timeout_s, config.worker_discovery_interval_s
             )
         first = workers[0][1]
-        for _, info in workers[1:]:
-            if problem := first.mismatch(info):
+        for _, info in workers:
+            if problem := (first.mismatch(info) or info.batch_problem(config.max_num_seqs)):
                 raise StartupError(problem)
         if tokenizer.vocab_size > first.vocab_size:
             raise StartupError(f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's {first.vocab_size}")
@@ -199,7 +199,7 @@ class Fleet:
 
     def _check_new_worker(self, info: WorkerInfo) -> Planner:
         """The new worker's planner, if it serves what the others serve; else WorkerIncompatible."""
-        if problem := self.reference.mismatch(info):
+        if problem := (self.reference.mismatch(info) or info.batch_problem(self.config.max_num_seqs)):
             raise WorkerIncompatible(problem)
         planner = _planner(self.config, info)
         if planner.max_len < self.max_model_len:
@@ -304,7 +304,9 @@ def _core_options(config: SchedulerConfig) -> CoreOptions:
 
 def _worker_client(address: str, config: SchedulerConfig, tls_server_name: str = "") -> WorkerClient:
     credentials = channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
-    return WorkerClient(address, config.max_message_mb, credentials, tls_server_name if credentials else "")
+    return WorkerClient(
+        address, config.max_message_mb, credentials, tls_server_name if credentials else "", config.internal_token()
+    )
 
 
 def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
@@ -327,7 +329,9 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
             extra_keys=extra_keys,
             max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks,
         )
-    return Planner(config.planner_config(max_len, info.block_size), kv)
+    # Unset: the worker's own --max-num-seqs (batch_problem refused one larger than it).
+    max_num_seqs = config.max_num_seqs or info.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    return Planner(config.planner_config(max_len, info.block_size, max_num_seqs), kv)
 
 
 async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:

@@ -11,6 +11,7 @@ from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
 from scheduler_svc.planning.planner import Alternatives, PlanMasks, ScheduledSeq, StepPlan, StepSamples
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
+from svc_common.peer_auth import bearer_metadata
 
 # Codes after which the worker may come back: reconnect and recompute.
 # ABORTED: a step named a previous step whose samples the worker no longer holds (it restarted).
@@ -43,6 +44,18 @@ class WorkerInfo:
     # block_size is a slot's length (max_seq_len); see proto/worker.proto.
     kv_layout: str = "paged"
     max_batch: int = 0
+    max_num_seqs: int = 0  # the worker's --max-num-seqs (0: an older worker that does not say)
+
+    def batch_problem(self, max_num_seqs: int) -> str | None:
+        """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
+        worker (it sized its memory and graphs for fewer); None if it can."""
+        if not self.max_num_seqs or max_num_seqs <= self.max_num_seqs:
+            return None
+        return (
+            f"--max-num-seqs {max_num_seqs} is more than worker {self.address} was started for "
+            f"(its --max-num-seqs {self.max_num_seqs}: memory and decode graphs are sized for that): give the "
+            f"worker the same value, or leave the scheduler's unset to take the worker's"
+        )
 
     def mismatch(self, other: WorkerInfo, same_pool: bool = False) -> str | None:
         """Why `other` cannot serve beside (or, same_pool, in place of) this worker:
@@ -207,6 +220,7 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         kv_bytes_per_block=reply.kv_bytes_per_block,
         kv_layout=reply.kv_layout or "paged",
         max_batch=reply.max_batch,
+        max_num_seqs=reply.max_num_seqs,
     )
 
 
@@ -217,7 +231,10 @@ class WorkerClient:
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         credentials: grpc.ChannelCredentials | None = None,
         tls_server_name: str = "",
+        token: str | None = None,
     ):
+        """token: the internal token the worker asks for (its --internal-token-file), if any."""
+        self._metadata = bearer_metadata(token)
         # Fast reconnect: a restarted worker is noticed within a second, not gRPC's 120 s backoff.
         # tls_server_name: a worker found through DNS is dialled by IP; its certificate names the DNS name.
         options = channel_options(max_message_mb, fast_reconnect=True, tls_server_name=tls_server_name)
@@ -231,7 +248,9 @@ class WorkerClient:
     async def info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> WorkerInfo:
         """Raises WorkerCallFailed."""
         try:
-            reply = await self.stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+            reply = await self.stub.Info(
+                worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
         return info_from_proto(self.address, reply)
@@ -239,7 +258,7 @@ class WorkerClient:
     async def step(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
         """Raises WorkerCallFailed."""
         try:
-            reply = await self.stub.Step(plan_to_proto(plan), timeout=timeout_s)
+            reply = await self.stub.Step(plan_to_proto(plan), timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
         return result_from_proto(reply)
@@ -248,7 +267,7 @@ class WorkerClient:
         """The late masks of step `step_id` (its mask_follows rows). Raises WorkerCallFailed."""
         request = worker_pb2.StepMasksRequest(step_id=step_id, masks=masks_to_proto(masks))
         try:
-            await self.stub.StepMasks(request, timeout=timeout_s)
+            await self.stub.StepMasks(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
 

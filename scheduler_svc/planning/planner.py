@@ -56,8 +56,10 @@ from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.planning.validation import (
+    SCHEDULING_POLICIES,
     RequestRejected,
     check_constrained,
+    check_priority,
     check_prompt_fits,
     check_prompt_ids,
     check_sampling,
@@ -95,14 +97,19 @@ class PlannerConfig:
     # follows (its mask is sent late, once that token is known); off: such a decode
     # waits for the next plan made with nothing in flight ahead of it.
     constrained_ahead: bool = True
+    # fcfs: admission in arrival order, the newest running request preempted first;
+    # priority: by (priority, arrival) both ways (vLLM's --scheduling-policy).
+    scheduling_policy: str = "fcfs"
 
     _MINIMUMS = {"max_model_len": 2}  # a prompt token plus a generated one
 
     def validate(self) -> PlannerConfig:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy (--scheduling-policy) must be one of {', '.join(SCHEDULING_POLICIES)}")
         for f in fields(self):
             value, low = getattr(self, f.name), self._MINIMUMS.get(f.name, 1)
             flag = "--" + f.name.replace("_", "-")
-            if f.name in ("dynamic_chunking", "constrained_ahead", "speculative"):
+            if f.name in ("dynamic_chunking", "constrained_ahead", "scheduling_policy", "speculative"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(
@@ -261,6 +268,11 @@ class RequestUpdate:
     # The request ended with this error instead (its grammar refused the token: TokenRejected,
     # or hit a limit: GrammarFailed); the token is not in its outputs.
     error: Exception | None = None
+
+
+def _urgency(request: Request) -> tuple[int, int]:
+    """Ordering under the priority policy: lower priority values first, then arrival."""
+    return request.priority, request.arrival_index
 
 
 def _prompt_total(request: Request) -> int:
@@ -543,7 +555,7 @@ class Planner:
             if budget.ahead:  # a victim may be in flight: preempt only with nothing in flight
                 budget.deferred = True
                 return 0
-            victim = next(r for r in reversed(self.running) if r.request_id not in budget.scheduled)
+            victim = self._victim(budget)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
@@ -553,13 +565,13 @@ class Planner:
         """FIFO admission; stops at the first request whose chunk does not fit,
         so a big request at the head is not starved by smaller ones behind it."""
         while self.waiting and budget.has_room() and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             want = min(request.num_tokens - num_hit_tokens, self._chunk_limit(), budget.tokens_left)
             if self.kv.allocate_slots(request, want, hits) is None:
                 budget.deferred = budget.deferred or budget.ahead
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_hit_tokens
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit_tokens
@@ -575,6 +587,23 @@ class Planner:
 
     def _chunk_limit(self) -> int:
         return self.config.chunk_limit(self.kv.free_fraction)
+
+    # ---- the scheduling policy: who goes first, who gives way ---------------
+    def _next_waiting(self) -> Request:
+        """The waiting request admitted next: the queue's head (fcfs: arrival order, a
+        preempted request back at the front), or the most urgent (priority: lowest value,
+        then earliest arrival)."""
+        if self.config.scheduling_policy == "priority":
+            return min(self.waiting, key=_urgency)
+        return self.waiting[0]
+
+    def _victim(self, budget: _StepBudget) -> Request:
+        """The running request to preempt, among those not yet scheduled this step: the
+        newest (fcfs), or the least urgent (priority: highest value, then latest arrival)."""
+        candidates = [r for r in self.running if r.request_id not in budget.scheduled]
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=_urgency)
+        return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         """Release all blocks and requeue at the front. Outputs are kept: on resume
@@ -848,6 +877,7 @@ class Planner:
             raise LeakError("planner audit failed:\n  " + "\n  ".join(problems))
 
     def _validate(self, request: Request) -> None:
+        check_priority(request.priority, self.config.scheduling_policy)
         if request.request_id in self.requests or request.request_id in (r.request_id for r in self._free_after_step):
             raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
         check_prompt_ids(request.prompt_token_ids, vocab_size=None)

@@ -20,6 +20,9 @@ MAX_REPETITION_PENALTY = 2.0  # (0, 2] (vLLM)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_CHARS = 256  # echoed in every message and log line of the request
+INT32_MAX = 2**31 - 1  # worker.v1's top_k column
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class RequestRejected(ValueError):
@@ -59,8 +62,8 @@ def check_sampling(s: SamplingOptions) -> None:
         raise RequestRejected("temperature", f"must be a finite number >= 0, got {s.temperature}")
     if not 0 < s.top_p <= 1:
         raise RequestRejected("top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        raise RequestRejected("top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+    if not 0 <= s.top_k <= INT32_MAX:
+        raise RequestRejected("top_k", f"must be in [0, {INT32_MAX}] (0 = off), got {s.top_k}")
     if not 0 <= s.min_p <= 1:  # NaN fails too
         raise RequestRejected("min_p", f"must be in [0, 1] (0 = off), got {s.min_p}")
     if s.seed is not None and not 0 <= s.seed < SEED_SPACE:
@@ -124,6 +127,29 @@ def check_prompt_ids(token_ids: Sequence[int], vocab_size: int | None) -> None:
         check_in_vocab("prompt_token_ids", token_ids, vocab_size)
     elif min(token_ids) < 0:
         raise RequestRejected("prompt_token_ids", f"token ids must be >= 0, got {min(token_ids)}")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestRejected("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+
+
+def check_prompt_chars(num_chars: int, max_chars: int, field: str = "prompt") -> None:
+    """A text is refused by its length alone, before it is tokenized: with more than
+    `max_chars` characters it cannot fit the context (max_model_len x the longest
+    token's characters, or the operator's --max-prompt-chars)."""
+    if num_chars > max_chars:
+        raise RequestRejected(
+            field, f"{num_chars} characters; at most {max_chars} can fit the model's context (--max-prompt-chars)"
+        )
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """vLLM's rule: a priority other than 0 needs the priority policy."""
+    if priority and policy != "priority":
+        raise RequestRejected(
+            "priority", f"{priority} needs the scheduler's --scheduling-policy priority (it runs {policy})"
+        )
 
 
 def check_context_room(prompt_tokens: int, max_model_len: int) -> None:

@@ -1,16 +1,36 @@
 """The model's tokenizer, loaded with the `tokenizers` library only (no
 transformers, no torch), plus the bits of tokenizer/generation config the
 scheduler needs: EOS ids and the vocabulary size. (The chat template is the
-gateway's: gateway_svc/chat_template.py.)"""
+gateway's: gateway_svc/chat_template.py.)
+
+Large inputs are tokenized and detokenized off the event loop (`encode_async`,
+`decode_async`: a thread of a small pool), through the library's batch calls,
+which release the GIL while Rust works (its single-text calls hold it, and stay
+the fast path for small inputs): a megabyte prompt then costs its own request
+time, not every stream's.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+# Up to this many characters (or ids) a text is handled on the event loop: a
+# thread hop costs more than the work (about 1 us per character or id).
+INLINE_CHARS = 8192
+INLINE_IDS = 4096
+OFFLOAD_THREADS = 2
+TOKENIZE_NICENESS = 10  # added to the process's: below the event loop
 
 
 @dataclass
@@ -19,12 +39,46 @@ class ModelTokenizer:
     eos_token_ids: frozenset[int]
     vocab_size: int
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode(); a large text in a worker thread, the GIL released while it runs."""
+        if len(text) <= INLINE_CHARS:
+            return self.encode(text, add_special_tokens)
+        encode = functools.partial(self._encode_released, text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._threads(), encode)
+
+    async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """decode(); many ids in a worker thread, the GIL released while it runs."""
+        if len(ids) <= INLINE_IDS:
+            return self.decode(ids, skip_special_tokens)
+        decode = functools.partial(self.tokenizer.decode_batch, [ids], skip_special_tokens=skip_special_tokens)
+        texts = await asyncio.get_running_loop().run_in_executor(self._threads(), decode)
+        return str(texts[0])
+
+    def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
+        """encode() through encode_batch, which releases the GIL; the ids' list is built
+        here too (a million ints is a long pause where the loop runs)."""
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
+        return ids
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(OFFLOAD_THREADS, thread_name_prefix="tokenize", initializer=_yield_cpu)
+        return self._pool
+
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token covers
+        more of a text, so a prompt of more than max_model_len times this cannot fit."""
+        return max(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's string in the vocabulary ('' for an id it does not name)."""
@@ -36,6 +90,14 @@ class ModelTokenizer:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+
+def _yield_cpu() -> None:
+    """A tokenizing thread runs at a lower CPU priority than the event loop (Linux nice is
+    per thread): on a busy machine the streams' loop gets the core first, and a long
+    prompt takes longer instead of making every stream wait."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: same priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICENESS)
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:

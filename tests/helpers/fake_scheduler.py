@@ -62,12 +62,23 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.abort_after: int | None = None  # with `abort`: fail after this many deltas (mid-stream)
         self.required_key: str | None = None
+        self.active = 0  # Generate calls running now, and the most there were at once
+        self.max_active = 0
 
     def Generate(self, request, context):
         metadata = dict(context.invocation_metadata())
         with self.lock:
             self.requests.append(request)
             self.metadata.append(metadata)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            yield from self._generate(request, context, metadata)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def _generate(self, request, context, metadata):
         if self.required_key and metadata.get("authorization") != f"Bearer {self.required_key}":
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this scheduler wants an API key")
         if self.abort and self.abort_after is None:

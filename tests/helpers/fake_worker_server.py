@@ -15,7 +15,9 @@ from tests.helpers.worker_client import seqs_of, step_response
 
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, num_blocks: int, vocab_size: int, block_size: int = 16, max_model_len: int = 4096):
+    def __init__(
+        self, num_blocks: int, vocab_size: int, block_size: int = 16, max_model_len: int = 4096, max_num_seqs: int = 0
+    ):
         self.fake = FakeWorker(num_blocks, block_size, vocab_size)
         self.info = worker_pb2.InfoResponse(
             model_name="fake",
@@ -32,6 +34,7 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             dtype="float32",
             device="cpu",
             instance_id=uuid.uuid4().hex,
+            max_num_seqs=max_num_seqs,
         )
 
     async def Info(self, request, context):

@@ -8,6 +8,8 @@ one the test computes from the tokens it sent and got back."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import msgpack
 import pytest
@@ -46,9 +48,11 @@ def chain_hashes(tokens: list[int], extra_keys: tuple) -> list[bytes]:
     return hashes
 
 
-def read_grpc(admin_address: str, until_seq: int) -> list[admin_pb2.KvEventBatch]:
-    with grpc.insecure_channel(admin_address) as channel:
-        call = admin_pb2_grpc.AdminStub(channel).SubscribeKvEvents(admin_pb2.SubscribeKvEventsRequest(), timeout=WAIT_S)
+def read_grpc(cluster: Cluster, until_seq: int) -> list[admin_pb2.KvEventBatch]:
+    with grpc.insecure_channel(cluster.scheduler.admin_address) as channel:
+        call = admin_pb2_grpc.AdminStub(channel).SubscribeKvEvents(
+            admin_pb2.SubscribeKvEventsRequest(), metadata=cluster.admin_metadata, timeout=WAIT_S
+        )
         batches = []
         for batch in call:
             batches.append(batch)
@@ -58,13 +62,26 @@ def read_grpc(admin_address: str, until_seq: int) -> list[admin_pb2.KvEventBatch
     raise AssertionError("the stream ended")
 
 
+def zmq_socket(ctx: zmq.Context, kind: int, endpoint: str, password: str | None) -> zmq.Socket:
+    """A subscriber (SUB) or replay client (DEALER); `password`: its ZMQ PLAIN password."""
+    socket = ctx.socket(kind)
+    if password is not None:
+        socket.plain_username, socket.plain_password = b"admin", password.encode()
+    if kind == zmq.SUB:
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(endpoint)
+    return socket
+
+
 def test_zmq_and_grpc_subscribers_rebuild_the_cached_blocks_after_evictions(cluster):
+    """With the admin key the launcher made; the events show every tenant's prompts, so a
+    subscriber without it (or with a wrong one) hears nothing on either socket."""
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(cluster.zmq[0])
-    replay = ctx.socket(zmq.DEALER)
-    replay.connect(cluster.zmq[1])
+    key = cluster.secrets.admin_key
+    sub = zmq_socket(ctx, zmq.SUB, cluster.zmq[0], key)
+    replay = zmq_socket(ctx, zmq.DEALER, cluster.zmq[1], key)
+    outsiders = [zmq_socket(ctx, zmq.SUB, cluster.zmq[0], p) for p in (None, "not-the-admin-key")]
+    outsiders += [zmq_socket(ctx, zmq.DEALER, cluster.zmq[1], p) for p in (None, "not-the-admin-key")]
     live: dict[int, bytes] = {}
     sent: list[list[int]] = []  # the computed tokens of every request (prompt + all outputs but the last)
 
@@ -100,6 +117,10 @@ def test_zmq_and_grpc_subscribers_rebuild_the_cached_blocks_after_evictions(clus
         # Every step's events were published before its tokens were streamed: the
         # replay socket now holds them all, and says where they end.
         replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        for outsider in outsiders:
+            if outsider.type == zmq.DEALER:
+                with contextlib.suppress(zmq.Again):  # no peer to queue for: refused at the handshake
+                    outsider.send_multipart([b"", (0).to_bytes(8, "big")], flags=zmq.NOBLOCK)
         replayed: dict[int, bytes] = {}
         while True:
             empty, seq, payload = replay.recv_multipart()
@@ -115,8 +136,10 @@ def test_zmq_and_grpc_subscribers_rebuild_the_cached_blocks_after_evictions(clus
             assert receive(int(WAIT_S * 1000)), "a live batch is missing"
         assert sorted(live) == list(range(first_live, last + 1))
         assert all(replayed[seq] == payload for seq, payload in live.items())
+        # Connected as long, and told nothing: each would have its messages by now.
+        assert not [o for o in outsiders if o.poll(200)]
         # The gRPC stream from the start: the buffer (1024 batches) holds it all.
-        batches = read_grpc(cluster.scheduler.admin_address, last)
+        batches = read_grpc(cluster, last)
         assert [b.seq for b in batches] == list(range(last + 1))  # one worker, numbered from 0
         assert not any(b.HasField("gap") for b in batches)
         grpc_view: set[bytes] = set()
@@ -145,14 +168,15 @@ def test_zmq_and_grpc_subscribers_rebuild_the_cached_blocks_after_evictions(clus
                     zmq_view.clear()
         assert removed == stats.evictions  # every reclaimed block was announced
     finally:
-        sub.close(linger=0)
-        replay.close(linger=0)
+        for socket in (sub, replay, *outsiders):
+            socket.close(linger=0)
         ctx.term()
     # Both streams agree with each other and with the scheduler's own count.
     assert zmq_view == grpc_view and len(zmq_view) == stats.blocks_cached_free > 0
     # Every hash is a block of what was sent: our hash chain over those tokens.
     with grpc.insecure_channel(cluster.workers[0].address) as channel:
-        info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=WAIT_S)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        info = stub.Info(worker_pb2.InfoRequest(), metadata=cluster.worker_metadata, timeout=WAIT_S)
     keys = (info.model_name, info.model_type, info.dtype, info.kv_dtype)
     universe = {h for tokens in sent for h in chain_hashes(tokens, keys)}
     assert zmq_view <= universe

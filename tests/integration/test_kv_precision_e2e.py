@@ -106,7 +106,7 @@ def test_quantized_cache_end_to_end(kv_dtype, reported, model_dir, prompt_ids, u
     )
     with cluster, SchedulerClient(cluster.address) as client:
         with grpc.insecure_channel(cluster.workers[0].address) as channel:
-            info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest())
+            info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), metadata=cluster.worker_metadata)
         runs = [
             (_run(client, prompt_ids, temperature=0.0), _seeded_one_at_a_time(client, prompt_ids, f"run-{i}"))
             for i in range(2)

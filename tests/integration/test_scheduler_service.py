@@ -21,7 +21,7 @@ from tests.helpers.cluster import wait_idle
 from tests.helpers.procs import REPO, Cluster
 
 MAX_MODEL_LEN = 128
-MAX_MESSAGE_MB = 1
+MAX_REQUEST_MB = 1
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 
 
@@ -38,8 +38,8 @@ def cluster():
             "2",
             "--max-waiting",
             "2",
-            "--max-message-mb",
-            str(MAX_MESSAGE_MB),
+            "--max-request-mb",
+            str(MAX_REQUEST_MB),
             "--chunk-size",
             "8",
         ],
@@ -55,6 +55,7 @@ def client(cluster):
 
 BAD_REQUESTS = [
     # (case, GenerateRequest fields, field named in the error)
+    ("request_id of 10 kB", {"prompt": "hi", "request_id": "r" * 10_000}, "request_id"),
     ("neither prompt nor ids", {}, "prompt"),
     ("empty strings everywhere", {"prompt": "", "request_id": "", "stop": [""], "cache_salt": ""}, "prompt"),
     ("both prompt and ids", {"prompt": "hi", "prompt_token_ids": [5, 6]}, "prompt"),
@@ -111,6 +112,16 @@ def _field(number: int, wire_type: int, payload: bytes) -> bytes:
     return bytes([number << 3 | wire_type]) + payload
 
 
+def _varint(value: int) -> bytes:
+    """A protobuf varint of any value below 2**64 (what a 64-bit field, or a fuzzer, sends)."""
+    out = b""
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out += bytes([low | (0x80 if value else 0)])
+        if not value:
+            return out
+
+
 def _len_delimited(number: int, data: bytes) -> bytes:
     assert len(data) < 128  # one-byte length varint is all these rows need
     return _field(number, 2, bytes([len(data)]) + data)
@@ -138,9 +149,30 @@ RAW_REQUESTS = [
     # so max_tokens stays unset and the request then misses a prompt.
     ("max_tokens sent as a string", _len_delimited(4, b"10"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
     ("unknown field only", _field(15, 0, b"\x01"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    # Issue 29: a varint beyond 32 bits is refused as sent, not as a 32-bit field cuts it
+    # (2**32 + 3 would have been max_tokens 3, 2**32 + 5 token id 5, and both served).
+    (
+        "max_tokens of 2**32 + 3",
+        _GOOD + _field(4, 0, _varint(2**32 + 3)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        str(2**32 + 3),
+    ),
+    (
+        "token id of 2**32 + 5",
+        _field(3, 2, bytes([len(_varint(2**32 + 5))]) + _varint(2**32 + 5)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"token id {2**32 + 5}",
+    ),
+    (
+        "n of 2**33",
+        _GOOD + _field(11, 0, _varint(2**33)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"n: must be in [1, 16], got {2**33}",
+    ),
+    ("top_k of 2**40", _GOOD + _field(7, 0, _varint(2**40)), grpc.StatusCode.INVALID_ARGUMENT, str(2**40)),
     (
         "message over the size limit",
-        serving_pb2.GenerateRequest(prompt="x" * (MAX_MESSAGE_MB * 2**20 + 1)).SerializeToString(),
+        serving_pb2.GenerateRequest(prompt="x" * (MAX_REQUEST_MB * 2**20 + 1)).SerializeToString(),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "larger than max",
     ),
@@ -170,7 +202,7 @@ EXTREME_BUT_VALID = [
     ("empty stop strings are ignored", {"stop": ["", ""]}),
     ("16 stop strings of 512 characters", {"stop": [chr(0x4E00 + i) * 512 for i in range(16)]}),
     ("cache_salt of 100 kB", {"cache_salt": "s" * 100_000}),
-    ("request_id of 10 kB", {"request_id": "r" * 10_000}),
+    ("request_id of 256 characters", {"request_id": "r" * 256}),
     ("non-ASCII prompt and stop", {"prompt": "héllo wörld 🌍 ", "stop": ["🌍🌍"]}),
     ("token id 0 only", {"prompt": "", "prompt_token_ids": [0] * 5}),
 ]

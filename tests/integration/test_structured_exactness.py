@@ -57,7 +57,10 @@ ORDER = {
     "minItems": 40,
     "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}},
 }
-CROWDING_PROMPT, CROWDING_SAMPLES, CROWDING_TOKENS = list(range(40, 60)), 4, 100
+# 4 samples of 20 + 140 tokens want 1 shared + 4 x 9 blocks, 37 of the 28: they must preempt
+# each other, by a margin wider than one block. (A worker that refuses a call makes the
+# scheduler fail over and recompute: exact tokens still, but no preemption counted.)
+CROWDING_PROMPT, CROWDING_SAMPLES, CROWDING_TOKENS = list(range(40, 60)), 4, 140
 
 
 class GrammarMask(LogitsProcessor):

@@ -35,6 +35,8 @@ def stub():
             str(NUM_BLOCKS),
             "--max-model-len",
             "256",
+            "--max-num-seqs",
+            "12",
         ],
     ) as proc:
         with grpc.insecure_channel(proc.address) as channel:
@@ -202,6 +204,7 @@ def test_info_describes_model_and_pool(stub):
     assert (info.model_type, info.num_blocks, info.block_size, info.max_model_len) == ("llama", NUM_BLOCKS, 16, 256)
     assert info.kv_dtype == "float32" and info.device == "cpu" and len(info.instance_id) == 32
     assert info.kv_bytes_per_block == 2 * info.num_layers * info.num_kv_heads * 16 * info.head_dim * 4
+    assert info.max_num_seqs == 12  # what a scheduler without its own --max-num-seqs runs
 
 
 def _allowing(ids: list[int]) -> list[int]:

@@ -24,6 +24,7 @@ from gateway_svc.config import GatewayConfig
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import env_name, parse_config
 from svc_common.defaults import DEFAULT_MODEL
+from tools.certs import SCHEDULER_CLIENT_NAME
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +36,8 @@ CONFIGS = {
     "gateway": (GatewayConfig, "PAGEDSERVE_GATEWAY"),
 }
 MODEL_MOUNT = "/models/model"
+SECRETS_MOUNT = "/secrets"
+ONE_SHOT = "secrets"  # makes the CA, certificates and admin key, then exits
 
 
 def interpolate(value):
@@ -49,8 +52,14 @@ def interpolate(value):
 
 
 @pytest.fixture(scope="module")
-def compose() -> dict:
+def full_compose() -> dict:
     return interpolate(yaml.safe_load(COMPOSE.read_text()))
+
+
+@pytest.fixture(scope="module")
+def compose(full_compose) -> dict:
+    """The long-running services (the one-shot `secrets` job has tests of its own)."""
+    return {**full_compose, "services": {n: s for n, s in full_compose["services"].items() if n != ONE_SHOT}}
 
 
 def kind(name: str, service: dict) -> str:
@@ -89,7 +98,7 @@ def test_topology_one_scheduler_two_workers_one_gateway(compose):
     assert gateway["depends_on"][sched_name]["condition"] == "service_healthy"
 
 
-def test_discovery_option_finds_every_worker_by_one_name(compose, monkeypatch):
+def test_discovery_option_finds_every_worker_by_one_name(compose, monkeypatch, made_secrets):
     """SCHEDULER_WORKERS=dns:///workers:PORT: the name is an alias of every worker on
     the compose network, and the scheduler accepts it."""
     ((name, scheduler),) = services_of(compose, "scheduler").items()
@@ -104,7 +113,7 @@ def test_discovery_option_finds_every_worker_by_one_name(compose, monkeypatch):
         monkeypatch.delenv(key)
     env = {**env_of(scheduler), "PAGEDSERVE_SCHEDULER_WORKERS": f"dns:///workers:{port}"}
     for key, value in env.items():
-        monkeypatch.setenv(key, str(REPO / DEFAULT_MODEL) if value == MODEL_MOUNT else value)
+        monkeypatch.setenv(key, mounted(value, made_secrets))
     config = parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER", name, [])
     assert [str(t) for t in config.worker_targets] == [f"dns:///workers:{port}"]
     assert config.worker_discovery_interval_s == 5
@@ -139,20 +148,77 @@ def test_every_service_has_a_health_check(compose):
         assert service["healthcheck"]["start_period"]
 
 
-def test_configuration_is_env_vars_the_services_accept(compose, monkeypatch):
+HEALTHCHECK_VARS = set(re.findall(r"PAGEDSERVE_HEALTHCHECK_\w+", (DOCKER / "healthcheck.py").read_text()))
+
+
+def mounted(value: str, secrets_dir: Path) -> str:
+    """A setting as the container sees it, pointed at what the mount would show here:
+    the local default model, and the files `python -m tools.certs` makes."""
+    if value == MODEL_MOUNT:
+        return str(REPO / DEFAULT_MODEL)
+    if value.startswith(SECRETS_MOUNT + "/"):
+        return str(secrets_dir / value.removeprefix(SECRETS_MOUNT + "/"))
+    return value
+
+
+@pytest.fixture(scope="module")
+def made_secrets(full_compose, tmp_path_factory) -> Path:
+    """What the `secrets` service writes into the volume, made here with its own arguments."""
+    from tools.certs import main as certs
+
+    job = full_compose["services"][ONE_SHOT]
+    out = tmp_path_factory.mktemp("secrets")
+    args = [str(out) if a == SECRETS_MOUNT else a for a in job["command"]]
+    assert job["entrypoint"] == ["python", "-m", "tools.certs"] and certs(args) == 0
+    return out
+
+
+def test_configuration_is_env_vars_the_services_accept(compose, monkeypatch, made_secrets):
     for name, service in compose["services"].items():
         cls, prefix = CONFIGS[kind(name, service)]
-        env = env_of(service)
+        env = {k: v for k, v in env_of(service).items() if k not in HEALTHCHECK_VARS}  # read by healthcheck.py
         fields = {env_name(prefix, f) for f in cls.__dataclass_fields__}
         assert set(env) <= fields, f"{name}: unknown settings {set(env) - fields}"
         assert env[f"{prefix}_HOST"] == "0.0.0.0"  # reachable from the other containers
         for key in [k for k in os.environ if k.startswith(prefix)]:
             monkeypatch.delenv(key)
         for key, value in env.items():
-            # Start-up checks that the model directory exists; here it is the one the mount would show.
-            monkeypatch.setenv(key, str(REPO / DEFAULT_MODEL) if value == MODEL_MOUNT else value)
+            # Start-up checks that files exist; here they are what the mounts would show.
+            monkeypatch.setenv(key, mounted(value, made_secrets))
         config = parse_config(cls, prefix, name, [])  # validates: a bad value exits here
         assert config.host == "0.0.0.0"
+
+
+def test_internal_hops_are_authenticated_by_default(full_compose, compose, made_secrets):
+    """Workers listen on 0.0.0.0 (other containers reach them): they take steps only from a
+    client with a certificate of the deployment's CA, which only the scheduler holds; admin.v1
+    needs the admin key. Every file comes from the one-shot `secrets` job, read-only."""
+    job = full_compose["services"][ONE_SHOT]
+    assert job["restart"] == "no"
+    names = job["command"][job["command"].index("--names") + 1].split(",")
+    workers = services_of(compose, "worker")
+    assert set(workers) | {"workers"} <= set(names)  # the names the scheduler dials (fixed list or the DNS alias)
+    for worker in workers.values():
+        env = env_of(worker)
+        assert env["PAGEDSERVE_WORKER_TLS_CLIENT_CA"] == f"{SECRETS_MOUNT}/ca.crt"
+        assert {env["PAGEDSERVE_WORKER_TLS_CERT"], env["PAGEDSERVE_HEALTHCHECK_CERT"]} == {
+            f"{SECRETS_MOUNT}/worker.crt"
+        }
+        assert env["PAGEDSERVE_HEALTHCHECK_CA"] == env["PAGEDSERVE_WORKER_TLS_CLIENT_CA"]
+        assert env["PAGEDSERVE_WORKER_TLS_CLIENT_NAMES"] == SCHEDULER_CLIENT_NAME  # only the scheduler calls
+        assert worker["depends_on"][ONE_SHOT]["condition"] == "service_completed_successfully"
+    ((_, scheduler),) = services_of(compose, "scheduler").items()
+    env = env_of(scheduler)
+    assert env["PAGEDSERVE_SCHEDULER_WORKER_TLS_CA"] == f"{SECRETS_MOUNT}/ca.crt"
+    assert env["PAGEDSERVE_SCHEDULER_WORKER_TLS_CERT"] == f"{SECRETS_MOUNT}/scheduler-client.crt"
+    assert env["PAGEDSERVE_SCHEDULER_ADMIN_KEYS_FILE"] == f"{SECRETS_MOUNT}/admin.key"
+    for service in [*workers.values(), scheduler]:
+        (volume,) = [v for v in service["volumes"] if v["target"] == SECRETS_MOUNT]
+        assert volume == {"type": "volume", "source": "secrets", "target": SECRETS_MOUNT, "read_only": True}
+    assert "secrets" in full_compose["volumes"]
+    for path in {v for s in compose["services"].values() for v in env_of(s).values() if v.startswith("/secrets/")}:
+        assert (made_secrets / path.removeprefix("/secrets/")).is_file(), path
+    assert "gateway" not in [n for n, s in compose["services"].items() if SECRETS_MOUNT in str(s.get("volumes"))]
 
 
 def test_model_directory_is_a_read_only_volume(compose):
@@ -415,6 +481,45 @@ def test_healthcheck_script_speaks_mutual_tls(tmp_path):
             PAGEDSERVE_HEALTHCHECK_KEY=str(tmp_path / "client.key"),
         )
         result = subprocess.run(check, env=env, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+    finally:
+        server.stop(None)
+
+
+def test_the_secrets_jobs_certificates_carry_mutual_tls_and_the_health_check(compose, made_secrets):
+    """The worker serves with what `secrets` made: the scheduler's client certificate is
+    accepted, a client without one is not, and the compose health check (its env, as the
+    container has it) passes over TLS presenting the worker's own certificate."""
+    worker = env_of(next(iter(services_of(compose, "worker").values())))
+    read = lambda setting: Path(mounted(worker[setting], made_secrets)).read_bytes()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    credentials = grpc.ssl_server_credentials(
+        [(read("PAGEDSERVE_WORKER_TLS_KEY"), read("PAGEDSERVE_WORKER_TLS_CERT"))],
+        root_certificates=read("PAGEDSERVE_WORKER_TLS_CLIENT_CA"),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    servicer.set("worker.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+
+    def check(**pem: Path) -> bool:
+        creds = grpc.ssl_channel_credentials(*(p.read_bytes() if p else None for p in pem.values()))
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError:
+                return False
+        return True
+
+    try:
+        ca = made_secrets / "ca.crt"
+        assert check(ca=ca, key=made_secrets / "scheduler-client.key", cert=made_secrets / "scheduler-client.crt")
+        assert not check(ca=ca, key=None, cert=None)
+        env = {**os.environ, **{k: mounted(v, made_secrets) for k, v in worker.items() if k in HEALTHCHECK_VARS}}
+        command = [sys.executable, str(DOCKER / "healthcheck.py"), "grpc", f"127.0.0.1:{port}", "worker.v1.Worker"]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr
     finally:
         server.stop(None)

@@ -16,7 +16,14 @@ from scheduler_svc.api.server import start_server
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.errors import LastWorker, UnknownWorker, WorkerExists, WorkerIncompatible, WorkerUnreachable
+from scheduler_svc.engine.errors import (
+    LastWorker,
+    StartupError,
+    UnknownWorker,
+    WorkerExists,
+    WorkerIncompatible,
+    WorkerUnreachable,
+)
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.aio_generate import generate
@@ -212,3 +219,48 @@ def test_shared_prefix_colocates_and_handover_skips_draining_workers():
         assert (await task).usage.completion_tokens == 40
 
     run(scenario, num_workers=2)
+
+
+def test_max_num_seqs_comes_from_the_workers_info_and_a_larger_one_is_refused():
+    """Issue 28: --max-num-seqs need not be repeated. Unset on the scheduler it is each
+    worker's (Info), 256 for a worker that does not say; set, it may not exceed a worker's
+    (its memory and decode graphs are sized for that): refused when the worker joins."""
+
+    async def scenario(engine, stub, tokenizer, start_worker):
+        (unsaid,) = engine.cores
+        assert unsaid.planner.config.max_num_seqs == 256
+        await engine.fleet.add_worker(await start_worker(max_num_seqs=3))
+        said = engine.cores[-1]
+        assert said.planner.config.max_num_seqs == 3
+        await engine.fleet.drain_worker(unsaid.info.address, wait=True)
+        # Six at once on a worker started for three: never more than three run.
+        calls = asyncio.gather(*(generate(stub, [5, 6, 7 + i], 40) for i in range(6)))
+        most = 0
+        while not calls.done():
+            most = max(most, said.planner.num_running)
+            await asyncio.sleep(0.001)
+        assert most == 3
+        assert all(r.usage.completion_tokens == 40 for r in calls.result())
+
+    run(scenario, num_workers=1)
+
+    async def larger(engine, stub, tokenizer, start_worker):
+        with pytest.raises(WorkerIncompatible, match="--max-num-seqs 8 is more than worker .* --max-num-seqs 4"):
+            await engine.fleet.add_worker(await start_worker(max_num_seqs=4))
+        assert (await engine.fleet.add_worker(await start_worker(max_num_seqs=8))).state is WorkerState.SERVING
+
+    run(larger, num_workers=1, max_num_seqs=8)
+
+
+def test_a_scheduler_asking_more_sequences_than_its_worker_does_not_start():
+    tokenizer = load_tokenizer(tiny_checkpoint("llama"))
+
+    async def main():
+        server, address, _ = await start_fake_worker(64, tokenizer.vocab_size, max_num_seqs=16)
+        try:
+            with pytest.raises(StartupError, match="--max-num-seqs 32 is more than worker"):
+                await Engine.connect(SchedulerConfig(workers=address, max_num_seqs=32), tokenizer)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -3,12 +3,15 @@ pinned release (kubernetes-validate, strict: unknown fields fail; offline, the
 schemas ship in the package), and the pieces fit together: settings are fields of
 the services' config dataclasses, the scheduler's --workers is the DNS name of the
 workers' headless Service, probes hit ports the containers expose, PDBs and
-NetworkPolicies select the pods they mean. The mtls/ overlay is rendered here with
-the small part of kustomize it uses (strategic-merge patches); when kubectl is
+NetworkPolicies select the pods they mean, and the internal hops are authenticated
+by default (mutual TLS to the workers, an admin key on admin.v1) with the Secrets
+`python -m tools.certs --kubernetes` makes. Overlays are rendered here with the
+small part of kustomize they use (strategic-merge patches); when kubectl is
 installed, `kubectl kustomize` must render the same."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import os
@@ -25,11 +28,12 @@ from gateway_svc.config import GatewayConfig
 from proto import admin_pb2, serving_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import env_name, flag_name, parse_config
+from tools.certs import SCHEDULER_CLIENT_NAME
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
-OVERLAYS = ("base", "mtls")
+OVERLAYS = ("base",)
 # The oldest Kubernetes minor the manifests are checked against (native gRPC
 # probes: GA in 1.27; PDB unhealthyPodEvictionPolicy: GA in 1.31).
 KUBERNETES_VERSION = "1.32"
@@ -175,7 +179,7 @@ def test_layout_and_kinds():
     listed = kustomization(K8S / "base")["resources"]
     on_disk = sorted(p.name for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml")
     assert sorted(listed) == on_disk  # nothing left out, nothing missing
-    assert kustomization(K8S / "mtls")["resources"] == ["../base"]
+    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == list(OVERLAYS)
     for overlay, docs in RENDERED.items():
         kinds = {k: len(of_kind(docs, k)) for k in {d["kind"] for d in docs}}
         assert kinds == EXPECTED_KINDS, overlay
@@ -199,8 +203,8 @@ def test_manifest_matches_the_kubernetes_schema(overlay, index):
 def test_strict_validation_catches_unknown_fields():
     """Guards the test above against passing vacuously (a lax or missing schema)."""
     worker = copy.deepcopy(workloads(RENDERED["base"])["worker"])
-    container(worker)["readinessProbe"]["grpc"]["servce"] = "typo"
-    with pytest.raises(kubernetes_validate.ValidationError, match="servce"):
+    container(worker)["readinessProbe"]["exec"]["comand"] = "typo"
+    with pytest.raises(kubernetes_validate.ValidationError, match="comand"):
         kubernetes_validate.validate(worker, KUBERNETES_VERSION, strict=True)
     worker = copy.deepcopy(workloads(RENDERED["base"])["worker"])
     container(worker)["resources"]["limits"]["nvidia.com/gpu"] = [1]
@@ -253,18 +257,50 @@ def test_settings_are_config_fields(overlay):
     assert checked >= 25  # the env vars above were really looked at
 
 
+@pytest.fixture(scope="module")
+def cell_secrets() -> dict[tuple[str, str], bytes]:
+    """(Secret, key) -> value, as `python -m tools.certs --kubernetes` makes them."""
+    from tools.certs import kubernetes_secrets, make
+
+    docs = yaml.safe_load_all(kubernetes_secrets(make(["pagedserve-worker.default.svc.cluster.local"], 1)))
+    return {(d["metadata"]["name"], k): base64.b64decode(v) for d in docs for k, v in d["data"].items()}
+
+
+def secret_files(workload: dict, secrets: dict[tuple[str, str], bytes], into: Path) -> dict[str, str]:
+    """mount path of each file of the pod's Secret volumes -> where its content is written here."""
+    pod = workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    files = {}
+    for mount in container(workload)["volumeMounts"]:
+        if mount["name"] in volumes:
+            for (secret, key), content in secrets.items():
+                if secret == volumes[mount["name"]]:
+                    local = into / secret / key
+                    local.parent.mkdir(exist_ok=True)
+                    local.write_bytes(content)
+                    files[f"{mount['mountPath']}/{key}"] = str(local)
+    return files
+
+
 @pytest.mark.parametrize("component", list(CONFIGS))
-def test_base_settings_parse_and_validate(component, monkeypatch, default_model):
+def test_base_settings_parse_and_validate(component, monkeypatch, default_model, cell_secrets, tmp_path):
     """The base's values pass the services' own parsing and validation. The model
-    directory exists only inside the pod: the local default model (conftest) stands in."""
+    directory and the Secrets exist only inside the pod: the local default model
+    (conftest) and what `python -m tools.certs --kubernetes` makes stand in."""
     cls, prefix = CONFIGS[component]
     for key in [k for k in os.environ if k.startswith(prefix)]:
         monkeypatch.delenv(key)
-    values = env_values(container(workloads(RENDERED["base"])[component]))
+    workload = workloads(RENDERED["base"])[component]
+    files = secret_files(workload, cell_secrets, tmp_path)
+    values = env_values(container(workload))
     for name, value in values.items():
         if name.startswith(prefix + "_"):
             value = value.replace("$(POD_NAMESPACE)", "default")
-            monkeypatch.setenv(name, str(default_model) if value == MODEL_MOUNT else value)
+            monkeypatch.setenv(name, str(default_model) if value == MODEL_MOUNT else files.get(value, value))
+    for e in env_list(container(workload)):  # values from the required Secrets (optional ones left unset)
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref and not ref.get("optional", False):
+            monkeypatch.setenv(e["name"], cell_secrets[(ref["name"], ref["key"])].decode())
     config = parse_config(cls, prefix, component, [])
     assert config.host == "0.0.0.0" and str(config.port) == values[f"{prefix}_PORT"]
     if component == "scheduler":  # the workers come from the headless Service's DNS records
@@ -397,10 +433,9 @@ def test_probes_hit_exposed_ports_and_registered_health_services(overlay):
     gw_port = int(env_values(container(loads["gateway"]))["PAGEDSERVE_GATEWAY_PORT"])
     assert targets["gateway"] == {"readinessProbe": ("http", gw_port, "/health"), "livenessProbe": ("tcp", gw_port, "")}
     assert "/health" in gateway_get_routes()
-    # Native gRPC probes cannot speak TLS: a worker serving TLS is probed by the script.
-    tls = "PAGEDSERVE_WORKER_TLS_CERT" in env_values(container(loads["worker"]))
-    assert tls == (overlay == "mtls")
-    assert all(("exec" in container(loads["worker"])[p]) == tls for p in PROBES)
+    # Native gRPC probes cannot speak TLS: the worker serves mutual TLS, so the script probes it.
+    assert "PAGEDSERVE_WORKER_TLS_CLIENT_CA" in env_values(container(loads["worker"]))
+    assert all("exec" in container(loads["worker"])[p] for p in PROBES)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -462,8 +497,11 @@ def test_images_gpus_model_volume_and_security_context():
     assert workloads(docs)["scheduler"]["spec"]["strategy"]["type"] == "Recreate"  # never two schedulers at once
 
 
-def test_mtls_overlay_reads_its_files_from_secret_volumes():
-    loads = workloads(RENDERED["mtls"])
+def test_internal_hops_are_authenticated_with_files_from_secret_volumes(cell_secrets):
+    """Mutual TLS between scheduler and workers and an admin key on admin.v1 are the default:
+    every file comes from a Secret volume the one-liner (tools/certs.py) makes, and the
+    admin key from its Secret, required (no pod starts without it)."""
+    loads = workloads(RENDERED["base"])
     expected = {
         "worker": {"tls_cert", "tls_key", "tls_client_ca"},
         "scheduler": {"worker_tls_ca", "worker_tls_cert", "worker_tls_key"},
@@ -486,8 +524,17 @@ def test_mtls_overlay_reads_its_files_from_secret_volumes():
             assert directory in mounts, f"{component}: {setting}={path} is not in a secret volume"
             assert name in ("tls.crt", "tls.key", "ca.crt")  # cert-manager's Secret layout
         assert all(s["defaultMode"] == 0o440 for s in secrets.values())
+        assert {(s["secretName"], n) for s in secrets.values() for n in ("tls.crt", "tls.key", "ca.crt")} <= set(
+            cell_secrets
+        )
+    (admin_key,) = [
+        e for e in env_list(container(loads["scheduler"])) if e["name"] == "PAGEDSERVE_SCHEDULER_ADMIN_KEYS"
+    ]
+    ref = admin_key["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) in cell_secrets and not ref.get("optional", False)
     worker_env = env_values(container(loads["worker"]))
-    svc = service(RENDERED["mtls"], "pagedserve-worker")
+    assert worker_env["PAGEDSERVE_WORKER_TLS_CLIENT_NAMES"] == SCHEDULER_CLIENT_NAME  # not the workers' own
+    svc = service(RENDERED["base"], "pagedserve-worker")
     # The name the health check expects in the worker's certificate: the one the scheduler dials.
     assert (
         worker_env["PAGEDSERVE_HEALTHCHECK_SERVER_NAME"]

@@ -323,14 +323,21 @@ def test_a_port_in_use_fails_the_publisher():
         ({"kv_events_zmq": "tcp://*:5557", "kv_events_zmq_replay": "tcp://*:0"}, "--kv-events-zmq-replay"),
         ({"kv_events_zmq_replay": "tcp://*:5657"}, "--kv-events-zmq-replay"),
         ({"kv_events_buffer_steps": 0}, "--kv-events-buffer-steps"),
+        # The events show every tenant's prompt tokens: beyond this machine only with admin keys.
+        ({"kv_events_zmq": "tcp://*:5557"}, "--kv-events-zmq"),
+        ({"kv_events_zmq": "ipc:///tmp/kv", "kv_events_zmq_replay": "tcp://0.0.0.0:5657"}, "--kv-events-zmq-replay"),
+        ({"kv_events_zmq": "ipc:///tmp/kv", "api_keys": "k" * 20, "admin_port": -1}, "--kv-events-zmq"),
     ],
 )
 def test_kv_events_flags_are_checked(flags, problem):
     with pytest.raises(ValueError, match=problem):
         SchedulerConfig(model=str(tiny_checkpoint("llama")), **flags).validate()
-    SchedulerConfig(
-        model=str(tiny_checkpoint("llama")), kv_events_zmq="ipc:///tmp/kv", kv_events_zmq_replay="tcp://*:5657"
-    ).validate()
+    for ok in (
+        {"kv_events_zmq": "ipc:///tmp/kv", "kv_events_zmq_replay": "tcp://127.0.0.1:5657"},
+        {"kv_events_zmq": "tcp://*:5557", "kv_events_zmq_replay": "tcp://*:5657", "admin_keys": "a" * 20},
+        {"kv_events_zmq": "tcp://proxy.example:5557", "api_keys": "k" * 20, "admin_port": -1},  # pushed to a proxy
+    ):
+        SchedulerConfig(model=str(tiny_checkpoint("llama")), **ok).validate()
 
 
 def test_a_gap_marker_is_a_gap_even_at_seq_zero():

@@ -60,3 +60,21 @@ def test_tokenize_detokenize_model_info():
             await worker.stop(None)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_large_texts_take_the_thread_path_and_answer_alike(special):
+    """encode_async / decode_async run large inputs in a thread through the library's batch
+    calls (which release the GIL): same ids and text as the plain calls, both directions."""
+    from scheduler_svc.text.tokenizer import INLINE_CHARS, INLINE_IDS
+
+    tokenizer = load_tokenizer(tiny_checkpoint("llama"))
+    text = (TEXT + " 日本語 <s> ") * (INLINE_CHARS // len(TEXT) + 10)
+    ids = tokenizer.encode(text, add_special_tokens=special)
+    assert len(text) > INLINE_CHARS and len(ids) > INLINE_IDS
+
+    async def main():
+        assert await tokenizer.encode_async(text, add_special_tokens=special) == ids
+        assert await tokenizer.decode_async(ids, skip_special_tokens=special) == tokenizer.decode(ids, special)
+
+    asyncio.run(main())
