@@ -536,13 +536,10 @@ class Planner:
             self.drafter.planned_ahead(request.request_id)
             return 0
         drafts = self.drafter.drafts(request, self.max_len, budget.tokens_left)
-        wanted = 1 + len(drafts)
-        if not drafts or self.kv.num_tokens_fitting(request) < wanted:
-            return 0
-        if self.kv.allocate_slots(request, wanted) is None:
+        if not drafts or self.kv.allocate_slots(request, 1 + len(drafts)) is None:
             return 0
         budget.drafts[request.request_id] = drafts
-        return wanted
+        return 1 + len(drafts)
 
     def _reserve_slots(self, request: Request, want: int, budget: _StepBudget, preempted: list[str]) -> int:
         """Slots for up to `want` tokens: a smaller chunk if that is all that fits,

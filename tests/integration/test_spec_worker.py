@@ -65,6 +65,18 @@ def test_verification_gives_the_greedy_tokens_and_decoding_goes_on(worker, wrong
     assert tokens == expected
 
 
+def test_the_next_step_cannot_take_a_drafting_rows_token_from_the_worker(worker):
+    """Its next input depends on the acceptance, which the scheduler reads first."""
+    prompt = [5 + (i * 7) % 50 for i in range(21)]
+    worker.step([seq_step(60, prompt, 0, TABLE, logits=False)])
+    accepted, _, _ = step_with_drafts(worker, 60, [7, 8, 9], len(prompt), 2)
+    row = seq_step(60, [0], len(prompt) + 1 + accepted, TABLE, logits=False)
+    row.token_from_previous_step = True
+    with pytest.raises(grpc.RpcError) as err:
+        worker.stub.Step(step_request(worker.step_id + 1, [row], previous_step_id=worker.step_id))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampled nothing" in err.value.details()
+
+
 def test_a_step_without_drafts_sends_no_accepted_column(worker):
     reply = worker.step([seq_step(1, [5, 6, 7], 0, TABLE, logits=False)])
     assert list(reply.sampled.num_accepted) == []

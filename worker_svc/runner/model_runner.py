@@ -170,7 +170,7 @@ class ModelRunner:
             accepted = self._verify(hidden, batch, host, packed) if host.draft_rows.size else None
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
-            self.last_samples = LastSamples(step.step_id, seq_ids, packed.token_ids)
+            self.last_samples = _last_samples(step.step_id, seq_ids, packed.token_ids, host.draft_rows)
             everything = packed.tensor if accepted is None else torch.cat([packed.tensor, accepted])
             pairs = everything.cpu().numpy()
             pairs, drafted = pairs[: len(packed.tensor)], _drafted(pairs[len(packed.tensor) :], host)
@@ -200,6 +200,18 @@ class ModelRunner:
             return late if inline is None else TokenMasks.join([inline, late])
 
         return with_late
+
+
+def _last_samples(step_id: int, seq_ids: UIntArray, token_ids: torch.Tensor, draft_rows: IntArray) -> LastSamples:
+    """What the next step may name: not the rows that verified drafts, whose next input
+    depends on how many were accepted (and which only rank 0 of a tensor-parallel
+    worker verifies: the other ranks' ids there are not the model's)."""
+    if not draft_rows.size:
+        return LastSamples(step_id, seq_ids, token_ids)
+    keep = np.ones(len(seq_ids), dtype=bool)
+    keep[draft_rows] = False
+    rows = np.flatnonzero(keep)
+    return LastSamples(step_id, seq_ids[rows], token_ids[torch.from_numpy(rows).to(token_ids.device)])
 
 
 def _drafted(rows: HostPairs, host: HostBatch) -> tuple[IntArray, npt.NDArray[np.float64]]:
