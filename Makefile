@@ -13,7 +13,7 @@ STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto
 HOST ?= 127.0.0.1## address services bind (make cluster, serve-worker)
 WORKER_PORT ?= 50061## the first worker's port (worker i: + i)
 SCHEDULER_PORT ?= 50051## the scheduler's gRPC port (its admin.v1: the next one)
-DTYPE ?= bfloat16## weights dtype
+DTYPE ?= auto## weights dtype (auto: bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32)
 NUM_BLOCKS ?= 2048## KV blocks per worker
 
 .PHONY: help setup setup-test proto model test test-slow lint serve serve-worker cluster cluster-status down \
@@ -31,7 +31,15 @@ help:
 	@grep -E '^[A-Z_]+ \?=[^#]*## ' $(MAKEFILE_LIST) | sed -E 's/^([A-Z_]+) \?= ?([^#]*)## (.*)/\1|\2|\3/' \
 	    | awk -F'|' '{printf "  %-16s %-12s %s\n", $$1, $$2, $$3}'
 
-setup: $(STAMP) $(STUBS) ## the virtual environment with what the services need (requirements.txt)
+setup: $(STAMP) $(STUBS) cpu-kernels ## the virtual environment with what the services need (requirements.txt)
+
+# The C++ CPU kernels (kernels/csrc/), built once per CPU and source into
+# ~/.cache/pagedserve/kernels (~20-90 s on 2 cores; a few seconds when the cache has them),
+# so that a first worker start does not pay it. Never fatal: where they cannot be built
+# the worker warns once and runs the reference ops.
+.PHONY: cpu-kernels
+cpu-kernels: $(STAMP)
+	@$(PY) -m kernels.cpu_build || echo "[setup] C++ CPU kernels not built: the worker will run the reference ops"
 
 # One line per step (pip itself stays quiet: its resolver output is noise here).
 $(STAMP): requirements.txt pyproject.toml

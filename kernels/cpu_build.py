@@ -1,11 +1,12 @@
 """Build (once) and load the C++ CPU kernels in kernels/csrc/ as torch ops.
 
-`load()` compiles kernels/csrc/paged_attention_cpu.cpp with torch.utils.cpp_extension
-(g++ and ninja) into a cache folder and registers its ops under
-torch.ops.pagedserve_cpu. The build is tuned to the CPU it runs on (-march=native),
-so the cache key holds the source, the compile flags, torch's version and the CPU's
-model and instruction-set flags: a second start on the same machine loads the .so in
-well under a second, another CPU gets its own build (~40 s on 2 cores).
+`load()` compiles the sources in kernels/csrc/ with torch.utils.cpp_extension (g++ and
+ninja, one compile job per source and core) into one library in a cache folder, which
+registers their ops under torch.ops.pagedserve_cpu. The build is tuned to the CPU it
+runs on (-march=native), so the cache key holds the sources, the compile flags, torch's
+version and the CPU's model and instruction-set flags: a second start on the same
+machine loads the .so in well under a second, another CPU gets its own build (~20-90 s
+on 2 cores).
 
 Where it cannot be built (no compiler, no ninja, a failed compile) `load()` returns
 False after one warning, and kernels/cpu_ops.py falls back to the reference ops.
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp", CSRC / "elementwise_cpu.cpp")
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.
 CFLAGS = (
@@ -58,7 +60,8 @@ def _cpu_identity() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode()):
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))  # the sources and the headers they share
+    for part in (*(f.read_bytes() for f in files), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
     digest.update(_cpu_identity().encode())
     return digest.hexdigest()[:16]
@@ -77,7 +80,7 @@ def load() -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
@@ -103,3 +106,19 @@ def _register_fake() -> None:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
 
     torch.library.register_fake(f"{NAMESPACE}::paged_attention", fake)
+
+
+def main() -> int:
+    """`python -m kernels.cpu_build` (make setup): build or load them now, say which and how long."""
+    import time
+
+    start = time.perf_counter()
+    built = load()
+    where = cache_root() / f"pagedserve_cpu_{build_key()}"
+    if built:
+        print(f"[setup] C++ CPU kernels ready in {time.perf_counter() - start:.1f} s ({where})")
+    return 0 if built else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

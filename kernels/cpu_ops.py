@@ -1,13 +1,20 @@
-"""The CPU op set: the reference ops' signatures, with attention read from the blocks
-in place by the C++ kernel (kernels/csrc/paged_attention_cpu.cpp) instead of a
-gather of every sequence's whole context.
+"""The CPU op set: the reference ops' signatures, run by the C++ kernels in
+kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
+
+* attention read from the blocks in place (paged_attention_cpu.cpp) instead of a
+  gather of every sequence's whole context, for both layouts (a contiguous slot is
+  one block of max_seq_len tokens);
+* the fused element-wise ops of a decoder layer (elementwise_cpu.cpp):
+  ``add_rms_norm`` and ``rope_write_kv`` (an unquantized cache; a quantized one takes
+  the reference's write, which quantizes);
+* and, outside the reference's op set, the linear layers the CPU decoder streams its
+  weights through (linear_cpu.cpp): ``pack_linear`` once at load, ``linear`` per call.
 
 A drop-in for kernels.reference wherever the worker picks an op module (like
-kernels.triton_ops on CUDA): the attention ops of both layouts go to the kernel (a
-contiguous slot is one block of max_seq_len tokens), the other ops are the
-reference's. Where the kernel cannot be built (kernels/cpu_build.py warns once), or
-for tensors off the CPU, every op is the reference's. The reference stays the
-oracle: tests/unit/test_cpu_ops.py compares the two for every cache dtype.
+kernels.triton_ops on CUDA); write_kv and copy_blocks are the reference's. Where the
+kernels cannot be built (kernels/cpu_build.py warns once), or for tensors off the
+CPU, every op is the reference's. The reference stays the oracle:
+tests/unit/test_cpu_ops.py compares the two for every cache dtype.
 """
 
 from __future__ import annotations
@@ -20,14 +27,22 @@ from kernels.quant import KVScales
 from kernels.reference import copy_blocks, write_kv
 
 __all__ = [
+    "add_rms_norm",
     "available",
     "contiguous_decode_attention",
     "contiguous_prefill_attention",
     "copy_blocks",
+    "linear",
+    "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "rope_write_kv",
     "write_kv",
 ]
+
+# What the element-wise and linear kernels take (the attention kernel also takes fp16).
+_ELEMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available() -> bool:
@@ -160,3 +175,56 @@ def contiguous_prefill_attention(
         query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale, sliding_window,
         scales=scales,
     )  # fmt: skip
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """reference.add_rms_norm in one pass per row."""
+    if not _kernel_takes(x) or x.dtype not in _ELEMENT_DTYPES or x.stride(-1) != 1:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    normed, summed = torch.ops.pagedserve_cpu.add_rms_norm(x, residual, weight.float().contiguous(), float(eps))
+    return normed, summed
+
+
+def rope_write_kv(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    scales: KVScales | None = None,
+) -> tuple[Tensor, Tensor]:
+    """reference.rope_write_kv in one pass over the step's rows (unquantized caches;
+    a quantized cache is written by the reference's write_kv, which quantizes)."""
+    plain = scales is None and k_cache.dtype in _ELEMENT_DTYPES
+    strided = query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+    if not (_kernel_takes(query) and plain and strided and query.dtype in _ELEMENT_DTYPES):
+        return reference.rope_write_kv(
+            query, key, value, cos, sin, k_cache, v_cache, slot_mapping, scales=scales
+        )  # fmt: skip
+    q, k = torch.ops.pagedserve_cpu.rope_write_kv(
+        query, key, value, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping.long().contiguous()
+    )
+    return q, k
+
+
+def pack_linear(weight: Tensor, gated: bool = False) -> Tensor:
+    """The weight [out, in] (fp32 or bf16; gated: [gate; up] rows) in the layout
+    `linear` streams: a 1-D tensor of its own, made once at load."""
+    packed: Tensor = torch.ops.pagedserve_cpu.pack_linear(weight.contiguous(), gated)
+    return packed
+
+
+def linear(x: Tensor, packed: Tensor, out_features: int, in_features: int, activation: str = "") -> Tensor:
+    """x [M, in] @ W.T -> [M, out] over `pack_linear(W)`; with `activation` ("silu",
+    "gelu_tanh") over `pack_linear(W, gated=True)`: act(x @ gate.T) * (x @ up.T),
+    [M, out] for out gate columns. fp32 sums in k order, rounded once to x's dtype."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y: Tensor = torch.ops.pagedserve_cpu.linear(x, packed, out_features, in_features, activation)
+    return y

@@ -1,7 +1,11 @@
 """Pure-torch reference ops over the paged KV cache.
 
-These are the oracle the Triton kernels are tested against and the CPU
-backend of the worker. Cache layout, per layer:
+These are the oracle the Triton and C++ kernels are tested against (and the
+worker's `torch` backend). Beside the attention ops, the two fused element-wise
+ops a decoder layer runs (issue 27, fault 9), each one kernel on the other
+backends: ``add_rms_norm`` (the residual add and the next RMSNorm) and
+``rope_write_kv`` (RoPE on query and key, then the K/V write). Cache layout, per
+layer:
 
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 
@@ -76,6 +80,45 @@ def write_kv(
         scale[blocks, :, offsets] = s
         if zero is not None and z is not None:
             zero[blocks, :, offsets] = z
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream's next value and its RMSNorm: summed = residual + x (x alone
+    where residual is None, the first layer), both [T, hidden] in x's dtype; returns
+    (rms_norm(summed) * weight in x's dtype, summed). The norm is computed in fp32
+    (weight is fp32, with any family offset already in it, Gemma's 1 + w)."""
+    summed = x if residual is None else residual + x
+    normed = F.rms_norm(summed.float(), weight.shape, weight.float(), eps).to(x.dtype)
+    return normed, summed
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, head_dim] rotated by cos/sin [T, head_dim] (rotate-half convention:
+    Llama, Qwen, Gemma checkpoints), in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_write_kv(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    scales: KVScales | None = None,
+) -> tuple[Tensor, Tensor]:
+    """RoPE on query [T, q_heads, d] and key [T, kv_heads, d] (apply_rope, cos/sin
+    [T, d] in their dtype), then write_kv of the rotated key and value [T, kv_heads, d]
+    at slot_mapping. Returns the rotated (query, key). Inputs may be strided views (the
+    slices of one fused QKV projection)."""
+    query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+    write_kv(key, value, k_cache, v_cache, slot_mapping, scales=scales)
+    return query, key
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

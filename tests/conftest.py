@@ -30,3 +30,9 @@ def pytest_configure(config):
 
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
+    # CPU workers started by tests run the C++ kernels (--attention-backend auto): build
+    # them here, once, so that no worker's start-up waits on a cold build (make setup
+    # normally has; a failed build warns and the workers run the reference ops).
+    from kernels import cpu_build
+
+    cpu_build.load()

@@ -12,7 +12,7 @@ from svc_common.peer_auth import is_loopback, token_file_problem
 from svc_common.tls import file_checks, pair_check
 from worker_svc.parallel.layout import layout_problem
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "int8")
 
 
@@ -54,7 +54,13 @@ class WorkerConfig:
         default=0,
         metadata={"help": "contiguous layout: slots (sequences at once); 0 = as many as fit in --kv-cache-memory-mb"},
     )
-    dtype: str = field(default="bfloat16", metadata={"help": "weights/activations dtype", "choices": DTYPES})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "weights/activations dtype; auto = bfloat16 on CUDA and on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (printed at start)",
+            "choices": DTYPES,
+        },
+    )
     kv_dtype: str = field(
         default="auto",
         metadata={
@@ -71,7 +77,11 @@ class WorkerConfig:
         },
     )
     attention_backend: str = field(
-        default="auto", metadata={"help": "auto = triton on CUDA, torch on CPU", "choices": ("auto", "torch", "triton")}
+        default="auto",
+        metadata={
+            "help": "auto = triton on CUDA; on CPU, cpu (C++ paged attention reading the blocks in place, built once per CPU into ~/.cache/pagedserve/kernels) where it builds, else torch; torch = the pure-torch reference ops",
+            "choices": ("auto", "torch", "triton", "cpu"),
+        },
     )
     max_model_len: int = field(
         default=0, metadata={"help": "longest sequence served; 0 = the model's max_position_embeddings"}
@@ -97,7 +107,12 @@ class WorkerConfig:
     )
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit (send and receive)"})
     seed: int = field(default=-1, metadata={"help": "seed of the generator for unseeded sampling; -1 = random"})
-    num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch default"})
+    num_threads: int = field(
+        default=0,
+        metadata={
+            "help": "torch CPU threads; 0 = on CPU every core but one (at least one), left to the scheduler and gateway beside it; on CUDA torch's default"
+        },
+    )
     drain_timeout_s: float = field(
         default=30.0, metadata={"help": "after SIGTERM: how long the step in flight may take to finish"}
     )

@@ -14,6 +14,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from kernels import reference
+from svc_common.cpu_features import CpuFeatures, read_cpu_features, resolve_dtype, thread_plan
 from svc_common.log_setup import configure_logging
 from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_cache_class
@@ -186,8 +188,8 @@ class Worker:
         (ranks 1..N-1 pass theirs, see run_rank); with --tensor-parallel-size > 1
         and none given, this process is rank 0 and starts the others."""
         self.config = config
-        if config.num_threads and config.tensor_parallel_size == 1:  # ranks share them out: parallel/group.py
-            torch.set_num_threads(config.num_threads)
+        cpu = read_cpu_features()
+        threads_reason = _set_threads(config, cpu)
         if parallel is None and config.tensor_parallel_size > 1:
             parallel = TensorParallelGroup.launch(group_spec(config), functools.partial(run_rank, config))
         self.parallel = parallel
@@ -198,21 +200,42 @@ class Worker:
         # The device before anything is loaded: memory sizing counts what this worker adds.
         memory = CudaMemory(self.device) if self.device.type == "cuda" else None
         baseline = MemoryBaseline.read(memory) if memory is not None else None
-        dtype = TORCH_DTYPES[config.dtype]
-        if parallel:  # this rank's heads, MLP columns and vocabulary slice
-            self.model = load_rank_model(config.model, dtype, parallel)
-        else:
-            self.model = DecoderModel.load(config.model, dtype, self.device)
-        spec = self.model.spec  # this rank's head counts
-        ranks = parallel.size if parallel else 1
-        whole = load_spec(config.model) if parallel else spec
-        kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
-        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        self.dtype = resolve_dtype(config.dtype, self.device.type, cpu)
+        dtype = TORCH_DTYPES[self.dtype]
         backend = load_backend(resolve_backend(config.attention_backend, self.device))
         self.backend = backend.name
         # A tensor-parallel forward needs every rank in its collectives: no graphs (the
         # warm-up runs on every rank, in step: the same forwards meet in the same collectives).
         eager = config.enforce_eager or parallel is not None
+        # The fused forward (not --enforce-eager): the backend's fused element-wise ops
+        # (Triton on CUDA, C++ on the CPU) and, on the CPU with the C++ kernels, the
+        # weights packed for the C++ linear layers. --enforce-eager: the per-op torch
+        # forward of the reference ops (and, on CUDA, no graphs).
+        layer_ops = reference if eager else backend.ops
+        self.cpu_linears = not eager and self.device.type == "cpu" and backend.name == "cpu"
+        if parallel:  # this rank's heads, MLP columns and vocabulary slice
+            self.model = load_rank_model(config.model, dtype, parallel)
+        else:
+            self.model = DecoderModel.load(
+                config.model, dtype, self.device, ops=layer_ops, cpu_linears=self.cpu_linears
+            )
+        spec = self.model.spec  # this rank's head counts
+        ranks = parallel.size if parallel else 1
+        whole = load_spec(config.model) if parallel else spec
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, self.device)
+        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        log.info(
+            "worker compute",
+            device=_describe(self.device),
+            cpu=cpu.describe(),
+            dtype=self.dtype,
+            dtype_requested=config.dtype,
+            threads=torch.get_num_threads(),
+            threads_reason=threads_reason,
+            attention_backend=backend.name,
+            forward="per-op (eager)" if self.model.ops is reference else f"fused ({backend.name} ops)",
+            linears="C++ (packed at load)" if self.cpu_linears else "torch",
+        )
         if not eager and graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None
             if graph_backend is None:  # the torch reference ops read lengths on the host
@@ -254,7 +277,7 @@ class Worker:
             block_size=tokens_per_id,
             num_blocks=num_ids,
             kv_dtype=str(kv_dtype).removeprefix("torch."),
-            dtype=config.dtype,
+            dtype=self.dtype,
             device=_describe(self.device),
             instance_id=uuid.uuid4().hex,
             kv_bytes_per_block=self.cache.block_bytes * ranks,
@@ -419,6 +442,21 @@ class Worker:
                 f"previous_step_id: step {previous} is not the step this worker ran last "
                 f"({self._last_step}); it restarted or that step failed"
             )
+
+
+def _set_threads(config: WorkerConfig, cpu: CpuFeatures) -> str:
+    """Sets this process's torch threads from --num-threads (0: the CPU thread plan);
+    says why. Tensor-parallel ranks share the worker's threads out (parallel/group.py)."""
+    if config.tensor_parallel_size > 1:
+        return "shared out over the tensor-parallel ranks"
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+        return "--num-threads"
+    if not config.device.startswith("cpu"):
+        return "torch's default (a GPU worker)"
+    plan = thread_plan(cpu.cores)
+    torch.set_num_threads(plan.worker_threads)
+    return plan.reason
 
 
 def _describe(device: torch.device) -> str:

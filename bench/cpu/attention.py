@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_ops, quant, reference
-from worker_svc.attention import fresh_prefill_attention
+from worker_svc.attention.prefill_route import fresh_prefill_attention
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

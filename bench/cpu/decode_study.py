@@ -1,6 +1,8 @@
 """Where one CPU decode step of the default model goes, and what each idea of issue 25
-gives, measured side by side in one process (prototype for phase B; the worker is
-not changed). Prints JSON lines; bench/results/cpu_decode_study.md is written from them.
+gives, measured side by side in one process (phase A's study, before the worker
+changed; its forward now takes the fused ops, see bench/cpu/worker_step.py for the
+worker's own step). Prints JSON lines; bench/results/cpu_decode_study.md is written
+from them.
 
 Sections (--only to run some):
   linears   every Linear of a step on one token: F.linear on plain weights, oneDNN-packed
@@ -186,9 +188,9 @@ class PagedAttention:
         self.slots = (self.tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK).contiguous()
         self.scale = spec.head_dim**-0.5
 
-    def __call__(self, layer: int, q, k, v, window: int):
+    def __call__(self, layer: int, q, k, v, cos, sin, window: int):
         k_cache, v_cache = self.k[layer], self.v[layer]
-        self.ops.write_kv(k, v, k_cache, v_cache, self.slots)
+        q, _ = self.ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, self.slots)
         return self.ops.paged_decode_attention(q, k_cache, v_cache, self.tables, self.context_lens, self.scale, window)
 
 
@@ -266,8 +268,9 @@ class CompiledAttention(PagedAttention):
     """The C++ op, and a K/V write with no host sync (the reference's write checks for
     skipped slots on the host, a graph break)."""
 
-    def __call__(self, layer: int, q, k, v, window: int):
+    def __call__(self, layer: int, q, k, v, cos, sin, window: int):
         k_cache, v_cache = self.k[layer], self.v[layer]
+        q, k = reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)
         blocks, offsets = self.slots // BLOCK, self.slots % BLOCK
         k_cache[blocks, :, offsets] = k
         v_cache[blocks, :, offsets] = v

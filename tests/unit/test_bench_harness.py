@@ -56,3 +56,38 @@ def test_benchmarks_share_the_harness():
         assert not defined & {"markdown_table", "write_result", "save_plot", "machine", "percentile", "drive"}, (
             f"{path.name} carries its own harness"
         )
+
+
+def test_an_openai_server_is_started_driven_and_stopped(tmp_path):
+    """bench/peers.py's path through the harness: a server process (here a stub that
+    streams at a known pace) is ready at its first completion, N streams through the
+    `openai` client give its TTFT, time between tokens and tokens, and stop() ends it."""
+    import asyncio
+    import sys
+
+    from bench.harness import openai_servers
+    from tests.helpers import openai_stub
+    from tools.ports import free_port
+
+    port = free_port()
+    server = openai_servers.HttpServer(
+        name="stub",
+        weights_dtype_bytes=2,
+        command=[sys.executable, "-m", "tests.helpers.openai_stub", str(port)],
+        base_url=f"http://127.0.0.1:{port}/v1",
+    )
+    running = openai_servers.RunningServer(server, tmp_path / "stub.log")
+    try:
+        ready_s, model = running.wait_ready(timeout_s=60)
+        assert model == openai_stub.MODEL and ready_s > 0
+        prompts = [f"prompt {i}" for i in range(6)]
+        result = asyncio.run(openai_servers.drive_completions(server.base_url, model, prompts, 3, 8))
+    finally:
+        running.stop()
+    assert running.proc.returncode is not None  # the process group is gone
+    assert result.requests == 6 and result.tokens == 6 * 8
+    assert openai_stub.FIRST_S <= result.ttft_p50 < openai_stub.FIRST_S + 2.0
+    assert openai_stub.GAP_S * 0.9 <= result.itl_p50 < openai_stub.GAP_S + 0.5
+    # Three streams, two requests each, one after the other: at least two requests' time.
+    assert result.wall_s >= 2 * (openai_stub.FIRST_S + 7 * openai_stub.GAP_S)
+    assert result.tok_s == result.tokens / result.wall_s

@@ -83,15 +83,18 @@ def test_decode_matches_reference_for_every_dtype(dtype, cache_dtype):
     assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, **scales))
 
 
+@pytest.mark.parametrize("head_dim", [32, 64], ids=["rows-d32", "lanes-d64"])
 @pytest.mark.parametrize("dtype,cache_dtype", DTYPES, ids=DTYPE_IDS)
-def test_prefill_with_context_matches_reference_for_every_dtype(dtype, cache_dtype):
+def test_prefill_with_context_matches_reference_for_every_dtype(dtype, cache_dtype, head_dim):
     # Chunks: a whole fresh prompt, chunks after cached context (inside a block, on
-    # a block edge, longer than the row tile of 16), and a one-token chunk.
+    # a block edge, longer than the row tile of 16), and a one-token chunk. At
+    # head_dim 64 the tiles of >= 4 rows (x 2 query heads per KV head) take the
+    # kernel's lane-wise (matrix-shaped) path, the 1-row chunk the row-wise one.
     query_lens = [20, 5, 16, 37, 1]
     context_lens = [20, 21, 48, 100, 9]
-    k_cache, v_cache, scales = make_cache(96, 2, 32, cache_dtype)
+    k_cache, v_cache, scales = make_cache(96, 2, head_dim, cache_dtype)
     tables, cu, ctx = make_batch(query_lens, context_lens, 96, extra_columns=1)
-    query = make_query(sum(query_lens), 4, 32, dtype)
+    query = make_query(sum(query_lens), 4, head_dim, dtype)
     out = cpu_ops.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE, **scales)
     expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE, **scales)
     assert_close(out, expected)
@@ -115,20 +118,21 @@ def test_head_layouts(q_heads, kv_heads, head_dim):
     assert_close(out, reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE))
 
 
+@pytest.mark.parametrize("head_dim", [16, 128], ids=["rows-d16", "lanes-d128"])
 @pytest.mark.parametrize("window", [1, 8, 16, 33])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
-def test_sliding_window(window, cache_dtype):
+def test_sliding_window(window, cache_dtype, head_dim):
     contexts = [max(1, window - 1), window, window + 1, 100]
-    k_cache, v_cache, scales = make_cache(64, 2, 16, cache_dtype)
+    k_cache, v_cache, scales = make_cache(64, 2, head_dim, cache_dtype)
     tables, _, ctx = make_batch([1] * 4, contexts, 64)
-    query = make_query(4, 8, 16, torch.float32)
+    query = make_query(4, 8, head_dim, torch.float32)
     out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window, **scales)
     expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, window, **scales)
     assert_close(out, expected)
     query_lens = [max(1, window - 1), 20, 3]
     context_lens = [max(1, window - 1), 70, 100]
     tables, cu, ctx = make_batch(query_lens, context_lens, 64, seed=3)
-    query = make_query(sum(query_lens), 8, 16, torch.float32)
+    query = make_query(sum(query_lens), 8, head_dim, torch.float32)
     out = cpu_ops.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE, window, **scales)
     expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu, ctx, SCALE, window, **scales)
     assert_close(out, expected)

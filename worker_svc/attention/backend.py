@@ -1,14 +1,16 @@
 """The attention backends: one typed set of ops (`AttentionOps`) over the cache
 layouts, and the registry --attention-backend picks from.
 
-`torch` is kernels/reference.py (pure torch: the CPU path and the test oracle);
-`triton` is kernels/triton_ops.py (compiled on CUDA, or under
-TRITON_INTERPRET=1 in tests): two modules with the same signatures, each an
+`torch` is kernels/reference.py (pure torch: the test oracle, and the forced
+fallback); `triton` is kernels/triton_ops.py (compiled on CUDA, or under
+TRITON_INTERPRET=1 in tests); `cpu` is kernels/cpu_ops.py (the C++ paged
+attention that reads K/V blocks in place, built once per CPU by
+kernels/cpu_build.py): three modules with the same signatures, each an
 `AttentionOps`. The caches (kv_cache.py) bind one backend's ops at
 construction and pick which of them reads their layout; nothing else calls the
-ops. A new backend (a CPU paged-attention extension, say) is one more module
-or object with these six functions, registered in `BACKENDS`, and tested
-against kernels/reference.py as the Triton kernels are.
+ops. A new backend is one more module or object with these six functions,
+registered in `BACKENDS`, and tested against kernels/reference.py as the Triton
+and C++ kernels are.
 """
 
 from __future__ import annotations
@@ -33,6 +35,32 @@ class WriteKV(Protocol):
     def __call__(
         self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, /, *, scales: Scales
     ) -> None: ...
+
+
+class RopeWriteKV(Protocol):
+    """RoPE on query [T, q_heads, d] and key [T, kv_heads, d] (cos/sin [T, d]), then
+    WriteKV of the rotated key and the value; returns the rotated (query, key)."""
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slot_mapping: Tensor,
+        /,
+        *,
+        scales: Scales,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+class AddRmsNorm(Protocol):
+    """(rms_norm(residual + x) * weight, residual + x); x alone where residual is None."""
+
+    def __call__(self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, /) -> tuple[Tensor, Tensor]: ...
 
 
 class DecodeAttention(Protocol):
@@ -84,10 +112,19 @@ class CopyBlocks(Protocol):
 class AttentionOps(Protocol):
     """kernels/reference.py's ops, signatures and semantics (its docstring has the
     cache layouts and the varlen conventions): one layer's cache per call, all
-    layers' for copy_blocks. kernels/triton_ops.py is one too."""
+    layers' for copy_blocks. kernels/triton_ops.py and kernels/cpu_ops.py are ones
+    too. The set also carries the decoder's other fused element-wise op,
+    add_rms_norm, which the model takes from its backend (models/decoder.py:
+    LayerOps), so that one backend choice picks every kernel of a layer."""
 
     @property
     def write_kv(self) -> WriteKV: ...
+
+    @property
+    def rope_write_kv(self) -> RopeWriteKV: ...
+
+    @property
+    def add_rms_norm(self) -> AddRmsNorm: ...
 
     @property
     def paged_decode_attention(self) -> DecodeAttention: ...
@@ -124,15 +161,28 @@ def _triton() -> AttentionBackend:
     return AttentionBackend("triton", triton_ops, graph_safe=True)
 
 
+def _cpu() -> AttentionBackend:
+    from kernels import cpu_ops
+
+    # Its ops fall back to the reference's where the kernel could not be built (one
+    # warning), so a forced `cpu` still serves; `auto` picks it only where it is built.
+    return AttentionBackend("cpu", cpu_ops, graph_safe=False)
+
+
 # --attention-backend's choices (config.py lists them, and "auto").
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton, "cpu": _cpu}
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """auto: triton on CUDA, torch elsewhere."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
+    """auto: triton on CUDA; on the CPU, cpu where its C++ kernels are built
+    (kernels.cpu_ops.available: built once per CPU, or one warning and no), else torch."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "triton"
+    from kernels import cpu_ops
+
+    return "cpu" if cpu_ops.available() else "torch"
 
 
 def load_backend(name: str) -> AttentionBackend:

@@ -1,7 +1,7 @@
-"""The attention the decoder runs per layer for one step: write this step's K/V
-into the cache, then attend, group by group (decodes, fresh prefill chunks,
-other prefill chunks), each through the cache's own ops, or SDPA where
-prefill_route allows it."""
+"""The attention the decoder runs per layer for one step: RoPE on this step's q
+and k with the K/V write into the cache (one op), then attend, group by group
+(decodes, fresh prefill chunks, other prefill chunks), each through the cache's
+own ops, or SDPA where prefill_route allows it."""
 
 from __future__ import annotations
 
@@ -21,9 +21,18 @@ class CacheAttention:
         self.scale = scale
         self.route = route
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        window: int,
+    ) -> torch.Tensor:
         # FP8/INT8 caches quantize on write and dequantize on read.
-        self.cache.write(layer, k, v, self.metadata.slot_mapping)
+        q, k = self.cache.rope_write(layer, q, k, v, cos, sin, self.metadata.slot_mapping)
         parts, start = [], 0
         for kind, group in self.metadata.groups:
             rows = slice(start, start + group.num_tokens)

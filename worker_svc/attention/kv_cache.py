@@ -70,7 +70,21 @@ class KVCachePool(Protocol):
         ...
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store this step's K/V [T, kv_heads, d] of one layer at their slots."""
+        """Store K/V [T, kv_heads, d] of one layer at their slots."""
+
+    def rope_write(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on this step's query and key, the rotated key and the value stored at
+        their slots (one op): the rotated (query, key)."""
+        ...
 
     def decode(
         self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
@@ -173,6 +187,21 @@ class _KVTensors:
         # slot // tokens_per_id, slot % tokens_per_id: the same op for blocks and slots.
         k_cache, v_cache = self.layer(layer)
         self.ops.write_kv(key, value, k_cache, v_cache, slot_mapping, scales=self.layer_scales(layer))
+
+    def rope_write(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # slot // tokens_per_id, slot % tokens_per_id: the same op for blocks and slots.
+        k_cache, v_cache = self.layer(layer)
+        scales = self.layer_scales(layer)
+        return self.ops.rope_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, scales=scales)
 
     def decode(self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int) -> torch.Tensor:
         k_cache, v_cache = self.layer(layer)

@@ -1,8 +1,14 @@
 """One decoder forward over a flat batch of tokens from many sequences.
 
-The model holds weights only; the KV cache and the per-step attention metadata
-come in with each call, so the same model serves any mix of prefill chunks and
-decodes in one pass.
+The model holds weights (and the ops that multiply and normalize them, chosen at
+load); the KV cache and the per-step attention metadata come in with each call, so
+the same model serves any mix of prefill chunks and decodes in one pass.
+
+The residual stream is carried as (delta, residual): each RMSNorm that follows a
+residual add runs as one op with it, `ops.add_rms_norm` (kernels/reference.py's, or
+a backend's fused kernel: Triton on CUDA, C++ on the CPU), and RoPE with the K/V
+write is the attention callable's, one op too (`rope_write_kv`). The sums and their
+order are the unfused decoder's: hidden + attn, then the norm.
 """
 
 from __future__ import annotations
@@ -16,24 +22,49 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from worker_svc.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
-from worker_svc.models.linear import Linear, Projection
+from kernels import reference
+from worker_svc.models.layers import rms_norm, rope_cos_sin
+from worker_svc.models.linear import GatedLinear, Linear, Projection
 from worker_svc.models.spec import ModelSpec, load_spec
 
 
 class Attention(Protocol):
     """The attention a forward runs per layer (worker_svc/attention/cache_attention.py):
-    writes k/v [T, kv_heads, d] into the KV cache and returns the attention output
-    [T, q_heads, d] of q [T, q_heads, d]."""
+    rotates q [T, q_heads, d] and k [T, kv_heads, d] by RoPE (cos/sin [T, d]), writes
+    the rotated k and v into the KV cache, and returns the attention output
+    [T, q_heads, d]."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor: ...
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        window: int,
+    ) -> torch.Tensor: ...
+
+
+class AddRmsNorm(Protocol):
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, /
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LayerOps(Protocol):
+    """The fused element-wise ops the decoder runs beside attention: kernels/reference.py
+    (the oracle), kernels/triton_ops.py, kernels/cpu_ops.py (an attention backend's ops)."""
+
+    @property
+    def add_rms_norm(self) -> AddRmsNorm: ...
 
 
 @dataclass
 class LayerWeights:
     qkv: Projection  # q, k, v projections fused: one matmul
     o: Projection
-    gate_up: Projection  # gate and up projections fused
+    gate_up: Projection  # act(gate) * up: the gate and up projections fused with the activation
     down: Projection
     attn_norm: torch.Tensor  # before attention
     mlp_norm: torch.Tensor  # before the MLP
@@ -51,8 +82,10 @@ class DecoderModel:
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
         lm_head: Projection,
+        ops: LayerOps = reference,
     ):
         self.spec = spec
+        self.ops = ops
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
@@ -71,18 +104,28 @@ class DecoderModel:
         device: torch.device,
         transform: Callable[[ModelSpec, dict[str, torch.Tensor]], tuple[ModelSpec, dict[str, torch.Tensor]]]
         | None = None,
+        ops: LayerOps = reference,
+        cpu_linears: bool = False,
     ) -> DecoderModel:
         """`transform`: applied to the checkpoint before it reaches the device (a
-        tensor-parallel rank keeps its slice, worker_svc/parallel/sharding.py)."""
+        tensor-parallel rank keeps its slice, worker_svc/parallel/sharding.py).
+        `ops`: the fused element-wise ops (an attention backend's). `cpu_linears`: pack
+        the weights for the C++ linear kernels on the CPU (models/linear.py)."""
         spec = load_spec(model_dir)
         tensors = _read_safetensors(Path(model_dir))
         if transform is not None:
             spec, tensors = transform(spec, tensors)
-        return cls.from_tensors(spec, tensors, dtype, device)
+        return cls.from_tensors(spec, tensors, dtype, device, ops, cpu_linears)
 
     @classmethod
     def from_tensors(
-        cls, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        cls,
+        spec: ModelSpec,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: LayerOps = reference,
+        cpu_linears: bool = False,
     ) -> DecoderModel:
         def take(name: str) -> torch.Tensor:
             return tensors.pop(name).to(device=device, dtype=dtype)
@@ -100,10 +143,10 @@ class DecoderModel:
             sandwich = spec.sandwich_norm
             layers.append(
                 LayerWeights(
-                    qkv=Linear(qkv),
-                    o=Linear(take(attn + "o_proj.weight")),
-                    gate_up=Linear(gate_up),
-                    down=Linear(take(mlp + "down_proj.weight")),
+                    qkv=Linear(qkv, cpu_kernel=cpu_linears),
+                    o=Linear(take(attn + "o_proj.weight"), cpu_kernel=cpu_linears),
+                    gate_up=GatedLinear(gate_up, spec.activation, cpu_kernel=cpu_linears),
+                    down=Linear(take(mlp + "down_proj.weight"), cpu_kernel=cpu_linears),
                     attn_norm=norm(p + "input_layernorm.weight"),
                     # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma's
                     # normalizes the attention output and has its own pre-MLP norm.
@@ -118,48 +161,52 @@ class DecoderModel:
             )
         embed = take("model.embed_tokens.weight")
         lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
-        return cls(spec, embed, layers, norm("model.norm.weight"), Linear(lm_head))
+        lm_head_linear = Linear(lm_head, cpu_kernel=cpu_linears)
+        return cls(spec, embed, layers, norm("model.norm.weight"), lm_head_linear, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         spec = self.spec
-        hidden = F.embedding(input_ids, self.embed)
+        delta = F.embedding(input_ids, self.embed)
         if spec.embed_scale != 1.0:
-            hidden = hidden * torch.tensor(spec.embed_scale, dtype=self.dtype)
+            delta = delta * torch.tensor(spec.embed_scale, dtype=self.dtype)
         rope = [rope_cos_sin(positions, inv_freq, self.dtype) for inv_freq in self.inv_freqs]
+        residual: torch.Tensor | None = None  # the first layer's stream is the embedding itself
         for i, layer in enumerate(self.layers):
             cos, sin = rope[spec.layer_rope[i]]
-            hidden = self._layer(i, layer, hidden, cos, sin, attention)
-        return rms_norm(hidden, self.final_norm, spec.rms_norm_eps)
+            delta, residual = self._layer(i, layer, delta, residual, cos, sin, attention)
+        hidden, _ = self.ops.add_rms_norm(delta, residual, self.final_norm, spec.rms_norm_eps)
+        return hidden
 
     def _layer(
         self,
         i: int,
         w: LayerWeights,
-        hidden: torch.Tensor,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: Attention,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the stream before it): the next layer adds them."""
         spec, eps = self.spec, self.spec.rms_norm_eps
-        num_tokens = hidden.shape[0]
-        x = rms_norm(hidden, w.attn_norm, eps)
+        num_tokens = delta.shape[0]
+        x, residual = self.ops.add_rms_norm(delta, residual, w.attn_norm, eps)
         q, k, v = torch.split(w.qkv(x), [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_q_heads, spec.head_dim)
         k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         if w.q_norm is not None and w.k_norm is not None:  # spec.qk_norm
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = attention(i, q, k, v, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
+        attn = attention(i, q, k, v, cos, sin, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
         attn = w.o(attn)
         if w.post_attn_norm is not None:
             attn = rms_norm(attn, w.post_attn_norm, eps)
-        hidden = hidden + attn
-        mlp = gated_mlp(rms_norm(hidden, w.mlp_norm, eps), w.gate_up, w.down, spec.activation)
+        x, residual = self.ops.add_rms_norm(attn, residual, w.mlp_norm, eps)
+        mlp = w.down(w.gate_up(x))
         if w.post_mlp_norm is not None:
             mlp = rms_norm(mlp, w.post_mlp_norm, eps)
-        return hidden + mlp
+        return mlp, residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the selected hidden rows."""

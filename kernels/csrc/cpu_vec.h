@@ -1,0 +1,108 @@
+// What the CPU kernels in this folder share: bf16 conversions, one vector register of
+// fp32 lanes as a GCC vector extension, and exp for non-positive arguments.
+//
+// kLanes follows the widest vectors the build targets (-march=native, kernels/cpu_build.py):
+// 16 with AVX-512, 8 otherwise (AVX2; the compiler splits a vector where registers are
+// narrower still). No instruction set is assumed beyond what the compiler was told.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedserve_cpu {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // a select, no branch
+}
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat vload(const uint16_t* p) {  // kLanes bf16 -> fp32: the bits shifted into place
+  vbf16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vint bits = __builtin_convertvector(h, vint) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline void vstore(uint16_t* p, vfloat v) {  // fp32 -> bf16, as float_to_bf16_bits on every lane
+  vuint u;
+  std::memcpy(&u, &v, sizeof u);
+  const vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vuint bits = (u & 0x7fffffffu) > 0x7f800000u ? vuint{} + 0x7fc0u : rounded;
+  const vbf16 h = __builtin_convertvector(bits, vbf16);
+  std::memcpy(p, &h, sizeof h);
+}
+inline vfloat vsplat(float x) { return vfloat{} + x; }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// exp for x <= 0 (scores minus their running max; -|x| in the activations),
+// vectorizable: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6
+// polynomial (~1 ulp).
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+// exp_neg on every lane, with round-to-nearest as trunc(y - 0.5) (y <= 0) and 2^n
+// built in the exponent bits.
+inline vfloat vexp_neg(vfloat x) {
+  x = vmax(x, vsplat(-87.0f));
+  const vfloat y = x * 1.44269504088896341f;
+  const vint ni = __builtin_convertvector(y - 0.5f, vint);
+  const vfloat n = __builtin_convertvector(ni, vfloat);
+  vfloat r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  vfloat p = vsplat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vint bits = (ni + 127) << 23;
+  vfloat two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+}  // namespace pagedserve_cpu

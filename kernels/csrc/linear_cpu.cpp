@@ -1,0 +1,318 @@
+// Linear layers for the CPU: y = x @ W.T over weights packed once, at load, into the
+// layout this kernel streams (pack_linear), for batches from one row (a decode step of
+// one stream) to thousands (a prefill).
+//
+// Layout: the output columns in blocks of kBlock = 4 vectors (64 columns with AVX-512);
+// a block holds, for each k (each pair of k with bf16 dot products), the 4 vectors of
+// its columns' weights, so a block is one contiguous run and the whole matrix one
+// sequential stream. A pass multiplies one block by up to kMR activation rows: kMR x 4
+// accumulators, each holding a vector of output columns, fed by broadcasts of x, with
+// no horizontal sums and every output's products summed in k order (the same sums
+// whatever the batch, and whatever the thread count: each thread owns whole blocks).
+// A decode step's time is the weights' read; the layout makes that read one stream the
+// hardware prefetcher follows, with a software prefetch a few blocks ahead.
+//
+// bf16 weights use the CPU's bf16 dot-product instruction where it has one
+// (AVX512-BF16 vdpbf16ps: two exact products per fp32 lane, fp32 sums); elsewhere
+// they are widened to fp32 by a shift (exact) and multiplied with fp32 FMAs at the
+// build's vector width. fp32 weights use fp32 FMAs.
+//
+// Gated (the fused gate-up projection of a gated MLP, W = [gate; up]): a block holds
+// two vectors of gate columns and the same two of up columns, and the output is
+// act(x @ gate.T) * (x @ up.T): the [M, 2I] intermediate is never written.
+//
+// Ops (torch.ops.pagedserve_cpu): pack_linear(W, gated) -> packed; linear(x, packed,
+// out_features, in_features, activation) -> y, activation "" (plain), "silu" or
+// "gelu_tanh" (gated). x and W of one dtype, fp32 or bf16; the result rounded once
+// from the fp32 sums to that dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace pagedserve_cpu;
+
+constexpr int kVecs = 4;                  // vectors of output columns per block
+constexpr int kBlock = kVecs * kLanes;    // output columns per block (per half when gated)
+constexpr int kMR = 4;                    // activation rows per pass: kMR x kVecs accumulators
+constexpr int64_t kMacroRows = 256;       // rows of x per sweep over the weights (x stays in L2)
+constexpr int kPrefetchBlocks = 2;        // software prefetch distance, in blocks' k-steps
+
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBf16 = true;
+#else
+constexpr bool kNativeBf16 = false;
+#endif
+
+enum class Act { kNone, kSilu, kGeluTanh };
+
+// k per step of the packed layout: pairs for the bf16 dot product, else single.
+template <typename T>
+constexpr int k_step() {
+  return std::is_same_v<T, uint16_t> && kNativeBf16 ? 2 : 1;
+}
+
+struct Shape {
+  int64_t N, K;  // output columns (per half when gated), input features
+  bool gated;
+  int64_t padded_k(int step) const { return (K + step - 1) / step * step; }
+  int64_t blocks() const { return (N + (gated ? kBlock / 2 : kBlock) - 1) / (gated ? kBlock / 2 : kBlock); }
+};
+
+// Packed element index of weight row `row`, feature k: block, k step, vector, lane, pair.
+template <typename T>
+void pack(const T* w, const Shape& s, T* out) {
+  constexpr int step = k_step<T>();
+  const int64_t kp = s.padded_k(step);
+  const int cols = s.gated ? kBlock / 2 : kBlock;  // output columns per block
+  const int64_t block_elems = kp * kBlock;
+  std::fill(out, out + s.blocks() * block_elems, T{});
+  for (int64_t b = 0; b < s.blocks(); ++b)
+    for (int v = 0; v < kVecs; ++v)
+      for (int lane = 0; lane < kLanes; ++lane) {
+        // Gated: vectors 0, 1 hold gate columns, 2, 3 the same up columns.
+        const int c = s.gated ? (v % (kVecs / 2)) * kLanes + lane : v * kLanes + lane;
+        const int64_t col = b * cols + c;
+        if (col >= s.N) continue;
+        const int64_t row = s.gated && v >= kVecs / 2 ? s.N + col : col;
+        for (int64_t k = 0; k < s.K; ++k)
+          out[b * block_elems + (k / step) * kBlock * step + (v * kLanes + lane) * step + k % step] =
+              w[row * s.K + k];
+      }
+}
+
+// ---- the micro-kernels: one block x MR rows -> acc[MR][kVecs] ----------------------
+template <typename T, int MR>
+inline void block_fma(const T* blk, const float* const* x, int64_t K, vfloat acc[kMR][kVecs]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = vfloat{};
+  for (int64_t k = 0; k < K; ++k) {
+    const T* wk = blk + k * kBlock;
+    __builtin_prefetch(wk + kPrefetchBlocks * K * kBlock);
+    vfloat wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
+    for (int m = 0; m < MR; ++m) {
+      const float xm = x[m][k];
+      for (int v = 0; v < kVecs; ++v) acc[m][v] += wv[v] * xm;
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <int MR>
+inline void block_dpbf16(const uint16_t* blk, const uint16_t* const* x, int64_t K, vfloat acc[kMR][kVecs]) {
+  __m512 a[MR][kVecs];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) a[m][v] = _mm512_setzero_ps();
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = blk + kp * 2 * kBlock;
+    __builtin_prefetch(wk + kPrefetchBlocks * pairs * 2 * kBlock);
+    __builtin_prefetch(wk + kPrefetchBlocks * pairs * 2 * kBlock + 32);
+    __m512bh wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x[m] + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kVecs; ++v) a[m][v] = _mm512_dpbf16_ps(a[m][v], wv[v], xb);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) std::memcpy(&acc[m][v], &a[m][v], sizeof(vfloat));
+}
+#endif
+
+// act(g) * u on every lane: sigmoid and tanh through exp(-|.|), which cannot overflow.
+inline vfloat activate(vfloat g, vfloat u, Act act) {
+  if (act == Act::kSilu) {
+    const vfloat e = vexp_neg(g > 0 ? -g : g);  // exp(-|g|)
+    const vfloat sigmoid = g > 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    return g * sigmoid * u;
+  }
+  const vfloat y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
+  const vfloat e = vexp_neg(y > 0 ? -2.0f * y : 2.0f * y);               // exp(-2|y|)
+  const vfloat t = (1.0f - e) / (1.0f + e);
+  return 0.5f * g * (1.0f + (y > 0 ? t : -t)) * u;
+}
+
+struct Problem {
+  const void* x;  // [M, K], row stride ldx
+  int64_t ldx;
+  const void* packed;
+  void* y;  // [M, N]
+  int64_t M;
+  Shape shape;
+  Act act;
+};
+
+template <typename T>
+inline void store_row(T* dst, vfloat v, int n) {  // the first n lanes
+  if (n == kLanes) {
+    vstore(dst, v);
+    return;
+  }
+  float tmp[kLanes];
+  vstore(tmp, v);
+  for (int i = 0; i < n; ++i) dst[i] = std::is_same_v<T, float> ? tmp[i] : float_to_bf16_bits(tmp[i]);
+}
+
+// Rows [m0, m1) of x (as the micro-kernel reads them: XF) times blocks [b0, b1).
+template <typename T, typename XF>
+void sweep(const Problem& p, const XF* xs, int64_t ldxs, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  constexpr int step = k_step<T>();
+  const Shape& s = p.shape;
+  const int64_t kp = s.padded_k(step);
+  const T* packed = static_cast<const T*>(p.packed);
+  T* y = static_cast<T*>(p.y);
+  const int cols = s.gated ? kBlock / 2 : kBlock;
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* blk = packed + b * kp * kBlock;
+    const int64_t n0 = b * cols;
+    for (int64_t m = m0; m < m1; m += kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+      const XF* xr[kMR];
+      for (int i = 0; i < kMR; ++i) xr[i] = xs + (m + std::min(i, mr - 1)) * ldxs;
+      vfloat acc[kMR][kVecs];
+      if constexpr (std::is_same_v<XF, uint16_t>) {
+#if defined(__AVX512BF16__)
+        switch (mr) {
+          case 1: block_dpbf16<1>(blk, xr, s.K, acc); break;
+          case 2: block_dpbf16<2>(blk, xr, s.K, acc); break;
+          case 3: block_dpbf16<3>(blk, xr, s.K, acc); break;
+          default: block_dpbf16<4>(blk, xr, s.K, acc); break;
+        }
+#endif
+      } else {
+        switch (mr) {
+          case 1: block_fma<T, 1>(blk, xr, kp, acc); break;
+          case 2: block_fma<T, 2>(blk, xr, kp, acc); break;
+          case 3: block_fma<T, 3>(blk, xr, kp, acc); break;
+          default: block_fma<T, 4>(blk, xr, kp, acc); break;
+        }
+      }
+      for (int i = 0; i < mr; ++i) {
+        T* out = y + (m + i) * s.N + n0;
+        if (s.gated) {
+          for (int v = 0; v < kVecs / 2; ++v) {
+            const int64_t c = static_cast<int64_t>(v) * kLanes;
+            if (n0 + c < s.N)
+              store_row(out + c, activate(acc[i][v], acc[i][v + kVecs / 2], p.act),
+                        static_cast<int>(std::min<int64_t>(kLanes, s.N - n0 - c)));
+          }
+        } else {
+          for (int v = 0; v < kVecs; ++v) {
+            const int64_t c = static_cast<int64_t>(v) * kLanes;
+            if (n0 + c < s.N) store_row(out + c, acc[i][v], static_cast<int>(std::min<int64_t>(kLanes, s.N - n0 - c)));
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void run(const Problem& p) {
+  constexpr int step = k_step<T>();
+  const Shape& s = p.shape;
+  const T* x = static_cast<const T*>(p.x);
+  // What the micro-kernel reads of x: bf16 pairs as they are (zero-padded to an even K)
+  // with the bf16 dot product; else fp32, widened and zero-padded once (M x K is small
+  // beside the weights).
+  using XF = std::conditional_t<step == 2, uint16_t, float>;
+  const int64_t kp = s.padded_k(step);
+  std::vector<XF> copy;
+  const XF* xs = reinterpret_cast<const XF*>(x);
+  int64_t ldxs = p.ldx;
+  if (!std::is_same_v<T, XF> || kp != s.K) {
+    copy.assign(static_cast<size_t>(p.M * kp), XF{});
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t k = 0; k < s.K; ++k) {
+        const T v = x[m * p.ldx + k];
+        if constexpr (std::is_same_v<XF, float> && std::is_same_v<T, uint16_t>)
+          copy[m * kp + k] = bf16_to_float(v);
+        else
+          copy[m * kp + k] = static_cast<XF>(v);
+      }
+    xs = copy.data();
+    ldxs = kp;
+  }
+  const int64_t blocks = s.blocks();
+  for (int64_t m0 = 0; m0 < p.M; m0 += kMacroRows) {
+    const int64_t m1 = std::min(p.M, m0 + kMacroRows);
+    // Each thread streams a run of whole blocks.
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { sweep<T, XF>(p, xs, ldxs, m0, m1, b0, b1); });
+  }
+}
+
+Shape shape_of(int64_t out_features, int64_t in_features, bool gated) { return {out_features, in_features, gated}; }
+
+template <typename T>
+int64_t packed_elements(const Shape& s) {
+  return s.blocks() * s.padded_k(k_step<T>()) * kBlock;
+}
+
+at::Tensor pack_linear(const at::Tensor& weight, bool gated) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_linear: weight must be a contiguous [N, K]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "pack_linear: fp32 or bf16 weights only");
+  TORCH_CHECK(!gated || weight.size(0) % 2 == 0, "pack_linear: a gated weight stacks gate and up rows");
+  const Shape s = shape_of(gated ? weight.size(0) / 2 : weight.size(0), weight.size(1), gated);
+  if (weight.scalar_type() == at::kFloat) {
+    at::Tensor out = at::empty({packed_elements<float>(s)}, weight.options());
+    pack(weight.data_ptr<float>(), s, out.data_ptr<float>());
+    return out;
+  }
+  at::Tensor out = at::empty({packed_elements<uint16_t>(s)}, weight.options());
+  pack(reinterpret_cast<const uint16_t*>(weight.data_ptr()), s, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t in_features,
+                  c10::string_view activation) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.size(1) == in_features, "linear: x has ", x.size(1), " features, the weight ", in_features);
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x and the weight differ in dtype");
+  TORCH_CHECK(activation.empty() || activation == "silu" || activation == "gelu_tanh",
+              "linear: activation must be '', 'silu' or 'gelu_tanh'");
+  const Act act = activation.empty() ? Act::kNone : activation == "silu" ? Act::kSilu : Act::kGeluTanh;
+  const Shape s = shape_of(out_features, in_features, act != Act::kNone);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() == (f32 ? packed_elements<float>(s) : packed_elements<uint16_t>(s)),
+              "linear: the packed weight does not match out_features / in_features / activation");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0 || out_features == 0) return y;
+  const Problem p{x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), x.size(0), s, act};
+  if (f32)
+    run<float>(p);
+  else
+    run<uint16_t>(p);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("pack_linear(Tensor weight, bool gated) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, int in_features, str activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
+}
