@@ -82,6 +82,28 @@ BENCHMARKS = [
         plot=False,
     ),
     Benchmark(
+        "spec_cost",
+        (
+            "--batches",
+            "1",
+            "8",
+            "32",
+            "--max-k",
+            "4",
+            "--repeats",
+            "2",
+            "--variants",
+            "smollm2-bf16",
+            "tiny-llama-fp32",
+        ),
+        "issue 30: what verifying K drafts costs vs one decode step; the proposer's cost",
+    ),
+    Benchmark(
+        "spec_decode",
+        ("--streams", "1", "8", "--max-tokens", "64", "--repeats", "2"),
+        "issue 30: speculative decoding on vs off, copy-heavy and free text, 1 and 8 streams",
+    ),
+    Benchmark(
         "structured",
         ("--models", "tiny", "--repeats", "2"),
         "issue 26: constrained vs unconstrained tok/s at 1 and 32 streams (late masks, held back), mask share",

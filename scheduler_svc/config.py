@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
+from scheduler_svc.speculative.ngram import NgramConfig
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
@@ -18,6 +19,7 @@ from svc_common.tls import file_checks, pair_check
 DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
+_NGRAM = NgramConfig()  # the speculative flags' defaults
 
 
 @dataclass
@@ -53,6 +55,18 @@ class SchedulerConfig:
     )
     dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
+    speculative_ngram: bool = field(
+        default=False,
+        metadata={
+            "help": "speculative decoding: greedy decodes carry up to --num-speculative-tokens drafts found by "
+            "prompt lookup (n-grams of --ngram-min..--ngram-max tokens), verified by the worker in the same forward"
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=_NGRAM.num_speculative_tokens, metadata={"help": "drafts per decode (vLLM's meaning)"}
+    )
+    ngram_min: int = field(default=_NGRAM.ngram_min, metadata={"help": "shortest n-gram matched (prompt_lookup_min)"})
+    ngram_max: int = field(default=_NGRAM.ngram_max, metadata={"help": "longest n-gram matched (prompt_lookup_max)"})
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's (from its Info)"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     scheduling_policy: str = field(
@@ -361,6 +375,11 @@ class SchedulerConfig:
             dynamic_chunking=self.dynamic_chunking,
             dynamic_chunk_min=self.dynamic_chunk_min,
             dynamic_chunk_max=self.dynamic_chunk_max,
+            speculative=(
+                NgramConfig(self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+                if self.speculative_ngram
+                else None
+            ),
             constrained_ahead=self.constrained_ahead,
             scheduling_policy=self.scheduling_policy,
         )

@@ -90,6 +90,7 @@ class Request:
     prefill_only: bool = False
     children: list[Request] = field(default_factory=list, repr=False)
     sample_index: int = 0
+    no_speculation: bool = False  # the client opted out of speculative decoding
     # Content hashes of this request's full blocks, filled lazily by the
     # KVCacheManager so a long prompt is hashed once, not on every admission try.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -151,3 +152,9 @@ class Request:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self._all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Forget the outputs after the first `num_output_tokens` (a stop string ended an
+        accepted run of drafts before its end); only for a request that ends now."""
+        del self.output_token_ids[num_output_tokens:], self.output_logprobs[num_output_tokens:]
+        del self._all_token_ids[self.num_prompt_tokens + num_output_tokens :]

@@ -35,7 +35,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
 _PER_ROW = ("start_pos", "num_tokens", "table_lens", "flags", "temperature", "top_p", "top_k", "seeds")
 # Per-row columns added since: absent (a scheduler that predates them) means 0 on every row.
-_LATER_PER_ROW = ("min_p",)
+_LATER_PER_ROW = ("min_p", "num_drafts")
 _KNOWN_FLAGS = sum(worker_pb2.SeqFlag.values())  # the bits are distinct powers of two
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
@@ -87,6 +87,7 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         slot_mapping=slot_mapping,
         block_tables=block_tables,
         extras={row: _extras(more, from_previous, row) for row, more in c.extras.items()},
+        num_drafts=np.array(c.num_drafts, np.int64),
         masks=masks_from_proto("seqs.masks", c.masks) if c.HasField("masks") else None,
         late_mask_rows=np.flatnonzero(mask_follows),
     )
@@ -152,6 +153,8 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         top_token_ids=top[:, 0].astype(np.int64).tolist(),
         top_logprobs=top[:, 1].tolist(),
         logits={row: t.float().numpy().astype("<f4").tobytes() for row, t in rows.logits.items()},
+        num_accepted=rows.num_accepted.tolist(),
+        draft_logprobs=rows.draft_logprobs.tolist(),
     )
     prompt_logprobs = [
         worker_pb2.PromptLogprobs(

@@ -79,6 +79,7 @@ def request_from_proto(
             sampling,
             eos_token_ids=eos,
             cache_salt=salt,
+            no_speculation=msg.no_speculation,
             priority=priority,
         )
     children = [
@@ -90,6 +91,7 @@ def request_from_proto(
             sample_index=i,
             eos_token_ids=eos,
             cache_salt=salt,
+            no_speculation=msg.no_speculation,
             priority=priority,
         )
         for i in range(n)

@@ -357,6 +357,8 @@ class EngineCore:
         started = step.started
         for observe in self.hooks.on_step:  # before update(), while the step's requests are live
             observe(self, plan, result, started)
+        spec = self.planner.drafter.counters if self.planner.drafter is not None else None
+        accepted_before = spec.accepted_tokens if spec is not None else 0
         updates = self.planner.update(plan, result.samples)
         if following is not None and following.plan.late_mask_rows:
             await self._start_late_masks(following)  # the worker waits for them
@@ -377,6 +379,8 @@ class EngineCore:
                 late_masks=len(plan.late_mask_rows),
                 late_masks_call=step.masks_call is not None,
                 mask_ms=round(step.mask_ms, 3),
+                drafts=sum(s.num_drafts for s in plan.seqs),
+                accepted=spec.accepted_tokens - accepted_before if spec is not None else 0,
                 request_ids=[s.request_id for s in plan.seqs],
             )
         return updates
@@ -386,7 +390,10 @@ class EngineCore:
         self.kv_events.publish(self.planner.kv.take_events())
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        stopped: set[str] = set()  # ended by a stop string in this step
         for update in updates:
+            if update.request_id in stopped:
+                continue  # the rest of an accepted run of drafts, after the stop string
             if update.error is not None:  # the planner has ended it
                 self._fail_request(update.request_id, update.error)
                 continue
@@ -396,6 +403,7 @@ class EngineCore:
                 continue
             if stream.on_update(update):
                 self.planner.finish(update.request_id, FinishReason.STOP)
+                stopped.add(update.request_id)
             if stream.closed:
                 del self.streams[update.request_id]
                 if not update.forked:  # a fork parent's samples carry on under their own ids

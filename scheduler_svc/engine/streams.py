@@ -108,6 +108,9 @@ class RequestStream:
         progress = update.prefill_progress if self.reported_progress else None
         text = self.detokenizer.add(token_id) if token_id is not None else ""
         hit_stop = self.detokenizer.stopped and not update.finished
+        if hit_stop and update.num_output_tokens:
+            # Inside an accepted run of drafts: the run's later tokens were never generated.
+            self.request.truncate_output(update.num_output_tokens)
         if update.finished or hit_stop:
             reason = FinishReason.STOP if hit_stop else update.finish_reason
             self._finish(text + self.detokenizer.flush(), update, reason, progress)

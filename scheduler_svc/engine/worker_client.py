@@ -116,6 +116,8 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
         slot_mapping=slot_mapping,
         block_tables=block_tables,
     )
+    if any(s.num_drafts for s in seqs):
+        columns.num_drafts.extend([s.num_drafts for s in seqs])
     for row, s in enumerate(seqs):
         if _has_extras(s):
             _fill_extras(columns.extras[row], s)
@@ -189,7 +191,9 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
                 top[seq_id] = tuple(pairs[end : end + count])
                 end += count
     prompt = {p.seq_id: _prompt_rows(p) for p in reply.prompt_logprobs}
-    samples = StepSamples(seq_ids, list(c.token_ids), list(c.logprobs), top, prompt)
+    samples = StepSamples(
+        seq_ids, list(c.token_ids), list(c.logprobs), top, prompt, list(c.num_accepted), list(c.draft_logprobs)
+    )
     return StepResult(samples, reply.instance_id, reply.timings.forward_ms)
 
 

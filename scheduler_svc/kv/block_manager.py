@@ -275,6 +275,18 @@ class KVCacheManager:
         if table:
             self.pool.free(reversed(table))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens, tail first. They
+        held only positions that were allocated for a step and then not kept
+        (rejected drafts): never full with kept tokens, so never indexed."""
+        req_id = request.request_id
+        table, keep = self.tables[req_id], -(-num_tokens // self.block_size)
+        assert keep >= self._num_hashed_blocks[req_id], (req_id, keep, "an indexed block would be released")
+        if tail := table[keep:]:
+            del table[keep:]
+            self.pool.free(reversed(tail))
+        self._num_table_tokens[req_id] = min(self._num_table_tokens[req_id], num_tokens)
+
     # ---- views ----------------------------------------------------------
     def block_table(self, request_id: str) -> list[int]:
         """A copy: the live table keeps growing after a plan is built."""

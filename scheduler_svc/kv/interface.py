@@ -81,6 +81,10 @@ class KVManager(Protocol):
     def free(self, request: Request) -> None:
         """Release everything the request holds (no-op if nothing)."""
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep room for the request's first `num_tokens` tokens only, releasing what
+        held positions past them (speculative decoding's rejected drafts)."""
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts from the parent's computed tokens, sharing its memory."""
 

@@ -154,6 +154,10 @@ class SlotManager:
         if slot is not None:
             self.pool.free(slot)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """A slot is held whole: only the tokens it counts shrink."""
+        self._num_tokens[request.request_id] = min(self._num_tokens[request.request_id], num_tokens)
+
     def fork(self, parent: Request, child: Request) -> None:
         slot = self.tables[parent.request_id]
         self.pool.share(slot)

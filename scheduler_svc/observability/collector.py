@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from scheduler_svc.observability.accounting import core_metrics
 from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
+from scheduler_svc.planning.speculation import SpecCounters
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
@@ -72,6 +73,11 @@ class EngineCollector(Collector):
             gauge("pagedserve_requests_waiting").add_metric(w, core.planner.num_waiting)
             counter("pagedserve_preemptions").add_metric(w, core.planner.num_preemptions)
             counter("pagedserve_steps").add_metric(w, c.steps_run)
+            spec = spec_counters(core)
+            counter("pagedserve_spec_decode_drafts").add_metric(w, spec.drafts)
+            counter("pagedserve_spec_decode_draft_tokens").add_metric(w, spec.draft_tokens)
+            counter("pagedserve_spec_decode_accepted_tokens").add_metric(w, spec.accepted_tokens)
+            gauge("pagedserve_spec_decode_acceptance_ratio").add_metric(w, spec.acceptance_rate)
             counter("pagedserve_prefill_tokens").add_metric(w, cm.prefill_tokens)
             counter("pagedserve_decode_tokens").add_metric(w, cm.decode_tokens)
             counter("pagedserve_prompt_tokens").add_metric(w, c.prompt_tokens)
@@ -124,7 +130,17 @@ def vllm_families(cores: list[EngineCore]) -> list[Metric]:
         counters["vllm:num_preemptions_total"].add_metric(w, core.planner.num_preemptions)
         counters["vllm:prompt_tokens_total"].add_metric(w, core_metrics(core).first_token_prompt_tokens)
         counters["vllm:generation_tokens_total"].add_metric(w, core.counters.generation_tokens)
+        spec = spec_counters(core)
+        counters["vllm:spec_decode_num_drafts_total"].add_metric(w, spec.drafts)
+        counters["vllm:spec_decode_num_draft_tokens_total"].add_metric(w, spec.draft_tokens)
+        counters["vllm:spec_decode_num_accepted_tokens_total"].add_metric(w, spec.accepted_tokens)
     return [*gauges.values(), *counters.values()]
+
+
+def spec_counters(core: EngineCore) -> SpecCounters:
+    """The worker's speculative decoding totals (zeros when it does not draft)."""
+    drafter = core.planner.drafter
+    return drafter.counters if drafter is not None else SpecCounters()
 
 
 def kv_bytes_per_token(core: EngineCore) -> float:

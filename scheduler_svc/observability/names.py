@@ -47,6 +47,11 @@ METRIC_NAMES = {
     "pagedserve_step_duration_seconds": "wall time of one engine step (the Step RPC included)",
     "pagedserve_step_tokens": "tokens computed per step",
     "pagedserve_prefill_chunk_duration_seconds": "time of the step that computed a prefill chunk, per chunk",
+    # speculative decoding (--speculative-ngram)
+    "pagedserve_spec_decode_drafts_total": "decodes that carried drafts",
+    "pagedserve_spec_decode_draft_tokens_total": "draft tokens sent for verification",
+    "pagedserve_spec_decode_accepted_tokens_total": "draft tokens the worker accepted",
+    "pagedserve_spec_decode_acceptance_ratio": "accepted / drafted tokens since start",
     # latency
     "pagedserve_time_to_first_token_seconds": "request arrival to its first generated token",
     "pagedserve_inter_token_latency_seconds": "time between two tokens of one request",
@@ -70,6 +75,9 @@ VLLM_METRIC_NAMES = {
     "vllm:num_preemptions_total": "Cumulative number of preemption from the engine.",
     "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
     "vllm:generation_tokens_total": "Number of generation tokens processed.",
+    "vllm:spec_decode_num_drafts_total": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens_total": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens_total": "Number of accepted tokens.",
     # request histograms
     "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",

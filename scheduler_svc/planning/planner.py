@@ -21,6 +21,15 @@ drain, so preemption only happens with nothing in flight. A request that ends
 in the earlier step (EOS, stop string, abort) has its speculative token
 discarded by update() and its blocks freed once no step in flight holds it.
 
+Speculative decoding (PlannerConfig.speculative; planning/speculation.py): a
+decode of a request that drafts carries its input and up to K drafts, with
+slots for them all; update() keeps the drafts the worker accepted and its token
+after them, ends the request inside the run where EOS, a stop id or max_tokens
+says so, and releases the slots of the rejected positions (KVManager.trim). A
+request with drafts in flight is not planned ahead: its next input depends on
+how many are accepted, and no step is planned ahead of a step with drafts
+(can_plan_ahead), so a request that drafts can draft in every step.
+
 Structured outputs: a request with a grammar (Request.grammar) samples under
 its allowed-token mask. update() advances the grammar with each token it
 appends, in step order, and ends the request with `stop` once the grammar is
@@ -45,6 +54,7 @@ from numpy.typing import NDArray
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.planning.validation import (
     SCHEDULING_POLICIES,
     RequestRejected,
@@ -55,6 +65,7 @@ from scheduler_svc.planning.validation import (
     check_sampling,
 )
 from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingOptions, TokenLogprob
+from scheduler_svc.speculative.ngram import NgramConfig
 from scheduler_svc.structured.errors import GrammarFailed, TokenRejected
 
 if TYPE_CHECKING:
@@ -81,6 +92,7 @@ class PlannerConfig:
     dynamic_chunking: bool = False
     dynamic_chunk_min: int = 512
     dynamic_chunk_max: int = 2048
+    speculative: NgramConfig | None = None  # n-gram drafts for greedy decodes; None: off
     # Structured outputs: plan a constrained request's decode ahead of the token it
     # follows (its mask is sent late, once that token is known); off: such a decode
     # waits for the next plan made with nothing in flight ahead of it.
@@ -97,7 +109,7 @@ class PlannerConfig:
         for f in fields(self):
             value, low = getattr(self, f.name), self._MINIMUMS.get(f.name, 1)
             flag = "--" + f.name.replace("_", "-")
-            if f.name in ("dynamic_chunking", "constrained_ahead", "scheduling_policy"):
+            if f.name in ("dynamic_chunking", "constrained_ahead", "scheduling_policy", "speculative"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(
@@ -109,6 +121,8 @@ class PlannerConfig:
                 f"dynamic_chunk_max (--dynamic-chunk-max) {self.dynamic_chunk_max} "
                 f"(valid range [1, {self.dynamic_chunk_max}])"
             )
+        if self.speculative is not None and (problems := self.speculative.problems()):
+            raise ValueError("; ".join(problems))
         return self
 
     def chunk_limit(self, free_fraction: float) -> int:
@@ -145,6 +159,7 @@ class ScheduledSeq:
     # input is counted by the worker) and the prompt's distinct ids (repetition only).
     penalty_output_ids: tuple[int, ...] = ()
     penalty_prompt_ids: tuple[int, ...] = ()
+    num_drafts: int = 0  # the last num_drafts of token_ids are drafts for the worker to verify
     # Structured outputs (sampling rows of a request with a grammar): the matcher the
     # row's mask comes from, and whether that mask follows the step (the input is
     # token_from_previous_step, so the matcher is one token behind until it is applied).
@@ -213,10 +228,22 @@ class StepSamples:
     top: dict[int, Alternatives] = field(default_factory=dict)  # seq_id -> the sampled token's alternatives
     # seq_id -> one (logprob, alternatives) per ScheduledSeq.prompt_logprob_targets entry
     prompt: dict[int, list[tuple[float, Alternatives]]] = field(default_factory=dict)
+    # Per row: drafts accepted, token_ids[row] following them (empty: the step carried none),
+    # and the accepted drafts' logprobs, row after row.
+    num_accepted: list[int] = field(default_factory=list)
+    draft_logprobs: list[float] = field(default_factory=list)
     rows: dict[int, int] = field(init=False, repr=False)  # seq_id -> row
 
     def __post_init__(self) -> None:
         self.rows = dict(zip(self.seq_ids, range(len(self.seq_ids))))
+
+    def accepted(self, row: int) -> tuple[int, list[float]]:
+        """(drafts accepted, their logprobs) of a row."""
+        if not self.num_accepted:
+            return 0, []
+        start = sum(self.num_accepted[:row])  # only drafting rows ask: a few per step
+        count = self.num_accepted[row]
+        return count, self.draft_logprobs[start : start + count]
 
 
 @dataclass(slots=True)
@@ -235,6 +262,9 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: FinishReason | None = None
     forked: bool = False  # a prefill-only parent finished: its children now run
+    # Set on the tokens of an accepted run of drafts: the request's outputs once this
+    # token is in (a stop string found here drops the run's later tokens).
+    num_output_tokens: int = 0
     # The request ended with this error instead (its grammar refused the token: TokenRejected,
     # or hit a limit: GrammarFailed); the token is not in its outputs.
     error: Exception | None = None
@@ -305,6 +335,7 @@ class _StepBudget:
         self.tokens_left = max_tokens
         self.seqs_left = max_seqs
         self.scheduled: dict[str, tuple[Request, int]] = {}  # insertion order = plan order
+        self.drafts: dict[str, list[int]] = {}  # request id -> the drafts its decode carries
         self.ahead = ahead  # planned while a step is in flight: no preemption
         self.deferred = False  # ahead, and something did not fit
 
@@ -341,6 +372,7 @@ class Planner:
         # Request id -> in-flight steps that sample it: its last token is not known yet.
         self._pending_samples: dict[str, int] = {}
         self._pending_forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prefill
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
 
     # ---- queue ----------------------------------------------------------
     @property
@@ -399,6 +431,8 @@ class Planner:
             self.requests.pop(child.request_id, None)
             child.status, child.finish_reason = RequestStatus.FINISHED, reason
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        if self.drafter is not None:
+            self.drafter.drop(request_id)
         if self._is_in_flight(request):
             self._free_after_step.append(request)
         else:
@@ -435,23 +469,33 @@ class Planner:
 
     @property
     def can_plan_ahead(self) -> bool:
-        """One step is in flight and the next may be planned before its result."""
-        return len(self._in_flight) == 1 and not self._in_flight[0].plan.deferred
+        """One step is in flight and the next may be planned before its result. Not
+        behind a step with drafts: its drafting requests go on drafting in the next
+        step (planned ahead they would sit it out), and on a CPU a step's forward
+        dwarfs what overlapping the plan saves."""
+        if len(self._in_flight) != 1:
+            return False
+        plan = self._in_flight[0].plan
+        return not plan.deferred and not any(seq.num_drafts for seq in plan.seqs)
 
     def _schedule_running(self, budget: _StepBudget, preempted: list[str], decodes: bool) -> None:
         """Decodes (one token left) of running requests, or else their next prefill chunks; oldest first."""
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.request_id in budget.scheduled:
                 continue  # preempted earlier in this loop, or already has its tokens
+            # < 0: its drafts are in flight, so its next input is not known yet.
             remaining = self._known_end(request) - request.num_computed_tokens
-            if remaining == 0 or (remaining == 1) != decodes or self._ends_in_flight(request):
+            if remaining <= 0 or (remaining == 1) != decodes or self._ends_in_flight(request):
+                continue
+            if decodes and budget.ahead and self._waits_to_draft(request):
                 continue
             if budget.ahead and not self.config.constrained_ahead and self._waits_for_its_grammar(request):
                 continue
             if not budget.has_room():
                 return
             want = min(remaining, self._chunk_limit(), budget.tokens_left)
-            granted = self._reserve_slots(request, want, budget, preempted)
+            granted = self._reserve_drafts(request, budget) if decodes else 0
+            granted = granted or self._reserve_slots(request, want, budget, preempted)
             if granted:
                 budget.add(request, granted)
 
@@ -472,6 +516,30 @@ class Planner:
             request.num_output_tokens + pending >= request.sampling.max_tokens
             or request.num_tokens + pending >= self.max_len
         )
+
+    def _waits_to_draft(self, request: Request) -> bool:
+        """Its token is in flight, and it would rather wait for it and draft than be
+        planned ahead of it (speculation.py's back-off says when)."""
+        return (
+            self.drafter is not None
+            and request.request_id in self._pending_samples
+            and self.drafter.waits_to_draft(request)
+        )
+
+    def _reserve_drafts(self, request: Request, budget: _StepBudget) -> int:
+        """Slots for a decode and its drafts, when the request drafts and they fit
+        without preempting anyone; 0: it decodes plainly (its last token is in
+        flight, it proposes nothing, or the slots are not there)."""
+        if self.drafter is None:
+            return 0
+        if request.request_id in self._pending_samples:
+            self.drafter.planned_ahead(request.request_id)
+            return 0
+        drafts = self.drafter.drafts(request, self.max_len, budget.tokens_left)
+        if not drafts or self.kv.allocate_slots(request, 1 + len(drafts)) is None:
+            return 0
+        budget.drafts[request.request_id] = drafts
+        return 1 + len(drafts)
 
     def _reserve_slots(self, request: Request, want: int, budget: _StepBudget, preempted: list[str]) -> int:
         """Slots for up to `want` tokens: a smaller chunk if that is all that fits,
@@ -567,11 +635,13 @@ class Planner:
         for request, num_tokens in budget.scheduled.values():
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
             from_previous = start == request.num_tokens  # its input is sampled by the step in flight
-            sample = end == self._known_end(request) and not request.prefill_only and request.sampling.max_tokens > 0
+            drafts = budget.drafts.get(request.request_id, [])
+            sample = (end == self._known_end(request) or bool(drafts)) and not request.prefill_only
+            sample = sample and request.sampling.max_tokens > 0
             scheduled = ScheduledSeq(
                 request_id=request.request_id,
                 seq_id=request.seq_id,
-                token_ids=[0] if from_previous else request.all_token_ids[start:end],
+                token_ids=[0] if from_previous else request.all_token_ids[start:end] + drafts,
                 start_pos=start,
                 block_table=self.kv.block_table(request.request_id),
                 slot_mapping=self.kv.slot_mapping(request, start, end),
@@ -579,6 +649,7 @@ class Planner:
                 sampling=request.sampling,
                 token_from_previous_step=from_previous,
                 prompt_logprob_targets=_prompt_logprob_targets(request, start, end),
+                num_drafts=len(drafts),
             )
             if sample:
                 self._add_sample_inputs(scheduled, request)
@@ -636,7 +707,12 @@ class Planner:
         for seq in plan.seqs:
             if seq.sample:
                 self._drop_pending_sample(seq.request_id)
-        updates = [self._apply(request, seq, samples) for request, seq in live]
+        updates: list[RequestUpdate] = []
+        for request, seq in live:
+            if seq.num_drafts:
+                updates += self._apply_verified(request, seq, samples)
+            else:
+                updates.append(self._apply(request, seq, samples))
         self._free_ended_in_flight()
         return updates
 
@@ -690,6 +766,41 @@ class Planner:
             finish_reason=reason,
         )
 
+    def _apply_verified(self, request: Request, seq: ScheduledSeq, samples: StepSamples) -> list[RequestUpdate]:
+        """A decode that carried drafts: its accepted drafts, then the worker's token
+        after them, one update each, up to the first that ends the request; the
+        slots past the computed tokens (rejected drafts) are released first."""
+        assert self.drafter is not None, "a plan with drafts from a planner that does not draft"
+        row = samples.rows[seq.seq_id]
+        accepted, draft_logprobs = samples.accepted(row)
+        if not 0 <= accepted <= seq.num_drafts or len(draft_logprobs) != accepted:
+            raise ValueError(f"seq_id {seq.seq_id}: {accepted} drafts accepted of {seq.num_drafts}")
+        self.drafter.record(request.request_id, seq.num_drafts, accepted)
+        computed = seq.start_pos + 1 + accepted  # the input and the accepted drafts have their K/V
+        request.num_computed_tokens = computed
+        self.kv.trim(request, computed)
+        run = [*zip(seq.token_ids[1 : 1 + accepted], draft_logprobs), (samples.token_ids[row], samples.logprobs[row])]
+        updates, reason = [], None
+        for token_id, logprob in run:
+            request.append_output(token_id, logprob)
+            reason = self._stop_reason(request, token_id)
+            updates.append(
+                RequestUpdate(
+                    request.request_id,
+                    token_id=token_id,
+                    logprob=logprob,
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+            if reason is not None:
+                break
+        self.kv.cache_full_blocks(request, min(computed, request.num_tokens))
+        if reason is not None:
+            self.finish(request.request_id, reason)
+        return updates
+
     def _fork(self, parent: Request) -> None:
         """The parent's prompt is computed: its children take over its blocks
         (shared, ref +1 each) and run; the parent then lets go of its refs."""
@@ -741,6 +852,9 @@ class Planner:
         then the waiting queue), e.g. to re-add them to another worker's planner."""
         self.requeue_all(reset_prefix_cache=True)
         drained = list(self.waiting)
+        if self.drafter is not None:
+            for request in drained:
+                self.drafter.drop(request.request_id)
         self.waiting.clear()
         self.requests.clear()
         self._pending_forks.clear()  # the drained parents carry their children along

@@ -4,18 +4,28 @@ It keeps, per physical slot, the (position, token id) written there and builds
 each sequence's context by reading its block table, exactly as paged attention
 would. The next token is a deterministic function of that context, so a wrong
 block table, slot mapping or shared block shows up as different output tokens.
+A row with drafts is verified greedily, as worker_svc/sampling/verify.py does:
+the drafts the model would have produced are kept, then the model's own token.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from scheduler_svc.planning.planner import StepPlan, StepSamples
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int = 16, vocab_size: int = 1000) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        vocab_size: int = 1000,
+        model: Callable[[list[int]], int] | None = None,
+    ) -> None:
+        """`model`: context -> next token, instead of the default order-sensitive hash."""
+        self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -32,6 +42,8 @@ class FakeWorker:
 
     def next_token(self, context: list[int]) -> int:
         """Order-sensitive, so a block with the right tokens in the wrong place is caught."""
+        if self.model is not None:
+            return self.model(context)
         return (sum((pos + 1) * tok for pos, tok in enumerate(context)) + len(context)) % self.vocab_size
 
     def execute(self, plan: StepPlan, allowed: Mapping[int, Sequence[int]] | None = None) -> StepSamples:
@@ -56,15 +68,22 @@ class FakeWorker:
         for seq in plan.seqs:
             for i, slot in enumerate(seq.slot_mapping):
                 self.slots[slot] = (seq.start_pos + i, inputs[seq.seq_id][i])
-        sampled = {}
+        sampled, accepted, draft_logprobs = {}, {}, {}
         for seq, context in zip(plan.seqs, contexts):
             if seq.sample:
-                token = self.next_token(context)
+                known = len(context) - seq.num_drafts  # the context before the drafts
+                n = 0
+                while n < seq.num_drafts and context[known + n] == self.next_token(context[: known + n]):
+                    n += 1
+                token = self.next_token(context[: known + n])
                 if allowed is not None and seq.seq_id in allowed:
                     token = allowed[seq.seq_id][token % len(allowed[seq.seq_id])]
-                sampled[seq.seq_id] = (token, -float(token) / self.vocab_size)
+                sampled[seq.seq_id], accepted[seq.seq_id] = (token, -float(token) / self.vocab_size), n
+                draft_logprobs[seq.seq_id] = [-float(t) / self.vocab_size for t in context[known : known + n]]
         self.last_step_id, self.last_sampled = plan.step_id, sampled
-        return samples_of(sampled)
+        if not any(s.num_drafts for s in plan.seqs):
+            return samples_of(sampled)
+        return samples_of(sampled, accepted, draft_logprobs)
 
     def _inputs(self, plan: StepPlan, seq) -> list[int]:
         if not seq.token_from_previous_step:
@@ -99,6 +118,15 @@ class FakeWorker:
         return context
 
 
-def samples_of(sampled: dict[int, tuple[int, float]]) -> StepSamples:
-    """(token id, logprob) per seq_id as a step's sampled columns."""
-    return StepSamples(list(sampled), [token for token, _ in sampled.values()], [lp for _, lp in sampled.values()])
+def samples_of(
+    sampled: dict[int, tuple[int, float]],
+    accepted: dict[int, int] | None = None,
+    draft_logprobs: dict[int, list[float]] | None = None,
+) -> StepSamples:
+    """(token id, logprob) per seq_id as a step's sampled columns; `accepted` and
+    `draft_logprobs`: drafts accepted per seq_id and their logprobs, when the step
+    carried drafts."""
+    num_accepted = [accepted[seq_id] for seq_id in sampled] if accepted is not None else []
+    flat = [lp for seq_id in sampled for lp in (draft_logprobs or {}).get(seq_id, [])]
+    tokens, logprobs = [token for token, _ in sampled.values()], [lp for _, lp in sampled.values()]
+    return StepSamples(list(sampled), tokens, logprobs, num_accepted=num_accepted, draft_logprobs=flat)

@@ -48,8 +48,10 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             seqs=seqs_of(request),
             previous_step_id=previous,
         )
-        self.fake.execute(plan)
-        return step_response(request.step_id, self.info.instance_id, self.fake.last_sampled)
+        samples = self.fake.execute(plan)
+        return step_response(
+            request.step_id, self.info.instance_id, self.fake.last_sampled, samples.num_accepted, samples.draft_logprobs
+        )
 
 
 async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grpc.aio.Server, str, FakeWorkerServicer]:

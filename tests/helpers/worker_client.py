@@ -45,6 +45,7 @@ class Seq:
     # mask_follows: it comes in a StepMasks call.
     mask: list[int] | None = None
     mask_follows: bool = False
+    num_drafts: int = 0  # the last num_drafts of token_ids are drafts (speculative decoding)
 
     @property
     def flags(self) -> int:
@@ -131,6 +132,8 @@ def step_request(
     masked = [(row, s.mask) for row, s in enumerate(seqs) if s.mask is not None]
     if masked:
         columns.masks.CopyFrom(token_masks([row for row, _ in masked], [mask for _, mask in masked]))
+    if any(s.num_drafts for s in seqs):
+        columns.num_drafts.extend(s.num_drafts for s in seqs)
     return worker_pb2.StepRequest(
         step_id=step_id,
         copies=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in copies],
@@ -183,6 +186,7 @@ def seqs_of(request: worker_pb2.StepRequest) -> list[Seq]:
                 penalties=extras.penalties if extras.HasField("penalties") else None,
                 prompt_logprob_targets=list(extras.prompt_logprob_targets),
                 prompt_top_logprobs=extras.prompt_top_logprobs,
+                num_drafts=c.num_drafts[row] if c.num_drafts else 0,
             )
         )
     return seqs
@@ -220,8 +224,15 @@ def sampled_rows(response: worker_pb2.StepResponse) -> list[Sampled]:
     ]
 
 
-def step_response(step_id: int, instance_id: str, sampled: dict[int, tuple[int, float]]) -> worker_pb2.StepResponse:
-    """A reply carrying (token id, logprob) per seq_id, nothing else (the fake worker's)."""
+def step_response(
+    step_id: int,
+    instance_id: str,
+    sampled: dict[int, tuple[int, float]],
+    num_accepted: Sequence[int] = (),
+    draft_logprobs: Sequence[float] = (),
+) -> worker_pb2.StepResponse:
+    """A reply carrying (token id, logprob) per seq_id, and the drafts accepted if the
+    step had some, nothing else (the fake worker's)."""
     return worker_pb2.StepResponse(
         step_id=step_id,
         instance_id=instance_id,
@@ -230,6 +241,8 @@ def step_response(step_id: int, instance_id: str, sampled: dict[int, tuple[int, 
             token_ids=[token for token, _ in sampled.values()],
             logprobs=[logprob for _, logprob in sampled.values()],
             top_counts=[0] * len(sampled),
+            num_accepted=num_accepted,
+            draft_logprobs=draft_logprobs,
         ),
     )
 

@@ -17,10 +17,11 @@ from tests.helpers.import_graph import DEFERRED, KINDS, RUNTIME, TYPE_ONLY, cycl
 ALLOWED: dict[str, set[str]] = {
     "request": {"structured"},  # the type of Request.grammar, imported for type checking only
     "text": set(),
+    "speculative": set(),
     "structured": {"text"},
     "kv": {"request"},
-    "planning": {"request", "kv", "structured"},
-    "config": {"request", "kv", "planning"},
+    "planning": {"request", "kv", "structured", "speculative"},
+    "config": {"request", "kv", "planning", "speculative"},
     "engine": {"request", "kv", "planning", "text", "structured", "config"},
     "api": {"request", "kv", "planning", "text", "structured", "config", "engine"},
     "observability": {"request", "kv", "planning", "engine"},

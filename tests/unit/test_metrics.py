@@ -31,6 +31,7 @@ from scheduler_svc.observability.stats import stats_fields
 from scheduler_svc.observability.top import pool_bar, render, split_cells
 from scheduler_svc.planning.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, SamplingOptions
+from scheduler_svc.speculative.ngram import NgramConfig
 from tests.helpers.fake_worker import FakeWorker
 
 BS = 16
@@ -310,6 +311,25 @@ def test_vllm_prompt_tokens_once_per_request_despite_preemptions():
     assert vllm(got, "vllm:num_preemptions_total") == planner.num_preemptions
     assert vllm(got, "vllm:prompt_tokens_total") == 48
     assert vllm(got, "vllm:generation_tokens_total") == core.counters.generation_tokens
+
+
+def test_speculative_decoding_counts_drafts_and_accepted_tokens_both_ways():
+    kv = KVCacheManager(BlockPool(16, BS), BS, extra_keys=("m",))
+    spec = NgramConfig(num_speculative_tokens=3, ngram_min=1, ngram_max=2)
+    planner = Planner(PlannerConfig(max_model_len=4096, speculative=spec), kv)
+    worker = FakeWorker(16, BS, model=lambda context: context[-4])  # copies its last 4 tokens forever
+    core = fake_core(planner)
+    planner.add(req("a", [7, 8, 9, 10] * 3, max_tokens=20))
+    while planner.has_work():
+        run_step(core, worker)
+    counters = planner.drafter.counters
+    assert counters.drafts > 0 and counters.accepted_tokens == counters.draft_tokens  # the lookup is always right
+    got = scrape(SimpleNamespace(cores=[core]))
+    assert got[("pagedserve_spec_decode_drafts_total", W)] == vllm(got, "vllm:spec_decode_num_drafts_total")
+    assert got[("pagedserve_spec_decode_draft_tokens_total", W)] == counters.draft_tokens
+    assert vllm(got, "vllm:spec_decode_num_accepted_tokens_total") == counters.accepted_tokens
+    assert got[("pagedserve_spec_decode_acceptance_ratio", W)] == 1.0
+    assert core.counters.generation_tokens == 20 and core.counters.steps_run < 20
 
 
 def test_vllm_histograms_have_vllms_buckets_and_the_model_label():

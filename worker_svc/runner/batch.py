@@ -54,6 +54,11 @@ class HostBatch:
     copies: IntArray  # [2, C] block copies src -> dst, before the forward
     order: IntArray  # [S] the step's rows in batch order
     sample_order: IntArray  # [N] the sampling rows of the step, in batch order
+    # Speculative decoding (sampling/verify.py): the sampled rows (of the N) that carry
+    # drafts, their draft counts, and the batch rows of every position before their last.
+    draft_rows: IntArray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    draft_counts: IntArray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    verify_rows: IntArray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +120,10 @@ def plan_batch(step: StepInput, split_fresh: bool = False, ref_sources: IntArray
         where = np.empty(len(seqs), dtype=np.int64)
         where[np.flatnonzero(seqs.from_previous)] = np.arange(len(ref_sources))
         sources = ref_sources[where[order[referring]]]
+    sampled = seqs.sample[order]
+    sample_rows = last_rows[sampled]
+    counts = seqs.drafts[order][sampled]
+    draft_rows = np.flatnonzero(counts)
     return HostBatch(
         input_ids=seqs.token_ids[rows],
         positions=seqs.positions[rows],
@@ -122,12 +131,15 @@ def plan_batch(step: StepInput, split_fresh: bool = False, ref_sources: IntArray
         decode=_group(seqs, groups[0]),
         fresh=_group(seqs, groups[1]),
         prefill=_group(seqs, groups[2]),
-        sample_rows=last_rows[seqs.sample[order]],
+        sample_rows=sample_rows,
         ref_rows=last_rows[referring],
         ref_sources=sources,
         copies=np.ascontiguousarray(step.copies.T),
         order=order,
-        sample_order=order[seqs.sample[order]],
+        sample_order=order[sampled],
+        draft_rows=draft_rows,
+        draft_counts=counts[draft_rows],
+        verify_rows=ranges(sample_rows[draft_rows] - counts[draft_rows], counts[draft_rows]),
     )
 
 

@@ -34,7 +34,8 @@ from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
-from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray
+from worker_svc.sampling.verify import verify_drafts
+from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray, ranges
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
 from worker_svc.step.validation import check_late_rows
 
@@ -103,6 +104,21 @@ class ModelRunner:
             self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
         return graphs.replay(batch) if graphs is not None else self.forward(batch)
 
+    def _verify(self, hidden: torch.Tensor, batch: ForwardBatch, host: HostBatch, packed: Packed) -> torch.Tensor:
+        """Greedy verification of the rows with drafts (sampling/verify.py): each one's
+        bonus token replaces its sample in `packed` (in place, so LastSamples and the
+        host copy see it); returns what rides in that copy after it: [R + D, 2] float64,
+        a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
+        device = hidden.device
+        verify_rows = torch.from_numpy(host.verify_rows).to(device)
+        inner = self.model.logits(hidden[verify_rows])
+        drafts = batch.input_ids[verify_rows + 1]  # each inner position's next token is a draft
+        rows = torch.from_numpy(host.draft_rows).to(device)
+        accepted, bonus, inner_logprobs = verify_drafts(inner, packed.tensor[rows], drafts, host.draft_counts)
+        packed.tensor[rows] = bonus
+        counted = torch.stack([accepted.double(), torch.zeros_like(accepted, dtype=torch.float64)], dim=1)
+        return torch.cat([counted, torch.stack([torch.zeros_like(inner_logprobs), inner_logprobs], dim=1)])
+
     # ---- steps --------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, step: StepInput, use_graphs: bool = True) -> torch.Tensor:
@@ -151,12 +167,15 @@ class ModelRunner:
             logits = self.model.logits(hidden[rows])
             t2 = time.perf_counter()
             packed = self.sampler.sample_packed(logits, params)  # on the device
+            accepted = self._verify(hidden, batch, host, packed) if host.draft_rows.size else None
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
-            self.last_samples = LastSamples(step.step_id, seq_ids, packed.token_ids)
-            pairs = packed.tensor.cpu().numpy()
+            self.last_samples = _last_samples(step.step_id, seq_ids, packed.token_ids, host.draft_rows)
+            everything = packed.tensor if accepted is None else torch.cat([packed.tensor, accepted])
+            pairs = everything.cpu().numpy()
+            pairs, drafted = pairs[: len(packed.tensor)], _drafted(pairs[len(packed.tensor) :], host)
             return_logits = step.seqs.return_logits[host.sample_order]
-            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits)
+            samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits, *drafted)
             if prompt is not None:
                 prompt_logprobs = prompt.unpack(pairs, packed.layout)
         t3 = time.perf_counter()
@@ -183,6 +202,31 @@ class ModelRunner:
         return with_late
 
 
+def _last_samples(step_id: int, seq_ids: UIntArray, token_ids: torch.Tensor, draft_rows: IntArray) -> LastSamples:
+    """What the next step may name: not the rows that verified drafts, whose next input
+    depends on how many were accepted (and which only rank 0 of a tensor-parallel
+    worker verifies: the other ranks' ids there are not the model's)."""
+    if not draft_rows.size:
+        return LastSamples(step_id, seq_ids, token_ids)
+    keep = np.ones(len(seq_ids), dtype=bool)
+    keep[draft_rows] = False
+    rows = np.flatnonzero(keep)
+    return LastSamples(step_id, seq_ids[rows], token_ids[torch.from_numpy(rows).to(token_ids.device)])
+
+
+def _drafted(rows: HostPairs, host: HostBatch) -> tuple[IntArray, npt.NDArray[np.float64]]:
+    """From _verify's rows of the host copy: [N] drafts accepted per sampled row, and
+    the accepted drafts' logprobs, row after row; both empty without drafts."""
+    if not host.draft_rows.size:
+        return _NONE, np.zeros(0)
+    num = len(host.draft_rows)
+    accepted = rows[:num, 0].astype(np.int64)
+    out = np.zeros(len(host.sample_order), dtype=np.int64)
+    out[host.draft_rows] = accepted
+    starts = np.cumsum(host.draft_counts) - host.draft_counts
+    return out, rows[num:, 1][ranges(starts, accepted)]
+
+
 def _sampled_rows(
     seq_ids: UIntArray,
     pairs: HostPairs,
@@ -190,6 +234,8 @@ def _sampled_rows(
     params: SamplingParams,
     return_logits: BoolArray,
     logits: torch.Tensor,
+    num_accepted: IntArray,
+    draft_logprobs: npt.NDArray[np.float64],
 ) -> SampledRows:
     """The samples' columns from the packed host copy: ids and logprobs sliced out
     whole; alternatives (cut to what each row asked) and logits rows only for the
@@ -201,6 +247,8 @@ def _sampled_rows(
         logprobs=pairs[:n, 1].copy(),
         top={i: block[: params.extras[i].top_logprobs] for i, block in packed.layout.top(pairs).items()},
         logits=_logits_rows(logits, np.flatnonzero(return_logits)),
+        num_accepted=num_accepted,
+        draft_logprobs=draft_logprobs,
     )
 
 

@@ -116,6 +116,9 @@ class SeqColumns:
     slot_mapping: IntArray  # [T] where each token's K/V go; < 0: not written
     block_tables: IntArray  # [B] each row's whole table
     extras: Mapping[int, RowExtras] = field(default_factory=dict)  # row -> its rare options
+    # Speculative decoding: [S] the row's last num_drafts tokens are drafts to verify
+    # (sampling/verify.py); empty: no row carries any.
+    num_drafts: IntArray = field(default_factory=_no_rows)
     # Structured outputs: the masks sent with the step, and the rows whose masks follow
     # in a StepMasks call (SEQ_FLAG_MASK_FOLLOWS).
     masks: TokenMasks | None = None
@@ -123,6 +126,11 @@ class SeqColumns:
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+    @property
+    def drafts(self) -> IntArray:
+        """[S] drafts per row, 0 on every row when the step carries none."""
+        return self.num_drafts if len(self.num_drafts) else np.zeros(len(self.seq_ids), dtype=np.int64)
 
     @property
     def context_lens(self) -> IntArray:

@@ -22,6 +22,11 @@ class SampledRows:
     # Only the rows that asked: row -> [k, 2] (id, logprob) alternatives; row -> fp32 [vocab] logits.
     top: dict[int, npt.NDArray[np.float64]] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Speculative decoding: [N] drafts accepted per row (token_ids then follows them);
+    # empty when the step carried no drafts.
+    num_accepted: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # The accepted drafts' logprobs (raw distribution), row after row: sum(num_accepted).
+    draft_logprobs: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def empty(cls) -> SampledRows:

@@ -115,6 +115,7 @@ def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limit
             row_field("flags", i),
             "SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP needs exactly one (placeholder) token and the step's previous_step_id",
         )
+    _validate_drafts(seqs)
     if seqs.masks is not None or seqs.late_mask_rows.size:
         _validate_mask_rows(seqs, limits.vocab_size)
     for row, extras in sorted(seqs.extras.items()):
@@ -122,6 +123,35 @@ def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limit
             _validate_logit_processing(row_field("extras", row), extras, limits.vocab_size)
         if len(extras.prompt_logprob_targets) or extras.prompt_top_logprobs:
             _validate_prompt_logprobs(row, extras, int(seqs.num_tokens[row]), limits.vocab_size)
+
+
+def _validate_drafts(seqs: SeqColumns) -> None:
+    """Drafts (speculative decoding) only where greedy verification gives exactly the
+    tokens decoding would: a greedy sampling row whose chunk holds its input and the
+    drafts, with nothing that changes or reports more than the argmax."""
+    if not len(seqs.num_drafts):
+        return
+    drafts = seqs.num_drafts
+    if (i := _first((drafts < 0) | (drafts >= seqs.num_tokens))) is not None:
+        raise InvalidStep(
+            row_field("num_drafts", i), f"{drafts[i]} drafts in a chunk of {seqs.num_tokens[i]} tokens (at most n - 1)"
+        )
+    unverifiable = ~seqs.sample | (seqs.sampling.temperature != 0) | seqs.from_previous | seqs.return_logits
+    if (i := _first((drafts > 0) & unverifiable)) is not None:
+        raise InvalidStep(
+            row_field("num_drafts", i),
+            "drafts need a greedy sampling row (temperature 0), its input in token_ids, no returned logits",
+        )
+    inline = seqs.masks.rows if seqs.masks is not None else np.zeros(0, dtype=np.int64)
+    masked = np.concatenate([inline, seqs.late_mask_rows])
+    if (i := _first(drafts[masked] > 0)) is not None:
+        raise InvalidStep(row_field("num_drafts", int(masked[i])), "drafts cannot be verified under a token mask")
+    for row, e in seqs.extras.items():
+        if drafts[row] and (e.top_logprobs or e.processes_logits or len(e.prompt_logprob_targets)):
+            raise InvalidStep(
+                row_field("num_drafts", row),
+                "drafts cannot be verified with top_logprobs, blocked ids, logit bias, penalties or prompt logprobs",
+            )
 
 
 def _validate_tables(seqs: SeqColumns, context: IntArray, limits: Limits) -> None:

@@ -1,0 +1,121 @@
+"""Speculative decoding through real processes over gRPC (fp32): a scheduler with
+--speculative-ngram in front of a worker gives every greedy request exactly the
+tokens transformers' greedy decoding gives, and exactly those of the same request
+opted out (no_speculation), in both scheduling modes, with stop strings and
+max_tokens inside accepted runs; every block comes back (the engine's audit,
+the pool's counters). On text that copies its prompt, drafts are accepted and the
+request takes fewer steps."""
+
+from __future__ import annotations
+
+import random
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from scheduler_svc.client import SchedulerClient
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.procs import Cluster, free_port
+
+SPEC = ["--speculative-ngram", "--num-speculative-tokens", "4", "--ngram-min", "1", "--ngram-max", "3"]
+MODES = {"async": [], "sync": ["--no-async-scheduling"]}
+# Small steps and pool: drafts compete with prefill chunks for the budget, and requests wait.
+SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8", *SPEC]
+
+
+def spec_totals(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("pagedserve_spec_decode_") and s.name.endswith("_total"):
+                totals[s.name] = totals.get(s.name, 0.0) + s.value
+    return totals
+
+
+def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
+    stats = wait_idle(client)
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+    assert stats.blocks_allocated_total == stats.blocks_freed_total
+    time.sleep(1.5)  # the engine audits its pool once idle (health interval 1 s)
+    assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_tiny_model_tokens_are_exact_with_speculation(mode):
+    """A random model rarely agrees with a lookup, so most drafts are rejected: the
+    rejection paths (trim, no indexing of rejected positions) under load."""
+    model_dir = tiny_checkpoint("llama")
+    ref = load_model(model_dir)
+    rng = random.Random(3)
+    cases = []
+    for _ in range(10):
+        motif = [rng.randrange(4, 700) for _ in range(rng.randrange(3, 9))]
+        cases.append((motif * rng.randrange(2, 6) + motif[: rng.randrange(0, 3)], rng.randrange(4, 30)))
+    port = free_port()
+    cluster = Cluster(
+        model_dir, ["--dtype", "float32", "--num-blocks", "24"], [*SCHEDULER, *MODES[mode], "--metrics-port", str(port)]
+    )
+    with cluster, SchedulerClient(cluster.address) as client:
+
+        def run(case, opt_out):
+            ids, n = case
+            return client.generate(
+                prompt_token_ids=ids, max_tokens=n, temperature=0.0, no_speculation=opt_out, timeout=120
+            )
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            spec = list(pool.map(lambda c: run(c, False), cases))
+        with ThreadPoolExecutor(len(cases)) as pool:
+            plain = list(pool.map(lambda c: run(c, True), cases))
+        for (ids, n), got, want in zip(cases, spec, plain):
+            assert got.token_ids == want.token_ids == hf_greedy(ref, ids, n)
+            assert got.completion_tokens == want.completion_tokens
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)  # accepted drafts' too
+        totals = spec_totals(f"http://127.0.0.1:{port}/metrics")
+        assert totals["pagedserve_spec_decode_drafts_total"] > 0
+        assert_pool_clean(client, cluster)
+
+
+def test_a_copying_prompt_accepts_drafts_in_fewer_steps(default_model):
+    """SmolLM2 asked to repeat a sentence: the lookup finds it in the prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    text = "The quick brown fox jumps over the lazy dog near the river bank, while the old farmer watches."
+    chat = [{"role": "user", "content": f"Repeat this sentence exactly: {text}"}]
+    prompt = tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+    port = free_port()
+    cluster = Cluster(default_model, ["--dtype", "float32", "--num-blocks", "64"], [*SPEC, "--metrics-port", str(port)])
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    with cluster, SchedulerClient(cluster.address) as client:
+        steps, outputs = [], []
+        for opt_out in (True, False):
+            before = client.stats().steps_run
+            outputs.append(
+                client.generate(
+                    prompt_token_ids=prompt, max_tokens=40, temperature=0.0, no_speculation=opt_out, timeout=300
+                )
+            )
+            wait_idle(client)
+            steps.append(client.stats().steps_run - before)
+        totals = spec_totals(metrics_url)
+        plain, spec = outputs
+        assert spec.token_ids == plain.token_ids == hf_greedy(load_model(default_model), prompt, 40)
+        assert text[:40] in spec.text
+        assert totals["pagedserve_spec_decode_accepted_tokens_total"] > 0
+        assert steps[1] < steps[0] * 0.7, steps  # the plain run takes one step per token
+        # A stop string inside an accepted run: cut there, as plain decoding cuts it.
+        stopped = [
+            client.generate(
+                prompt_token_ids=prompt, max_tokens=40, temperature=0.0, stop=["lazy"], no_speculation=opt_out
+            )
+            for opt_out in (True, False)
+        ]
+        assert stopped[0].token_ids == stopped[1].token_ids and stopped[1].text == plain.text.split("lazy")[0]
+        assert stopped[0].completion_tokens == stopped[1].completion_tokens
+        assert_pool_clean(client, cluster)
