@@ -1,7 +1,7 @@
 """Speculative decoding end to end (issue 30): n-gram drafts on vs off, side by
 side on one scheduler + worker, on text that copies its prompt and on free text.
 
-    python -m bench.spec_decode [--streams 1 8] [--max-tokens 64] [--repeats 2] [--dtype bfloat16]
+    python -m bench.spec_decode [--streams 1 2 4 8 32] [--max-tokens 64] [--repeats 2] [--dtype bfloat16]
     python -m bench.spec_decode --quick      # smoke test (~1 min)
 
 One stack from this tree: a worker (SmolLM2-135M-Instruct, --num-threads 1: the
@@ -187,7 +187,7 @@ def plot(results: dict[tuple[str, int, str], dict[str, Any]], args: argparse.Nam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -67,6 +67,10 @@ class SchedulerConfig:
     )
     ngram_min: int = field(default=_NGRAM.ngram_min, metadata={"help": "shortest n-gram matched (prompt_lookup_min)"})
     ngram_max: int = field(default=_NGRAM.ngram_max, metadata={"help": "longest n-gram matched (prompt_lookup_max)"})
+    speculative_disable_by_batch_size: int = field(
+        default=_NGRAM.disable_by_batch_size,
+        metadata={"help": "no drafts while more requests than this run (vLLM's meaning): past it, overlap pays more"},
+    )
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's (from its Info)"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     scheduling_policy: str = field(
@@ -376,7 +380,12 @@ class SchedulerConfig:
             dynamic_chunk_min=self.dynamic_chunk_min,
             dynamic_chunk_max=self.dynamic_chunk_max,
             speculative=(
-                NgramConfig(self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+                NgramConfig(
+                    self.num_speculative_tokens,
+                    self.ngram_min,
+                    self.ngram_max,
+                    self.speculative_disable_by_batch_size,
+                )
                 if self.speculative_ngram
                 else None
             ),

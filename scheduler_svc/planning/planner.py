@@ -523,6 +523,7 @@ class Planner:
         return (
             self.drafter is not None
             and request.request_id in self._pending_samples
+            and self.drafter.on_for(len(self.running))
             and self.drafter.waits_to_draft(request)
         )
 
@@ -530,7 +531,7 @@ class Planner:
         """Slots for a decode and its drafts, when the request drafts and they fit
         without preempting anyone; 0: it decodes plainly (its last token is in
         flight, it proposes nothing, or the slots are not there)."""
-        if self.drafter is None:
+        if self.drafter is None or not self.drafter.on_for(len(self.running)):
             return 0
         if request.request_id in self._pending_samples:
             self.drafter.planned_ahead(request.request_id)

@@ -17,6 +17,8 @@ step when others keep the worker busy, worth it only while its drafts get
 accepted: a request whose lookup finds nothing, or whose drafts all get
 rejected, backs off and is planned ahead as usual for a while (2 decodes,
 doubling up to 32 while it keeps missing) before it waits to draft again.
+And with more requests running than --speculative-disable-by-batch-size, nobody
+drafts: the overlap every row keeps is worth more than the drafts.
 """
 
 from __future__ import annotations
@@ -74,9 +76,14 @@ class Drafter:
     the step leave, and who waits for its token to draft (see the module doc)."""
 
     def __init__(self, config: NgramConfig) -> None:
+        self.config = config
         self.proposer = NgramProposer(config)
         self.counters = SpecCounters()
         self._backoff: dict[str, _Backoff] = {}
+
+    def on_for(self, num_running: int) -> bool:
+        """The batch rule: drafts only while at most disable_by_batch_size requests run."""
+        return num_running <= self.config.disable_by_batch_size
 
     def waits_to_draft(self, request: Request) -> bool:
         """Rather than be planned ahead of its token, the request waits for it and drafts."""

@@ -22,7 +22,18 @@ from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import Cluster, free_port
 
-SPEC = ["--speculative-ngram", "--num-speculative-tokens", "4", "--ngram-min", "1", "--ngram-max", "3"]
+# Drafting with every row that runs (the batch rule off at 8): exactness under a full batch.
+SPEC = [
+    "--speculative-ngram",
+    "--num-speculative-tokens",
+    "4",
+    "--ngram-min",
+    "1",
+    "--ngram-max",
+    "3",
+    "--speculative-disable-by-batch-size",
+    "8",
+]
 MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 # Small steps and pool: drafts compete with prefill chunks for the budget, and requests wait.
 SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8", *SPEC]

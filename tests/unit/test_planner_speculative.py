@@ -22,7 +22,8 @@ from tests.helpers.planner_sim import tokens_of
 PROMPT = [3, 1, 4, 1, 5, 9, 2] * 3  # cyclic copies it: long accepted runs
 
 BS, VOCAB = 16, 1000
-SPEC = NgramConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+# Every running request drafts (the batch rule has its own test, at the end).
+SPEC = NgramConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3, disable_by_batch_size=64)
 
 
 def cyclic(context: list[int]) -> int:
@@ -183,3 +184,29 @@ def test_rejected_drafts_leave_no_block_behind_and_never_reach_the_prefix_index(
     generated = [t for t, _ in out[r.request_id]]
     _, tokens = planner.kv.get_computed_blocks(Request("again", 99, r.prompt_token_ids + generated))
     assert tokens == (len(r.prompt_token_ids) + len(generated) - 1) // BS * BS
+
+
+@pytest.mark.parametrize("limit", [2, 5])
+def test_nobody_drafts_while_more_requests_run_than_the_batch_rule(limit):
+    """--speculative-disable-by-batch-size: five copying requests draft only when at most
+    `limit` of them run; the tokens stay plain decoding's either way."""
+    spec = NgramConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3, disable_by_batch_size=limit)
+    outputs = {}
+    for config in (None, spec):
+        planner, worker = make(config, max_num_seqs=5)
+        for i in range(5):
+            planner.add(Request(f"r{i}", i + 1, PROMPT, SamplingOptions(temperature=0.0, max_tokens=20 + 5 * i)))
+        drafting_at: list[int] = []
+        tokens: dict[str, list[int]] = defaultdict(list)
+        while planner.has_work():
+            running = len(planner.running)
+            plan = planner.schedule()
+            if any(s.num_drafts for s in plan.seqs):
+                drafting_at.append(running)
+            for update in planner.update(plan, worker.execute(plan)):
+                tokens[update.request_id].extend(tokens_of(update))
+            planner.audit()
+        outputs[config] = tokens
+    assert outputs[spec] == outputs[None]
+    assert drafting_at and max(drafting_at) <= limit
+    assert (limit >= 5) == (max(drafting_at) == 5)  # with room for all five, they draft from the start
