@@ -9,12 +9,15 @@ gateway import svc_common.
   float32 elsewhere. Without those instructions torch converts bf16 to fp32 around
   every matmul, which costs more than the halved weight read saves.
 * `thread_plan`: the worker's torch threads where the scheduler and the gateway run
-  beside it (`make serve`): every core but one, and at least one. On 2 cores one
-  worker thread served 32 streams at 88 tok/s against 52 with two (and one stream at
-  54.5 vs 58.7 ms ITL): a team of two OpenMP threads waits for whichever one the
-  scheduler, the gateway or another process just took the core from
-  (bench/results/peers_threads.md, bench/results/cpu_decode_study.md section 4).
-  vLLM-CPU makes the same choice.
+  beside it (`make serve`), per step. A small step (a few decodes) takes every core
+  but one, and at least one: a team of OpenMP threads waits for whichever one the
+  scheduler, the gateway or another process just took the core from, and those
+  services are busiest exactly then (one stream on 2 cores: 21.1 ms ITL with one
+  thread, 28.9 with two). A step of at least BUSY_STEP_TOKENS tokens (prefill
+  chunks, a large batch of decodes) is compute-bound and long enough to amortize
+  that wait, so it takes every core: 32 streams 237 vs 155 tok/s and TTFT p50 5.8
+  vs 10.6 s, 16 streams over a shared 1k prefix 163 vs 87 tok/s
+  (bench/results/peers_threads.md, side by side, quiet 2-core EPYC).
 """
 
 from __future__ import annotations
@@ -85,10 +88,20 @@ def resolve_dtype(requested: str, device_type: str, features: CpuFeatures) -> st
     return BF16_DTYPE if device_type == "cuda" else auto_dtype(features)
 
 
+# A step with at least this many tokens in its forward takes ThreadPlan.busy_threads.
+BUSY_STEP_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class ThreadPlan:
-    worker_threads: int
+    worker_threads: int  # for a step of fewer than BUSY_STEP_TOKENS tokens
     reason: str
+    busy_threads: int = 0  # for a larger step; 0 = worker_threads
+
+    def threads_for(self, step_tokens: int) -> int:
+        if step_tokens >= BUSY_STEP_TOKENS and self.busy_threads:
+            return self.busy_threads
+        return self.worker_threads
 
 
 def thread_plan(cores: int, services_beside: bool = True) -> ThreadPlan:
@@ -100,4 +113,8 @@ def thread_plan(cores: int, services_beside: bool = True) -> ThreadPlan:
         return ThreadPlan(cores, "the worker has the machine to itself")
     if cores == 1:
         return ThreadPlan(1, "1 core: shared with the scheduler and gateway")
-    return ThreadPlan(cores - 1, f"{cores} cores: one left to the scheduler and gateway")
+    return ThreadPlan(
+        cores - 1,
+        f"{cores} cores: one left to the scheduler and gateway, all {cores} for steps of >= {BUSY_STEP_TOKENS} tokens",
+        busy_threads=cores,
+    )

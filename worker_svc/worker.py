@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from kernels import reference
-from svc_common.cpu_features import CpuFeatures, read_cpu_features, resolve_dtype, thread_plan
+from svc_common.cpu_features import CpuFeatures, ThreadPlan, read_cpu_features, resolve_dtype, thread_plan
 from svc_common.log_setup import configure_logging
 from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_cache_class
@@ -189,7 +189,7 @@ class Worker:
         and none given, this process is rank 0 and starts the others."""
         self.config = config
         cpu = read_cpu_features()
-        threads_reason = _set_threads(config, cpu)
+        threads_reason, self._thread_plan = _set_threads(config, cpu)
         if parallel is None and config.tensor_parallel_size > 1:
             parallel = TensorParallelGroup.launch(group_spec(config), functools.partial(run_rank, config))
         self.parallel = parallel
@@ -388,6 +388,8 @@ class Worker:
         first. A CUDA error that kills the context fails the worker (WorkerDown);
         running out of memory fails only the step (StepOutOfMemory)."""
         use_device(self.device)
+        if self._thread_plan is not None:
+            _use_threads(self._thread_plan, step)
         try:
             return self.runner.execute(step)
         except Exception as exc:
@@ -444,19 +446,27 @@ class Worker:
             )
 
 
-def _set_threads(config: WorkerConfig, cpu: CpuFeatures) -> str:
-    """Sets this process's torch threads from --num-threads (0: the CPU thread plan);
-    says why. Tensor-parallel ranks share the worker's threads out (parallel/group.py)."""
+def _set_threads(config: WorkerConfig, cpu: CpuFeatures) -> tuple[str, ThreadPlan | None]:
+    """Sets this process's torch threads from --num-threads (0: the CPU thread plan,
+    returned: it picks each step's threads); says why. Tensor-parallel ranks share
+    the worker's threads out (parallel/group.py)."""
     if config.tensor_parallel_size > 1:
-        return "shared out over the tensor-parallel ranks"
+        return "shared out over the tensor-parallel ranks", None
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-        return "--num-threads"
+        return "--num-threads", None
     if not config.device.startswith("cpu"):
-        return "torch's default (a GPU worker)"
+        return "torch's default (a GPU worker)", None
     plan = thread_plan(cpu.cores)
     torch.set_num_threads(plan.worker_threads)
-    return plan.reason
+    return plan.reason, plan
+
+
+def _use_threads(plan: ThreadPlan, step: StepInput) -> None:
+    """The step's torch threads by its size (svc_common/cpu_features.py says why)."""
+    threads = plan.threads_for(len(step.seqs.token_ids))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def _describe(device: torch.device) -> str:

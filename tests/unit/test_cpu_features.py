@@ -79,6 +79,15 @@ def test_thread_plan(cores, beside, threads):
     assert plan.worker_threads == threads and plan.reason
 
 
+@pytest.mark.parametrize(
+    "cores,beside,small,busy", [(1, True, 1, 1), (2, True, 1, 2), (4, True, 3, 4), (2, False, 2, 2)]
+)
+def test_a_step_of_busy_size_takes_every_core(cores, beside, small, busy):
+    plan = thread_plan(cores, services_beside=beside)
+    assert plan.threads_for(1) == plan.threads_for(cpu_features.BUSY_STEP_TOKENS - 1) == small
+    assert plan.threads_for(cpu_features.BUSY_STEP_TOKENS) == plan.threads_for(4096) == busy
+
+
 def test_thread_plan_refuses_no_cores():
     with pytest.raises(ValueError, match="cores"):
         thread_plan(0)

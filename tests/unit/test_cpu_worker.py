@@ -14,12 +14,14 @@ import torch
 from structlog.testing import capture_logs
 
 from kernels import cpu_ops
-from svc_common.cpu_features import CpuFeatures, thread_plan
+from svc_common.cpu_features import BUSY_STEP_TOKENS, CpuFeatures, thread_plan
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc import worker as worker_mod
 from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.config import WorkerConfig
+from worker_svc.step.builder import StepBuilder
+from worker_svc.step.input import StepInput
 from worker_svc.worker import Worker
 
 CPU = torch.device("cpu")
@@ -153,3 +155,27 @@ def test_threads_follow_the_plan_unless_given(monkeypatch, cores, restore_thread
     assert started["threads"] == torch.get_num_threads() and started["threads_reason"] == thread_plan(cores).reason
     Worker(WorkerConfig(model=model, dtype="float32", num_blocks=16, num_threads=3))
     assert torch.get_num_threads() == 3
+
+
+def test_each_step_takes_the_threads_its_size_asks(monkeypatch, restore_threads):
+    """The plan on 2 cores: one thread for a decode, both for a prefill chunk of
+    BUSY_STEP_TOKENS tokens, one again for the decode after; --num-threads fixes it."""
+    monkeypatch.setattr(worker_mod, "read_cpu_features", lambda: fake_cpu(cores=2))
+    model = str(tiny_checkpoint("llama"))
+    worker = Worker(WorkerConfig(model=model, dtype="float32", num_blocks=16))
+    seen = []
+    monkeypatch.setattr(worker.runner, "execute", lambda step: seen.append(torch.get_num_threads()))
+    prompt = list(range(10, 10 + BUSY_STEP_TOKENS))
+    for step in (_one_row(1, prompt[:1], 0), _one_row(2, prompt, 0), _one_row(3, prompt[:1], 0)):
+        worker.execute(step)
+    assert seen == [1, 2, 1]
+    fixed = Worker(WorkerConfig(model=model, dtype="float32", num_blocks=16, num_threads=1))
+    monkeypatch.setattr(fixed.runner, "execute", lambda step: seen.append(torch.get_num_threads()))
+    fixed.execute(_one_row(4, prompt, 0))
+    assert seen[-1] == 1
+
+
+def _one_row(step_id: int, tokens: list[int], start: int) -> StepInput:
+    builder = StepBuilder(16)
+    builder.add(0, tokens, start, [0, 1], sample=True)
+    return builder.build(step_id)
