@@ -110,7 +110,7 @@ class WorkerConfig:
     num_threads: int = field(
         default=0,
         metadata={
-            "help": "torch CPU threads; 0 = on CPU every core but one (at least one), left to the scheduler and gateway beside it; on CUDA torch's default"
+            "help": "torch CPU threads; 0 = on CPU per step: every core but one (at least one, the other left to the scheduler and gateway) for small decode steps, every core for steps of >= 16 tokens; on CUDA torch's default"
         },
     )
     drain_timeout_s: float = field(
