@@ -76,7 +76,7 @@ model: $(MODEL_DIR)/config.json ## prepare the default model (SmolLM2-135M-Instr
 $(MODEL_DIR)/config.json: | setup
 	$(PY) -m tools.prepare_default_model --out $(MODEL_DIR)
 
-test: setup setup-test model ## the test suite (~13 min on 2 cores; slow cases excluded)
+test: setup setup-test model ## the test suite (~12 min on 2 cores; slow cases excluded)
 	$(PY) -m pytest -q
 
 test-slow: setup setup-test model ## the slow cases only (fuzzer, long runs)

@@ -42,7 +42,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "default"])
+# The default model's quantized caches (~35 s) run in `make test-slow`.
+@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("default", marks=pytest.mark.slow)])
 def model_dir(request, default_model):
     return default_model if request.param == "default" else tiny_checkpoint("llama")
 

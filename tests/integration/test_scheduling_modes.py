@@ -80,8 +80,17 @@ def _check_crowded_forks(client: SchedulerClient, ref) -> None:
     assert client.stats().preemptions > before, "samples that outgrow the pool must preempt each other"
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("family", TINY_FAMILIES)
+# Every family in the default (async) mode; the other mode for llama and gemma3 (sliding
+# windows) in `make test`, for the rest in `make test-slow` (the mode is the scheduler's,
+# the family the worker's: they meet in few places).
+FAMILY_MODES = [
+    pytest.param(f, m, marks=[pytest.mark.slow] if m == "sync" and f not in ("llama", "gemma3") else [])
+    for m in MODES
+    for f in TINY_FAMILIES
+]
+
+
+@pytest.mark.parametrize(("family", "mode"), FAMILY_MODES)
 def test_every_family_is_token_exact_in_both_modes(family, mode):
     cluster = Cluster(tiny_checkpoint(family), ["--dtype", "float32", "--num-blocks", "20"], SCHEDULER + MODES[mode])
     _check(cluster, family, expect_preemption=True)
@@ -95,9 +104,12 @@ def test_two_workers_in_both_modes(mode):
     _check(cluster, "llama", expect_preemption=False)
 
 
-# The interpreter runs every kernel in Python (~45 s a mode on 2 cores): the default
-# (async) mode stays in `make test`, the other is `make test-slow`'s.
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "sync" else m for m in MODES])
+# The interpreter runs every kernel in Python (~90 s a mode on 2 cores): `make
+# test-slow`'s. In `make test` the Triton kernels meet their torch references one by
+# one (tests/unit) and serve end to end in a tensor-parallel worker
+# (test_tensor_parallel.py, llama-2-triton).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
 def test_triton_path_under_the_interpreter_in_both_modes(mode, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the workers inherit it
     cluster = Cluster(
