@@ -41,7 +41,9 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
             _renderer(fmt),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (the line and its newline together): stderr writes through,
+        # so print()'s two writes let a tensor-parallel rank's line land inside another's.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     # Standard-library logging (libraries) goes through the same renderer.
