@@ -628,12 +628,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     errors: dict = {}
 
+    title = f"The GPU worker at the hardware's pace (issue 17) on {torch.cuda.get_device_name()}"
+
     def section(name: str, fn: Callable[[], object]) -> None:
         try:
             results[name] = fn()
         except Exception as exc:  # recorded in the report; the other sections still run
             traceback.print_exc()
             errors[name] = f"{type(exc).__name__}: {exc}"
+        # Written after every section: a run cut short by its lease keeps what it measured.
+        write_result(NAME, title, report(args, results, errors, started))
 
     if "kernels" in args.sections:
         section("kernels", lambda: kernel_table(args.quick))
@@ -647,7 +651,6 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, results, errors, started)
     print(text)
     plot(args, results)
-    title = f"The GPU worker at the hardware's pace (issue 17) on {torch.cuda.get_device_name()}"
     print(f"wrote {write_result(NAME, title, text)}")
     return 1 if errors else 0
 

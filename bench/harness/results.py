@@ -5,6 +5,7 @@ bench/results/<name>.png, and a progress bar for long runs."""
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -64,7 +65,10 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
 
 
 def commit() -> str:
-    """The short hash of HEAD (of the tree the benchmark runs from)."""
+    """The short hash of HEAD (of the tree the benchmark runs from); PAGEDSERVE_COMMIT
+    names it where the tree came without its history (a lent GPU machine's copy)."""
+    if named := os.environ.get("PAGEDSERVE_COMMIT"):
+        return named
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=RESULTS)
         return out.stdout.strip() or "unknown"

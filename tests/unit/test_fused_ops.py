@@ -2,27 +2,36 @@
 torch references (kernels/reference.py, the oracle): add_rms_norm and rope_write_kv,
 as the Triton kernels (kernels/triton_ops.py, under TRITON_INTERPRET=1 on CPU) and
 the C++ ones (kernels/cpu_ops.py) compute them; and the C++ linear layers the CPU
-decoder streams its weights through (kernels/csrc/linear_cpu.cpp) against F.linear."""
+decoder streams its weights through (kernels/csrc/linear_cpu.cpp) against F.linear.
+With CUDA (make gpu-check) the Triton ones run compiled, on the GPU."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 import torch.nn.functional as F
 
-from kernels import cpu_ops, quant, reference
+from kernels import cpu_ops, quant, reference, triton_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels could not be built here")
 
 
-def backends() -> list:
-    """The ops modules under test: the C++ ones where they build, the Triton ones."""
-    from kernels import triton_ops
+TRITON_DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 
-    mods = [pytest.param(triton_ops, id="triton")]
-    mods.append(pytest.param(cpu_ops, id="cpu", marks=needs_kernels))
+
+def backends() -> list:
+    """(ops module, the device its tensors live on): the Triton ones (compiled on the
+    GPU, or interpreted on CPU tensors), the C++ ones where they build."""
+    mods = [pytest.param((triton_ops, TRITON_DEVICE), id="triton")]
+    mods.append(pytest.param((cpu_ops, torch.device("cpu")), id="cpu", marks=needs_kernels))
     return mods
 
 
@@ -36,12 +45,15 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 def test_add_rms_norm_matches_the_reference(ops, dtype, with_residual):
+    ops, device = ops
     g = torch.Generator().manual_seed(0)
     rows, hidden = 7, 96
     # x is a strided view (rows of a wider projection output), as the decoder hands it.
     x = (torch.randn(rows, hidden + 32, generator=g) * 3)[:, :hidden].to(dtype)
     residual = (torch.randn(rows, hidden, generator=g) * 5).to(dtype) if with_residual else None
     weight = torch.rand(hidden, generator=g) + 0.5
+    x, weight = x.to(device), weight.to(device)
+    residual = residual.to(device) if residual is not None else None
     normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6)
     want_normed, want_summed = reference.add_rms_norm(x, residual, weight, 1e-6)
     close(summed, want_summed)
@@ -71,14 +83,16 @@ CACHE_DTYPES = [None, torch.bfloat16, quant.FP8_DTYPE, torch.int8]  # None: the 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["same", "bf16", "fp8", "int8"])
 def test_rope_write_kv_matches_the_reference(ops, dtype, cache_dtype):
+    ops, device = ops
     tokens, q_heads, kv_heads, head_dim, block = 9, 6, 2, 32, 8
     cache_dtype = cache_dtype or dtype
-    q, k, v, cos, sin = make_qkv(tokens, q_heads, kv_heads, head_dim, dtype)
-    slots = torch.tensor([17, 3, -1, 40, 41, 0, -1, 9, 63])  # scattered, two skipped
+    q, k, v, cos, sin = (t.to(device) for t in make_qkv(tokens, q_heads, kv_heads, head_dim, dtype))
+    slots = torch.tensor([17, 3, -1, 40, 41, 0, -1, 9, 63], device=device)  # scattered, two skipped
     caches = {}
     for name in ("ref", "ops"):
         shape = (8, kv_heads, block, head_dim)
-        k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+        k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         scales = quant.KVScales.zeros(shape, cache_dtype, k_cache.device)
         fn = reference.rope_write_kv if name == "ref" else ops.rope_write_kv
         caches[name] = (*fn(q, k, v, cos, sin, k_cache, v_cache, slots, scales=scales), k_cache, v_cache, scales)
@@ -103,7 +117,7 @@ def test_rope_write_kv_matches_the_reference(ops, dtype, cache_dtype):
         bound = (want.abs() / 16 + step / 512 if cache_dtype == quant.FP8_DTYPE else step / 2) * 1.05
         assert bool(((got - want).abs() <= bound + ATOL[dtype] * (want.abs() + 1)).all())
     # Slots < 0 write nothing: every block row not named by a slot stays zero.
-    written = torch.zeros(8 * block, dtype=torch.bool)
+    written = torch.zeros(8 * block, dtype=torch.bool, device=device)
     written[slots[slots >= 0]] = True
     untouched = (~written).view(8, block)
     assert not kc.float().permute(0, 2, 1, 3)[untouched].any()
