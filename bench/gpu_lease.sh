@@ -3,13 +3,17 @@
 # lends 15 minutes of device time, 10 a command), so every step is bounded by one
 # deadline and what it measured is in $OUT even when a step runs out of time:
 #
-#   bash bench/gpu_lease.sh SECONDS        (7 files in $OUT; carry .cache/gpu-check, from `make gpu-wheels`)
+#   bash bench/gpu_lease.sh SECONDS [BENCH_SECONDS]
+#
+# 7 files come back in $OUT; carry .cache/gpu-check (from `make gpu-wheels`). The
+# timed benchmark gets the last BENCH_SECONDS (default 330) to itself.
 #
 # The correctness steps (tests, sanitizer, resources, smoke) run side by side: they
 # compile Triton kernels on the CPU, a GPU machine has many cores, and none of them
 # times anything it judges; the timed benchmark then has the machine to itself.
 set -u
 budget=${1:-540}
+bench=${2:-330}
 deadline=$((SECONDS + budget))
 out=${OUT:-/tmp/gpu-lease}
 mkdir -p "$out"
@@ -22,14 +26,14 @@ left() { local s=$((deadline - SECONDS - $1)); echo $((s > 5 ? s : 5)); }  # sec
 $py -c 'from bench.gpu_check import install_carried; print(*install_carried(), sep="\n")' >>"$out/machine.txt" 2>&1
 export PYTHONPATH=/tmp/pagedserve-gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-timeout "$(left 330)" $py -m bench.gpu_check --only tests --timeout-s "$(left 340)" >"$out/tests.log" 2>&1 &
+timeout "$(left "$bench")" $py -m bench.gpu_check --only tests --timeout-s "$(left $((bench + 10)))" >"$out/tests.log" 2>&1 &
 tests=$!
-timeout "$(left 330)" $py -m bench.gpu_check --only sanitizer --timeout-s "$(left 340)" >"$out/sanitizer.log" 2>&1 &
+timeout "$(left "$bench")" $py -m bench.gpu_check --only sanitizer --timeout-s "$(left $((bench + 10)))" >"$out/sanitizer.log" 2>&1 &
 sanitizer=$!
-timeout "$(left 330)" $py -m bench.gpu_check --only resources --timeout-s "$(left 340)" >"$out/resources.log" 2>&1 &
+timeout "$(left "$bench")" $py -m bench.gpu_check --only resources --timeout-s "$(left $((bench + 10)))" >"$out/resources.log" 2>&1 &
 resources=$!
 $py -c 'from bench.gpu_serving import ensure_checkpoint; ensure_checkpoint()' >>"$out/machine.txt" 2>&1
-timeout "$(left 330)" $py -m bench.gpu_check --only smoke --timeout-s "$(left 340)" >"$out/smoke.log" 2>&1
+timeout "$(left "$bench")" $py -m bench.gpu_check --only smoke --timeout-s "$(left $((bench + 10)))" >"$out/smoke.log" 2>&1
 wait $tests $sanitizer $resources
 
 timeout "$(left 15)" $py -m bench.gpu_check --only bench --timeout-s "$(left 25)" >"$out/bench.log" 2>&1

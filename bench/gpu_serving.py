@@ -451,7 +451,7 @@ def transformers_continuous(model: Path, streams: list[int], max_tokens: int) ->
                 prompts = prompts_for(n, hf.config.vocab_size, seed=n)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                with torch.inference_mode():
+                with torch.no_grad():  # not inference_mode: generate_batch's loop thread writes these tensors
                     results = hf.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
                 torch.cuda.synchronize()
                 produced = sum(len(r.generated_tokens) for r in results.values())

@@ -221,7 +221,7 @@ def _case(*args: Any) -> Callable[[], Resources]:
 
 
 def table(rows: Sequence[Resources]) -> str:
-    from bench.common import markdown_table
+    from bench.harness.results import markdown_table
 
     headers = ["kernel", "sm", "head_dim", "heads q/kv", "dtype q/cache", "BLOCK_M x N", "warps", "stages"]
     headers += ["shared KB (limit)", "registers", "spill bytes", "fits"]

@@ -26,6 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def python_path(root: Path) -> str:
+    """PYTHONPATH for a service started from `root`: its code first, then what this
+    process was given (packages installed beside the interpreter, e.g. a GPU machine's)."""
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(root), inherited] if inherited else [str(root)])
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send `sig` to this process when the thread that started it ends
     (its parent dies, however it dies: even SIGKILL), as PR_SET_PDEATHSIG does."""
@@ -113,7 +120,7 @@ class ServiceProcess:
     def launch(self) -> None:
         """Start the process; `poll_ready()` says when it serves."""
         self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
-        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        env = {**os.environ, "PYTHONPATH": python_path(REPO), **self.env}
         cmd = [
             sys.executable,
             "-m",

@@ -22,7 +22,7 @@ import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common import defaults
-from tools.processes import REPO, Cluster, ServiceProcess
+from tools.processes import REPO, Cluster, ServiceProcess, python_path
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -128,7 +128,7 @@ def run_in_tree(root: Path, argv: list[str], tag: str) -> Any:
     """`python *argv` started from `root` (its code imported: cwd and PYTHONPATH), which
     prints its result as one line `TAG <json>`; that JSON. E.g. the same measurement
     of a baseline revision, in its own process."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": python_path(root)}
     proc = subprocess.run([sys.executable, *argv], cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} in {root} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -159,7 +159,7 @@ class TreeService:
     def start(self, timeout_s: float = 180.0) -> TreeService:
         self._dir = tempfile.mkdtemp(prefix="pagedserve-bench-")
         ready = Path(self._dir) / "ready.json"
-        env = {**os.environ, "PYTHONPATH": str(self.root)}
+        env = {**os.environ, "PYTHONPATH": python_path(self.root)}
         cmd = [sys.executable, "-m", self.module, *self.args]
         cmd += ["--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready)]
         with open(self.log_path, "w") as out:
