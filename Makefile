@@ -190,7 +190,7 @@ bench-peers: setup setup-test model ## pagedserve beside vLLM-CPU and llama.cpp 
 # there (into /tmp, beside the machine's torch, never replacing it).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)## make gpu-check: the python to run it under
 GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance pyzmq uvicorn \
-    fastapi starlette pydantic pydantic_core annotated-types typing-inspection
+    fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api sniffio
 GPU_CARRY := .cache/gpu-check
 .PHONY: gpu-check gpu-wheels
 GPU_CHECK_ARGS ?=## make gpu-check: e.g. GPU_CHECK_ARGS='--only tests sanitizer' (steps in several calls)
