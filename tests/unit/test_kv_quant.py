@@ -453,14 +453,27 @@ def test_worker_triton_backend_matches_torch_quantized(kv_dtype):
     token = run(step_input(1, [], [seq(1, prompt[:13], 0, [9, 2])]))
     token = run(step_input(2, [], [seq(1, prompt[13:] + [token], 13, [9, 2])]))
     run(step_input(3, [(9, 4), (2, 7)], [seq(2, [token], 21, [4, 7])]))  # decode from the copy
-    # Layer 0's K/V come straight from the embeddings, so both backends quantize the
-    # same inputs: same bits. (Deeper layers' inputs differ in the last fp32 bits.)
     caches = [w.cache for w in workers.values()]
-    for a, b in zip(
-        caches[0].tensors,
-        caches[1].tensors,
-    ):
-        assert torch.equal(_bits(a[0]), _bits(b[0]))
+    if DEVICE.type == "cpu":
+        # Layer 0's K/V come straight from the embeddings, and the interpreted norm and
+        # RoPE compute torch's bits, so both backends quantize the same inputs: same bits.
+        for a, b in zip(caches[0].tensors, caches[1].tensors):
+            assert torch.equal(_bits(a[0]), _bits(b[0]))
+        return
+    # Compiled, the Triton norm and RoPE differ from torch's in the last fp32 bit (its
+    # sqrt and divisions, fused multiply-adds: seen on an H200), so a layer-0 value can
+    # round to the next quantization level: each is within one level (INT8: the zero
+    # point may move one level too) of the torch backend's.
+    for side in (0, 1):
+        (want_scale, want_zero), (got_scale, got_zero) = (c.layer_scales(0).sides[side] for c in caches)
+        want = quant.dequantize(caches[0].layer(0)[side], want_scale, want_zero)
+        got = quant.dequantize(caches[1].layer(0)[side], got_scale, got_zero)
+        step = torch.maximum(want_scale, got_scale)[..., None]
+        if kv_dtype == "fp8":
+            bound = torch.maximum(want.abs(), got.abs()) / 8 + step / 256
+        else:
+            bound = 2 * step
+        assert bool(((got - want).abs() <= bound * 1.01 + 1e-6).all()), side
 
 
 # --------------------------------------------------------------------------- compiled for CUDA

@@ -144,6 +144,11 @@ def _race_inputs(rows: int, vocab: int, seed: int = 0):
     return logits, temperature, keys, cut
 
 
+def _triton_device(triton_ops) -> torch.device:
+    """Where the Triton kernels' tensors live: the GPU where they run compiled."""
+    return torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
+
+
 @pytest.mark.parametrize("vocab", [64, 3001, 5000])  # one tile, several, a last partial one
 def test_the_fused_race_is_the_reference(vocab):
     """triton_ops.gumbel_argmax (the one-pass kernel; compiled on CUDA, the
@@ -151,7 +156,8 @@ def test_the_fused_race_is_the_reference(vocab):
     same cut, ties to the lowest id, the best token in any tile."""
     from kernels import reference, triton_ops
 
-    logits, temperature, keys, cut = _race_inputs(48, vocab)
+    device = _triton_device(triton_ops)
+    logits, temperature, keys, cut = (t.to(device) for t in _race_inputs(48, vocab))
     logits[1, vocab - 1] = logits[1].max() + 50  # the winner in the last tile
     logits[2, :] = 0.0  # every token ties before the noise
     temperature[2] = 1.0
@@ -169,7 +175,7 @@ def test_the_sampler_on_the_fused_race_samples_what_the_reference_samples():
     tokens; and a seeded row alone samples what it samples in the batch."""
     from kernels import triton_ops
 
-    logits = _logits(24, vocab=700)
+    logits = _logits(24, vocab=700).to(_triton_device(triton_ops))
     rows = [
         Sampling(),
         Sampling(0.7, seed=1),
