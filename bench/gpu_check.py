@@ -40,6 +40,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,7 @@ TEST_FILES = [
     "tests/unit/test_contiguous_cache.py",
 ]
 OUTPUT_TAIL = 4000
+PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")
 
 
 @dataclass
@@ -192,8 +194,9 @@ def step_tests(args: argparse.Namespace) -> StepResult:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_parallel_args(), *TEST_FILES]
     # The C++ CPU kernels are not what this checks: not building them saves the lease a minute.
     status, output = _run(command, _limit(args, 540), {"PAGEDSERVE_CPU_KERNELS": "0"})
-    last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
-    return StepResult("tests", status == 0, 0, last[0], _tail(output))
+    # pytest's closing count, not whatever warning came last
+    counts = [line.strip("= ") for line in output.splitlines() if PYTEST_COUNTS.search(line)]
+    return StepResult("tests", status == 0, 0, (counts or ["no test count in the output"])[-1], _tail(output))
 
 
 def _compute_sanitizer() -> str | None:
