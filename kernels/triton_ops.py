@@ -568,8 +568,10 @@ def attention_tiles(
         block_m = max(16, triton.next_power_of_2(group))
         num_warps = 4 if block_d <= 128 else 8
     else:  # at least the group: a program holds whole groups (BLOCK_Q tokens)
-        # fp32 at head_dim 256 too: 32 x 16 spilled 4 bytes on sm_80 under Triton 3.6 (bench/results/gpu_check.md).
-        block_m = 64 if block_d <= 128 and not (wide or quantized) else 16 if (quantized or wide) and block_d >= 256 else 32
+        # 16 rows at head_dim 256 for fp32 too: 32 x 16 spilled 4 bytes on sm_80 under
+        # Triton 3.6 (bench/results/gpu_check.md).
+        narrow = (quantized or wide) and block_d >= 256
+        block_m = 64 if block_d <= 128 and not (wide or quantized) else 16 if narrow else 32
         block_m = max(block_m, triton.next_power_of_2(group))
         num_warps = 8
     block_n = 64 if block_d <= 64 else 32
