@@ -1,5 +1,5 @@
 """Speculative decoding through real processes over gRPC (fp32): a scheduler with
---speculative-ngram in front of a worker gives every greedy request exactly the
+--speculative-method ngram in front of a worker gives every greedy request exactly the
 tokens transformers' greedy decoding gives, and exactly those of the same request
 opted out (no_speculation), in both scheduling modes, with stop strings and
 max_tokens inside accepted runs; every block comes back (the engine's audit,
@@ -24,7 +24,8 @@ from tests.helpers.procs import Cluster, free_port
 
 # Drafting with every row that runs (the batch rule off at 8): exactness under a full batch.
 SPEC = [
-    "--speculative-ngram",
+    "--speculative-method",
+    "ngram",
     "--num-speculative-tokens",
     "4",
     "--ngram-min",
