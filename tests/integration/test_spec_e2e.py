@@ -9,7 +9,6 @@ request takes fewer steps."""
 from __future__ import annotations
 
 import random
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +18,7 @@ from transformers import AutoTokenizer
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.cluster import assert_pool_clean, hf_greedy, load_model, wait_idle
 from tests.helpers.procs import Cluster, free_port
 
 # Drafting with every row that runs (the batch rule off at 8): exactness under a full batch.
@@ -49,14 +48,6 @@ def spec_totals(metrics_url: str) -> dict[str, float]:
             if s.name.startswith("pagedserve_spec_decode_") and s.name.endswith("_total"):
                 totals[s.name] = totals.get(s.name, 0.0) + s.value
     return totals
-
-
-def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
-    stats = wait_idle(client)
-    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
-    assert stats.blocks_allocated_total == stats.blocks_freed_total
-    time.sleep(1.5)  # the engine audits its pool once idle (health interval 1 s)
-    assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("mode", list(MODES))
