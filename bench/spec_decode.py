@@ -5,7 +5,7 @@ side on one scheduler + worker, on text that copies its prompt and on free text.
     python -m bench.spec_decode --quick      # smoke test (~1 min)
 
 One stack from this tree: a worker (SmolLM2-135M-Instruct, --num-threads 1: the
-scheduler has the other core) and a scheduler with --speculative-ngram (JSON
+scheduler has the other core) and a scheduler with --speculative-method ngram (JSON
 debug logs: one "step" line per step, with its drafts and accepted drafts).
 "Off" is the same requests with GenerateRequest.no_speculation, so both run on
 the same processes, pool and machine state; per repetition, for each workload
@@ -44,7 +44,7 @@ NAME = "spec_decode"
 WORKLOADS = ("copy", "free")
 VARIANTS = {"off": {"no_speculation": True}, "on": {}}
 SINGLE_STREAM_ROUNDS = 3
-SPEC_FLAGS = ["--speculative-ngram", "--num-speculative-tokens", "4", "--ngram-min", "2", "--ngram-max", "4"]
+SPEC_FLAGS = ["--speculative-method", "ngram", "--num-speculative-tokens", "4", "--ngram-min", "2", "--ngram-max", "4"]
 
 
 def prompts(model: Path, workload: str, n: int, seed: int) -> list[list[int]]:

@@ -213,6 +213,7 @@ def _samples(
         "stop_token_ids": body.stop_token_ids,
         "cache_salt": salt,
         "priority": body.priority,
+        "no_speculation": body.no_speculation,
     }
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []

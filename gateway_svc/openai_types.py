@@ -227,6 +227,12 @@ class SamplingFields(BaseModel):
     cache_salt: Text | None = None
     # vLLM's: with the scheduler's --scheduling-policy priority lower values go first (else only 0).
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    # pagedserve's (vLLM has no per-request switch): serving.v1's no_speculation, as an extra body field.
+    no_speculation: bool = Field(
+        default=False,
+        description="pagedserve extension: true = this request decodes one token a step, without the scheduler's "
+        "speculative drafts (--speculative-method); the tokens are the same either way",
+    )
     # Fields that cannot change the answer: accepted.
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.ngram import NgramConfig
+from svc_common.cli import flag_name
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
@@ -20,6 +23,16 @@ DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 _NGRAM = NgramConfig()  # the speculative flags' defaults
+# --speculative-method's values (vLLM's names of the methods built here).
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's --speculative-config keys -> the fields of the flags they stand for.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
 
 
 @dataclass
@@ -55,11 +68,21 @@ class SchedulerConfig:
     )
     dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
-    speculative_ngram: bool = field(
-        default=False,
+    speculative_method: str = field(
+        default="",
         metadata={
-            "help": "speculative decoding: greedy decodes carry up to --num-speculative-tokens drafts found by "
-            "prompt lookup (n-grams of --ngram-min..--ngram-max tokens), verified by the worker in the same forward"
+            "help": "speculative decoding (vLLM's method names): ngram = greedy decodes carry up to "
+            "--num-speculative-tokens drafts found by prompt lookup (n-grams of --ngram-min..--ngram-max tokens), "
+            "verified by the worker in the same forward; '' = off"
+        },
+    )
+    speculative_config: str = field(
+        default="",
+        metadata={
+            "help": "vLLM's JSON form of the speculative flags, instead of them: "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+            "(also disable_by_batch_size); a key left out takes its flag's default; an unknown method or key is "
+            "refused"
         },
     )
     num_speculative_tokens: int = field(
@@ -366,6 +389,58 @@ class SchedulerConfig:
             ),
         ]
 
+    def speculative(self) -> NgramConfig | None:
+        """The drafts' options, from the flags or --speculative-config; None: off. A ValueError
+        names the flag or key at fault (the values' ranges: NgramConfig.problems, via the planner)."""
+        options = {name: getattr(self, name) for name in SPECULATIVE_CONFIG_KEYS.values()}
+        if self.speculative_config:
+            options = self._speculative_config_options()
+        method = options.pop("speculative_method")
+        if not method:
+            return None
+        if method not in SPECULATIVE_METHODS:
+            flag = "--speculative-config: method" if self.speculative_config else "--speculative-method"
+            raise ValueError(
+                f"{flag}: unknown method {method!r} (this scheduler has: {', '.join(SPECULATIVE_METHODS)})"
+            )
+        config = NgramConfig(
+            options["num_speculative_tokens"],
+            options["ngram_min"],
+            options["ngram_max"],
+            options["speculative_disable_by_batch_size"],
+        )
+        if self.speculative_config and (problems := config.problems()):
+            for key, name in SPECULATIVE_CONFIG_KEYS.items():  # name the JSON's keys, not the flags
+                problems = [p.replace(flag_name(name), key) for p in problems]
+            raise ValueError(f"--speculative-config: {'; '.join(problems)}")
+        return config
+
+    def _speculative_config_options(self) -> dict[str, Any]:
+        """--speculative-config's JSON as the flags' fields; keys left out take the flags' defaults."""
+        try:
+            given = json.loads(self.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config: not JSON ({exc})") from None
+        if not isinstance(given, dict):
+            raise ValueError('--speculative-config: must be a JSON object, e.g. {"method": "ngram"}')
+        if unknown := sorted(given.keys() - SPECULATIVE_CONFIG_KEYS.keys()):
+            raise ValueError(
+                f"--speculative-config: unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(SPECULATIVE_CONFIG_KEYS)})"
+            )
+        if not isinstance(given.get("method"), str) or not given["method"]:
+            raise ValueError('--speculative-config: method must be given, a string (e.g. "ngram")')
+        for key, value in given.items():
+            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
+        defaults = SchedulerConfig()
+        beside = [flag_name(n) for n in SPECULATIVE_CONFIG_KEYS.values() if getattr(self, n) != getattr(defaults, n)]
+        if beside:
+            raise ValueError(f"--speculative-config: not with {', '.join(beside)} (give those options in the JSON)")
+        options = {name: getattr(defaults, name) for name in SPECULATIVE_CONFIG_KEYS.values()}
+        options.update({SPECULATIVE_CONFIG_KEYS[key]: value for key, value in given.items()})
+        return options
+
     def planner_config(self, max_model_len: int, block_size: int, max_num_seqs: int) -> PlannerConfig:
         """The planner's options for a worker holding `max_model_len` tokens per request in
         `block_size` blocks, running up to `max_num_seqs` sequences at once."""
@@ -379,16 +454,7 @@ class SchedulerConfig:
             dynamic_chunking=self.dynamic_chunking,
             dynamic_chunk_min=self.dynamic_chunk_min,
             dynamic_chunk_max=self.dynamic_chunk_max,
-            speculative=(
-                NgramConfig(
-                    self.num_speculative_tokens,
-                    self.ngram_min,
-                    self.ngram_max,
-                    self.speculative_disable_by_batch_size,
-                )
-                if self.speculative_ngram
-                else None
-            ),
+            speculative=self.speculative(),
             constrained_ahead=self.constrained_ahead,
             scheduling_policy=self.scheduling_policy,
         )

@@ -1,11 +1,13 @@
-"""The engine-wide counts of the Stats RPC: every worker's pool, planner and core
-counters summed (the observability layer adds its own fields)."""
+"""The engine-wide counts of the Stats RPC: every worker's pool, planner, core
+and speculative decoding counters summed (the observability layer adds its own
+fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.planning.speculation import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,17 @@ class EngineStats:
     tokens_computed: int
     resumed_tokens: int
     recomputed_tokens: int
+    spec_decode_drafts: int
+    spec_decode_draft_tokens: int
+    spec_decode_accepted_tokens: int
+    spec_decode_acceptance_rate: float
+    spec_decode_mean_accepted_length: float
+
+
+def spec_counters(core: EngineCore) -> SpecCounters:
+    """The worker's speculative decoding totals (zeros when it does not draft)."""
+    drafter = core.planner.drafter
+    return drafter.counters if drafter is not None else SpecCounters()
 
 
 def engine_stats(cores: list[EngineCore]) -> EngineStats:
@@ -40,6 +53,13 @@ def engine_stats(cores: list[EngineCore]) -> EngineStats:
     planners = [c.planner for c in cores]
     query_tokens = sum(u.prefix_query_tokens for u in usages)
     hit_tokens = sum(u.prefix_hit_tokens for u in usages)
+    specs = [spec_counters(c) for c in cores]
+    # Summed into one SpecCounters: its rate and mean length are then the engine's, not an average of the workers'.
+    spec = SpecCounters(
+        drafts=sum(s.drafts for s in specs),
+        draft_tokens=sum(s.draft_tokens for s in specs),
+        accepted_tokens=sum(s.accepted_tokens for s in specs),
+    )
     return EngineStats(
         running=sum(p.num_running for p in planners),
         waiting=sum(p.num_waiting for p in planners),
@@ -63,4 +83,9 @@ def engine_stats(cores: list[EngineCore]) -> EngineStats:
         tokens_computed=sum(c.tokens_computed for c in counters),
         resumed_tokens=sum(p.resumed_tokens for p in planners),
         recomputed_tokens=sum(p.recomputed_tokens for p in planners),
+        spec_decode_drafts=spec.drafts,
+        spec_decode_draft_tokens=spec.draft_tokens,
+        spec_decode_accepted_tokens=spec.accepted_tokens,
+        spec_decode_acceptance_rate=spec.acceptance_rate,
+        spec_decode_mean_accepted_length=spec.mean_accepted_length,
     )

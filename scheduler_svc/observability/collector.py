@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scheduler_svc.engine.stats import spec_counters
 from scheduler_svc.observability.accounting import core_metrics
 from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
-from scheduler_svc.planning.speculation import SpecCounters
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
@@ -135,12 +135,6 @@ def vllm_families(cores: list[EngineCore]) -> list[Metric]:
         counters["vllm:spec_decode_num_draft_tokens_total"].add_metric(w, spec.draft_tokens)
         counters["vllm:spec_decode_num_accepted_tokens_total"].add_metric(w, spec.accepted_tokens)
     return [*gauges.values(), *counters.values()]
-
-
-def spec_counters(core: EngineCore) -> SpecCounters:
-    """The worker's speculative decoding totals (zeros when it does not draft)."""
-    drafter = core.planner.drafter
-    return drafter.counters if drafter is not None else SpecCounters()
 
 
 def kv_bytes_per_token(core: EngineCore) -> float:

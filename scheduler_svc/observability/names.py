@@ -47,7 +47,7 @@ METRIC_NAMES = {
     "pagedserve_step_duration_seconds": "wall time of one engine step (the Step RPC included)",
     "pagedserve_step_tokens": "tokens computed per step",
     "pagedserve_prefill_chunk_duration_seconds": "time of the step that computed a prefill chunk, per chunk",
-    # speculative decoding (--speculative-ngram)
+    # speculative decoding (--speculative-method)
     "pagedserve_spec_decode_drafts_total": "decodes that carried drafts",
     "pagedserve_spec_decode_draft_tokens_total": "draft tokens sent for verification",
     "pagedserve_spec_decode_accepted_tokens_total": "draft tokens the worker accepted",

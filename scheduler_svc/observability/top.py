@@ -7,8 +7,9 @@ The block pool is drawn as a bar: `█` blocks in use, `▒` cached-free (free, 
 still a prefix-cache hit until evicted), `░` free; then utilization, internal
 fragmentation, prefix-cache hit rate, running/waiting, tokens/s, block
 allocation rates and latency percentiles (over the scheduler's recent window;
-`chunk` is the time of a step that computed a prefill chunk),
-and one line per worker when there are several.
+`chunk` is the time of a step that computed a prefill chunk), speculative
+decoding's drafts and acceptance once any were made, and one line per worker
+when there are several.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def render(stats: serving_pb2.StatsResponse, target: str, now: float | None = No
         f"p95 {_ms(s.forward_ms_p95)}   chunk p50 {_ms(s.prefill_chunk_ms_p50)} "
         f"p95 {_ms(s.prefill_chunk_ms_p95)}",
     ]
+    if s.spec_decode_drafts:  # a scheduler with --speculative-method that has drafted
+        lines.append(
+            f"spec      drafts {s.spec_decode_drafts}   accepted {s.spec_decode_accepted_tokens}/"
+            f"{s.spec_decode_draft_tokens} tokens ({_pct(s.spec_decode_acceptance_rate)})   "
+            f"tokens per drafting step {s.spec_decode_mean_accepted_length:.2f}"
+        )
     parts: list[Text | Table] = [header, pool, legend, *(Text(line) for line in lines)]
     if len(s.workers) > 1:
         table = Table(box=None, padding=(0, 1), show_edge=False)

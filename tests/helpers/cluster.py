@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scheduler_svc.client import SchedulerClient
+
+if TYPE_CHECKING:
+    from tools.processes import Cluster
 
 
 def load_model(model_dir: Path):
@@ -40,3 +44,14 @@ def wait_idle(client: SchedulerClient, timeout_s: float = 10.0):
         if (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
+
+
+def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
+    """Idle with every block back (the pool's counters), and the engine's own audit of
+    its pool, which runs once it is idle (health interval 1 s), found nothing."""
+    stats = wait_idle(client)
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+    assert stats.blocks_allocated_total == stats.blocks_freed_total
+    time.sleep(1.5)
+    assert cluster.scheduler is not None
+    assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")

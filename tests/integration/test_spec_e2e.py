@@ -1,5 +1,5 @@
 """Speculative decoding through real processes over gRPC (fp32): a scheduler with
---speculative-ngram in front of a worker gives every greedy request exactly the
+--speculative-method ngram in front of a worker gives every greedy request exactly the
 tokens transformers' greedy decoding gives, and exactly those of the same request
 opted out (no_speculation), in both scheduling modes, with stop strings and
 max_tokens inside accepted runs; every block comes back (the engine's audit,
@@ -9,7 +9,6 @@ request takes fewer steps."""
 from __future__ import annotations
 
 import random
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,12 +18,13 @@ from transformers import AutoTokenizer
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.cluster import assert_pool_clean, hf_greedy, load_model, wait_idle
 from tests.helpers.procs import Cluster, free_port
 
 # Drafting with every row that runs (the batch rule off at 8): exactness under a full batch.
 SPEC = [
-    "--speculative-ngram",
+    "--speculative-method",
+    "ngram",
     "--num-speculative-tokens",
     "4",
     "--ngram-min",
@@ -48,14 +48,6 @@ def spec_totals(metrics_url: str) -> dict[str, float]:
             if s.name.startswith("pagedserve_spec_decode_") and s.name.endswith("_total"):
                 totals[s.name] = totals.get(s.name, 0.0) + s.value
     return totals
-
-
-def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
-    stats = wait_idle(client)
-    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
-    assert stats.blocks_allocated_total == stats.blocks_freed_total
-    time.sleep(1.5)  # the engine audits its pool once idle (health interval 1 s)
-    assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -48,3 +48,62 @@ def test_vllm_flag_spellings_are_aliases():
     assert worker.kv_dtype == "int8"
     gateway = build_parser(GatewayConfig, "PAGEDSERVE_GATEWAY", "").parse_args(["--served-model-name", "smollm2"])
     assert gateway.model_name == "smollm2"
+
+
+def _scheduler(argv: list[str]) -> SchedulerConfig:
+    from svc_common.cli import build_parser
+
+    args = vars(build_parser(SchedulerConfig, "PAGEDSERVE_SCHEDULER", "").parse_args(argv))
+    return SchedulerConfig(**{k: v for k, v in args.items() if v is not None})
+
+
+def test_speculative_decoding_takes_vllms_flags_and_its_json_form():
+    """`--speculative-method ngram` with the number flags, or vLLM's `--speculative-config`
+    JSON: the same drafts' options either way; neither: off."""
+    from scheduler_svc.speculative.ngram import NgramConfig
+
+    assert _scheduler([]).speculative() is None
+    flags = _scheduler(
+        ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "5"]
+    )
+    flags.validate()
+    want = NgramConfig(num_speculative_tokens=3, ngram_min=1, ngram_max=5)
+    assert flags.speculative() == want
+    assert flags.planner_config(64, 16, 8).speculative == want
+    json_form = _scheduler(
+        [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5}',
+        ]
+    )
+    json_form.validate()
+    assert json_form.speculative() == want
+    # Keys left out take the flags' defaults; disable_by_batch_size is vLLM's key too.
+    assert _scheduler(["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 6}']).speculative() == (
+        NgramConfig(disable_by_batch_size=6)
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--speculative-method", "eagle"], "--speculative-method: unknown method 'eagle'"),
+        (["--speculative-config", '{"method": "medusa"}'], "unknown method 'medusa'"),
+        (["--speculative-config", '{"method": "ngram", "model": "x"}'], "unknown key(s) model"),
+        (["--speculative-config", '{"num_speculative_tokens": 3}'], "method must be given"),
+        (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": "4"}'], "prompt_lookup_max must be"),
+        (["--speculative-config", "ngram"], "--speculative-config: not JSON"),
+        (["--speculative-config", '["ngram"]'], "--speculative-config: must be a JSON object"),
+        # The ranges are NgramConfig's, named by the JSON's key when it came from the JSON.
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens must"),
+        (["--speculative-method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-max must be >="),
+        (
+            ["--speculative-config", '{"method": "ngram"}', "--num-speculative-tokens", "3"],
+            "not with --num-speculative-tokens",
+        ),
+    ],
+)
+def test_an_unknown_speculative_method_or_key_is_refused_at_start_naming_it(argv, named):
+    with pytest.raises(ValueError) as err:
+        _scheduler(argv).validate()
+    assert named in str(err.value)

@@ -94,6 +94,24 @@ def test_unset_parameters_stay_unset_and_stop_string_becomes_list(http, fake_sch
     assert req.seed == 2**64 - 1  # OpenAI's signed seed wrapped into serving.v1's uint64
 
 
+def test_no_speculation_opts_a_request_out_of_drafts(http, fake_scheduler):
+    """pagedserve's extra body field, on both routes, passed as serving.v1's no_speculation;
+    anything but a boolean is a 400 naming it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for route, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", chat)):
+        for value in (True, False):
+            assert http.post(route, json={**body, "no_speculation": value}).status_code == 200
+        assert http.post(route, json=body).status_code == 200
+        assert [r.no_speculation for r in fake_scheduler.requests] == [True, False, False]
+        fake_scheduler.reset()
+        r = http.post(route, json={**body, "no_speculation": "sometimes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "no_speculation", r.text
+        assert fake_scheduler.requests == []
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert "pagedserve extension" in schemas[name]["properties"]["no_speculation"]["description"]
+
+
 def test_logprobs_echo_and_sampling_controls_map_to_serving_v1(http, fake_scheduler):
     controls = {
         "presence_penalty": 0.5,

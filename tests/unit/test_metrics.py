@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from proto import serving_pb2
+from scheduler_svc.api.serving import stats_to_proto
 from scheduler_svc.engine.core import CoreCounters
+from scheduler_svc.engine.stats import engine_stats
 from scheduler_svc.engine.timing import RequestTiming
 from scheduler_svc.engine.worker_client import StepResult, WorkerInfo
 from scheduler_svc.kv.block_manager import KVCacheManager
@@ -330,6 +332,17 @@ def test_speculative_decoding_counts_drafts_and_accepted_tokens_both_ways():
     assert vllm(got, "vllm:spec_decode_num_accepted_tokens_total") == counters.accepted_tokens
     assert got[("pagedserve_spec_decode_acceptance_ratio", W)] == 1.0
     assert core.counters.generation_tokens == 20 and core.counters.steps_run < 20
+    # serving.v1 Stats: the same totals, summed over the workers (an idle second one adds zeros).
+    idle = fake_core(make()[0], "127.0.0.1:7002")
+    stats = stats_to_proto(engine_stats([core, idle]), {})
+    assert (stats.spec_decode_drafts, stats.spec_decode_draft_tokens, stats.spec_decode_accepted_tokens) == (
+        counters.drafts,
+        counters.draft_tokens,
+        counters.accepted_tokens,
+    )
+    assert stats.spec_decode_acceptance_rate == 1.0
+    assert stats.spec_decode_mean_accepted_length == 1 + counters.accepted_tokens / counters.drafts > 1
+    assert stats_to_proto(engine_stats([idle]), {}).spec_decode_mean_accepted_length == 0.0
 
 
 def test_vllm_histograms_have_vllms_buckets_and_the_model_label():
@@ -581,6 +594,19 @@ def test_top_renders_a_frame():
     out = io.StringIO()
     Console(file=out, width=120, color_system=None).print(render(stats, "127.0.0.1:50051"))
     text = out.getvalue()
+    assert "spec " not in text  # no drafts made: no speculative decoding line
+    stats.MergeFrom(
+        serving_pb2.StatsResponse(
+            spec_decode_drafts=10,
+            spec_decode_draft_tokens=40,
+            spec_decode_accepted_tokens=30,
+            spec_decode_acceptance_rate=0.75,
+            spec_decode_mean_accepted_length=4.0,
+        )
+    )
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(render(stats, "127.0.0.1:50051"))
+    assert "drafts 10   accepted 30/40 tokens (75.0%)   tokens per drafting step 4.00" in out.getvalue()
     assert "[" + "█" * 19 + "▒" * 12 + "░" * 19 + "]" in text
     for needle in (
         "utilization 37.5%",
