@@ -65,7 +65,8 @@ constexpr int kMR = 6;
 constexpr int kMR = 4;
 #endif
 constexpr int64_t kMacroRows = 256;       // rows of x per sweep over the weights (x stays in L2)
-constexpr int kPrefetchBlocks = 2;        // software prefetch distance, in blocks
+constexpr int kPrefetchBlocks = 2;        // software prefetch distance into L2, in blocks
+constexpr int kNearSteps = 16;            // and into L1, in k-steps
 constexpr int64_t kChunkBytes = 16 << 10; // a block's k-chunk that every group multiplies from L1
 
 #if defined(__AVX512BF16__)
@@ -111,9 +112,25 @@ void pack(const T* w, const Shape& s, T* out) {
       }
 }
 
+// Every cache line of the k-step at wk `ahead` elements on (into L2: the stream of the
+// blocks to come) and kNearSteps on (into L1). Only some of the lines, or only the far
+// ones, left a pass over 5 rows 1.3x one row's time, where the multiplies could hide
+// under the read; all of them: 1.05x (bench/results/spec_decode.md).
+template <typename T, int Step>
+inline void prefetch_step(const T* wk, int64_t ahead) {
+  constexpr int bytes = kBlock * Step * static_cast<int>(sizeof(T));
+  const char* far = reinterpret_cast<const char*>(wk + ahead);
+  const char* near = reinterpret_cast<const char*>(wk + kNearSteps * Step * kBlock);
+  for (int off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(far + off, 0, 2);
+    __builtin_prefetch(near + off);
+  }
+}
+
 // ---- the micro-kernels: `steps` k-steps of one block x MR rows, into acc[MR][kVecs] ----
 // w: the block's first k-step to read; x[m]: row m's features at that k-step; `ahead`:
-// elements to the same k-step of the block kPrefetchBlocks on (prefetched).
+// elements to the same k-step of the block kPrefetchBlocks on, 0 where w is in L1
+// already (nothing prefetched).
 template <typename T, int MR>
 inline void block_fma(const T* w, const float* const* x, int64_t steps, int64_t ahead, vfloat acc[kMR][kVecs]) {
   vfloat a[MR][kVecs];
@@ -121,7 +138,7 @@ inline void block_fma(const T* w, const float* const* x, int64_t steps, int64_t 
     for (int v = 0; v < kVecs; ++v) a[m][v] = acc[m][v];
   for (int64_t k = 0; k < steps; ++k) {
     const T* wk = w + k * kBlock;
-    __builtin_prefetch(wk + ahead);
+    if (ahead) prefetch_step<T, 1>(wk, ahead);
     vfloat wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
     for (int m = 0; m < MR; ++m) {
@@ -142,8 +159,7 @@ inline void block_dpbf16(const uint16_t* w, const uint16_t* const* x, int64_t st
     for (int v = 0; v < kVecs; ++v) std::memcpy(&a[m][v], &acc[m][v], sizeof(vfloat));
   for (int64_t kp = 0; kp < steps; ++kp) {
     const uint16_t* wk = w + kp * 2 * kBlock;
-    __builtin_prefetch(wk + ahead);
-    __builtin_prefetch(wk + ahead + 32);
+    if (ahead) prefetch_step<uint16_t, 2>(wk, ahead);
     __m512bh wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
     for (int m = 0; m < MR; ++m) {
@@ -274,7 +290,7 @@ void sweep(const Problem& p, const XF* xs, int64_t ldxs, int64_t m0, int64_t m1,
         const int mr = rows.size(g);
         const XF* xr[kMR];
         for (int i = 0; i < kMR; ++i) xr[i] = xs + (m0 + rows.start(g) + std::min(i, mr - 1)) * ldxs + k0 * step;
-        // Only the first group streams the chunk from memory; the others find it in L1.
+        // Only the first group streams the chunk from memory (and prefetches); the others find it in L1.
         const int64_t ahead = g == 0 ? kPrefetchBlocks * kp * kBlock : 0;
         group_dispatch<T, XF>(mr, blk + k0 * step * kBlock, xr, n, ahead, parked_acc(g));
       }
