@@ -9,7 +9,7 @@ Steps of the default model, shaped like bench/peers.py's workloads:
   decode 32 x 320        32 streams, mid-way through 256 in / 128 out
   decode 16 x 1088       16 streams sharing a 1,024-token prefix (the prefix blocks shared)
   verify 1 x 256 + 4     one stream verifying 4 drafts (speculative decoding: 5 positions)
-  verify 8 x 256 + 4     8 streams verifying 4 drafts each
+  verify 2 x 256 + 4     2 streams verifying 4 drafts each
   prefill 8 x 256        fresh prompts (TTFT at 32 streams: four such steps)
   prefill 16 x 64 / 1k   each stream's own 64 tokens over the shared cached prefix
 
@@ -64,7 +64,7 @@ STEPS = {
     "decode 32 x 320": StepShape(32, 1, 320),
     "decode 16 x 1088": StepShape(16, 1, 1088, shared_prefix=1024),
     "verify 1 x 256 + 4": StepShape(1, 5, 256, drafts=4),
-    "verify 8 x 256 + 4": StepShape(8, 5, 256, drafts=4),
+    "verify 2 x 256 + 4": StepShape(2, 5, 256, drafts=4),
     "prefill 8 x 256": StepShape(8, 256, 256),
     "prefill 16 x 64 / 1k": StepShape(16, 64, 1088, shared_prefix=1024),
 }

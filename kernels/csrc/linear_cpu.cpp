@@ -19,7 +19,7 @@
 // than one group a block is walked in chunks of k small enough to stay in L1 while
 // every group multiplies it, each group's accumulators parked in memory between
 // chunks (exact: fp32 stored and reloaded). Before, 5 rows took a pass of 4 and a
-// second pass of 1 over every block, 1.7x one row's time (bench/results/spec_decode.md).
+// second pass of 1 over every block, 1.7x one row's time (bench/results/cpu_verify_step.md).
 //
 // bf16 weights use the CPU's bf16 dot-product instruction where it has one
 // (AVX512-BF16 vdpbf16ps: two exact products per fp32 lane, fp32 sums); elsewhere
@@ -113,9 +113,10 @@ void pack(const T* w, const Shape& s, T* out) {
 }
 
 // Every cache line of the k-step at wk `ahead` elements on (into L2: the stream of the
-// blocks to come) and kNearSteps on (into L1). Only some of the lines, or only the far
-// ones, left a pass over 5 rows 1.3x one row's time, where the multiplies could hide
-// under the read; all of them: 1.05x (bench/results/spec_decode.md).
+// blocks to come) and kNearSteps on (into L1). Fetching 2 of a k-step's 4 lines (the
+// hardware prefetcher left to find the rest) left a pass over 5 rows 1.3x one row's
+// time; all of them: 1.05x, the multiplies hidden under the read (SmolLM2-135M's
+// layers, bf16, one thread of the 2-core EPYC).
 template <typename T, int Step>
 inline void prefetch_step(const T* wk, int64_t ahead) {
   constexpr int bytes = kBlock * Step * static_cast<int>(sizeof(T));
