@@ -6,7 +6,7 @@ position (--attention-backend torch --enforce-eager: the per-op torch forward), 
 and the same accepted drafts, bonus tokens and draft logprobs. The step mixes a plain
 decode, two drafting rows (one accepting all its drafts, one a single one) and a
 prefill chunk over its cached context, on a sliding-window model (Gemma3's window of
-8 is shorter than every context) and over an INT8 cache too."""
+8 is shorter than every context) and over INT8 and FP8 caches too."""
 
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def chunk_rows(step: StepInput) -> dict[int, int]:
 @needs_kernels
 @pytest.mark.parametrize(
     "family,kv_dtype",
-    [("llama", "auto"), ("gemma3", "auto"), ("qwen3", "int8")],
-    ids=["llama", "gemma3-window", "qwen3-int8"],
+    [("llama", "auto"), ("gemma3", "auto"), ("qwen3", "int8"), ("llama", "fp8")],
+    ids=["llama", "gemma3-window", "qwen3-int8", "llama-fp8"],
 )
 def test_verification_chunks_match_the_reference(family, kv_dtype, restore_threads):
     model = str(tiny_checkpoint(family))
