@@ -3,6 +3,8 @@ side on one scheduler + worker, on text that copies its prompt and on free text.
 
     python -m bench.spec_decode [--streams 1 2 4 8 32] [--max-tokens 64] [--repeats 2] [--dtype bfloat16]
     python -m bench.spec_decode --quick      # smoke test (~1 min)
+    python -m bench.spec_decode --streams 2 4 --disable-by-batch-size 4
+                                             # drafting up to 4 rows: bench/results/spec_decode_batch4.md
 
 One stack from this tree: a worker (SmolLM2-135M-Instruct, --num-threads 1: the
 scheduler has the other core) and a scheduler with --speculative-method ngram (JSON
@@ -95,6 +97,8 @@ def measure(model: Path, args: argparse.Namespace) -> dict[tuple[str, int, str],
     """(workload, streams, variant) -> its runs."""
     worker = ["--model", str(model), "--dtype", args.dtype, "--num-blocks", "2048", "--num-threads", "1"]
     scheduler = ["--model", str(model), "--no-prefix-caching", "--admin-port", "-1", *SPEC_FLAGS]
+    if args.disable_by_batch_size is not None:
+        scheduler += ["--speculative-disable-by-batch-size", str(args.disable_by_batch_size)]
     stack = Stack("spec", REPO, worker, scheduler).start()
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     try:
@@ -155,11 +159,15 @@ def report(results: dict[tuple[str, int, str], dict[str, Any]], args: argparse.N
          "worker CPU ms/token off", "on", "CPU off/on", "drafts/step on", "accepted", "load avg"],
         rows,
     )  # fmt: skip
+    n = args.disable_by_batch_size
+    batch_flag, batch_rule = (
+        ("", "") if n is None else (f" --disable-by-batch-size {n}", f" --speculative-disable-by-batch-size {n}")
+    )
     notes = (
         f"Command: `python -m bench.spec_decode --streams {' '.join(map(str, args.streams))} --max-tokens "
-        f"{args.max_tokens} --repeats {args.repeats} --dtype {args.dtype}` ({wall_s / 60:.1f} min). "
+        f"{args.max_tokens} --repeats {args.repeats} --dtype {args.dtype}{batch_flag}` ({wall_s / 60:.1f} min). "
         f"Model SmolLM2-135M-Instruct, worker --dtype {args.dtype} --num-threads 1, scheduler "
-        f"{' '.join(SPEC_FLAGS)} --no-prefix-caching; off = the same requests with no_speculation. tok/s: mean "
+        f"{' '.join(SPEC_FLAGS)}{batch_rule} --no-prefix-caching; off = the same requests with no_speculation. tok/s: mean "
         "(min-max) of the repetitions; steps/token, CPU ms/token, drafts/step and accepted: over all repetitions. "
         "Greedy, ignore_eos, max_tokens each. Targets (issue 30, CPU): >= 1.8x tok/s at 1 stream on the copy "
         "workload, >= 0.97x on free text."
@@ -167,7 +175,7 @@ def report(results: dict[tuple[str, int, str], dict[str, Any]], args: argparse.N
     return table + "\n\n" + notes
 
 
-def plot(results: dict[tuple[str, int, str], dict[str, Any]], args: argparse.Namespace) -> None:
+def plot(results: dict[tuple[str, int, str], dict[str, Any]], args: argparse.Namespace, name: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{w}\n{n} stream{'s' if n > 1 else ''}" for w in WORKLOADS for n in args.streams]
@@ -182,7 +190,7 @@ def plot(results: dict[tuple[str, int, str], dict[str, Any]], args: argparse.Nam
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     fig.suptitle("Speculative decoding (n-gram drafts), SmolLM2-135M on CPU")
-    save_plot(fig, NAME)
+    save_plot(fig, name)
 
 
 def main() -> None:
@@ -192,6 +200,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 and 4 streams, 24 tokens, once")
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        help="the scheduler's --speculative-disable-by-batch-size (default: its own); "
+        "the report goes to bench/results/spec_decode_batch<N>.md",
+    )
     args = parser.parse_args()
     if args.quick:
         args.streams, args.max_tokens, args.repeats = [1, 4], 24, 1
@@ -202,8 +216,9 @@ def main() -> None:
     results = {key: summary(rs) for key, rs in runs.items()}
     body = report(results, args, time.perf_counter() - started)
     print(body)
-    write_result(NAME, "Speculative decoding: n-gram drafts on vs off, copy-heavy and free text", body)
-    plot(results, args)
+    name = NAME if args.disable_by_batch_size is None else f"{NAME}_batch{args.disable_by_batch_size}"
+    write_result(name, "Speculative decoding: n-gram drafts on vs off, copy-heavy and free text", body)
+    plot(results, args, name)
 
 
 if __name__ == "__main__":

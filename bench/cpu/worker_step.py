@@ -8,6 +8,8 @@ Steps of the default model, shaped like bench/peers.py's workloads:
   decode 1 x 256         one stream (ITL)
   decode 32 x 320        32 streams, mid-way through 256 in / 128 out
   decode 16 x 1088       16 streams sharing a 1,024-token prefix (the prefix blocks shared)
+  verify 1 x 256 + 4     one stream verifying 4 drafts (speculative decoding: 5 positions)
+  verify 2 x 256 + 4     2 streams verifying 4 drafts each
   prefill 8 x 256        fresh prompts (TTFT at 32 streams: four such steps)
   prefill 16 x 64 / 1k   each stream's own 64 tokens over the shared cached prefix
 
@@ -24,6 +26,7 @@ eager forward: --attention-backend torch --enforce-eager), the C++ attention alo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.harness.results import fmt, markdown_table, write_result
@@ -52,12 +56,15 @@ class StepShape:
     new_tokens: int  # per sequence (1: decode)
     context: int  # per sequence, the new tokens included
     shared_prefix: int = 0  # tokens of the context every sequence shares (same blocks)
+    drafts: int = 0  # per sequence, of its new tokens: a speculative verification chunk
 
 
 STEPS = {
     "decode 1 x 256": StepShape(1, 1, 256),
     "decode 32 x 320": StepShape(32, 1, 320),
     "decode 16 x 1088": StepShape(16, 1, 1088, shared_prefix=1024),
+    "verify 1 x 256 + 4": StepShape(1, 5, 256, drafts=4),
+    "verify 2 x 256 + 4": StepShape(2, 5, 256, drafts=4),
     "prefill 8 x 256": StepShape(8, 256, 256),
     "prefill 16 x 64 / 1k": StepShape(16, 64, 1088, shared_prefix=1024),
 }
@@ -74,7 +81,9 @@ VARIANTS: dict[str, dict[str, object]] = {
 
 
 def build_step(shape: StepShape, step_id: int, vocab: int) -> StepInput:
-    """Sequence s owns blocks after the shared prefix's; every row sampled (greedy)."""
+    """Sequence s owns blocks after the shared prefix's; every row sampled (greedy);
+    a verification chunk's last `drafts` tokens are drafts (random: all rejected,
+    which costs what an accepted run does)."""
     g = torch.Generator().manual_seed(step_id)
     prefix_blocks = shape.shared_prefix // BLOCK
     own_blocks = -(-(shape.context - shape.shared_prefix) // BLOCK)
@@ -84,7 +93,11 @@ def build_step(shape: StepShape, step_id: int, vocab: int) -> StepInput:
         start = shape.context - shape.new_tokens
         ids = torch.randint(100, vocab, (shape.new_tokens,), generator=g).tolist()
         builder.add(s, ids, start, table, sample=True)
-    return builder.build(step_id)
+    step = builder.build(step_id)
+    if not shape.drafts:
+        return step
+    drafts = np.full(shape.seqs, shape.drafts, dtype=np.int64)
+    return dataclasses.replace(step, seqs=dataclasses.replace(step.seqs, num_drafts=drafts))
 
 
 def blocks_needed(shape: StepShape) -> int:

@@ -5,12 +5,21 @@
 // Layout: the output columns in blocks of kBlock = 4 vectors (64 columns with AVX-512);
 // a block holds, for each k (each pair of k with bf16 dot products), the 4 vectors of
 // its columns' weights, so a block is one contiguous run and the whole matrix one
-// sequential stream. A pass multiplies one block by up to kMR activation rows: kMR x 4
-// accumulators, each holding a vector of output columns, fed by broadcasts of x, with
-// no horizontal sums and every output's products summed in k order (the same sums
-// whatever the batch, and whatever the thread count: each thread owns whole blocks).
-// A decode step's time is the weights' read; the layout makes that read one stream the
-// hardware prefetcher follows, with a software prefetch a few blocks ahead.
+// sequential stream. A pass multiplies one block by a group of up to kMR activation
+// rows: kMR x 4 accumulators, each holding a vector of output columns, fed by
+// broadcasts of x, with no horizontal sums and every output's products summed in k
+// order (the same sums whatever the batch, and whatever the thread count: each thread
+// owns whole blocks). A decode step's time is the weights' read; the layout makes that
+// read one stream the hardware prefetcher follows, with a software prefetch a few
+// blocks ahead.
+//
+// A short batch (a speculative verification chunk: 5 rows for 4 drafts) must cost
+// about one row's read of the weights, not one per group of rows: the rows are split
+// into groups as even as kMR allows (5 rows: one group; 8: two of 4), and with more
+// than one group a block is walked in chunks of k small enough to stay in L1 while
+// every group multiplies it, each group's accumulators parked in memory between
+// chunks (exact: fp32 stored and reloaded). Before, 5 rows took a pass of 4 and a
+// second pass of 1 over every block, 1.7x one row's time (bench/results/cpu_verify_step.md).
 //
 // bf16 weights use the CPU's bf16 dot-product instruction where it has one
 // (AVX512-BF16 vdpbf16ps: two exact products per fp32 lane, fp32 sums); elsewhere
@@ -48,9 +57,17 @@ using namespace pagedserve_cpu;
 
 constexpr int kVecs = 4;                  // vectors of output columns per block
 constexpr int kBlock = kVecs * kLanes;    // output columns per block (per half when gated)
-constexpr int kMR = 4;                    // activation rows per pass: kMR x kVecs accumulators
+// Activation rows per group: kMR x kVecs accumulators, the block's kVecs weight vectors
+// and a broadcast must fit the registers (32 with AVX-512: 6 x 4 + 4 + 1).
+#if defined(__AVX512F__)
+constexpr int kMR = 6;
+#else
+constexpr int kMR = 4;
+#endif
 constexpr int64_t kMacroRows = 256;       // rows of x per sweep over the weights (x stays in L2)
-constexpr int kPrefetchBlocks = 2;        // software prefetch distance, in blocks' k-steps
+constexpr int kPrefetchBlocks = 2;        // software prefetch distance into L2, in blocks
+constexpr int kNearSteps = 16;            // and into L1, in k-steps
+constexpr int64_t kChunkBytes = 16 << 10; // a block's k-chunk that every group multiplies from L1
 
 #if defined(__AVX512BF16__)
 constexpr bool kNativeBf16 = true;
@@ -95,34 +112,55 @@ void pack(const T* w, const Shape& s, T* out) {
       }
 }
 
-// ---- the micro-kernels: one block x MR rows -> acc[MR][kVecs] ----------------------
+// Every cache line of the k-step at wk `ahead` elements on (into L2: the stream of the
+// blocks to come) and kNearSteps on (into L1). Fetching 2 of a k-step's 4 lines (the
+// hardware prefetcher left to find the rest) left a pass over 5 rows 1.3x one row's
+// time; all of them: 1.05x, the multiplies hidden under the read (SmolLM2-135M's
+// layers, bf16, one thread of the 2-core EPYC).
+template <typename T, int Step>
+inline void prefetch_step(const T* wk, int64_t ahead) {
+  constexpr int bytes = kBlock * Step * static_cast<int>(sizeof(T));
+  const char* far = reinterpret_cast<const char*>(wk + ahead);
+  const char* near = reinterpret_cast<const char*>(wk + kNearSteps * Step * kBlock);
+  for (int off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(far + off, 0, 2);
+    __builtin_prefetch(near + off);
+  }
+}
+
+// ---- the micro-kernels: `steps` k-steps of one block x MR rows, into acc[MR][kVecs] ----
+// w: the block's first k-step to read; x[m]: row m's features at that k-step; `ahead`:
+// elements to the same k-step of the block kPrefetchBlocks on, 0 where w is in L1
+// already (nothing prefetched).
 template <typename T, int MR>
-inline void block_fma(const T* blk, const float* const* x, int64_t K, vfloat acc[kMR][kVecs]) {
+inline void block_fma(const T* w, const float* const* x, int64_t steps, int64_t ahead, vfloat acc[kMR][kVecs]) {
+  vfloat a[MR][kVecs];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kVecs; ++v) acc[m][v] = vfloat{};
-  for (int64_t k = 0; k < K; ++k) {
-    const T* wk = blk + k * kBlock;
-    __builtin_prefetch(wk + kPrefetchBlocks * K * kBlock);
+    for (int v = 0; v < kVecs; ++v) a[m][v] = acc[m][v];
+  for (int64_t k = 0; k < steps; ++k) {
+    const T* wk = w + k * kBlock;
+    if (ahead) prefetch_step<T, 1>(wk, ahead);
     vfloat wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
     for (int m = 0; m < MR; ++m) {
       const float xm = x[m][k];
-      for (int v = 0; v < kVecs; ++v) acc[m][v] += wv[v] * xm;
+      for (int v = 0; v < kVecs; ++v) a[m][v] += wv[v] * xm;
     }
   }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = a[m][v];
 }
 
 #if defined(__AVX512BF16__)
 template <int MR>
-inline void block_dpbf16(const uint16_t* blk, const uint16_t* const* x, int64_t K, vfloat acc[kMR][kVecs]) {
+inline void block_dpbf16(const uint16_t* w, const uint16_t* const* x, int64_t steps, int64_t ahead,
+                         vfloat acc[kMR][kVecs]) {
   __m512 a[MR][kVecs];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kVecs; ++v) a[m][v] = _mm512_setzero_ps();
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const uint16_t* wk = blk + kp * 2 * kBlock;
-    __builtin_prefetch(wk + kPrefetchBlocks * pairs * 2 * kBlock);
-    __builtin_prefetch(wk + kPrefetchBlocks * pairs * 2 * kBlock + 32);
+    for (int v = 0; v < kVecs; ++v) std::memcpy(&a[m][v], &acc[m][v], sizeof(vfloat));
+  for (int64_t kp = 0; kp < steps; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kBlock;
+    if (ahead) prefetch_step<uint16_t, 2>(wk, ahead);
     __m512bh wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
     for (int m = 0; m < MR; ++m) {
@@ -136,6 +174,34 @@ inline void block_dpbf16(const uint16_t* blk, const uint16_t* const* x, int64_t 
     for (int v = 0; v < kVecs; ++v) std::memcpy(&acc[m][v], &a[m][v], sizeof(vfloat));
 }
 #endif
+
+// One group of mr rows (XF: how the micro-kernel reads x) through `steps` k-steps.
+template <typename T, typename XF, int MR>
+inline void group_steps(const T* w, const XF* const* x, int64_t steps, int64_t ahead, vfloat acc[kMR][kVecs]) {
+  if constexpr (std::is_same_v<XF, uint16_t>) {
+#if defined(__AVX512BF16__)
+    block_dpbf16<MR>(w, x, steps, ahead, acc);
+#endif
+  } else {
+    block_fma<T, MR>(w, x, steps, ahead, acc);
+  }
+}
+
+template <typename T, typename XF>
+void group_dispatch(int mr, const T* w, const XF* const* x, int64_t steps, int64_t ahead, vfloat acc[kMR][kVecs]) {
+  switch (mr) {
+    case 1: group_steps<T, XF, 1>(w, x, steps, ahead, acc); break;
+    case 2: group_steps<T, XF, 2>(w, x, steps, ahead, acc); break;
+    case 3: group_steps<T, XF, 3>(w, x, steps, ahead, acc); break;
+#if defined(__AVX512F__)
+    case 4: group_steps<T, XF, 4>(w, x, steps, ahead, acc); break;
+    case 5: group_steps<T, XF, 5>(w, x, steps, ahead, acc); break;
+    default: group_steps<T, XF, 6>(w, x, steps, ahead, acc); break;
+#else
+    default: group_steps<T, XF, 4>(w, x, steps, ahead, acc); break;
+#endif
+  }
+}
 
 // act(g) * u on every lane: sigmoid and tanh through exp(-|.|), which cannot overflow.
 inline vfloat activate(vfloat g, vfloat u, Act act) {
@@ -171,57 +237,67 @@ inline void store_row(T* dst, vfloat v, int n) {  // the first n lanes
   for (int i = 0; i < n; ++i) dst[i] = std::is_same_v<T, float> ? tmp[i] : float_to_bf16_bits(tmp[i]);
 }
 
+// Row group g of the rows [0, rows): `groups` groups as even as can be, the first
+// rows % groups of them one row longer.
+struct RowGroups {
+  int64_t rows, groups;
+  explicit RowGroups(int64_t rows) : rows(rows), groups((rows + kMR - 1) / kMR) {}
+  int64_t start(int64_t g) const { return g * (rows / groups) + std::min(g, rows % groups); }
+  int size(int64_t g) const { return static_cast<int>(rows / groups + (g < rows % groups ? 1 : 0)); }
+};
+
+// The group's accumulators [i][v] into rows `out` (row stride N) from column n0 on.
+template <typename T>
+void store_group(const Problem& p, vfloat acc[kMR][kVecs], int mr, T* out, int64_t n0) {
+  const Shape& s = p.shape;
+  for (int i = 0; i < mr; ++i, out += s.N) {
+    if (s.gated) {
+      for (int v = 0; v < kVecs / 2; ++v) {
+        const int64_t c = static_cast<int64_t>(v) * kLanes;
+        if (n0 + c < s.N)
+          store_row(out + n0 + c, activate(acc[i][v], acc[i][v + kVecs / 2], p.act),
+                    static_cast<int>(std::min<int64_t>(kLanes, s.N - n0 - c)));
+      }
+    } else {
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t c = static_cast<int64_t>(v) * kLanes;
+        if (n0 + c < s.N) store_row(out + n0 + c, acc[i][v], static_cast<int>(std::min<int64_t>(kLanes, s.N - n0 - c)));
+      }
+    }
+  }
+}
+
 // Rows [m0, m1) of x (as the micro-kernel reads them: XF) times blocks [b0, b1).
 template <typename T, typename XF>
 void sweep(const Problem& p, const XF* xs, int64_t ldxs, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   constexpr int step = k_step<T>();
   const Shape& s = p.shape;
   const int64_t kp = s.padded_k(step);
+  const int64_t steps = kp / step;  // k-steps per block
   const T* packed = static_cast<const T*>(p.packed);
   T* y = static_cast<T*>(p.y);
   const int cols = s.gated ? kBlock / 2 : kBlock;
+  const RowGroups rows(m1 - m0);
+  // One group runs through the whole block at once; several share each L1-sized chunk.
+  const int64_t chunk = rows.groups == 1 ? steps : std::max<int64_t>(1, kChunkBytes / (step * kBlock * sizeof(T)));
+  std::vector<vfloat> parked(static_cast<size_t>(rows.groups * kMR * kVecs));
+  auto parked_acc = [&](int64_t g) { return reinterpret_cast<vfloat(*)[kVecs]>(parked.data() + g * kMR * kVecs); };
   for (int64_t b = b0; b < b1; ++b) {
     const T* blk = packed + b * kp * kBlock;
-    const int64_t n0 = b * cols;
-    for (int64_t m = m0; m < m1; m += kMR) {
-      const int mr = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
-      const XF* xr[kMR];
-      for (int i = 0; i < kMR; ++i) xr[i] = xs + (m + std::min(i, mr - 1)) * ldxs;
-      vfloat acc[kMR][kVecs];
-      if constexpr (std::is_same_v<XF, uint16_t>) {
-#if defined(__AVX512BF16__)
-        switch (mr) {
-          case 1: block_dpbf16<1>(blk, xr, s.K, acc); break;
-          case 2: block_dpbf16<2>(blk, xr, s.K, acc); break;
-          case 3: block_dpbf16<3>(blk, xr, s.K, acc); break;
-          default: block_dpbf16<4>(blk, xr, s.K, acc); break;
-        }
-#endif
-      } else {
-        switch (mr) {
-          case 1: block_fma<T, 1>(blk, xr, kp, acc); break;
-          case 2: block_fma<T, 2>(blk, xr, kp, acc); break;
-          case 3: block_fma<T, 3>(blk, xr, kp, acc); break;
-          default: block_fma<T, 4>(blk, xr, kp, acc); break;
-        }
-      }
-      for (int i = 0; i < mr; ++i) {
-        T* out = y + (m + i) * s.N + n0;
-        if (s.gated) {
-          for (int v = 0; v < kVecs / 2; ++v) {
-            const int64_t c = static_cast<int64_t>(v) * kLanes;
-            if (n0 + c < s.N)
-              store_row(out + c, activate(acc[i][v], acc[i][v + kVecs / 2], p.act),
-                        static_cast<int>(std::min<int64_t>(kLanes, s.N - n0 - c)));
-          }
-        } else {
-          for (int v = 0; v < kVecs; ++v) {
-            const int64_t c = static_cast<int64_t>(v) * kLanes;
-            if (n0 + c < s.N) store_row(out + c, acc[i][v], static_cast<int>(std::min<int64_t>(kLanes, s.N - n0 - c)));
-          }
-        }
+    std::fill(parked.begin(), parked.end(), vfloat{});
+    for (int64_t k0 = 0; k0 < steps; k0 += chunk) {
+      const int64_t n = std::min(chunk, steps - k0);
+      for (int64_t g = 0; g < rows.groups; ++g) {
+        const int mr = rows.size(g);
+        const XF* xr[kMR];
+        for (int i = 0; i < kMR; ++i) xr[i] = xs + (m0 + rows.start(g) + std::min(i, mr - 1)) * ldxs + k0 * step;
+        // Only the first group streams the chunk from memory (and prefetches); the others find it in L1.
+        const int64_t ahead = g == 0 ? kPrefetchBlocks * kp * kBlock : 0;
+        group_dispatch<T, XF>(mr, blk + k0 * step * kBlock, xr, n, ahead, parked_acc(g));
       }
     }
+    for (int64_t g = 0; g < rows.groups; ++g)
+      store_group(p, parked_acc(g), rows.size(g), y + (m0 + rows.start(g)) * s.N, b * cols);
   }
 }
 

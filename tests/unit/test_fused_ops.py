@@ -125,7 +125,7 @@ def test_rope_write_kv_matches_the_reference(ops, dtype, cache_dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 10, 13, 17, 300])
 @pytest.mark.parametrize("out_features,in_features", [(64, 64), (100, 37), (960, 576)])
 def test_linear_matches_f_linear(dtype, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows)
@@ -142,11 +142,12 @@ def test_linear_matches_f_linear(dtype, rows, out_features, in_features):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("inter", [32, 50, 1536])
-def test_gated_linear_matches_the_mlp(dtype, activation, inter):
+@pytest.mark.parametrize("rows", [6, 13])
+def test_gated_linear_matches_the_mlp(dtype, activation, inter, rows):
     g = torch.Generator().manual_seed(inter)
     hidden = 64
     weight = (torch.randn(2 * inter, hidden, generator=g) * 0.2).to(dtype)
-    x = torch.randn(6, hidden, generator=g).to(dtype)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
     out = cpu_ops.linear(x, cpu_ops.pack_linear(weight, gated=True), inter, hidden, activation)
     gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
@@ -158,8 +159,9 @@ def test_gated_linear_matches_the_mlp(dtype, activation, inter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_rows_do_not_depend_on_the_batch(dtype):
     """Each output is summed in k order whatever the batch and the thread count: a row
-    computed alone, inside a batch of 5 or of 300, and with 1 or 2 threads is the same
-    bits (a sequence's logits do not depend on who shares its step)."""
+    computed alone, inside a batch of 5 (one group of rows), of 10 (two groups sharing
+    each k-chunk) or of 300, and with 1 or 2 threads is the same bits (a sequence's
+    logits do not depend on who shares its step)."""
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(300, 576, generator=g) * 0.05).to(dtype)
     packed = cpu_ops.pack_linear(weight)
@@ -171,6 +173,7 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
             torch.set_num_threads(n)
             rows[n, "alone"] = cpu_ops.linear(batch[7:8], packed, 300, 576)[0]
             rows[n, "of 5"] = cpu_ops.linear(batch[5:10], packed, 300, 576)[2]
+            rows[n, "of 10"] = cpu_ops.linear(batch[1:11], packed, 300, 576)[6]
             rows[n, "of 300"] = cpu_ops.linear(batch, packed, 300, 576)[7]
     finally:
         torch.set_num_threads(threads)

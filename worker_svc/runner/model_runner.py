@@ -104,15 +104,15 @@ class ModelRunner:
             self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
         return graphs.replay(batch) if graphs is not None else self.forward(batch)
 
-    def _verify(self, hidden: torch.Tensor, batch: ForwardBatch, host: HostBatch, packed: Packed) -> torch.Tensor:
-        """Greedy verification of the rows with drafts (sampling/verify.py): each one's
-        bonus token replaces its sample in `packed` (in place, so LastSamples and the
-        host copy see it); returns what rides in that copy after it: [R + D, 2] float64,
-        a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
-        device = hidden.device
-        verify_rows = torch.from_numpy(host.verify_rows).to(device)
-        inner = self.model.logits(hidden[verify_rows])
-        drafts = batch.input_ids[verify_rows + 1]  # each inner position's next token is a draft
+    def _verify(self, inner: torch.Tensor, host: HostBatch, packed: Packed) -> torch.Tensor:
+        """Greedy verification of the rows with drafts (sampling/verify.py) from the
+        logits `inner` at their positions before the last (host.verify_rows): each
+        row's bonus token replaces its sample in `packed` (in place, so LastSamples and
+        the host copy see it); returns what rides in that copy after it: [R + D, 2]
+        float64, a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
+        device = inner.device
+        # Each inner position's next token is a draft (a drafting row carries its input: no placeholder).
+        drafts = torch.from_numpy(host.input_ids[host.verify_rows + 1]).to(device)
         rows = torch.from_numpy(host.draft_rows).to(device)
         accepted, bonus, inner_logprobs = verify_drafts(inner, packed.tensor[rows], drafts, host.draft_counts)
         packed.tensor[rows] = bonus
@@ -157,17 +157,22 @@ class ModelRunner:
         prompt_logprobs: list[PromptLogprobsOut] = []
         t2 = time.perf_counter()
         if host.sample_order.size or prompt is not None:
-            # Sampled positions first, then the prompt-logprob positions: one lm_head call.
+            # Sampled positions first, then the prompt-logprob positions, then the drafting
+            # rows' inner positions: one lm_head call (its weights read once, not twice).
             rows = batch.sample_rows
             if extra:
                 *indices, prompt_rows = batch.extra
                 params = dataclasses.replace(params, indices=LogprobIndices(*indices))
                 if prompt is not None:
                     rows = torch.cat([rows, prompt_rows])
-            logits = self.model.logits(hidden[rows])
+            scored = len(rows)
+            if host.verify_rows.size:
+                rows = torch.cat([rows, torch.from_numpy(host.verify_rows).to(rows.device)])
+            everything_logits = self.model.logits(hidden[rows])
+            logits, inner = everything_logits[:scored], everything_logits[scored:]
             t2 = time.perf_counter()
             packed = self.sampler.sample_packed(logits, params)  # on the device
-            accepted = self._verify(hidden, batch, host, packed) if host.draft_rows.size else None
+            accepted = self._verify(inner, host, packed) if host.draft_rows.size else None
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
             self.last_samples = _last_samples(step.step_id, seq_ids, packed.token_ids, host.draft_rows)
