@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -41,6 +42,26 @@ CFLAGS = (
 )
 LDFLAGS = ("-fopenmp",)
 NAMESPACE = "pagedserve_cpu"
+
+
+# torch's build lock (a file in the build folder) outlives a process killed mid-build,
+# and every later load would wait on it forever; a build takes ~20-90 s on 2 cores, so
+# a lock this old has no live builder.
+STALE_LOCK_S = 900
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove build_dir's build lock if it is older than STALE_LOCK_S; whether it did."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    warnings.warn(f"removing a stale kernel build lock ({age:.0f} s old): {lock}", RuntimeWarning, stacklevel=2)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def cache_root() -> Path:
@@ -78,6 +99,7 @@ def load() -> bool:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir)
         cpp_extension.load(
             name=name,
             sources=[str(source) for source in SOURCES],
