@@ -95,7 +95,9 @@ def test_a_step_without_drafts_sends_no_accepted_column(worker):
     "change",
     [
         dict(return_logits=True),
-        dict(top_logprobs=2),
+        dict(top_logprobs=2),  # alternatives at verified positions: not carried
+        dict(prompt_logprob_targets=[6]),
+        dict(mask=[-1] * 24),  # a mask (768 ids): the scheduler would have to walk the grammar through the drafts
         dict(sample=False),
     ],
 )
