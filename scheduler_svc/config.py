@@ -71,7 +71,7 @@ class SchedulerConfig:
     speculative_method: str = field(
         default="",
         metadata={
-            "help": "speculative decoding (vLLM's method names): ngram = greedy decodes carry up to "
+            "help": "speculative decoding (vLLM's method names): ngram = decodes carry up to "
             "--num-speculative-tokens drafts found by prompt lookup (n-grams of --ngram-min..--ngram-max tokens), "
             "verified by the worker in the same forward; '' = off"
         },

@@ -92,7 +92,7 @@ class PlannerConfig:
     dynamic_chunking: bool = False
     dynamic_chunk_min: int = 512
     dynamic_chunk_max: int = 2048
-    speculative: NgramConfig | None = None  # n-gram drafts for greedy decodes; None: off
+    speculative: NgramConfig | None = None  # n-gram drafts (speculation.can_draft: whose); None: off
     # Structured outputs: plan a constrained request's decode ahead of the token it
     # follows (its mask is sent late, once that token is known); off: such a decode
     # waits for the next plan made with nothing in flight ahead of it.

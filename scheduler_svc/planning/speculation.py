@@ -2,12 +2,14 @@
 many, and what an accepted run becomes (docs/design.md, speculative decoding).
 
 The drafts come from the n-gram proposer (scheduler_svc/speculative/ngram.py);
-the worker verifies them greedily (worker_svc/sampling/verify.py) and answers
-how many it accepted. A row drafts only where greedy verification yields
-exactly the tokens plain decoding would and nothing else is asked of each
-position: a greedy request with no logprobs, logit bias, penalties or blocked
-ids (min_tokens still to reach), whose last token is known (nothing of it in
-flight), and which has not opted out.
+the worker verifies them by sampling every position as one-token decoding would
+(worker_svc/sampling/verify.py: greedy rows take the argmax, sampled rows the
+rejection rule through the seeded Gumbel race) and answers how many it accepted.
+A row drafts unless something per position is out of the worker's reach: a token
+mask (structured outputs), logprobs or prompt logprobs; or it opted out. Its
+penalties count the drafts before each position on the worker; min_tokens blocks
+the stop ids at every position of a decode or at none, so drafts stop short of
+the position where it is reached (min_tokens_cap).
 
 Overlapped scheduling plans a decode ahead of the token it follows, which
 leaves nothing to look up, so a request that drafts is not planned ahead: it
@@ -48,18 +50,24 @@ class SpecCounters:
 
 
 def can_draft(request: Request) -> bool:
-    """Greedy verification gives this request exactly its plain decoding tokens."""
-    s = request.sampling
+    """The worker verifies this request's drafts as one-token decoding would sample
+    them: any temperature and filters, logit bias, penalties and min_tokens (see
+    min_tokens_cap); not a token mask, logprobs or prompt logprobs still to score."""
     return (
-        s.temperature == 0
-        and not request.no_speculation
+        not request.no_speculation
         and request.grammar is None
-        and s.logprobs is None
-        and not s.logit_bias
-        and not s.has_penalties
-        and request.num_output_tokens >= s.min_tokens
+        and request.sampling.logprobs is None
         and not request.needs_prompt_logprobs
     )
+
+
+def min_tokens_cap(request: Request) -> int | None:
+    """The most drafts the request's next decode may carry so that min_tokens blocks
+    its stop ids at every verified position or at none (the worker applies a row's
+    blocked ids at each position alike): before min_tokens, positions up to the one
+    that samples output min_tokens - 1; None: no cap (min_tokens reached)."""
+    left = request.sampling.min_tokens - request.num_output_tokens
+    return left - 1 if left > 0 else None
 
 
 _BACKOFF_FIRST, _BACKOFF_MAX = 2, 32
@@ -101,12 +109,15 @@ class Drafter:
 
     def drafts(self, request: Request, max_len: int, tokens_left: int) -> list[int]:
         """Drafts for the request's next decode: none past max_tokens or the length
-        limit (the decode's own token counts first), none beyond the step's budget."""
+        limit (the decode's own token counts first), none beyond the step's budget,
+        none across min_tokens."""
         limit = min(
             request.sampling.max_tokens - request.num_output_tokens - 1,
             max_len - request.num_tokens - 1,
             tokens_left - 1,
         )
+        if (cap := min_tokens_cap(request)) is not None:
+            limit = min(limit, cap)
         if limit <= 0 or not request.output_token_ids or not can_draft(request):
             return []
         drafts = self.proposer.propose(request.request_id, request.all_token_ids, limit)

@@ -4,16 +4,28 @@ It keeps, per physical slot, the (position, token id) written there and builds
 each sequence's context by reading its block table, exactly as paged attention
 would. The next token is a deterministic function of that context, so a wrong
 block table, slot mapping or shared block shows up as different output tokens.
-A row with drafts is verified greedily, as worker_svc/sampling/verify.py does:
-the drafts the model would have produced are kept, then the model's own token.
+A row with drafts is verified as worker_svc/sampling/verify.py does: each
+position is sampled as a one-token decode of it would be, the drafts equal to
+those samples are kept, then the sample after them.
+
+With `options=True` a sample also follows the row's sampling options, in a
+deterministic stand-in for the worker's logit processing and sampling: a
+temperature shifts the model's token by one at one position in five (a hash of
+(seed, position)), a positive logit bias wins every ninth position, blocked ids
+(min_tokens) and negatively biased ids are never picked, and with penalties a
+token already generated four times is skipped. What a position sees is what the worker's sees: the blocked
+ids and bias the row carries, and the generated ids its penalties count (the
+step's, its input when it comes from the previous step, and the drafts before
+the position).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Mapping, Sequence
 
-from scheduler_svc.planning.planner import StepPlan, StepSamples
+from scheduler_svc.planning.planner import ScheduledSeq, StepPlan, StepSamples
 
 
 class FakeWorker:
@@ -23,9 +35,13 @@ class FakeWorker:
         block_size: int = 16,
         vocab_size: int = 1000,
         model: Callable[[list[int]], int] | None = None,
+        options: bool = False,
     ) -> None:
-        """`model`: context -> next token, instead of the default order-sensitive hash."""
+        """`model`: context -> next token, instead of the default order-sensitive hash;
+        `options`: samples follow the rows' sampling options (the module doc)."""
         self.model = model
+        self.options = options
+        self.rng = random.Random(0)  # unseeded sampled rows
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -71,11 +87,18 @@ class FakeWorker:
         sampled, accepted, draft_logprobs = {}, {}, {}
         for seq, context in zip(plan.seqs, contexts):
             if seq.sample:
+                # A plan's row, or a worker.v1 row (fake_worker_server): alternatives or a mask.
+                asks = getattr(seq, "top_logprobs", 0) or (seq.sampling.logprobs if hasattr(seq, "sampling") else 0)
+                masked = allowed is not None and seq.seq_id in allowed
+                assert not (seq.num_drafts and (asks or masked)), f"seq {seq.seq_id}: drafts the worker refuses"
                 known = len(context) - seq.num_drafts  # the context before the drafts
-                n = 0
-                while n < seq.num_drafts and context[known + n] == self.next_token(context[: known + n]):
+                generated = self._generated(seq, inputs[seq.seq_id]) if self.options else []
+
+                # Position by position, each sampled once (an unseeded row's noise is drawn per sample).
+                n, token = 0, self.sample(seq, context[:known], generated)
+                while n < seq.num_drafts and context[known + n] == token:
                     n += 1
-                token = self.next_token(context[: known + n])
+                    token = self.sample(seq, context[: known + n], generated + context[known : known + n])
                 if allowed is not None and seq.seq_id in allowed:
                     token = allowed[seq.seq_id][token % len(allowed[seq.seq_id])]
                 sampled[seq.seq_id], accepted[seq.seq_id] = (token, -float(token) / self.vocab_size), n
@@ -84,6 +107,31 @@ class FakeWorker:
         if not any(s.num_drafts for s in plan.seqs):
             return samples_of(sampled)
         return samples_of(sampled, accepted, draft_logprobs)
+
+    def sample(self, seq: ScheduledSeq, context: list[int], generated: list[int]) -> int:
+        """The token after `context` under the row's options (the module doc)."""
+        token = self.next_token(context)
+        if not self.options:
+            return token
+        o = seq.sampling
+        position = len(context)  # of the token sampled: a seeded row's noise key, as on the worker
+        if o.temperature > 0:
+            key = o.seed if o.seed is not None else self.rng.randrange(2**32)
+            token += (key * 1_000_003 + position * 7_919) % 5 == 0  # the model's token 4 times in 5
+        bias = dict(o.logit_bias)
+        favoured = [t for t, b in sorted(bias.items(), key=lambda tb: -tb[1]) if b > 0] if position % 9 == 0 else []
+        for candidate in [*favoured, *((token + j) % self.vocab_size for j in range(self.vocab_size))]:
+            blocked = candidate in seq.blocked_token_ids or bias.get(candidate, 0.0) < 0
+            penalized = o.has_penalties and generated.count(candidate) >= 4
+            if not (blocked or penalized):
+                return candidate
+        raise AssertionError(f"seq {seq.seq_id}: every token is blocked")
+
+    @staticmethod
+    def _generated(seq: ScheduledSeq, inputs: list[int]) -> list[int]:
+        """The ids the row's penalties count before its first sampled position: those
+        the step carries, and its input when that is the previous step's sample."""
+        return [*seq.penalty_output_ids, *(inputs if seq.token_from_previous_step else [])]
 
     def _inputs(self, plan: StepPlan, seq) -> list[int]:
         if not seq.token_from_previous_step:

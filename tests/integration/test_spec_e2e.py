@@ -2,8 +2,11 @@
 --speculative-method ngram in front of a worker gives every greedy request exactly the
 tokens transformers' greedy decoding gives, and exactly those of the same request
 opted out (no_speculation), in both scheduling modes, with stop strings and
-max_tokens inside accepted runs; every block comes back (the engine's audit,
-the pool's counters). On text that copies its prompt, drafts are accepted and the
+max_tokens inside accepted runs; greedy requests with penalties, logit bias and
+min_tokens draft and still get transformers' tokens under the same processing;
+seeded sampled requests draft and get the same tokens run after run (and those
+of their plain decoding); every block comes back (the engine's audit, the
+pool's counters). On text that copies its prompt, drafts are accepted and the
 request takes fewer steps."""
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from transformers import AutoTokenizer
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import assert_pool_clean, hf_greedy, load_model, wait_idle
+from tests.helpers.logprob_reference import reference_greedy
 from tests.helpers.procs import Cluster, free_port
 
 # Drafting with every row that runs (the batch rule off at 8): exactness under a full batch.
@@ -121,4 +125,58 @@ def test_a_copying_prompt_accepts_drafts_in_fewer_steps(default_model):
         ]
         assert stopped[0].token_ids == stopped[1].token_ids and stopped[1].text == plain.text.split("lazy")[0]
         assert stopped[0].completion_tokens == stopped[1].completion_tokens
+        assert_pool_clean(client, cluster)
+
+
+EOS = 2  # the tiny checkpoint's
+REPEAT = {100: 10.0}  # token 100 wins every step: text the lookup predicts, and something to penalize
+# case -> (the request's controls, reference_greedy's names for them)
+CONTROLS = {
+    "presence and frequency": dict(logit_bias=REPEAT, presence_penalty=1.5, frequency_penalty=0.3),
+    "repetition": dict(logit_bias=REPEAT, repetition_penalty=1.2),
+    "min_tokens then EOS": dict(logit_bias={EOS: 30.0, 100: 29.0}, min_tokens=9),
+    "all together": dict(logit_bias=REPEAT, presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1),
+}
+REFERENCE_NAMES = {"presence_penalty": "presence", "frequency_penalty": "frequency", "repetition_penalty": "repetition"}
+# Token 100 about 7 times in 10: drafts of it get accepted about that often.
+SEEDED = dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.001, presence_penalty=0.3, logit_bias={100: 7.0})
+
+
+def test_processed_and_seeded_sampled_requests_draft_exactly():
+    """Greedy requests with penalties, logit bias and min_tokens: transformers' tokens
+    under the same processing, with speculation and opted out. Seeded sampled
+    requests (filters, penalties, bias): the same tokens on every run with
+    speculation, and those of the opted-out run (the race at each verified position
+    is the one its plain decode runs). Drafts were accepted; every block came back."""
+    model_dir = tiny_checkpoint("llama")
+    ref = load_model(model_dir)
+    prompt = [(37 * i + 11) % 700 + 4 for i in range(30)]
+    port = free_port()
+    cluster = Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "48"], [*SPEC, "--metrics-port", str(port)])
+    with cluster, SchedulerClient(cluster.address) as client:
+
+        def run(params: dict, opt_out: bool):
+            return client.generate(
+                prompt_token_ids=prompt, max_tokens=24, no_speculation=opt_out, timeout=120, **params
+            )
+
+        for controls in CONTROLS.values():
+            named = {REFERENCE_NAMES.get(k, k): v for k, v in controls.items()}
+            want, reason = reference_greedy(ref, prompt, 24, eos_ids=[EOS], **named)
+            for opt_out in (False, True):
+                got = run(dict(temperature=0.0, **controls), opt_out)
+                assert got.token_ids == want and got.finish_reason == reason, (controls, opt_out)
+        greedy_accepted = spec_totals(f"http://127.0.0.1:{port}/metrics")[
+            "pagedserve_spec_decode_accepted_tokens_total"
+        ]
+        assert greedy_accepted > 0
+        outputs = []
+        for seed in (1, 2, 3):
+            params = dict(SEEDED, seed=seed)
+            first, again, plain = run(params, False), run(params, False), run(params, True)
+            assert first.token_ids == again.token_ids == plain.token_ids, seed
+            outputs.append(first.token_ids)
+        assert len({tuple(o) for o in outputs}) == 3  # sampled: each seed its own tokens
+        totals = spec_totals(f"http://127.0.0.1:{port}/metrics")
+        assert totals["pagedserve_spec_decode_accepted_tokens_total"] > greedy_accepted  # sampled drafts accepted too
         assert_pool_clean(client, cluster)

@@ -1,8 +1,10 @@
 """Speculative decoding in the planner, against the fake worker (which verifies
-drafts greedily over its simulated paged cache): the same tokens as plain
-decoding, with or without steps planned ahead, EOS / max_tokens / length limits
-inside an accepted run, exact block accounting (audit() around every step, an
-empty pool at the end), and fewer steps where the text copies itself."""
+drafts over its simulated paged cache, sampling each position as one-token
+decoding would): the same tokens as plain decoding, with or without steps
+planned ahead, for greedy, seeded sampled and processed (penalties, logit bias,
+min_tokens) requests, EOS / max_tokens / length limits inside an accepted run,
+exact block accounting (audit() around every step, an empty pool at the end),
+and fewer steps where the text copies itself."""
 
 from __future__ import annotations
 
@@ -133,10 +135,8 @@ def test_the_length_limit_bounds_the_drafts():
 @pytest.mark.parametrize(
     "sampling",
     [
-        dict(temperature=0.8, seed=1),  # sampled: greedy-only verification
-        dict(temperature=0.0, logprobs=2),
-        dict(temperature=0.0, presence_penalty=0.5),
-        dict(temperature=0.0, logit_bias=((7, 1.0),)),
+        dict(temperature=0.0, logprobs=2),  # alternatives per verified position: not built
+        dict(temperature=0.8, seed=1, logprobs=0),
     ],
 )
 def test_requests_that_cannot_be_verified_exactly_never_draft(sampling):
@@ -148,15 +148,63 @@ def test_requests_that_cannot_be_verified_exactly_never_draft(sampling):
     assert planner.drafter.counters.drafts == 0
 
 
-def test_no_drafts_before_min_tokens():
-    """Until min_tokens, EOS is blocked at every position: the worker would not verify
-    that, so the request decodes plainly until then and drafts after."""
+PROCESSED = {
+    "seeded": dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=11),
+    "presence": dict(temperature=0.0, presence_penalty=0.5),
+    "frequency": dict(temperature=0.0, frequency_penalty=0.3),
+    "repetition": dict(temperature=0.0, repetition_penalty=1.3),
+    "bias": dict(temperature=0.0, logit_bias=((7, 5.0), (4, -100.0))),
+    "min_tokens": dict(temperature=0.0, min_tokens=17),
+    "everything": dict(temperature=0.7, seed=5, top_k=50, presence_penalty=0.2, logit_bias=((8, 2.0),), min_tokens=9),
+}
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("case", list(PROCESSED))
+def test_sampled_and_processed_requests_draft_and_keep_the_tokens_of_plain_decoding(case, ahead):
+    """The fake worker samples every verified position under the row's options
+    (seeded noise by position, blocked ids, bias, penalties counting the drafts
+    before it), as the worker does: the planner must send what each position needs
+    (penalty ids, min_tokens' blocked ids only where they hold at every position)."""
+    # In the copied text: min_tokens blocks them, then they end the request.
+    eos = frozenset({5, 9}) if PROCESSED[case].get("min_tokens") else frozenset()
+    outputs = []
+    for spec in (None, SPEC):
+        planner, _ = make(spec, max_num_seqs=4)
+        worker = FakeWorker(64, BS, VOCAB, model=cyclic, options=True)
+        for i in range(3):
+            options = SamplingOptions(max_tokens=25 + 7 * i, **PROCESSED[case])
+            planner.add(Request(f"r{i}", i + 1, PROMPT[i:] + PROMPT[:i], options, eos_token_ids=eos))
+        outputs.append(run(planner, worker, ahead)[0])
+    assert outputs[1] == outputs[0]
+    assert planner.drafter.counters.accepted_tokens > 0
+    assert any(s.num_drafts for p in worker.steps for s in p.seqs)
+
+
+@pytest.mark.parametrize("min_tokens", [3, 8, 20])
+def test_drafts_before_min_tokens_stop_where_it_is_reached(min_tokens):
+    """Until min_tokens the stop ids are blocked, and the worker blocks a row's ids at
+    every verified position alike: a decode drafts on either side of min_tokens,
+    never across it, and the output is plain decoding's (EOS, common in the copied
+    text, ends it as soon as it may)."""
     prompt = PROMPT
-    planner, worker = make(SPEC)
-    planner.add(Request("r", 1, list(prompt), SamplingOptions(temperature=0.0, max_tokens=40, min_tokens=20)))
-    run(planner, worker, ahead=False)
+    outputs = []
+    for spec in (None, SPEC):
+        planner, _ = make(spec)
+        # The text is PROMPT's cycle by position, whatever was sampled: an EOS the block
+        # replaced comes back a cycle later, and ends the request once min_tokens allows.
+        worker = FakeWorker(64, BS, VOCAB, model=lambda context: PROMPT[len(context) % 7], options=True)
+        options = SamplingOptions(temperature=0.0, max_tokens=40, min_tokens=min_tokens)
+        planner.add(Request("r", 1, list(prompt), options, eos_token_ids=frozenset({5})))
+        outputs.append(run(planner, worker, ahead=False)[0]["r"])
+    assert outputs[1] == outputs[0]
+    assert len(outputs[1]) > min_tokens and outputs[1][-1][0] == 5  # EOS ended it past min_tokens
     drafted = [s for p in worker.steps for s in p.seqs if s.num_drafts]
-    assert drafted and all(s.start_pos + 1 - len(prompt) >= 20 for s in drafted)
+    generated_before = [s.start_pos + 1 - len(prompt) for s in drafted]
+    assert any(g < min_tokens for g in generated_before) or min_tokens <= 3
+    for s, g in zip(drafted, generated_before):
+        assert g >= min_tokens or g + s.num_drafts < min_tokens, (g, s.num_drafts)
+        assert bool(s.blocked_token_ids) == (g < min_tokens)
 
 
 def test_a_request_can_opt_out():

@@ -35,7 +35,7 @@ from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams
 from worker_svc.sampling.prompt_logprobs import PromptRows
 from worker_svc.sampling.verify import verify_drafts
-from worker_svc.step.input import BoolArray, IntArray, StepInput, TokenMasks, UIntArray, ranges
+from worker_svc.step.input import BoolArray, IntArray, SeqColumns, StepInput, TokenMasks, UIntArray, ranges
 from worker_svc.step.output import PromptLogprobsOut, SampledRows, StepOutput
 from worker_svc.step.validation import check_late_rows
 
@@ -104,17 +104,22 @@ class ModelRunner:
             self.cache.copy_blocks(batch.copy_src, batch.copy_dst)
         return graphs.replay(batch) if graphs is not None else self.forward(batch)
 
-    def _verify(self, inner: torch.Tensor, host: HostBatch, packed: Packed) -> torch.Tensor:
-        """Greedy verification of the rows with drafts (sampling/verify.py) from the
-        logits `inner` at their positions before the last (host.verify_rows): each
-        row's bonus token replaces its sample in `packed` (in place, so LastSamples and
-        the host copy see it); returns what rides in that copy after it: [R + D, 2]
-        float64, a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
+    def _verify(
+        self, inner: torch.Tensor, batch: ForwardBatch, host: HostBatch, packed: Packed, seqs: SeqColumns
+    ) -> torch.Tensor:
+        """Verification of the rows with drafts (sampling/verify.py) from the logits
+        `inner` at their positions before the last (host.verify_rows): each one's
+        bonus token replaces its sample in `packed` (in place, so LastSamples and the
+        host copy see it); returns what rides in that copy after it: [R + D, 2] float64,
+        a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
         device = inner.device
-        # Each inner position's next token is a draft (a drafting row carries its input: no placeholder).
-        drafts = torch.from_numpy(host.input_ids[host.verify_rows + 1]).to(device)
+        verify_rows = torch.from_numpy(host.verify_rows).to(device)
+        drafts = batch.input_ids[verify_rows + 1]  # each inner position's next token is a draft
         rows = torch.from_numpy(host.draft_rows).to(device)
-        accepted, bonus, inner_logprobs = verify_drafts(inner, packed.tensor[rows], drafts, host.draft_counts)
+        params = SamplingParams.of_drafted_positions(seqs, host.sample_order[host.draft_rows])
+        accepted, bonus, inner_logprobs = verify_drafts(
+            self.sampler, inner, params, packed.tensor[rows], drafts, host.draft_counts
+        )
         packed.tensor[rows] = bonus
         counted = torch.stack([accepted.double(), torch.zeros_like(accepted, dtype=torch.float64)], dim=1)
         return torch.cat([counted, torch.stack([torch.zeros_like(inner_logprobs), inner_logprobs], dim=1)])
@@ -172,7 +177,7 @@ class ModelRunner:
             logits, inner = everything_logits[:scored], everything_logits[scored:]
             t2 = time.perf_counter()
             packed = self.sampler.sample_packed(logits, params)  # on the device
-            accepted = self._verify(inner, host, packed) if host.draft_rows.size else None
+            accepted = self._verify(inner, batch, host, packed, step.seqs) if host.draft_rows.size else None
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
             self.last_samples = _last_samples(step.step_id, seq_ids, packed.token_ids, host.draft_rows)

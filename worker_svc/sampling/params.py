@@ -3,13 +3,14 @@ rows to score for prompt logprobs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from worker_svc.step.input import IntArray, RowExtras, SamplingColumns, SeqColumns, TokenMasks
+from worker_svc.step.input import IntArray, RowExtras, SamplingColumns, SeqColumns, TokenMasks, ranges
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +73,33 @@ class SamplingParams:
         (step rows), asked for when the sampler needs them."""
         where = np.full(len(seqs), -1, dtype=np.int64)
         where[rows] = np.arange(len(rows))
-        extras = {int(where[row]): e for row, e in seqs.extras.items() if where[row] >= 0}
+        drafts = seqs.drafts
+        extras = {
+            int(where[row]): after_drafts(e, chunk_drafts(seqs, row)) if drafts[row] else e
+            for row, e in seqs.extras.items()
+            if where[row] >= 0
+        }
         masks = None if token_masks is None else (lambda: token_masks().take(where))
         return cls(seqs.sampling.take(rows), seqs.context_lens[rows], extras, prompt, input_ids, token_masks=masks)
+
+    @classmethod
+    def of_drafted_positions(cls, seqs: SeqColumns, rows: IntArray) -> SamplingParams:
+        """The parameters of every position before the last of the drafting rows `rows`
+        (step rows), row after row, each sampled as one-token decoding would have
+        sampled it (sampling/verify.py): the row's options, the position of the token
+        it samples (a seeded row's noise key), and its penalties counting the drafts
+        before it. A row's blocked ids and logit bias hold at every position."""
+        counts = seqs.drafts[rows]
+        # Chunk position i of a row's last K + 1 samples the token at start_pos + n - K + i.
+        firsts = seqs.context_lens[rows] - counts
+        positions = ranges(firsts, counts)
+        starts = np.cumsum(counts) - counts
+        extras: dict[int, RowExtras] = {}
+        for start, row in zip(starts.tolist(), rows.tolist()):
+            if (e := seqs.extras.get(row)) is not None:
+                drafts = chunk_drafts(seqs, row)
+                extras.update({start + i: after_drafts(e, drafts[:i]) for i in range(len(drafts))})
+        return cls(seqs.sampling.take(np.repeat(rows, counts)), positions, extras)
 
     @property
     def asks_logprob_indices(self) -> bool:
@@ -95,3 +120,20 @@ class SamplingParams:
         for row, e in self.extras.items():
             top[row] = e.top_logprobs
         return top
+
+
+def chunk_drafts(seqs: SeqColumns, row: int) -> list[int]:
+    """The drafts a row carries: the last num_drafts tokens of its chunk."""
+    end = int(seqs.token_starts[row] + seqs.num_tokens[row])
+    return [int(t) for t in seqs.token_ids[end - int(seqs.drafts[row]) : end]]
+
+
+def after_drafts(extras: RowExtras, drafts: Sequence[int]) -> RowExtras:
+    """A row's options at the position after `drafts`: its penalties count them as
+    generated, as one-token decoding would have by then (the wire's output ids are
+    those generated before the chunk)."""
+    p = extras.penalties
+    if p is None or not len(drafts):
+        return extras
+    counted = dataclasses.replace(p, output_token_ids=(*p.output_token_ids, *drafts))
+    return dataclasses.replace(extras, penalties=counted)

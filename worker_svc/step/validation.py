@@ -126,9 +126,11 @@ def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limit
 
 
 def _validate_drafts(seqs: SeqColumns) -> None:
-    """Drafts (speculative decoding) only where greedy verification gives exactly the
-    tokens decoding would: a greedy sampling row whose chunk holds its input and the
-    drafts, with nothing that changes or reports more than the argmax."""
+    """Drafts (speculative decoding) only where verification samples every position
+    as one-token decoding would (sampling/verify.py): a sampling row, greedy or not,
+    whose chunk holds its input and the drafts, with blocked ids, a logit bias or
+    penalties at most (applied per position); nothing that reports more than the
+    token (returned logits, alternatives, prompt logprobs) and no token mask."""
     if not len(seqs.num_drafts):
         return
     drafts = seqs.num_drafts
@@ -136,21 +138,19 @@ def _validate_drafts(seqs: SeqColumns) -> None:
         raise InvalidStep(
             row_field("num_drafts", i), f"{drafts[i]} drafts in a chunk of {seqs.num_tokens[i]} tokens (at most n - 1)"
         )
-    unverifiable = ~seqs.sample | (seqs.sampling.temperature != 0) | seqs.from_previous | seqs.return_logits
+    unverifiable = ~seqs.sample | seqs.from_previous | seqs.return_logits
     if (i := _first((drafts > 0) & unverifiable)) is not None:
         raise InvalidStep(
-            row_field("num_drafts", i),
-            "drafts need a greedy sampling row (temperature 0), its input in token_ids, no returned logits",
+            row_field("num_drafts", i), "drafts need a sampling row, its input in token_ids, no returned logits"
         )
     inline = seqs.masks.rows if seqs.masks is not None else np.zeros(0, dtype=np.int64)
     masked = np.concatenate([inline, seqs.late_mask_rows])
     if (i := _first(drafts[masked] > 0)) is not None:
         raise InvalidStep(row_field("num_drafts", int(masked[i])), "drafts cannot be verified under a token mask")
     for row, e in seqs.extras.items():
-        if drafts[row] and (e.top_logprobs or e.processes_logits or len(e.prompt_logprob_targets)):
+        if drafts[row] and (e.top_logprobs or len(e.prompt_logprob_targets)):
             raise InvalidStep(
-                row_field("num_drafts", row),
-                "drafts cannot be verified with top_logprobs, blocked ids, logit bias, penalties or prompt logprobs",
+                row_field("num_drafts", row), "drafts cannot be verified with top_logprobs or prompt logprobs"
             )
 
 
