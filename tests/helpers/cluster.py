@@ -13,6 +13,22 @@ if TYPE_CHECKING:
     from tools.processes import Cluster
 
 
+# A scheduler drafting with every row that runs (the batch rule would stop at 2 by
+# default), n-grams short enough for the tiny random models' repetitive text.
+SPEC_FLAGS = [
+    "--speculative-method",
+    "ngram",
+    "--num-speculative-tokens",
+    "4",
+    "--ngram-min",
+    "1",
+    "--ngram-max",
+    "3",
+    "--speculative-disable-by-batch-size",
+    "8",
+]
+
+
 def load_model(model_dir: Path):
     """transformers' float32 model of the checkpoint, in eval mode: the reference."""
     import torch

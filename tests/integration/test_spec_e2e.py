@@ -21,26 +21,13 @@ from transformers import AutoTokenizer
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import assert_pool_clean, hf_greedy, load_model, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, assert_pool_clean, hf_greedy, load_model, wait_idle
 from tests.helpers.logprob_reference import reference_greedy
 from tests.helpers.procs import Cluster, free_port
 
-# Drafting with every row that runs (the batch rule off at 8): exactness under a full batch.
-SPEC = [
-    "--speculative-method",
-    "ngram",
-    "--num-speculative-tokens",
-    "4",
-    "--ngram-min",
-    "1",
-    "--ngram-max",
-    "3",
-    "--speculative-disable-by-batch-size",
-    "8",
-]
 MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 # Small steps and pool: drafts compete with prefill chunks for the budget, and requests wait.
-SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8", *SPEC]
+SCHEDULER = ["--max-num-batched-tokens", "48", "--chunk-size", "32", "--max-num-seqs", "8", *SPEC_FLAGS]
 
 
 def spec_totals(metrics_url: str) -> dict[str, float]:
@@ -97,7 +84,9 @@ def test_a_copying_prompt_accepts_drafts_in_fewer_steps(default_model):
     chat = [{"role": "user", "content": f"Repeat this sentence exactly: {text}"}]
     prompt = tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
     port = free_port()
-    cluster = Cluster(default_model, ["--dtype", "float32", "--num-blocks", "64"], [*SPEC, "--metrics-port", str(port)])
+    cluster = Cluster(
+        default_model, ["--dtype", "float32", "--num-blocks", "64"], [*SPEC_FLAGS, "--metrics-port", str(port)]
+    )
     metrics_url = f"http://127.0.0.1:{port}/metrics"
     with cluster, SchedulerClient(cluster.address) as client:
         steps, outputs = [], []
@@ -152,7 +141,9 @@ def test_processed_and_seeded_sampled_requests_draft_exactly():
     ref = load_model(model_dir)
     prompt = [(37 * i + 11) % 700 + 4 for i in range(30)]
     port = free_port()
-    cluster = Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "48"], [*SPEC, "--metrics-port", str(port)])
+    cluster = Cluster(
+        model_dir, ["--dtype", "float32", "--num-blocks", "48"], [*SPEC_FLAGS, "--metrics-port", str(port)]
+    )
     with cluster, SchedulerClient(cluster.address) as client:
 
         def run(params: dict, opt_out: bool):

@@ -18,24 +18,11 @@ import pytest
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import assert_pool_clean, hf_greedy, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, assert_pool_clean, hf_greedy, wait_idle
 from tests.helpers.procs import Cluster
 
 COPY = [171] * 21  # a full 16-token block the forks share, and a partial one
 MAX_TOKENS = 32
-# Drafting with up to 8 rows running (the batch rule would stop it at 2 by default): the forks draft.
-SPEC = [
-    "--speculative-method",
-    "ngram",
-    "--num-speculative-tokens",
-    "4",
-    "--ngram-min",
-    "1",
-    "--ngram-max",
-    "3",
-    "--speculative-disable-by-batch-size",
-    "8",
-]
 WORKER = ["--dtype", "float32", "--num-blocks", "48"]
 WAIT_S = 120.0
 MODEL = "llama"  # the gateway's model id: the tiny checkpoint's directory name
@@ -43,7 +30,7 @@ MODEL = "llama"  # the gateway's model id: the tiny checkpoint's directory name
 
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    with Cluster(model_dir, WORKER, SPEC, gateway=True) as c:
+    with Cluster(model_dir, WORKER, SPEC_FLAGS, gateway=True) as c:
         yield c
 
 
@@ -147,7 +134,7 @@ def test_a_tensor_parallel_worker_verifies_drafts_to_the_same_tokens(model, want
     the opted-out run's and, with n = 2 forks, each fork's; drafts were accepted."""
     # The torch attention ops: a rank needs no C++ kernel build or load (seconds, not a minute, on a busy CPU).
     tp = [*WORKER, "--tensor-parallel-size", "2", "--attention-backend", "torch"]
-    with Cluster(tiny_checkpoint("llama"), tp, SPEC) as cluster, SchedulerClient(cluster.address) as client:
+    with Cluster(tiny_checkpoint("llama"), tp, SPEC_FLAGS) as cluster, SchedulerClient(cluster.address) as client:
         before = client.stats()
         got = client.generate(prompt_token_ids=COPY, max_tokens=MAX_TOKENS, temperature=0.0, timeout=WAIT_S)
         forks = samples(client, 2)
