@@ -13,8 +13,9 @@ import pytest
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig
+from scheduler_svc.planning.speculation import constrained_drafts
 from scheduler_svc.speculative.ngram import NgramConfig
-from scheduler_svc.structured import Constraint, GrammarCompiler
+from scheduler_svc.structured import Constraint, GrammarCompiler, GrammarMatcher, allowed_ids
 from tests.helpers.fake_worker import FakeWorker
 from tests.helpers.grammar_walk import TINY_EOS, tiny_vocab
 from tests.unit.test_planner_grammar import BS, CONSTRAINTS, VOCAB, constrained, run
@@ -71,3 +72,21 @@ def test_constrained_requests_draft_and_keep_the_tokens_of_plain_decoding(compil
     assert 0 < counters.accepted_tokens < counters.draft_tokens  # some accepted, some rejected
     if not ahead:  # (planned ahead, requests wait to draft less often: few drafts to cut)
         assert counters.draft_tokens < sum(map(len, proposed))  # and some cut: the grammar forbade them
+
+
+def test_the_walk_cuts_at_the_first_forbidden_draft_and_leaves_the_matcher_as_it_was(compiler):
+    """Through an activate_after trigger (a reasoning model's </think>): all-allowing masks
+    before the grammar starts, the grammar's after; cut at the letter the regex forbids."""
+    vocab = tiny_vocab()
+    (digit,), (letter,), (trigger,) = vocab.encode("7"), vocab.encode("x"), vocab.encode("@")
+    matcher = GrammarMatcher(compiler.compile(Constraint.regex("[0-9]+")), activate_after=[trigger])
+    matcher.advance(letter)  # still thinking: anything goes
+    drafts = [letter, trigger, digit, letter, digit]
+    kept, masks = constrained_drafts(matcher, drafts)
+    assert kept == [letter, trigger, digit] and masks is not None and masks.shape[0] == len(kept) + 1
+    assert (masks[:2] == -1).all()  # before and at the trigger: the grammar has not started
+    for position in (2, 3):  # the grammar's own masks: digits only
+        ids = set(allowed_ids(masks[position], VOCAB).tolist())
+        assert digit in ids and letter not in ids
+    assert matcher.num_tokens == 1 and not matcher.active  # rolled back
+    assert constrained_drafts(matcher, [letter, letter]) == ([letter, letter], None)  # no mask needed anywhere
