@@ -54,7 +54,7 @@ from numpy.typing import NDArray
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
-from scheduler_svc.planning.speculation import Drafter, constrained_drafts
+from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.planning.validation import (
     SCHEDULING_POLICIES,
     RequestRejected,
@@ -543,7 +543,7 @@ class Planner:
             return 0
         drafts, masks = self.drafter.drafts(request, self.max_len, budget.tokens_left), None
         if drafts and request.grammar is not None:
-            drafts, masks = constrained_drafts(request.grammar, drafts)
+            drafts, masks = self.drafter.under_grammar(request, drafts)
         if not drafts or self.kv.allocate_slots(request, 1 + len(drafts)) is None:
             return 0
         budget.drafts[request.request_id] = drafts

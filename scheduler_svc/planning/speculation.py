@@ -163,6 +163,15 @@ class Drafter:
             self._missed(request.request_id)
         return drafts
 
+    def under_grammar(self, request: Request, drafts: list[int]) -> tuple[list[int], NDArray[np.int32] | None]:
+        """A constrained request's drafts and masks (constrained_drafts); drafts its grammar
+        forbids from the first are a miss, as a lookup that finds nothing."""
+        assert request.grammar is not None
+        kept, masks = constrained_drafts(request.grammar, drafts)
+        if not kept:
+            self._missed(request.request_id)
+        return kept, masks
+
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified row's outcome: counted; all rejected is a miss, anything accepted ends the back-off."""
         self.counters.drafts += 1
