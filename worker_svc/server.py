@@ -89,6 +89,7 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         extras={row: _extras(more, from_previous, row) for row, more in c.extras.items()},
         num_drafts=np.array(c.num_drafts, np.int64),
         masks=masks_from_proto("seqs.masks", c.masks) if c.HasField("masks") else None,
+        draft_masks=masks_from_proto("seqs.draft_masks", c.draft_masks) if c.HasField("draft_masks") else None,
         late_mask_rows=np.flatnonzero(mask_follows),
     )
     copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)

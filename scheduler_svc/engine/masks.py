@@ -32,11 +32,13 @@ class MaskFailure:
 
 
 def inline_rows(plan: StepPlan) -> list[int]:
-    """Rows whose mask can be computed now: a grammar that has started, its input known."""
+    """Rows whose mask can be computed now: a grammar that has started, its input known;
+    and the drafting rows whose masks were computed when planned (position_masks)."""
     return [
         row
         for row, seq in enumerate(plan.seqs)
-        if seq.grammar is not None and not seq.mask_follows and seq.grammar.needs_mask
+        if seq.position_masks is not None
+        or (seq.grammar is not None and not seq.mask_follows and seq.grammar.needs_mask)
     ]
 
 
@@ -44,9 +46,14 @@ async def compute(
     filler: MaskFiller, plan: StepPlan, rows: list[int], live: Callable[[str], bool]
 ) -> tuple[PlanMasks, list[MaskFailure]]:
     """The masks of `rows` of `plan` (all-allowing for those whose request is no longer `live`
-    or whose grammar needs none), and the rows whose grammar failed on the way."""
+    or whose grammar needs none), and the rows whose grammar failed on the way. A drafting
+    row's mask is that of its sampled position, after its drafts: computed when planned."""
     words = np.full((len(rows), filler.mask_words), -1, dtype=np.int32)
-    wanted = [(i, seq.grammar) for i, seq in enumerate(plan.seqs[row] for row in rows)]
+    seqs = [plan.seqs[row] for row in rows]
+    for i, seq in enumerate(seqs):
+        if seq.position_masks is not None:
+            words[i] = seq.position_masks[-1]
+    wanted = [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.position_masks is None]
     filled = [(i, g) for i, g in wanted if g is not None and g.needs_mask and live(plan.seqs[rows[i]].request_id)]
     failures = []
     if filled:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
@@ -123,6 +124,8 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
             _fill_extras(columns.extras[row], s)
     if plan.masks is not None:
         columns.masks.CopyFrom(masks_to_proto(plan.masks))
+    if (inner := _draft_masks(seqs)) is not None:
+        columns.draft_masks.CopyFrom(masks_to_proto(inner))
     copies = [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in plan.copies]
     request = worker_pb2.StepRequest(
         step_id=plan.step_id, copies=copies, seqs=columns, previous_step_id=plan.previous_step_id
@@ -139,6 +142,17 @@ def _flags(s: ScheduledSeq) -> int:
         | (_SEEDED if s.sampling.seed is not None else 0)
         | (_MASK_FOLLOWS if s.mask_follows else 0)
     )
+
+
+def _draft_masks(seqs: list[ScheduledSeq]) -> PlanMasks | None:
+    """The inner positions' masks of the constrained drafting rows (SeqColumns.draft_masks):
+    each such row once per draft, its masks in position order (the last position's is in
+    the plan's masks)."""
+    masked = [(row, s.position_masks[:-1]) for row, s in enumerate(seqs) if s.position_masks is not None]
+    if not masked:
+        return None
+    rows = [row for row, inner in masked for _ in range(len(inner))]
+    return PlanMasks(rows, np.concatenate([inner for _, inner in masked]))
 
 
 def masks_to_proto(masks: PlanMasks) -> worker_pb2.TokenMasks:

@@ -165,6 +165,10 @@ class ScheduledSeq:
     # token_from_previous_step, so the matcher is one token behind until it is applied).
     grammar: GrammarMatcher | None = None
     mask_follows: bool = False
+    # A constrained row with drafts: the mask of each verified position, [num_drafts + 1, W]
+    # (row i: after the input and i drafts; the last is the sampled position's), computed
+    # when planned (speculation.constrained_drafts); None: unconstrained or no drafts.
+    position_masks: NDArray[np.int32] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -336,6 +340,7 @@ class _StepBudget:
         self.seqs_left = max_seqs
         self.scheduled: dict[str, tuple[Request, int]] = {}  # insertion order = plan order
         self.drafts: dict[str, list[int]] = {}  # request id -> the drafts its decode carries
+        self.draft_masks: dict[str, NDArray[np.int32]] = {}  # request id -> its drafting row's position_masks
         self.ahead = ahead  # planned while a step is in flight: no preemption
         self.deferred = False  # ahead, and something did not fit
 
@@ -536,10 +541,14 @@ class Planner:
         if request.request_id in self._pending_samples:
             self.drafter.planned_ahead(request.request_id)
             return 0
-        drafts = self.drafter.drafts(request, self.max_len, budget.tokens_left)
+        drafts, masks = self.drafter.drafts(request, self.max_len, budget.tokens_left), None
+        if drafts and request.grammar is not None:
+            drafts, masks = self.drafter.under_grammar(request, drafts)
         if not drafts or self.kv.allocate_slots(request, 1 + len(drafts)) is None:
             return 0
         budget.drafts[request.request_id] = drafts
+        if masks is not None:
+            budget.draft_masks[request.request_id] = masks
         return 1 + len(drafts)
 
     def _reserve_slots(self, request: Request, want: int, budget: _StepBudget, preempted: list[str]) -> int:
@@ -656,6 +665,7 @@ class Planner:
                 self._add_sample_inputs(scheduled, request)
                 scheduled.grammar = request.grammar
                 scheduled.mask_follows = request.grammar is not None and from_previous
+                scheduled.position_masks = budget.draft_masks.get(request.request_id)
             plan.seqs.append(scheduled)
             request.num_computed_tokens = end
             if sample:
@@ -781,8 +791,13 @@ class Planner:
         request.num_computed_tokens = computed
         self.kv.trim(request, computed)
         run = [*zip(seq.token_ids[1 : 1 + accepted], draft_logprobs), (samples.token_ids[row], samples.logprobs[row])]
-        updates, reason = [], None
+        updates: list[RequestUpdate] = []
+        reason: FinishReason | None = None
         for token_id, logprob in run:
+            if (error := _advance_grammar(request, token_id)) is not None:
+                self.finish(request.request_id, FinishReason.ABORT)  # as _apply: the tokens before it stand
+                abort = FinishReason.ABORT
+                return [*updates, RequestUpdate(request.request_id, finished=True, finish_reason=abort, error=error)]
             request.append_output(token_id, logprob)
             reason = self._stop_reason(request, token_id)
             updates.append(

@@ -5,8 +5,11 @@ The drafts come from the n-gram proposer (scheduler_svc/speculative/ngram.py);
 the worker verifies them by sampling every position as one-token decoding would
 (worker_svc/sampling/verify.py: greedy rows take the argmax, sampled rows the
 rejection rule through the seeded Gumbel race) and answers how many it accepted.
-A row drafts unless something per position is out of the worker's reach: a token
-mask (structured outputs), logprobs or prompt logprobs; or it opted out. Its
+A row drafts unless something per position is out of the worker's reach:
+logprobs or prompt logprobs; or it opted out. A constrained row (structured
+outputs) drafts under its grammar: its drafts stop before the first one the
+grammar forbids (never accepted), and it carries the mask of every verified
+position, walked through the drafts at plan time (constrained_drafts). Its
 penalties count the drafts before each position on the worker; min_tokens blocks
 the stop ids at every position of a decode or at none, so drafts stop short of
 the position where it is reached (min_tokens_cap).
@@ -26,9 +29,17 @@ drafts: the overlap every row keeps is worth more than the drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
 
 from scheduler_svc.request import Request
 from scheduler_svc.speculative.ngram import NgramConfig, NgramProposer
+from scheduler_svc.structured.errors import GrammarFailed
+
+if TYPE_CHECKING:
+    from scheduler_svc.structured.matcher import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -51,14 +62,10 @@ class SpecCounters:
 
 def can_draft(request: Request) -> bool:
     """The worker verifies this request's drafts as one-token decoding would sample
-    them: any temperature and filters, logit bias, penalties and min_tokens (see
-    min_tokens_cap); not a token mask, logprobs or prompt logprobs still to score."""
-    return (
-        not request.no_speculation
-        and request.grammar is None
-        and request.sampling.logprobs is None
-        and not request.needs_prompt_logprobs
-    )
+    them: any temperature and filters, logit bias, penalties, min_tokens (see
+    min_tokens_cap) and a grammar's masks (constrained_drafts); not logprobs or
+    prompt logprobs still to score."""
+    return not request.no_speculation and request.sampling.logprobs is None and not request.needs_prompt_logprobs
 
 
 def min_tokens_cap(request: Request) -> int | None:
@@ -68,6 +75,37 @@ def min_tokens_cap(request: Request) -> int | None:
     that samples output min_tokens - 1; None: no cap (min_tokens reached)."""
     left = request.sampling.min_tokens - request.num_output_tokens
     return left - 1 if left > 0 else None
+
+
+def constrained_drafts(grammar: GrammarMatcher, drafts: list[int]) -> tuple[list[int], NDArray[np.int32] | None]:
+    """The drafts up to the first the grammar forbids (it could never be accepted), and
+    the masks of the verified chunk's positions: [kept + 1, W], row i the mask after the
+    input and i drafts, as one-token decoding would compute it then (all-allowing where
+    the grammar has not started: activate_after); None when no position needs one. The
+    matcher walks the drafts and is rolled back: update() advances it with the tokens
+    the worker emits."""
+    before = grammar.num_tokens
+    masks = [_mask_now(grammar)]
+    kept: list[int] = []
+    try:
+        for draft in drafts:
+            if not grammar.allows(draft):
+                break
+            grammar.advance(draft)
+            kept.append(draft)
+            masks.append(_mask_now(grammar))
+    except GrammarFailed:  # a limit hit on the way: draft nothing, plain decoding meets it
+        kept, masks = [], masks[:1]
+    finally:
+        grammar.rollback(grammar.num_tokens - before)
+    if all(m is None for m in masks):
+        return kept, None
+    every = np.full(grammar.vocab.mask_words, -1, dtype=np.int32)
+    return kept, np.stack([every if m is None else m for m in masks])
+
+
+def _mask_now(grammar: GrammarMatcher) -> NDArray[np.int32] | None:
+    return grammar.mask() if grammar.needs_mask else None
 
 
 _BACKOFF_FIRST, _BACKOFF_MAX = 2, 32
@@ -124,6 +162,15 @@ class Drafter:
         if not drafts:
             self._missed(request.request_id)
         return drafts
+
+    def under_grammar(self, request: Request, drafts: list[int]) -> tuple[list[int], NDArray[np.int32] | None]:
+        """A constrained request's drafts and masks (constrained_drafts); drafts its grammar
+        forbids from the first are a miss, as a lookup that finds nothing."""
+        assert request.grammar is not None
+        kept, masks = constrained_drafts(request.grammar, drafts)
+        if not kept:
+            self._missed(request.request_id)
+        return kept, masks
 
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified row's outcome: counted; all rejected is a miss, anything accepted ends the back-off."""

@@ -6,7 +6,8 @@ would. The next token is a deterministic function of that context, so a wrong
 block table, slot mapping or shared block shows up as different output tokens.
 A row with drafts is verified as worker_svc/sampling/verify.py does: each
 position is sampled as a one-token decode of it would be, the drafts equal to
-those samples are kept, then the sample after them.
+those samples are kept, then the sample after them; a constrained row's each
+position under its own mask (ScheduledSeq.position_masks).
 
 With `options=True` a sample also follows the row's sampling options, in a
 deterministic stand-in for the worker's logit processing and sampling: a
@@ -26,6 +27,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 
 from scheduler_svc.planning.planner import ScheduledSeq, StepPlan, StepSamples
+from scheduler_svc.structured import allowed_ids
 
 
 class FakeWorker:
@@ -90,17 +92,21 @@ class FakeWorker:
                 # A plan's row, or a worker.v1 row (fake_worker_server): alternatives or a mask.
                 asks = getattr(seq, "top_logprobs", 0) or (seq.sampling.logprobs if hasattr(seq, "sampling") else 0)
                 masked = allowed is not None and seq.seq_id in allowed
-                assert not (seq.num_drafts and (asks or masked)), f"seq {seq.seq_id}: drafts the worker refuses"
+                per_position = getattr(seq, "position_masks", None)  # a constrained drafting row's
+                assert not (seq.num_drafts and (asks or (masked and per_position is None))), (
+                    f"seq {seq.seq_id}: drafts the worker refuses"
+                )
                 known = len(context) - seq.num_drafts  # the context before the drafts
                 generated = self._generated(seq, inputs[seq.seq_id]) if self.options else []
 
+                ids_at = self._allowed_at(seq, allowed[seq.seq_id] if masked else None, per_position)
+
                 # Position by position, each sampled once (an unseeded row's noise is drawn per sample).
-                n, token = 0, self.sample(seq, context[:known], generated)
+                n, token = 0, _pick(ids_at[0], self.sample(seq, context[:known], generated))
                 while n < seq.num_drafts and context[known + n] == token:
                     n += 1
                     token = self.sample(seq, context[: known + n], generated + context[known : known + n])
-                if allowed is not None and seq.seq_id in allowed:
-                    token = allowed[seq.seq_id][token % len(allowed[seq.seq_id])]
+                    token = _pick(ids_at[n], token)
                 sampled[seq.seq_id], accepted[seq.seq_id] = (token, -float(token) / self.vocab_size), n
                 draft_logprobs[seq.seq_id] = [-float(t) / self.vocab_size for t in context[known : known + n]]
         self.last_step_id, self.last_sampled = plan.step_id, sampled
@@ -126,6 +132,13 @@ class FakeWorker:
             if not (blocked or penalized):
                 return candidate
         raise AssertionError(f"seq {seq.seq_id}: every token is blocked")
+
+    def _allowed_at(self, seq, allowed: Sequence[int] | None, per_position) -> list[list[int] | None]:
+        """The ids each chunk position may sample (None: any): a drafting row's own per
+        position, else the row's one mask at every position."""
+        if per_position is not None:
+            return [allowed_ids(words, self.vocab_size).tolist() for words in per_position]
+        return [None if allowed is None else list(allowed)] * (seq.num_drafts + 1)
 
     @staticmethod
     def _generated(seq: ScheduledSeq, inputs: list[int]) -> list[int]:
@@ -164,6 +177,11 @@ class FakeWorker:
             assert entry is not None and entry[0] == pos, f"position {pos}: cache holds {entry}"
             context.append(entry[1])
         return context
+
+
+def _pick(ids: list[int] | None, token: int) -> int:
+    """The sample under a mask: the allowed id the token picks."""
+    return token if ids is None else ids[token % len(ids)]
 
 
 def samples_of(

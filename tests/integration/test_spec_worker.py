@@ -6,18 +6,20 @@ and blocked ids applied per verified position (against transformers' model
 with the same processing), and seeded sampling (the tokens of the same row's
 plain seeded decoding: the race at each position is keyed by (seed, position)).
 The cache it leaves lets decoding go on from there. Rows that cannot be verified
-exactly are refused."""
+exactly are refused, and so are malformed per-position masks (draft_masks); each verified
+position samples under its own mask."""
 
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from proto import worker_pb2
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.logprob_reference import reference_greedy
-from tests.helpers.worker_client import Seq, seq_step, step_request
+from tests.helpers.worker_client import Seq, seq_step, step_request, token_masks
 from tests.helpers.worker_under_test import WorkerUnderTest
 
 TABLE = [9, 3, 17, 5, 30, 11, 2, 40]
@@ -97,7 +99,6 @@ def test_a_step_without_drafts_sends_no_accepted_column(worker):
         dict(return_logits=True),
         dict(top_logprobs=2),  # alternatives at verified positions: not carried
         dict(prompt_logprob_targets=[6]),
-        dict(mask=[-1] * 24),  # a mask (768 ids): the scheduler would have to walk the grammar through the drafts
         dict(sample=False),
     ],
 )
@@ -111,6 +112,66 @@ def test_rows_that_cannot_be_verified_exactly_are_refused(worker, change):
         worker.stub.Step(request)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "seqs.num_drafts[row 0]" in err.value.details()
+
+
+VOCAB_WORDS = 24  # the tiny checkpoint's 768 ids
+
+
+def one_hot(token: int) -> list[int]:
+    words = [0] * VOCAB_WORDS
+    words[token // 32] = np.int32(np.uint32(1 << (token % 32)))
+    return words
+
+
+@pytest.mark.parametrize("forced_at", [None, 0, 1, 2])
+def test_each_verified_position_samples_under_its_own_mask(worker, forced_at):
+    """Masks allowing one token each: the drafts are what they allow, so all are accepted and
+    the bonus is what the last mask allows; a mask at position j that allows another token
+    than draft j + 1 rejects it there, and that token is the bonus."""
+    drafts, last, other = [300, 301, 302], 303, 444
+    inner = [one_hot(t) for t in drafts]
+    if forced_at is not None:
+        inner[forced_at] = one_hot(other)
+    row = seq_step(70 + (forced_at or 9), [5, 6, 7, *drafts], 0, TABLE, logits=False)
+    row.mask = one_hot(last)
+    request = step_request(worker.step_id + 1, [row])
+    request.seqs.num_drafts.extend([len(drafts)])
+    request.seqs.draft_masks.CopyFrom(token_masks([0] * len(drafts), inner))
+    worker.step_id += 1
+    reply = worker.stub.Step(request)
+    accepted, bonus = reply.sampled.num_accepted[0], reply.sampled.token_ids[0]
+    assert (accepted, bonus) == ((3, last) if forced_at is None else (forced_at, other))
+
+
+@pytest.mark.parametrize(
+    "draft_rows,words,field",
+    [
+        (None, None, "seqs.draft_masks.rows[0]"),  # a masked drafting row without its inner masks
+        ([0], None, "seqs.draft_masks.rows[1]"),  # fewer than its drafts
+        ([0, 0, 0], None, "seqs.draft_masks.rows[2]"),  # more
+        ([0, 0], [[-1] * 23, [-1] * 23], "seqs.draft_masks.width_words"),
+        ([0, 0], [[-1] * VOCAB_WORDS, [0] * VOCAB_WORDS], "seqs.draft_masks.words"),  # allows nothing
+    ],
+)
+def test_malformed_draft_masks_are_refused(worker, draft_rows, words, field):
+    row = seq_step(7, [5, 6, 7, 8], 0, TABLE, logits=False)
+    row.mask = [-1] * VOCAB_WORDS
+    request = step_request(997, [row])
+    request.seqs.num_drafts.extend([2])
+    if draft_rows is not None:
+        request.seqs.draft_masks.CopyFrom(token_masks(draft_rows, words or [[-1] * VOCAB_WORDS] * len(draft_rows)))
+    with pytest.raises(grpc.RpcError) as err:
+        worker.stub.Step(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def test_draft_masks_of_an_unmasked_row_are_refused(worker):
+    request = step_request(996, [seq_step(7, [5, 6, 7, 8], 0, TABLE, logits=False)])
+    request.seqs.num_drafts.extend([2])
+    request.seqs.draft_masks.CopyFrom(token_masks([0, 0], [[-1] * VOCAB_WORDS] * 2))
+    with pytest.raises(grpc.RpcError) as err:
+        worker.stub.Step(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "seqs.draft_masks.rows[0]" in err.value.details()
 
 
 def test_more_drafts_than_the_chunk_holds_are_refused(worker):

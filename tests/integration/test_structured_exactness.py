@@ -22,7 +22,7 @@ from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.structured import Constraint, GrammarCompiler, GrammarMatcher, GrammarVocab, apply_bitmask
 from scheduler_svc.text.tokenizer import load_tokenizer
-from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, wait_idle
 from tools.processes import Cluster
 
 WAIT_S = 120.0
@@ -142,5 +142,59 @@ def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model
     crowded = reference(model, compiler, CROWDING_PROMPT, Constraint.json_schema(ORDER), CROWDING_TOKENS)
     assert len(crowded) == CROWDING_TOKENS and all(tokens == crowded for tokens in samples.values())
     assert stats.preemptions > 0, "samples that outgrow the pool must preempt each other"
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+    assert "engine audit failed" not in log
+
+
+# Forced, repeated text (the same object over and over): the n-gram lookup finds it and the
+# mask makes the random model emit it, so constrained drafts get accepted; free text between
+# (the names) gets some rejected or cut by the grammar.
+REPEATED = {
+    "type": "array",
+    "minItems": 6,
+    "maxItems": 6,
+    "items": {
+        "type": "object",
+        "properties": {"kind": {"enum": ["point"]}, "name": {"type": "string", "maxLength": 3}},
+        "required": ["kind", "name"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_constrained_requests_draft_and_equal_transformers_with_the_mask(mode, model_dir, model, compiler):
+    """Speculation on: constrained greedy requests draft under their grammars (the masks of
+    every verified position) and still get transformers' tokens under the mask."""
+    cases = [case for case in _cases() if CONSTRAINTS[case[1]][1] is not None][:8]
+    repeated = Constraint.json_schema(REPEATED)
+    flags = [*SCHEDULER, *SPEC_FLAGS, *([] if mode == "async" else ["--no-async-scheduling"])]
+    with Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "48"], flags) as cluster:
+        with SchedulerClient(cluster.address) as client:
+
+            def run(case: tuple[list[int], int]):
+                prompt, kind = case
+                fields, _, max_tokens = CONSTRAINTS[kind]
+                return client.generate(
+                    prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, timeout=WAIT_S, **fields
+                )
+
+            with ThreadPoolExecutor(len(cases)) as pool:
+                results = list(pool.map(run, cases))
+            copied = client.generate(
+                prompt_token_ids=CROWDING_PROMPT,
+                max_tokens=150,
+                temperature=0.0,
+                json_schema=json.dumps(REPEATED),
+                timeout=WAIT_S,
+            )
+            stats = wait_idle(client)
+            log = cluster.scheduler.log()
+    for (prompt, kind), got in zip(cases, results):
+        _, constraint, max_tokens = CONSTRAINTS[kind]
+        assert got.token_ids == reference(model, compiler, prompt, constraint, max_tokens), (mode, kind, prompt)
+    assert copied.token_ids == reference(model, compiler, CROWDING_PROMPT, repeated, 150)
+    assert stats.spec_decode_accepted_tokens > 0, "the repeated objects' drafts are accepted"
+    assert stats.spec_decode_accepted_tokens < stats.spec_decode_draft_tokens
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
     assert "engine audit failed" not in log

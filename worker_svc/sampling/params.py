@@ -87,8 +87,9 @@ class SamplingParams:
         """The parameters of every position before the last of the drafting rows `rows`
         (step rows), row after row, each sampled as one-token decoding would have
         sampled it (sampling/verify.py): the row's options, the position of the token
-        it samples (a seeded row's noise key), and its penalties counting the drafts
-        before it. A row's blocked ids and logit bias hold at every position."""
+        it samples (a seeded row's noise key), its penalties counting the drafts
+        before it, and its mask for that position (seqs.draft_masks). A row's blocked
+        ids and logit bias hold at every position."""
         counts = seqs.drafts[rows]
         # Chunk position i of a row's last K + 1 samples the token at start_pos + n - K + i.
         firsts = seqs.context_lens[rows] - counts
@@ -99,7 +100,9 @@ class SamplingParams:
             if (e := seqs.extras.get(row)) is not None:
                 drafts = chunk_drafts(seqs, row)
                 extras.update({start + i: after_drafts(e, drafts[:i]) for i in range(len(drafts))})
-        return cls(seqs.sampling.take(np.repeat(rows, counts)), positions, extras)
+        masks = _inner_masks(seqs.draft_masks, rows, starts, len(seqs))
+        token_masks = None if masks is None else (lambda: masks)
+        return cls(seqs.sampling.take(np.repeat(rows, counts)), positions, extras, token_masks=token_masks)
 
     @property
     def asks_logprob_indices(self) -> bool:
@@ -120,6 +123,19 @@ class SamplingParams:
         for row, e in self.extras.items():
             top[row] = e.top_logprobs
         return top
+
+
+def _inner_masks(draft_masks: TokenMasks | None, rows: IntArray, starts: IntArray, num_rows: int) -> TokenMasks | None:
+    """The drafting rows' inner-position masks renamed to the positions of
+    of_drafted_positions: the j-th entry of a step row is its position starts[k] + j,
+    where rows[k] is that step row."""
+    if draft_masks is None or not len(draft_masks):
+        return None
+    first_of = np.full(num_rows, -1, dtype=np.int64)
+    first_of[rows] = starts
+    listed = draft_masks.rows
+    nth = np.arange(len(listed)) - np.searchsorted(listed, listed)  # entries are grouped by row, ascending
+    return TokenMasks(first_of[listed] + nth, draft_masks.words)
 
 
 def chunk_drafts(seqs: SeqColumns, row: int) -> list[int]:

@@ -123,6 +123,9 @@ class SeqColumns:
     # in a StepMasks call (SEQ_FLAG_MASK_FOLLOWS).
     masks: TokenMasks | None = None
     late_mask_rows: IntArray = field(default_factory=_no_rows)
+    # The inner positions' masks of the drafting rows in `masks` (their last position's):
+    # each such row num_drafts times, ascending, in position order (worker.v1 draft_masks).
+    draft_masks: TokenMasks | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)

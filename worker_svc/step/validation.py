@@ -118,6 +118,8 @@ def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limit
     _validate_drafts(seqs)
     if seqs.masks is not None or seqs.late_mask_rows.size:
         _validate_mask_rows(seqs, limits.vocab_size)
+    if seqs.masks is not None or seqs.draft_masks is not None:
+        _validate_draft_masks(seqs, limits.vocab_size)
     for row, extras in sorted(seqs.extras.items()):
         if seqs.sample[row] and (extras.top_logprobs or extras.processes_logits):
             _validate_logit_processing(row_field("extras", row), extras, limits.vocab_size)
@@ -130,7 +132,8 @@ def _validate_drafts(seqs: SeqColumns) -> None:
     as one-token decoding would (sampling/verify.py): a sampling row, greedy or not,
     whose chunk holds its input and the drafts, with blocked ids, a logit bias or
     penalties at most (applied per position); nothing that reports more than the
-    token (returned logits, alternatives, prompt logprobs) and no token mask."""
+    token (returned logits, alternatives, prompt logprobs) and no late mask (a drafting
+    row's masks come with it: _validate_draft_masks)."""
     if not len(seqs.num_drafts):
         return
     drafts = seqs.num_drafts
@@ -143,10 +146,9 @@ def _validate_drafts(seqs: SeqColumns) -> None:
         raise InvalidStep(
             row_field("num_drafts", i), "drafts need a sampling row, its input in token_ids, no returned logits"
         )
-    inline = seqs.masks.rows if seqs.masks is not None else np.zeros(0, dtype=np.int64)
-    masked = np.concatenate([inline, seqs.late_mask_rows])
-    if (i := _first(drafts[masked] > 0)) is not None:
-        raise InvalidStep(row_field("num_drafts", int(masked[i])), "drafts cannot be verified under a token mask")
+    late = seqs.late_mask_rows
+    if (i := _first(drafts[late] > 0)) is not None:
+        raise InvalidStep(row_field("num_drafts", int(late[i])), "drafts cannot be verified under a late mask")
     for row, e in seqs.extras.items():
         if drafts[row] and (e.top_logprobs or len(e.prompt_logprob_targets)):
             raise InvalidStep(
@@ -292,6 +294,26 @@ def _validate_mask_rows(seqs: SeqColumns, vocab_size: int) -> None:
             f"seqs.masks.rows[{i}]", f"row {rows[i]} is flagged SEQ_FLAG_MASK_FOLLOWS: its mask comes in StepMasks"
         )
     validate_masks("seqs.masks", seqs.masks, vocab_size)
+
+
+def _validate_draft_masks(seqs: SeqColumns, vocab_size: int) -> None:
+    """The inner positions' masks: each drafting row in seqs.masks, num_drafts times, in
+    row order (a masked row's every verified position is masked, an unmasked row's none)."""
+    none = np.zeros(0, dtype=np.int64)
+    inline = seqs.masks.rows if seqs.masks is not None else none
+    drafts = seqs.drafts
+    masked = inline[drafts[inline] > 0]
+    want = np.repeat(masked, drafts[masked])
+    got = seqs.draft_masks.rows if seqs.draft_masks is not None else none
+    if not np.array_equal(got, want):
+        n = min(len(got), len(want))
+        i = _first(got[:n] != want[:n])
+        raise InvalidStep(
+            f"seqs.draft_masks.rows[{n if i is None else i}]",
+            f"rows {got.tolist()}, but the drafting rows in seqs.masks, each once per draft, are {want.tolist()}",
+        )
+    if seqs.draft_masks is not None:
+        validate_masks("seqs.draft_masks", seqs.draft_masks, vocab_size)
 
 
 def check_late_rows(field_name: str, step_id: int, masks: TokenMasks, expected_rows: IntArray) -> None:
