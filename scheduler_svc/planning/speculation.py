@@ -81,23 +81,22 @@ def constrained_drafts(grammar: GrammarMatcher, drafts: list[int]) -> tuple[list
     """The drafts up to the first the grammar forbids (it could never be accepted), and
     the masks of the verified chunk's positions: [kept + 1, W], row i the mask after the
     input and i drafts, as one-token decoding would compute it then (all-allowing where
-    the grammar has not started: activate_after); None when no position needs one. The
-    matcher walks the drafts and is rolled back: update() advances it with the tokens
-    the worker emits."""
-    before = grammar.num_tokens
-    masks = [_mask_now(grammar)]
+    the grammar has not started: activate_after); None when no position needs one. A copy
+    of the matcher walks the drafts: the request's own one sees only the tokens the
+    worker emits (update() advances it), and a grammar limit hit on a draft's path (the
+    walk stops there) is not the request's failure unless plain decoding meets it."""
+    walker = grammar.fork()
+    masks = [_mask_now(walker)]
     kept: list[int] = []
-    try:
-        for draft in drafts:
-            if not grammar.allows(draft):
-                break
-            grammar.advance(draft)
-            kept.append(draft)
-            masks.append(_mask_now(grammar))
-    except GrammarFailed:  # a limit hit on the way: draft nothing, plain decoding meets it
-        kept, masks = [], masks[:1]
-    finally:
-        grammar.rollback(grammar.num_tokens - before)
+    for draft in drafts:
+        if not walker.allows(draft):
+            break
+        try:
+            walker.advance(draft)
+        except GrammarFailed:
+            break
+        kept.append(draft)
+        masks.append(_mask_now(walker))
     if all(m is None for m in masks):
         return kept, None
     every = np.full(grammar.vocab.mask_words, -1, dtype=np.int32)

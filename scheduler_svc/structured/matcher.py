@@ -13,6 +13,7 @@ the matcher needs no mask and only watches the tokens go by."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import llguidance
@@ -74,6 +75,14 @@ class GrammarMatcher:
         out = np.empty(self.vocab.mask_words, np.int32)
         self.fill_mask(out)
         return out
+
+    def fork(self) -> GrammarMatcher:
+        """An independent matcher at this position: the speculative walk through drafts
+        runs on one, so a limit hit on a draft's path never fails the request's own."""
+        twin = copy.copy(self)
+        twin._matcher = self._matcher.deep_copy()
+        twin._tokens = list(self._tokens)
+        return twin
 
     def allows(self, token_id: int) -> bool:
         if not self.active:

@@ -88,5 +88,36 @@ def test_the_walk_cuts_at_the_first_forbidden_draft_and_leaves_the_matcher_as_it
     for position in (2, 3):  # the grammar's own masks: digits only
         ids = set(allowed_ids(masks[position], VOCAB).tolist())
         assert digit in ids and letter not in ids
-    assert matcher.num_tokens == 1 and not matcher.active  # rolled back
+    assert matcher.num_tokens == 1 and not matcher.active  # the request's matcher never moved
     assert constrained_drafts(matcher, [letter, letter]) == ([letter, letter], None)  # no mask needed anywhere
+
+
+def test_a_grammar_limit_hit_on_a_drafts_path_keeps_the_drafts_before_it_and_the_request_intact(compiler, monkeypatch):
+    """llguidance fails a matcher that hits a limit (e.g. the lexer's) while consuming a
+    token; on a draft's path that must neither fail nor move the request's matcher."""
+    from scheduler_svc.structured.errors import GrammarFailed
+
+    vocab = tiny_vocab()
+    (digit,) = vocab.encode("7")
+    matcher = GrammarMatcher(compiler.compile(Constraint.regex("[0-9]+")))
+    matcher.advance(digit)
+    mask_before = matcher.mask().copy()
+    real_fork = matcher.fork
+
+    def fork_failing_at_the_third_token():
+        walker = real_fork()
+        advance = walker.advance
+
+        def limited(token_id):
+            if walker.num_tokens == 3:
+                raise GrammarFailed("a lexer limit")
+            advance(token_id)
+
+        walker.advance = limited
+        return walker
+
+    monkeypatch.setattr(matcher, "fork", fork_failing_at_the_third_token)
+    kept, masks = constrained_drafts(matcher, [digit, digit, digit, digit])
+    assert kept == [digit, digit] and masks is not None and masks.shape[0] == 3
+    assert matcher.num_tokens == 1 and matcher.error is None and matcher.needs_mask
+    assert (matcher.mask() == mask_before).all()
