@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess
 from tests.helpers.recorder import Recorder, join, wait_for
 from tests.helpers.worker_client import sampled_rows, seq_step, step_request
@@ -149,6 +149,29 @@ def test_two_workers_failover_moves_streams_to_the_survivor(worker, reference):
             assert moved and int(moved.group(1)) >= 1, log[-3000:]
             assert health_status(proc.address) == health_pb2.HealthCheckResponse.SERVING
             assert client.generate("after failover", max_tokens=4, temperature=0.0).completion_tokens > 0
+            assert_idle_and_clean(client)
+
+
+def test_failover_under_speculative_decoding_keeps_every_stream_exact(worker, reference):
+    """Drafting requests on a worker that dies move to the survivor (their drafts'
+    blocks with them: the pool ends empty) and still get transformers' tokens."""
+    with ServiceProcess("worker_svc", WORKER_ARGS) as second:
+        # Round robin: the prompts share a prefix, which prefix routing would send to one worker.
+        flags = ["--worker-timeout-s", "60", "--routing", "round-robin", *SPEC_FLAGS]
+        with scheduler([worker, second], *flags) as (proc, client):
+            # A run of token 171: the tiny Llama then alternates 468, 171, so the lookup drafts
+            # and the model accepts (tests/integration/test_spec_serving.py).
+            recorders = [Recorder(client, [171] * 21 + [5 + i], 300) for i in range(4)]
+            for r in recorders:
+                r.start()
+            wait_for_tokens(recorders, 3)
+            second.kill()
+            join(recorders)
+            assert_exact(recorders, reference)
+            moved = re.search(r"requests moved off a lost worker.*?moved=(\d+)", full_log(proc))
+            assert moved and int(moved.group(1)) >= 1, full_log(proc)[-3000:]
+            stats = client.stats()
+            assert stats.spec_decode_accepted_tokens > 0, stats
             assert_idle_and_clean(client)
 
 

@@ -17,8 +17,8 @@ from scheduler_svc.planning.speculation import constrained_drafts
 from scheduler_svc.speculative.ngram import NgramConfig
 from scheduler_svc.structured import Constraint, GrammarCompiler, GrammarMatcher, allowed_ids
 from tests.helpers.fake_worker import FakeWorker
+from tests.helpers.grammar_planner import BS, CONSTRAINTS, VOCAB, constrained, run
 from tests.helpers.grammar_walk import TINY_EOS, tiny_vocab
-from tests.unit.test_planner_grammar import BS, CONSTRAINTS, VOCAB, constrained, run
 
 SPEC = NgramConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3, disable_by_batch_size=64)
 # Repetitive constraints, so the n-gram lookup finds drafts; the copying model makes some
