@@ -108,21 +108,26 @@ def _cases() -> list[tuple[list[int], int]]:
     return [(rng.integers(4, 700, rng.integers(3, 60)).tolist(), i % len(CONSTRAINTS)) for i in range(15)]
 
 
+def _generate_all(client: SchedulerClient, cases: list[tuple[list[int], int]]) -> list:
+    """Every case's greedy constrained reply, all requests in flight at once."""
+
+    def run(case: tuple[list[int], int]):
+        prompt, kind = case
+        fields, _, max_tokens = CONSTRAINTS[kind]
+        return client.generate(
+            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, timeout=WAIT_S, **fields
+        )
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(run, cases))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model_dir, model, compiler):
     cases = _cases()
     worker = ["--dtype", "float32", "--num-blocks", "28"]
     with Cluster(model_dir, worker, SCHEDULER + MODES[mode]) as cluster, SchedulerClient(cluster.address) as client:
-
-        def run(case: tuple[list[int], int]):
-            prompt, kind = case
-            fields, _, max_tokens = CONSTRAINTS[kind]
-            return client.generate(
-                prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, timeout=WAIT_S, **fields
-            )
-
-        with ThreadPoolExecutor(len(cases)) as pool:
-            results = list(pool.map(run, cases))
+        results = _generate_all(client, cases)
         samples: dict[int, list[int]] = {i: [] for i in range(CROWDING_SAMPLES)}
         for reply in client.stream(
             prompt_token_ids=CROWDING_PROMPT,
@@ -171,16 +176,7 @@ def test_constrained_requests_draft_and_equal_transformers_with_the_mask(mode, m
     flags = [*SCHEDULER, *SPEC_FLAGS, *([] if mode == "async" else ["--no-async-scheduling"])]
     with Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "48"], flags) as cluster:
         with SchedulerClient(cluster.address) as client:
-
-            def run(case: tuple[list[int], int]):
-                prompt, kind = case
-                fields, _, max_tokens = CONSTRAINTS[kind]
-                return client.generate(
-                    prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, timeout=WAIT_S, **fields
-                )
-
-            with ThreadPoolExecutor(len(cases)) as pool:
-                results = list(pool.map(run, cases))
+            results = _generate_all(client, cases)
             copied = client.generate(
                 prompt_token_ids=CROWDING_PROMPT,
                 max_tokens=150,
