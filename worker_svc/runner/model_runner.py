@@ -105,15 +105,21 @@ class ModelRunner:
         return graphs.replay(batch) if graphs is not None else self.forward(batch)
 
     def _verify(
-        self, inner: torch.Tensor, batch: ForwardBatch, host: HostBatch, packed: Packed, seqs: SeqColumns
+        self,
+        inner: torch.Tensor,
+        verify_rows: torch.Tensor,
+        batch: ForwardBatch,
+        host: HostBatch,
+        packed: Packed,
+        seqs: SeqColumns,
     ) -> torch.Tensor:
         """Verification of the rows with drafts (sampling/verify.py) from the logits
-        `inner` at their positions before the last (host.verify_rows): each one's
-        bonus token replaces its sample in `packed` (in place, so LastSamples and the
-        host copy see it); returns what rides in that copy after it: [R + D, 2] float64,
-        a row (accepted, 0) per drafting row, then (0, logprob) per inner position."""
+        `inner` at their positions before the last (verify_rows, host.verify_rows on the
+        device): each one's bonus token replaces its sample in `packed` (in place, so
+        LastSamples and the host copy see it); returns what rides in that copy after it:
+        [R + D, 2] float64, a row (accepted, 0) per drafting row, then (0, logprob) per
+        inner position."""
         device = inner.device
-        verify_rows = torch.from_numpy(host.verify_rows).to(device)
         drafts = batch.input_ids[verify_rows + 1]  # each inner position's next token is a draft
         rows = torch.from_numpy(host.draft_rows).to(device)
         params = SamplingParams.of_drafted_positions(seqs, host.sample_order[host.draft_rows])
@@ -171,13 +177,16 @@ class ModelRunner:
                 if prompt is not None:
                     rows = torch.cat([rows, prompt_rows])
             scored = len(rows)
-            if host.verify_rows.size:
-                rows = torch.cat([rows, torch.from_numpy(host.verify_rows).to(rows.device)])
+            verify_rows = torch.from_numpy(host.verify_rows).to(rows.device) if host.verify_rows.size else None
+            if verify_rows is not None:
+                rows = torch.cat([rows, verify_rows])
             everything_logits = self.model.logits(hidden[rows])
             logits, inner = everything_logits[:scored], everything_logits[scored:]
             t2 = time.perf_counter()
             packed = self.sampler.sample_packed(logits, params)  # on the device
-            accepted = self._verify(inner, batch, host, packed, step.seqs) if host.draft_rows.size else None
+            accepted = None
+            if verify_rows is not None:
+                accepted = self._verify(inner, verify_rows, batch, host, packed, step.seqs)
             # The ids stay on the device for the next step's decodes; one copy brings all results here.
             seq_ids = step.seqs.seq_ids[host.sample_order]
             self.last_samples = _last_samples(step.step_id, seq_ids, packed.token_ids, host.draft_rows)
