@@ -757,8 +757,7 @@ class Planner:
         row = samples.rows[seq.seq_id]
         token_id, logprob = samples.token_ids[row], samples.logprobs[row]
         if (error := _advance_grammar(request, token_id)) is not None:
-            self.finish(request.request_id, FinishReason.ABORT)
-            return RequestUpdate(request.request_id, finished=True, finish_reason=FinishReason.ABORT, error=error)
+            return self._end_on_grammar_error(request, error)
         # The first token also closes the prompt's progress: (total, total).
         progress = None if request.output_token_ids else (request.num_prompt_tokens, request.num_prompt_tokens)
         request.append_output(token_id, logprob)
@@ -777,6 +776,11 @@ class Planner:
             finish_reason=reason,
         )
 
+    def _end_on_grammar_error(self, request: Request, error: Exception) -> RequestUpdate:
+        """The grammar refused or failed on a sampled token: the request ends, aborted."""
+        self.finish(request.request_id, FinishReason.ABORT)
+        return RequestUpdate(request.request_id, finished=True, finish_reason=FinishReason.ABORT, error=error)
+
     def _apply_verified(self, request: Request, seq: ScheduledSeq, samples: StepSamples) -> list[RequestUpdate]:
         """A decode that carried drafts: its accepted drafts, then the worker's token
         after them, one update each, up to the first that ends the request; the
@@ -794,10 +798,8 @@ class Planner:
         updates: list[RequestUpdate] = []
         reason: FinishReason | None = None
         for token_id, logprob in run:
-            if (error := _advance_grammar(request, token_id)) is not None:
-                self.finish(request.request_id, FinishReason.ABORT)  # as _apply: the tokens before it stand
-                abort = FinishReason.ABORT
-                return [*updates, RequestUpdate(request.request_id, finished=True, finish_reason=abort, error=error)]
+            if (error := _advance_grammar(request, token_id)) is not None:  # the run's tokens before it stand
+                return [*updates, self._end_on_grammar_error(request, error)]
             request.append_output(token_id, logprob)
             reason = self._stop_reason(request, token_id)
             updates.append(
