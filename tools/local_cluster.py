@@ -46,48 +46,89 @@ PROMPT = "The capital of France is"
 QUESTION = "What is 2 + 2?"
 
 
-def usage(model_id: str, target: str, gateway_url: str | None) -> str:
-    """The commands printed once everything serves (each one is meant to be pasted as is)."""
-    lines = [
-        f"  stream a completion:  .venv/bin/python -m scheduler_svc.client --target {target} "
-        f'--max-tokens 32 "{PROMPT}"',
-        f'  with grpcurl:         grpcurl -plaintext -d \'{{"prompt": "{PROMPT}", "max_tokens": 32, '
-        f'"temperature": 0}}\' {target} serving.v1.Scheduler/Generate',
-        f"  stats:                grpcurl -plaintext {target} serving.v1.Scheduler/Stats",
+@dataclass(frozen=True)
+class Example:
+    """One example the banner prints: a comment saying what it does, then lines that
+    paste as is into a shell in the checkout, using only what `make serve` installed."""
+
+    what: str
+    command: str
+
+
+def examples(
+    python: str, model_id: str, target: str, gateway_url: str | None, admin: tuple[str, Path] | None
+) -> list[Example]:
+    """The banner's examples; `admin`: the admin.v1 address and the admin key's file (None: no admin service)."""
+    found = [
+        Example(
+            "stream a completion over gRPC (serving.v1)",
+            f'{python} -m scheduler_svc.client --target {target} --max-tokens 32 "{PROMPT}"',
+        ),
+        Example(
+            "the scheduler's live view, one frame",
+            f"{python} -m scheduler_svc.observability.top --target {target} --once",
+        ),
     ]
+    if admin is not None:
+        address, key_file = admin
+        found.append(
+            Example(
+                "the workers (admin.v1, with the admin key this launcher made)",
+                "\n".join(
+                    [
+                        f"{python} - <<'EOF'",
+                        "import grpc",
+                        "from proto import admin_pb2, admin_pb2_grpc",
+                        f'auth = [("authorization", "Bearer " + open("{key_file}").read().strip())]',
+                        f'admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel("{address}"))',
+                        "print(admin.ListWorkers(admin_pb2.ListWorkersRequest(), metadata=auth))",
+                        "EOF",
+                    ]
+                ),
+            )
+        )
     if gateway_url is None:
-        return "\n".join(lines)
+        return found
     completion = json.dumps({"model": model_id, "prompt": PROMPT, "max_tokens": 32, "temperature": 0, "stream": True})
-    chat = json.dumps(
-        {
-            "model": model_id,
-            "messages": [{"role": "user", "content": QUESTION}],
-            "max_tokens": 64,
-            "temperature": 0,
-            "stream": True,
-        }
-    )
-    lines += [
-        "",
-        f"OpenAI-compatible HTTP API on {gateway_url}/v1 (completions, chat/completions, models; /health, /metrics):",
-        "",
-        f"  curl -N {gateway_url}/v1/completions -H 'Content-Type: application/json' -d '{completion}'",
-        "",
-        f"  curl -N {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{chat}'",
-        "",
-        "  the openai package (paste as is):",
-        "",
-        ".venv/bin/python - <<'EOF'",
-        "from openai import OpenAI",
-        f'client = OpenAI(base_url="{gateway_url}/v1", api_key="unused")',
-        f'stream = client.chat.completions.create(model="{model_id}", max_tokens=64, temperature=0, stream=True,',
-        f'                                        messages=[{{"role": "user", "content": "{QUESTION}"}}])',
-        "for chunk in stream:",
-        '    print(chunk.choices[0].delta.content or "", end="", flush=True)',
-        "print()",
-        "EOF",
+    chat = {"model": model_id, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 64, "temperature": 0}
+    json_header = "-H 'Content-Type: application/json'"
+    found += [
+        Example(
+            "a completion over HTTP, streamed as server-sent events",
+            f"curl -N {gateway_url}/v1/completions {json_header} -d '{completion}'",
+        ),
+        Example(
+            "a chat completion over HTTP",
+            f"curl -s {gateway_url}/v1/chat/completions {json_header} -d '{json.dumps(chat)}'",
+        ),
+        Example(
+            "the chat, streamed, from Python with httpx (make serve installs it; the openai package\n"
+            f'# works too: {python} -m pip install openai, then OpenAI(base_url="{gateway_url}/v1", api_key="unused"))',
+            "\n".join(
+                [
+                    f"{python} - <<'EOF'",
+                    "import json, httpx",
+                    f"body = { ({**chat, 'stream': True})!r}",
+                    f'with httpx.stream("POST", "{gateway_url}/v1/chat/completions", json=body, timeout=120) as reply:',
+                    "    reply.raise_for_status()",
+                    "    for line in reply.iter_lines():",
+                    '        if line.startswith("data: ") and line != "data: [DONE]":',
+                    '            delta = json.loads(line[6:])["choices"][0]["delta"]',
+                    '            print(delta.get("content") or "", end="", flush=True)',
+                    "print()",
+                    "EOF",
+                ]
+            ),
+        ),
     ]
-    return "\n".join(lines)
+    return found
+
+
+def shell_python() -> str:
+    """This interpreter as the user can type it here: relative inside the working
+    directory (`.venv/bin/python` under `make serve`), else absolute."""
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,27 +323,27 @@ def _exit_reason(process: ServiceProcess) -> str:
     return f"exited with status {code}"
 
 
-def _admin_usage(cluster: Cluster) -> str:
-    """admin.v1 with the admin key the launcher made (workers take steps only from the scheduler)."""
-    assert cluster.scheduler is not None and cluster.secrets is not None
-    port = cluster.scheduler.ready_info.get("admin_port", -1)
-    if port < 0:
-        return ""
-    key = cluster.secrets.admin_key_file
-    return (
-        f'\n  workers (admin.v1):   grpcurl -plaintext -H "authorization: Bearer $(cat {key})" '
-        f"127.0.0.1:{port} admin.v1.Admin/ListWorkers"
-    )
-
-
 def _banner(args: argparse.Namespace, cluster: Cluster, model_id: str, with_gateway: bool) -> str:
+    assert cluster.scheduler is not None and cluster.secrets is not None
     target = cluster.address
     workers = ", ".join(w.address for w in cluster.workers)
+    port = cluster.scheduler.ready_info.get("admin_port", -1)
+    admin = (f"127.0.0.1:{port}", cluster.secrets.admin_key_file) if port >= 0 else None
+    gateway_url = cluster.gateway_url if with_gateway else None
+    http = (
+        f"OpenAI-compatible HTTP API on {gateway_url}/v1 (completions, chat/completions, models; /health, /metrics)\n"
+        if gateway_url
+        else ""
+    )
+    shown = "\n\n".join(
+        f"# {e.what}\n{e.command}" for e in examples(shell_python(), model_id, target, gateway_url, admin)
+    )
     return f"""
 pagedserve is serving {Path(args.model).name} on {target} ({args.workers} worker(s): {workers})
+{http}
+Examples (each pastes as is into a shell in this directory):
 
-{usage(model_id, target, cluster.gateway_url if with_gateway else None)}
-{_admin_usage(cluster)}
+{shown}
 
 Ctrl-C drains and stops everything (a second Ctrl-C stops at once).
 """
