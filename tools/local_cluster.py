@@ -95,7 +95,7 @@ def examples(
     found += [
         Example(
             "a completion over HTTP, streamed as server-sent events",
-            f"curl -N {gateway_url}/v1/completions {json_header} -d '{completion}'",
+            f"curl -sN {gateway_url}/v1/completions {json_header} -d '{completion}'",
         ),
         Example(
             "a chat completion over HTTP",
