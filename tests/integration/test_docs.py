@@ -138,7 +138,7 @@ def test_banner_examples_run_as_printed(served: tuple[str, dict[str, str]]) -> N
     blocks = banner_blocks(banner, BANNER_START, BANNER_END)
     commands = "\n".join(b.code for b in blocks)
     assert len(blocks) == 6, banner
-    for needed in ("scheduler_svc.client", "curl", "import httpx", "admin.v1", "observability.top"):
+    for needed in ("scheduler_svc.client", "curl", "httpx.stream", "admin.v1", "observability.top"):
         assert needed in commands, needed
     assert "openai import" not in commands  # make serve does not install it
     failures = []
