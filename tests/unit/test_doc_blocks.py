@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.helpers.doc_blocks import Block, banner_blocks, markdown_blocks, mismatch
+from tools.local_cluster import examples
 
 PAGE = """# Title
 
@@ -69,3 +72,12 @@ def test_text_lines_match_literally_but_for_ellipses():
     assert mismatch(shown, "[length: 5 prompt tokens (0 cached), 16 generated]\nextra") is not None
     assert mismatch("stop 38 …", "stop 38 12") is None
     assert mismatch("stop 38 …", "length 38 32") is not None
+
+
+def test_the_serving_guide_shows_the_banner_examples_the_launcher_prints():
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide" / "serving.md").read_text()
+    admin = ("127.0.0.1:50052", Path("/tmp/pagedserve-secrets-hfl6gi3e/admin.key"))
+    shown = examples(".venv/bin/python", "SmolLM2-135M-Instruct", "127.0.0.1:50051", "http://127.0.0.1:8000", admin)
+    assert len(shown) == 6
+    for example in shown:
+        assert f"# {example.what}\n{example.command}\n" in guide, example.what
