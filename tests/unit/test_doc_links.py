@@ -37,3 +37,8 @@ def test_every_relative_link_resolves():
 def test_the_anchor_rule_on_headings_with_code_and_slashes():
     page = REPO / "docs" / "guide" / "serving.md"
     assert "make-cluster--make-down-a-local-cluster-in-the-background" in anchors(page)
+
+
+def test_the_readme_stays_a_front_page():
+    """What a newcomer reads first (issue 36): reference material goes to docs/guide/."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
