@@ -2,7 +2,7 @@
 text (histograms also serve _bucket/_count/_sum, counters _total and _created,
 info metrics _info). Names follow the Prometheus conventions: `pagedserve_`
 prefix, base units (seconds, bytes), `_total` for counters, `_ratio` for 0..1
-fractions. Documented in README.md.
+fractions. Documented in docs/guide/operations.md.
 
 VLLM_METRIC_NAMES are vLLM's own names and meanings (vllm/v1/metrics/loggers.py),
 for routers and autoscalers that read them (the Gateway API Inference

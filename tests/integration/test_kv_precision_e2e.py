@@ -84,7 +84,7 @@ def _seeded_one_at_a_time(client: SchedulerClient, prompt_ids: list[list[int]], 
     cache_salt, computes its prompt instead of reusing the other run's blocks.
     Concurrent runs would change the batches, and so the float rounding of the
     matmuls: with a lossy cache a near-tie between two tokens can then flip
-    (README, "seed")."""
+    (docs/guide/api.md, "seed")."""
     return [
         client.generate(
             prompt_token_ids=ids, max_tokens=MAX_TOKENS, timeout=120, temperature=0.8, seed=1234, cache_salt=salt
