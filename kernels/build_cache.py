@@ -150,7 +150,7 @@ class Library:
         target.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(target.with_suffix(".lock")):
             if target.is_file():  # the holder we waited for built it
-                log.info("kernel library built by another process", path=str(target))
+                log.info("another process built the kernel library", path=str(target))
                 return target
             for leftover in target.parent.glob(f".build-{self.stem()}-*"):  # a killed build's; no one uses it now
                 shutil.rmtree(leftover, ignore_errors=True)
