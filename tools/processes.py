@@ -133,9 +133,10 @@ class ServiceProcess:
             "--ready-file",
             str(self.ready_path),
         ]
-        options: dict[str, Any] = {"cwd": REPO, "env": env}
+        # A process group of its own either way: stop() ends whatever it started with it.
+        options: dict[str, Any] = {"cwd": REPO, "env": env, "process_group": 0}
         if self.supervised:
-            options |= {"start_new_session": True, "preexec_fn": die_with_parent}
+            options = {"cwd": REPO, "env": env, "start_new_session": True, "preexec_fn": die_with_parent}
         if self.inherit_output:
             self.proc = subprocess.Popen(cmd, **options)
         else:
@@ -197,12 +198,17 @@ class ServiceProcess:
         self.launch()
 
     def stop(self) -> None:
+        """SIGTERM (it drains and stops its own children), SIGKILL after stop_timeout_s;
+        then SIGKILL to whatever of its process group is left (a child of a service
+        stopped mid-start, or killed), so no test leaves an orphan behind."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+        if self.proc:
+            kill_group(self.proc.pid)
         if self._dir:
             self._dir.cleanup()
             self._dir = None
@@ -294,6 +300,7 @@ class Cluster:
 
     def start(self) -> Cluster:
         try:
+            prepare_kernels(self.workers[0].args if self.workers else ())
             for w in self.workers:  # they load their models side by side
                 w.launch()
             while not all(w.poll_ready() for w in self.workers):
@@ -345,6 +352,45 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process left in the group `pgid` (a stopped service's)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def prepare_kernels(worker_args: Sequence[str] = (), timeout_s: float = 3600.0) -> None:
+    """Build (or wait for) the C++ CPU kernels before any worker starts, saying so, so
+    that no worker spends its start-up timeout on a compile (kernels/build_cache.py).
+    Nothing to do where they are built, turned off, or the workers run on CUDA; a
+    build that fails is the workers' business (they warn and run the reference ops)."""
+    from kernels import cpu_build  # torch-free until it loads the library
+
+    device = flag_value(worker_args, "--device") or os.environ.get("PAGEDSERVE_WORKER_DEVICE", "cpu")
+    if not cpu_build.enabled() or device.startswith("cuda") or cpu_build.LIBRARY.built():
+        return
+    print(
+        "[kernels] building the C++ CPU kernels before the workers start (once per machine and source; "
+        f"~1-2 min on 2 cores) into {cpu_build.LIBRARY.path().parent}",
+        file=sys.stderr,
+        flush=True,
+    )
+    build = subprocess.Popen(
+        [sys.executable, "-m", "kernels.cpu_build"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": python_path(REPO)},
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a terminal's Ctrl-C reaches us, and we stop it (below)
+    )
+    try:
+        build.wait(timeout_s)
+    except BaseException:  # Ctrl-C, a timeout: its compile child stops with it
+        build.kill()
+        build.wait()
+        raise
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
