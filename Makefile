@@ -11,7 +11,7 @@ STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto
 	proto/admin_pb2.py proto/admin_pb2_grpc.py
 
 HOST ?= 127.0.0.1## address services bind (make cluster, serve-worker)
-MODEL ?= models/SmolLM2-135M-Instruct## what make serve / cluster / serve-worker serve (a checkpoint directory)
+MODEL ?= $(MODEL_DIR)## what make serve / cluster / serve-worker serve: a checkpoint directory (default: the prepared SmolLM2)
 WORKER_PORT ?= 50061## the first worker's port (worker i: + i)
 SCHEDULER_PORT ?= 50051## the scheduler's gRPC port (its admin.v1: the next one)
 DTYPE ?= auto## weights dtype (auto: bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32)

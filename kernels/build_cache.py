@@ -164,9 +164,9 @@ class Library:
 
     def load(self) -> Path:
         """Build if needed, then load the library into this process (its ops register)."""
+        path = self.build()  # first: where it cannot be built, torch need not load
         import torch
 
-        path = self.build()
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return path
 
