@@ -36,6 +36,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -69,20 +70,21 @@ def cache_root() -> Path:
 
 
 def compiler() -> str:
-    """What torch.utils.cpp_extension compiles with."""
+    """What torch.utils.cpp_extension compiles with (CXX may be a wrapper and its compiler: `ccache g++`)."""
     return os.environ.get("CXX", "c++")
 
 
 @functools.cache
 def _compiler_identity(cxx: str) -> str:
-    path = shutil.which(cxx)
+    command = shlex.split(cxx)
+    path = shutil.which(command[0]) if command else None
     if path is None:
         return f"{cxx}: not found"
     try:
-        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run([path, *command[1:], "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{path}: {exc}"
-    return f"{os.path.realpath(path)}\n{done.stdout}"
+    return "\n".join([shlex.join([os.path.realpath(path), *command[1:]]), done.stdout])
 
 
 def _torch_version() -> str:
@@ -145,7 +147,7 @@ class Library:
         target = self.path()
         if target.is_file():
             return target
-        if shutil.which(compiler()) is None:
+        if _compiler_identity(compiler()).endswith(": not found"):
             raise BuildError(f"no C++ compiler: {compiler()}: not found (install g++, or set CXX)")
         target.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(target.with_suffix(".lock")):
