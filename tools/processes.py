@@ -102,6 +102,7 @@ class ServiceProcess:
     ready_info: dict[str, Any] = field(default_factory=dict)  # the ready file's JSON (the scheduler adds admin_port)
     _dir: tempfile.TemporaryDirectory[str] | None = None
     _deadline: float = 0.0
+    _group_ended: bool = False  # stop() has ended what was left of proc's process group
 
     @property
     def address(self) -> str:
@@ -143,6 +144,7 @@ class ServiceProcess:
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
                 self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **options)
         self._deadline = time.monotonic() + self.timeout_s
+        self._group_ended = False
 
     def poll_ready(self) -> bool:
         """True once the service serves (its port read back); raises if it died or timed out."""
@@ -207,8 +209,9 @@ class ServiceProcess:
                 self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.proc:
+        if self.proc and not self._group_ended:  # once: a long-dead group's id may be reused
             kill_group(self.proc.pid)
+            self._group_ended = True
         if self._dir:
             self._dir.cleanup()
             self._dir = None
