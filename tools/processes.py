@@ -1,10 +1,13 @@
 """Run the real services as subprocesses on 127.0.0.1 with OS-picked ports.
 
 Each service writes its bound port to a ready file once it serves; a service
-that dies or stays silent past the timeout raises with its log. Used by the
-tests, the benchmarks and `make serve` (tools/local_cluster.py, which starts
-them `supervised`: in sessions of their own, so a terminal's Ctrl-C reaches
-only the launcher, and with a parent-death signal, so none outlives it)."""
+that dies or stays silent past the timeout raises with its log. Every service
+runs in a process group of its own, which stop() ends whole (nothing it started
+outlives it, also when it is stopped mid-start). Used by the tests, the
+benchmarks and `make serve` (tools/local_cluster.py, which starts them
+`supervised`: in sessions of their own, so a terminal's Ctrl-C reaches only the
+launcher, and with a parent-death signal, so none outlives it). A cluster builds
+the C++ CPU kernels before its workers start (prepare_kernels)."""
 
 from __future__ import annotations
 
