@@ -97,7 +97,7 @@ def main() -> int:
     log.info(
         "C++ CPU kernels ready",
         seconds=round(time.perf_counter() - start, 1),
-        built="no: in the cache" if cached else "yes",
+        found="in the cache" if cached else "built now (here, or by the process this one waited for)",
         path=str(LIBRARY.path()),
     )
     return 0
