@@ -196,7 +196,8 @@ class Library:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
+            encoding="utf-8",
+            errors="replace",  # a compiler's quotes in any locale
             start_new_session=True,
         )
         try:
