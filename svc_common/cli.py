@@ -46,8 +46,15 @@ def _converter(tp: Any) -> Callable[[str], Any]:
     return tp if tp in (int, float, str) else str
 
 
+def module_prog(module: str) -> str:
+    """The command that runs `module`, for a usage line: `python -m worker_svc` for
+    worker_svc.__main__ (argparse would name the file, `__main__.py`)."""
+    return f"python -m {module.removesuffix('.__main__')}"
+
+
 def build_parser(cls: type[Any], prefix: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    # The service is its config's package: worker_svc.config.WorkerConfig -> python -m worker_svc.
+    parser = argparse.ArgumentParser(prog=module_prog(cls.__module__.split(".")[0]), description=description)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         env = env_name(prefix, f.name)

@@ -32,7 +32,9 @@ def pytest_configure(config):
             os.environ["TRITON_INTERPRET"] = "1"
     # CPU workers started by tests run the C++ kernels (--attention-backend auto): build
     # them here, once, so that no worker's start-up waits on a cold build (make setup
-    # normally has; a failed build warns and the workers run the reference ops).
+    # normally has; a failed build warns and the workers run the reference ops). The
+    # cache is shared: a run from another checkout builds the same library at most once
+    # and the other waits for it, saying so (kernels/build_cache.py).
     from kernels import cpu_build
 
     cpu_build.load()

@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from svc_common.cli import module_prog
 from tools.ports import free_port
-from tools.processes import ClusterSecrets, flag_value
+from tools.processes import ClusterSecrets, flag_value, prepare_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_ORDER = ("gateway", "scheduler", "worker")  # front to back: no new work reaches a stopped service
@@ -156,9 +157,10 @@ def up(args: argparse.Namespace) -> int:
     # Workers take steps only from their scheduler; admin.v1 needs the admin key (both new each `up`).
     secrets = ClusterSecrets.create(run_dir / "secrets")
     worker_args = ["--model", model, *secrets.worker_args, *shlex.split(args.worker_args)]
-    deadline = time.monotonic() + args.timeout
     addresses: dict[str, str] = {}
     try:
+        prepare_kernels(shlex.split(args.worker_args))  # before the workers' start-up clock runs
+        deadline = time.monotonic() + args.timeout
         workers = [
             Service(
                 f"worker-{i}",
@@ -344,12 +346,14 @@ def _read_pid(pid_file: Path) -> int | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=module_prog("tools.cluster_ctl"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--run-dir", default=str(REPO / "run"), help="pid, log and ready files")
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="start workers, scheduler and gateway in the background")
     p_up.add_argument("--run-dir", default=argparse.SUPPRESS)
-    p_up.add_argument("--model", required=True)
+    p_up.add_argument("--model", required=True, help="the model to serve: a checkpoint directory (make cluster MODEL=)")
     p_up.add_argument("--workers", type=int, default=2, help="workers per cell")
     p_up.add_argument(
         "--cells",
@@ -361,7 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p_up.add_argument("--port", type=int, default=50051, help="scheduler port")
     p_up.add_argument(
-        "--worker-base-port", type=int, default=0, help="worker i binds this + i; 0 = ports picked by the OS"
+        "--worker-base-port",
+        "--worker-port",
+        type=int,
+        default=0,
+        help="worker i binds this + i (make cluster WORKER_PORT=); 0 = ports picked by the OS",
     )
     p_up.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1 = no gateway")
     p_up.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--dtype bfloat16 --num-blocks 2048'")
@@ -377,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--workers: must be >= 1")
         if args.cells < 1:
             parser.error("--cells: must be >= 1")
+        if not Path(args.model).exists():
+            parser.error(f"--model {args.model}: no such file or directory (make cluster MODEL=path)")
         return up(args)
     run_dir = Path(args.run_dir).resolve()
     if args.command == "down":

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from svc_common.cli import module_prog
 from tools.ports import PortTaken, PortUse, check_ports, free_port
 from tools.processes import Cluster, ServiceProcess, die_with_parent, flag_value
 
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--gateway-port: must be in 0..65535, or -1 for no gateway")
     if args.workers < 1:
         _parser().error("--workers: must be >= 1")
+    if not Path(args.model).exists():
+        _parser().error(f"--model {args.model}: no such file or directory (make serve MODEL=path)")
     parent = os.getppid()
     die_with_parent(signal.SIGTERM)  # `make` (our parent: the recipe execs us) died: drain and stop
     if os.getppid() != parent:
@@ -196,8 +199,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
+    parser = argparse.ArgumentParser(
+        prog=module_prog("tools.local_cluster"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="the model to serve: a checkpoint directory (make serve MODEL=)")
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument("--port", type=int, default=50051, help="scheduler port (its admin.v1 takes the next one)")
     parser.add_argument("--worker-port", type=int, default=0, help="worker i binds this + i; 0 = ports the OS picks")

@@ -29,12 +29,20 @@ def find_gguf() -> Path:
     return path
 
 
+def _say(step: str) -> None:
+    print(f"[model] {step}", flush=True)
+
+
 def convert(out_dir: Path) -> None:
+    gguf = find_gguf()
+    _say(f"converting {gguf.name} into {out_dir} (once; ~1-2 min on 2 cores)")
+    _say("loading torch and transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = find_gguf()
+    _say("reading the tokenizer from the GGUF file (its vocabulary and merges; silent for up to a minute)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _say("dequantizing the weights to float32")
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg = loaded.config
     # save_pretrained refuses a model that still claims to be quantized; the
@@ -45,6 +53,7 @@ def convert(out_dir: Path) -> None:
     plain.load_state_dict(loaded.state_dict(), strict=False)
     plain.tie_weights()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    _say("writing model.safetensors and the tokenizer")
     plain.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if loaded.generation_config is not None:

@@ -1,10 +1,13 @@
 """Run the real services as subprocesses on 127.0.0.1 with OS-picked ports.
 
 Each service writes its bound port to a ready file once it serves; a service
-that dies or stays silent past the timeout raises with its log. Used by the
-tests, the benchmarks and `make serve` (tools/local_cluster.py, which starts
-them `supervised`: in sessions of their own, so a terminal's Ctrl-C reaches
-only the launcher, and with a parent-death signal, so none outlives it)."""
+that dies or stays silent past the timeout raises with its log. Every service
+runs in a process group of its own, which stop() ends whole (nothing it started
+outlives it, also when it is stopped mid-start). Used by the tests, the
+benchmarks and `make serve` (tools/local_cluster.py, which starts them
+`supervised`: in sessions of their own, so a terminal's Ctrl-C reaches only the
+launcher, and with a parent-death signal, so none outlives it). A cluster builds
+the C++ CPU kernels before its workers start (prepare_kernels)."""
 
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class ServiceProcess:
     ready_info: dict[str, Any] = field(default_factory=dict)  # the ready file's JSON (the scheduler adds admin_port)
     _dir: tempfile.TemporaryDirectory[str] | None = None
     _deadline: float = 0.0
+    _group_ended: bool = False  # stop() has ended what was left of proc's process group
 
     @property
     def address(self) -> str:
@@ -133,15 +137,17 @@ class ServiceProcess:
             "--ready-file",
             str(self.ready_path),
         ]
-        options: dict[str, Any] = {"cwd": REPO, "env": env}
+        # A process group of its own either way: stop() ends whatever it started with it.
+        options: dict[str, Any] = {"cwd": REPO, "env": env, "process_group": 0}
         if self.supervised:
-            options |= {"start_new_session": True, "preexec_fn": die_with_parent}
+            options = {"cwd": REPO, "env": env, "start_new_session": True, "preexec_fn": die_with_parent}
         if self.inherit_output:
             self.proc = subprocess.Popen(cmd, **options)
         else:
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
                 self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **options)
         self._deadline = time.monotonic() + self.timeout_s
+        self._group_ended = False
 
     def poll_ready(self) -> bool:
         """True once the service serves (its port read back); raises if it died or timed out."""
@@ -197,12 +203,18 @@ class ServiceProcess:
         self.launch()
 
     def stop(self) -> None:
+        """SIGTERM (it drains and stops its own children), SIGKILL after stop_timeout_s;
+        then SIGKILL to whatever of its process group is left (a child of a service
+        stopped mid-start, or killed), so no test leaves an orphan behind."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+        if self.proc and not self._group_ended:  # once: a long-dead group's id may be reused
+            kill_group(self.proc.pid)
+            self._group_ended = True
         if self._dir:
             self._dir.cleanup()
             self._dir = None
@@ -294,6 +306,7 @@ class Cluster:
 
     def start(self) -> Cluster:
         try:
+            prepare_kernels(self.workers[0].args if self.workers else ())
             for w in self.workers:  # they load their models side by side
                 w.launch()
             while not all(w.poll_ready() for w in self.workers):
@@ -345,6 +358,45 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process left in the group `pgid` (a stopped service's)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def prepare_kernels(worker_args: Sequence[str] = (), timeout_s: float = 3600.0) -> None:
+    """Build (or wait for) the C++ CPU kernels before any worker starts, saying so, so
+    that no worker spends its start-up timeout on a compile (kernels/build_cache.py).
+    Nothing to do where they are built, turned off, or the workers run on CUDA; a
+    build that fails is the workers' business (they warn and run the reference ops)."""
+    from kernels import cpu_build  # torch-free until it loads the library
+
+    device = flag_value(worker_args, "--device") or os.environ.get("PAGEDSERVE_WORKER_DEVICE", "cpu")
+    if not cpu_build.enabled() or device.startswith("cuda") or cpu_build.LIBRARY.built():
+        return
+    print(
+        "[kernels] building the C++ CPU kernels before the workers start (once per machine and source; "
+        f"~1-2 min on 2 cores) into {cpu_build.LIBRARY.path().parent}",
+        file=sys.stderr,
+        flush=True,
+    )
+    build = subprocess.Popen(
+        [sys.executable, "-m", "kernels.cpu_build"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": python_path(REPO)},
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a terminal's Ctrl-C reaches us, and we stop it (below)
+    )
+    try:
+        build.wait(timeout_s)
+    except BaseException:  # Ctrl-C, a timeout: its compile child stops with it
+        build.kill()
+        build.wait()
+        raise
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -76,21 +76,11 @@ def best_of(fn: Callable[[], object], reps: int, rounds: int = 5) -> float:
 @functools.cache
 def prototype_gemv() -> bool:
     """bench/cpu/gemv_prototype.cpp built like the product kernels (kernels/cpu_build.py)."""
-    from torch.utils import cpp_extension
-
     from kernels import cpu_build
+    from kernels.build_cache import Library
 
     source = REPO / "bench" / "cpu" / "gemv_prototype.cpp"
-    build = cpu_build.cache_root() / f"proto_gemv_{cpu_build.build_key()}"
-    build.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="pagedserve_proto_gemv",
-        sources=[str(source)],
-        extra_cflags=list(cpu_build.CFLAGS),
-        extra_ldflags=list(cpu_build.LDFLAGS),
-        build_directory=str(build),
-        is_python_module=False,
-    )
+    Library("pagedserve_proto_gemv", (source,), cflags=cpu_build.CFLAGS, ldflags=cpu_build.LDFLAGS).load()
     return True
 
 

@@ -6,7 +6,6 @@ fallback to the reference where the kernel cannot be built."""
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -199,12 +198,7 @@ def test_bad_input_is_refused_with_the_field_named():
 
 
 def test_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
-    from torch.utils import cpp_extension
-
-    def no_compiler(**_):
-        raise RuntimeError("g++: not found")
-
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("CXX", "pagedserve-no-such-g++")
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
     cpu_build.load.cache_clear()
     try:
@@ -216,46 +210,11 @@ def test_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
             first = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
             second = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        assert len(messages) == 1 and "g++: not found" in messages[0] and "reference" in messages[0]
+        assert len(messages) == 1 and "pagedserve-no-such-g++: not found" in messages[0] and "reference" in messages[0]
         expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
         assert torch.equal(first, expected) and torch.equal(second, expected)
     finally:
         cpu_build.load.cache_clear()
-
-
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(monkeypatch, tmp_path):
-    """torch's build lock survives a builder killed mid-build (a worker stopped at its
-    start-up timeout); the next load must not wait on it forever. A lock younger than
-    any build could take is a live builder's and stays."""
-    import os
-    import time
-
-    from torch.utils import cpp_extension
-
-    locks_seen = []
-
-    def build(**kwargs):  # torch would wait here while the lock exists
-        locks_seen.append((Path(kwargs["build_directory"]) / "lock").exists())
-
-    monkeypatch.setattr(cpp_extension, "load", build)
-    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
-    build_dir = tmp_path / f"pagedserve_cpu_{cpu_build.build_key()}"
-    build_dir.mkdir()
-    lock = build_dir / "lock"
-    lock.touch()
-    old = time.time() - cpu_build.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    monkeypatch.setattr(cpu_build, "_register_fake", lambda: None)
-    cpu_build.load.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="stale kernel build lock"):
-            assert cpu_build.load()
-        assert locks_seen == [False]
-    finally:
-        cpu_build.load.cache_clear()
-    lock.touch()  # a build in progress
-    assert not cpu_build.clear_stale_lock(build_dir)
-    assert lock.exists()
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
