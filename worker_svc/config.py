@@ -79,7 +79,7 @@ class WorkerConfig:
     attention_backend: str = field(
         default="auto",
         metadata={
-            "help": "auto = triton on CUDA; on CPU, cpu (C++ paged attention reading the blocks in place, built once per CPU into ~/.cache/pagedserve/kernels) where it builds, else torch; torch = the pure-torch reference ops",
+            "help": "auto = triton on CUDA; on CPU, cpu (C++ paged attention reading the blocks in place, built once per machine and source into the shared kernel cache, PAGEDSERVE_KERNEL_CACHE) where it builds, else torch; torch = the pure-torch reference ops",
             "choices": ("auto", "torch", "triton", "cpu"),
         },
     )
