@@ -24,11 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert, structured
-from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
-from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown, prompt_token_counts
 from gateway_svc.limits import BodyLimit
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -51,13 +50,13 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody
 
 def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedserve gateway", version=GATEWAY_VERSION, docs_url=None, redoc_url=None)
-    template = ChatTemplate.load(config.model_dir) if config.model_dir else None
+    template = config.template()
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
     require_key = _key_checker(config.api_key)
     served = _model_checker(config.model_id)
-    parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
+    parsers = config.parsers()
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
     rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
@@ -78,8 +77,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         tools = [t.for_template() for t in body.tools or []] if mode != "none" else None
         prompt = await _render_chat(template, body, tools)
         constraint, field = structured.constraint_fields(body, parsers, prompt)
-        reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
-        shape = ResponseShape("chat", config.model_id, reading)
+        shape = ResponseShape("chat", config.model_id, structured.chat_reading(body, parsers))
         samples = convert.chat_samples(body, prompt, shape.id, rules, _forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, window, field)
 
@@ -195,7 +193,12 @@ async def _generate(
         if body.stream:
             async with _cancel_on_disconnect(request, generation.cancel):
                 await generation.start()
-            stream = _sse(generation, shape, samples, body.include_usage)
+                counts = (
+                    await prompt_token_counts(client, samples, _forwarded_key(request))
+                    if body.continuous_usage
+                    else None
+                )
+            stream = _sse(generation, shape, samples, body.include_usage, counts)
             return _GenerationStream(generation, stream, lambda: live.discard(generation))
         results = convert.Results(samples)
         async with _cancel_on_disconnect(request, generation.cancel):
@@ -262,20 +265,31 @@ def _sse_event(payload: dict[str, Any]) -> str:
 
 
 async def _sse(
-    generation: Generation, shape: ResponseShape, samples: list[Sample], include_usage: bool
+    generation: Generation,
+    shape: ResponseShape,
+    samples: list[Sample],
+    include_usage: bool,
+    prompt_tokens: dict[int, int] | None = None,
 ) -> AsyncIterator[str]:
     """The event stream: OpenAI chunks, an error event if the scheduler fails
-    mid-stream (the 200 is already sent), then [DONE]."""
+    mid-stream (the 200 is already sent), then [DONE]. `prompt_tokens` (each prompt
+    group's count): continuous usage stats, every chunk with its choice's usage so far."""
     results = convert.Results(samples)
+
+    def event(chunk: dict[str, Any]) -> str:
+        if prompt_tokens is not None:
+            chunk["usage"] = results.usage_so_far(chunk["choices"][0]["index"], prompt_tokens)
+        return _sse_event(chunk)
+
     try:
         for start in shape.start_chunks([s.index for s in samples], include_usage):
-            yield _sse_event(start)
+            yield event(start)
         by_index = {s.index: s for s in samples}
         async for index, message in generation.events():
             delta = results.add(index, message)
             chunk = shape.chunk(by_index[index], message, delta, include_usage)
             if chunk is not None:
-                yield _sse_event(chunk)
+                yield event(chunk)
         if include_usage:
             yield _sse_event(shape.usage_chunk(results))
     except grpc.aio.AioRpcError as err:

@@ -109,6 +109,22 @@ class Generation:
         self._queue.put_nowait((-1, why or ClientGone("generation cancelled")))
 
 
+async def prompt_token_counts(client: Scheduler, samples: list[Sample], api_key: str | None) -> dict[int, int]:
+    """Each prompt group's token count, as Generate counts it (the tokenizer's special tokens
+    added): what continuous usage stats report before the scheduler's usage arrives at the end."""
+    counts: dict[int, int] = {}
+    for sample in samples:
+        if sample.group in counts:
+            continue
+        request = sample.request
+        if request.prompt_token_ids:
+            counts[sample.group] = len(request.prompt_token_ids)
+        else:
+            reply = await client.tokenize(request.prompt, True, False, api_key)
+            counts[sample.group] = len(reply.token_ids)
+    return counts
+
+
 class LiveGenerations:
     """The generations in flight, so that a stopping gateway can wait for them and,
     past its drain timeout, end them with an error instead of cutting them."""
