@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway_svc.chat_template import CONTENT_FORMATS, ChatTemplate
 from gateway_svc.structured import Parsers
 from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
@@ -110,6 +111,28 @@ class GatewayConfig:
             "Qwen3: <tool_call>{...}</tool_call>) or llama3_json (Llama 3.x JSON calls); '' = tools are refused "
             "unless tool_choice is none. The model's chat template must write that format",
             "choices": ("", "hermes", "llama3_json"),
+        },
+    )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata={
+            "help": "let the model choose whether to call tools (tool_choice auto, the default with tools), read by "
+            "--tool-call-parser (vLLM's flag); without it auto is a 400, and tool_choice required or a named "
+            "function work on any model (a JSON schema of the calls, or the parser's format)"
+        },
+    )
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": "a Jinja chat template replacing the model's: a file, or the template text itself (vLLM's flag)"
+        },
+    )
+    chat_template_content_format: str = field(
+        default="auto",
+        metadata={
+            "help": "how the chat template reads a message's content: string, or openai (a list of "
+            "{type: text, text} parts); auto: openai when the template loops over a message's content",
+            "choices": CONTENT_FORMATS,
         },
     )
     reasoning_parser: str = field(
@@ -227,4 +250,16 @@ class GatewayConfig:
         for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
-        Parsers.load(self.tool_call_parser, self.reasoning_parser, self.model_dir)  # ValueError naming the flag
+        self.parsers()  # ValueError naming the flag
+
+    def template(self) -> ChatTemplate | None:
+        """The chat template: --chat-template's, or the model's (ValueError naming the flag)."""
+        return ChatTemplate.from_flags(self.model_dir, self.chat_template, self.chat_template_content_format)
+
+    def parsers(self) -> Parsers:
+        """The tool-call and reasoning parsers the flags select (ValueError naming the flag)."""
+        template = self.template() if self.chat_template else None
+        source = template.source if template is not None else ""
+        return Parsers.load(
+            self.tool_call_parser, self.reasoning_parser, self.model_dir, self.enable_auto_tool_choice, source
+        )
