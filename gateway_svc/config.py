@@ -144,6 +144,16 @@ class GatewayConfig:
             "choices": ("", "qwen3", "deepseek_r1"),
         },
     )
+    responses_store_size: int = field(
+        default=1000,
+        metadata={
+            "help": "/v1/responses kept for GET and previous_response_id (store: true), the oldest dropped first; "
+            "0 = none kept"
+        },
+    )
+    responses_store_ttl_s: float = field(
+        default=3600.0, metadata={"help": "how long a stored /v1/responses response lives (a later read is 404)"}
+    )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
     max_prompts: int = field(
         default=1024, metadata={"help": "most prompts one /v1/completions request may batch (a 400 beyond)"}
@@ -225,6 +235,8 @@ class GatewayConfig:
                 "HOST:PORT, comma-separated",
             ),
             (1 <= self.max_n <= 128, "--max-n", "in 1..128"),
+            (self.responses_store_size >= 0, "--responses-store-size", ">= 0"),
+            (self.responses_store_ttl_s > 0, "--responses-store-ttl-s", "> 0"),
             (self.max_prompts >= 1, "--max-prompts", ">= 1"),
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),

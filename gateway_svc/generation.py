@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-from gateway_svc.convert import Sample
+import grpc
+import structlog
+
+from gateway_svc.convert import Sample, error_body, grpc_error, shutting_down
 from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 
+log = structlog.get_logger("gateway")
 _DONE = None  # queue item: a call ended normally
 # What a reader puts on the queue: a message, _DONE, or the error that ended its call.
 _Item = serving_pb2.GenerateResponse | BaseException | None
@@ -107,6 +112,24 @@ class Generation:
             reader.cancel()
         # Wake a consumer blocked in _next(): the readers will never put anything now.
         self._queue.put_nowait((-1, why or ClientGone("generation cancelled")))
+
+
+async def guarded(events: AsyncIterator[str], error_event: Callable[[dict[str, Any]], str]) -> AsyncIterator[str]:
+    """An event stream that ends cleanly however its generation fails: the 200 is already
+    sent, so an error travels as an event (`error_event` of OpenAI's error body), and a
+    client that went away ends it quietly."""
+    try:
+        async for event in events:
+            yield event
+    except grpc.aio.AioRpcError as err:
+        yield error_event(grpc_error(err.code(), err.details()).body())
+    except ClientGone:
+        return
+    except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
+        yield error_event(shutting_down(str(exc)).body())
+    except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
+        log.exception("stream failed", error=repr(exc))
+        yield error_event(error_body("internal error", "internal_error"))
 
 
 async def prompt_token_counts(client: Scheduler, samples: list[Sample], api_key: str | None) -> dict[int, int]:
