@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert, structured
+from gateway_svc.anthropic.routes import MessagesAnswer, messages_router
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
@@ -79,12 +80,20 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         samples = convert.completion_samples(body, shape.id, rules, _forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, window, field)
 
-    async def run_chat(body: ChatCompletionRequest, request: Request, shape: Answer) -> Response:
-        """A chat request's pipeline (chat completions, and responses over it)."""
+    async def prompt(body: ChatCompletionRequest) -> str:
         tools = [t.for_template() for t in body.tools or []] if body.tool_mode != "none" else None
-        prompt = await _render_chat(template, body, tools)
-        constraint, field = structured.constraint_fields(body, parsers, prompt)
-        samples = convert.chat_samples(body, prompt, shape.id, rules, _forwarded_key(request), constraint)
+        return await _render_chat(template, body, tools)
+
+    async def prompt_tokens(body: ChatCompletionRequest, request: Request) -> int:
+        """The rendered prompt's tokens, as Generate counts them."""
+        reply = await client.tokenize(await prompt(body), True, False, _forwarded_key(request))
+        return len(reply.token_ids)
+
+    async def run_chat(body: ChatCompletionRequest, request: Request, shape: Answer) -> Response:
+        """A chat request's pipeline (chat completions, and the APIs answered over it)."""
+        rendered = await prompt(body)
+        constraint, field = structured.constraint_fields(body, parsers, rendered)
+        samples = convert.chat_samples(body, rendered, shape.id, rules, _forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, window, field)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
@@ -120,6 +129,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     app.include_router(
         responses_router(run_chat, parsers, store, config.model_id, served), dependencies=[Depends(require_key)]
     )
+    app.include_router(messages_router(run_chat, prompt_tokens, parsers, served), dependencies=[Depends(require_key)])
     # An oversized body is refused before anything reads it (413), inside the metrics' count.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
@@ -155,9 +165,10 @@ def _model_checker(model_id: str) -> Callable[[str | None], None]:
 
 
 def _bearer_key(request: Request) -> str | None:
+    """The caller's key: 'Authorization: Bearer KEY', or 'x-api-key: KEY' as Anthropic's clients send it."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     return key.strip()
 
 
@@ -172,7 +183,7 @@ def _key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise OpenAIError(
                 401,
-                "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                 "authentication_error",
                 None,
                 "invalid_api_key",
@@ -193,7 +204,7 @@ def _forwarded_key(request: Request) -> str | None:
 
 
 # How a generation answers: OpenAI's completions and chat shape, or another API's (responses).
-Answer = ResponseShape | ResponsesAnswer
+Answer = ResponseShape | ResponsesAnswer | MessagesAnswer
 
 
 async def _generate(
