@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from pydantic import ValidationError
 
 from gateway_svc.chat_output import ChatOutput, ChatStream
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
@@ -127,6 +128,17 @@ def completion_samples(
         dataclasses.replace(s, logprobs=body.logprobs is not None, echo=body.echo, prompt_text=texts[s.group])
         for s in samples
     ]
+
+
+def chat_body(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request (responses, messages) runs as; what chat refuses
+    in it (an empty tool call id, ...) is a 400 naming the chat field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {str(first['msg']).removeprefix('Value error, ')}", where) from None
 
 
 def chat_prompt(

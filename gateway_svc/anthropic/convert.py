@@ -13,6 +13,7 @@ import secrets
 from typing import Any
 
 from gateway_svc.anthropic.types import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from gateway_svc.convert import chat_body
 from gateway_svc.openai_types import ChatCompletionRequest
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
@@ -39,7 +40,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         sampling = {"stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k}  # fmt: skip
         chat |= {k: v for k, v in sampling.items() if v is not None}
-    return ChatCompletionRequest.model_validate(chat)
+    return chat_body(chat)
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from gateway_svc.convert import chat_body
 from gateway_svc.openai_types import ChatCompletionRequest
 from gateway_svc.responses.types import (
     FunctionCallItem,
@@ -57,7 +58,7 @@ def chat_request(body: ResponsesRequest, items: list[Item]) -> ChatCompletionReq
         "parallel_tool_calls": body.parallel_tool_calls,
     }
     chat |= {k: v for k, v in optional.items() if v is not None}
-    return ChatCompletionRequest.model_validate(chat)
+    return chat_body(chat)
 
 
 def chat_messages(items: list[Item]) -> list[dict[str, Any]]:

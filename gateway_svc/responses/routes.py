@@ -15,15 +15,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from gateway_svc import structured
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.convert import OpenAIError, Results, Sample, bad_request
+from gateway_svc.convert import OpenAIError, Results, Sample
 from gateway_svc.generation import Generation, guarded
 from gateway_svc.openai_types import ChatCompletionRequest
 from gateway_svc.openapi import ERROR_RESPONSES, GENERATION_RESPONSES
-from gateway_svc.responses.items import ITEMS, Item, chat_request, new_id, output_items, response_object, usage
+from gateway_svc.responses.items import ITEMS, chat_request, new_id, output_items, response_object, usage
 from gateway_svc.responses.store import ResponseStore
 from gateway_svc.responses.stream import ResponseEvents
 from gateway_svc.responses.types import ResponsesRequest
@@ -114,7 +113,7 @@ def responses_router(
             earlier = stored.conversation
         given = [item.model_dump(exclude_none=True, by_alias=True) for item in body.items]
         conversation = earlier + given
-        chat = _chat(body, ITEMS.validate_python(conversation))
+        chat = chat_request(body, ITEMS.validate_python(conversation))
         answer = ResponsesAnswer(body, chat, structured.chat_reading(chat, parsers), model, conversation, store)
         return await run_chat(chat, request, answer)
 
@@ -132,11 +131,3 @@ def responses_router(
         return {"id": response_id, "object": "response", "deleted": True}
 
     return router
-
-
-def _chat(body: ResponsesRequest, items: list[Item]) -> ChatCompletionRequest:
-    try:
-        return chat_request(body, items)
-    except ValidationError as exc:  # e.g. a tool's schema or a text.format chat would refuse
-        first = exc.errors()[0]
-        raise bad_request(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None

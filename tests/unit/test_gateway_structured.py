@@ -21,7 +21,7 @@ from gateway_svc.config import GatewayConfig
 from gateway_svc.forced_tools import required_schema
 from gateway_svc.tool_parsers import MAX_PARALLEL_CALLS, ToolSpec, tool_parser
 from tests.helpers.fake_scheduler import MODEL_NAME, WAIT_S, chat_model_dir, running_gateway
-from tests.helpers.tool_models import tool_model_dir
+from tests.helpers.tool_models import TOOL_TEMPLATE, tool_model_dir
 
 USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -315,3 +315,36 @@ def _answer(client, choice, stream: bool, model: str = MODEL_NAME) -> dict:
             calls[piece.index] = (name, arguments + (piece.function.arguments or ""))
         reason = chunk.choices[0].finish_reason or reason
     return {"finish_reason": reason, "content": content, "calls": [calls[i] for i in sorted(calls)]}
+
+
+# ---- --chat-template, --chat-template-content-format ---------------------------------------------
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% for p in m['content'] %}[{{ p.text }}]{% endfor %}\n{% endfor %}"
+)
+
+
+def test_chat_template_flag_replaces_the_models_as_a_file_or_text(tmp_path):
+    model_dir = chat_model_dir(tmp_path)
+    file = tmp_path / "tools.jinja"
+    file.write_text(TOOL_TEMPLATE)
+    for given in (str(file), TOOL_TEMPLATE):
+        config = GatewayConfig(model_dir=str(model_dir), chat_template=given, tool_call_parser="hermes")
+        config.validate()  # the parser's marker is in --chat-template's template, not the model's
+        assert config.template().source == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="--chat-template: 'no/such/file.jinja' is neither a file nor a Jinja"):
+        GatewayConfig(model_dir=str(model_dir), chat_template="no/such/file.jinja").validate()
+    with pytest.raises(ValueError, match="--chat-template: not a valid Jinja template"):
+        GatewayConfig(model_dir=str(model_dir), chat_template="{% for %}").validate()
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice: needs a --tool-call-parser"):
+        GatewayConfig(model_dir=str(model_dir), enable_auto_tool_choice=True).validate()
+
+
+@pytest.mark.parametrize("content_format, want", [("auto", "user:[hi]"), ("openai", "user:[hi]"),
+                                                  ("string", "user:[][]")])  # fmt: skip
+def test_content_format_gives_a_template_that_loops_over_parts_its_parts(tmp_path, content_format, want):
+    model_dir = chat_model_dir(tmp_path)
+    config = GatewayConfig(model_dir=str(model_dir), chat_template=PARTS_TEMPLATE,
+                           chat_template_content_format=content_format)  # fmt: skip
+    template = config.template()
+    assert template.content_format == ("openai" if content_format == "auto" else content_format)
+    assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == want
