@@ -55,6 +55,7 @@ def chat_request(body: ResponsesRequest, items: list[Item]) -> ChatCompletionReq
         "top_p": body.top_p,
         "top_k": body.top_k,
         "seed": body.seed,
+        "stop": body.stop,
         "parallel_tool_calls": body.parallel_tool_calls,
     }
     chat |= {k: v for k, v in optional.items() if v is not None}

@@ -126,6 +126,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
     ignore_eos: bool = False
+    stop: Text | list[Text] | None = None
     text: TextOptions | None = None
     tools: list[dict[str, Any]] | None = None  # function tools (checked below: the built-in ones are named)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None

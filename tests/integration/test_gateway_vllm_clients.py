@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
@@ -90,6 +91,34 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(oai, endpoin
     create = oai.chat.completions.create if endpoint == "chat" else oai.completions.create
     body = {"messages": USER} if endpoint == "chat" else {"prompt": PROMPT}
     assert all(c.usage is None for c in create(**body, **options))
+
+
+# What guidellm 0.8.1 sends (guidellm/backends/openai/request_handlers.py; not installed: it would
+# downgrade click and multidict in the shared environment), streamed with a fixed output length.
+GUIDELLM = {
+    "/v1/completions": {"prompt": PROMPT, "max_tokens": 6},
+    "/v1/chat/completions": {"messages": USER, "max_completion_tokens": 6},
+    "/v1/responses": {"input": [{"role": "user", "content": PROMPT}], "max_output_tokens": 6},
+}
+
+
+@pytest.mark.parametrize("path", sorted(GUIDELLM))
+def test_guidellms_requests_are_served(cluster, path):
+    body = {"model": MODEL, "stream": True, "stop": None, "ignore_eos": True, **GUIDELLM[path]}
+    if path != "/v1/responses":
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    with (
+        httpx.Client(base_url=cluster.gateway_url, timeout=WAIT_S) as http,
+        http.stream("POST", path, json=body) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        data = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(d) for d in data if d != "[DONE]"]
+    if path == "/v1/responses":
+        assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"]["output_tokens"] == 6
+    else:
+        assert data[-1] == "[DONE]" and all(e["usage"] is not None for e in events)
+        assert events[-1]["usage"]["completion_tokens"] == 6
 
 
 # ---------------------------------------------------------------- tool choice, no parser
