@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
 
-from gateway_svc.convert import Sample, error_body, grpc_error, shutting_down
+from gateway_svc.chat_output import ChatOutput
+from gateway_svc.convert import Results, Sample, error_body, grpc_error, shutting_down
 from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 
@@ -130,6 +132,32 @@ async def guarded(events: AsyncIterator[str], error_event: Callable[[dict[str, A
     except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
         log.exception("stream failed", error=repr(exc))
         yield error_event(error_body("internal error", "internal_error"))
+
+
+@dataclass(frozen=True)
+class AnswerStep:
+    """A piece of one streamed chat answer: the chat delta it adds (reasoning_content, content,
+    tool_calls pieces); on the last, the finish reason and whether the answer called tools."""
+
+    delta: dict[str, Any]
+    results: Results
+    finished: bool = False
+    reason: str | None = None
+    called: bool = False
+
+
+async def answer_steps(generation: Generation, samples: list[Sample], reading: ChatOutput) -> AsyncIterator[AnswerStep]:
+    """The one choice of a chat generation as chat deltas, read by `reading` (what other APIs
+    stream over chat write their events from these)."""
+    results = Results(samples)
+    stream = reading.stream()
+    async for index, message in generation.events():
+        delta = results.add(index, message)
+        yield AnswerStep(stream.feed(delta.text), results)
+        if message.finished:
+            reason = results.choices[index].finish_reason
+            said = stream.finish(reason)
+            yield AnswerStep(said, results, True, reason, stream.called)
 
 
 async def prompt_token_counts(client: Scheduler, samples: list[Sample], api_key: str | None) -> dict[int, int]:

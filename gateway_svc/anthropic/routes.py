@@ -20,7 +20,7 @@ from gateway_svc.anthropic.convert import chat_request, content_blocks, new_id, 
 from gateway_svc.anthropic.types import CountTokensRequest, MessagesRequest
 from gateway_svc.chat_output import ChatOutput
 from gateway_svc.convert import Results, Sample
-from gateway_svc.generation import Generation, guarded
+from gateway_svc.generation import Generation, answer_steps, guarded
 from gateway_svc.openai_types import ChatCompletionRequest
 from gateway_svc.openapi import ERROR_RESPONSES, GENERATION_RESPONSES
 
@@ -51,23 +51,17 @@ class MessagesAnswer:
         return guarded(self._events(generation, samples), lambda error: _event("error", error=_anthropic(error)))
 
     async def _events(self, generation: Generation, samples: list[Sample]) -> AsyncIterator[str]:
-        results = Results(samples)
         start = {"input_tokens": self._prompt_tokens, "output_tokens": 0}
         yield _event("message_start", message=self._message([], None, start))
         blocks = _Blocks()
-        stream = self._reading.stream()
-        async for index, message in generation.events():
-            delta = results.add(index, message)
-            for event in blocks.delta(stream.feed(delta.text)):
+        async for step in answer_steps(generation, samples, self._reading):
+            for event in blocks.delta(step.delta):
                 yield event
-            if message.finished:
-                reason = results.choices[index].finish_reason
-                for event in blocks.delta(stream.finish(reason)):
-                    yield event
+            if step.finished:
                 for event in blocks.close():
                     yield event
-                end = {"stop_reason": stop_reason(reason, stream.called), "stop_sequence": None}
-                yield _event("message_delta", delta=end, usage=usage(results.usage()))
+                end = {"stop_reason": stop_reason(step.reason, step.called), "stop_sequence": None}
+                yield _event("message_delta", delta=end, usage=usage(step.results.usage()))
                 yield _event("message_stop")
 
 

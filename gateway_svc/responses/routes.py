@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from gateway_svc import structured
 from gateway_svc.chat_output import ChatOutput
 from gateway_svc.convert import OpenAIError, Results, Sample
-from gateway_svc.generation import Generation, guarded
+from gateway_svc.generation import Generation, answer_steps, guarded
 from gateway_svc.openai_types import ChatCompletionRequest
 from gateway_svc.openapi import ERROR_RESPONSES, GENERATION_RESPONSES
 from gateway_svc.responses.items import ITEMS, chat_request, new_id, output_items, response_object, usage
@@ -73,22 +73,16 @@ class ResponsesAnswer:
     async def _events(
         self, events: ResponseEvents, generation: Generation, samples: list[Sample]
     ) -> AsyncIterator[str]:
-        results = Results(samples)
         started = response_object(self.id, self.created, self._model, self._body, [], None, None)
         yield events.event("response.created", response=started)
         yield events.event("response.in_progress", response=started)
-        stream = self._reading.stream()
-        async for index, message in generation.events():
-            delta = results.add(index, message)
-            for event in events.delta(stream.feed(delta.text)):
+        async for step in answer_steps(generation, samples, self._reading):
+            for event in events.delta(step.delta):
                 yield event
-            if message.finished:
-                reason = results.choices[index].finish_reason
-                for event in events.delta(stream.finish(reason)):
+            if step.finished:
+                for event in events.close("incomplete" if step.reason == "length" else "completed"):
                     yield event
-                for event in events.close("incomplete" if reason == "length" else "completed"):
-                    yield event
-                response = self._finish(events.output, reason, results)
+                response = self._finish(events.output, step.reason, step.results)
                 done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
                 yield events.event(done, response=response)
 
