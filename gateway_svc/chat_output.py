@@ -7,11 +7,12 @@ incremental machines (reasoning.py, tool_parsers.py), so a stream reassembles
 to the non-streamed answer. Order: the model's text -> reasoning -> its
 content -> tool calls.
 
-A forced answer (tool_choice required or a named function) is held back in a
-stream and said whole at its end, so that a call cut by max_tokens is never
-sent: such an answer is finish_reason "length" with the text as it stands as
-content, parser or not (an auto answer cut inside a call reads the same when not
-streamed; streamed, its earlier pieces are already out)."""
+An answer cut by max_tokens inside a call is finish_reason "length" with the
+text as it stands as content, never a call with truncated arguments. A forced
+answer without a parser (the calls' JSON, forced_tools.py) is held back in a
+stream and said whole at its end, so a cut one is never sent; with a parser a
+stream says calls piece by piece as they come (a cut one's pieces are then
+out, and the stream ends with finish_reason "length")."""
 
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ class ChatOutput:
     named: bool = False  # tool_choice named a function: OpenAI then answers finish_reason "stop"
     # Without a parser: the calls are the JSON a forced tool_choice's schema wrote (forced_tools.py).
     forced: ForcedCalls | None = None
-    hold: bool = False  # tool_choice required or named: a stream says the answer whole at its end
 
     def message(self, text: str, reason: str | None = None) -> tuple[dict[str, Any], bool]:
         """The non-streamed message of a choice's whole text (which ended for `reason`), and
@@ -89,7 +89,7 @@ class ChatStream:
         self._output = output
         self._reasoning: ReasoningStream | None = output.reasoning.stream() if output.reasoning else None
         self._tools: ToolStream | None = output.tools.stream() if output.tools else None
-        self._held: list[str] | None = [] if output.hold else None
+        self._held: list[str] | None = [] if output.forced is not None else None
         self.called = False
 
     def feed(self, text: str) -> dict[str, Any]:

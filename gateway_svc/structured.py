@@ -105,7 +105,6 @@ def chat_reading(body: ChatCompletionRequest, parsers: Parsers) -> ChatOutput:
         parsers.tool if mode != "none" else None,
         named=mode == "named",
         forced=ForcedCalls(named) if forced and parsers.tool is None else None,
-        hold=forced,
     )
 
 
