@@ -12,17 +12,13 @@ import jsonschema
 import pytest
 
 from tests.helpers.procs import Cluster
+from tests.helpers.tool_models import CITY
 
 WAIT_S = 60.0
 MODEL = "llama"
 SYSTEM = "Be terse."
 ASK = [{"role": "user", "content": "Name a colour."}]
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
+WEATHER = CITY
 TOOLS = [{"name": "get_weather", "description": "The weather", "input_schema": WEATHER}]
 GREEDY = {"extra_body": {"temperature": 0}}  # the current client no longer names sampling fields
 pytestmark = pytest.mark.usefixtures("no_leak")

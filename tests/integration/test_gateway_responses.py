@@ -14,16 +14,12 @@ import openai
 import pytest
 
 from tests.helpers.procs import Cluster
+from tests.helpers.tool_models import CITY
 
 WAIT_S = 60.0
 MODEL = "llama"
 IGNORE_EOS = {"ignore_eos": True}
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
+WEATHER = CITY
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 pytestmark = pytest.mark.usefixtures("no_leak")
 
