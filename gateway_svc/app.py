@@ -24,11 +24,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert, structured
-from gateway_svc.chat_output import ChatOutput
+from gateway_svc.anthropic.routes import MessagesAnswer, messages_router
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
-from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.generation import (
+    ClientGone,
+    Generation,
+    LiveGenerations,
+    ShuttingDown,
+    guarded,
+    prompt_token_counts,
+)
 from gateway_svc.limits import BodyLimit
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -39,6 +46,8 @@ from gateway_svc.openapi import (
     HEALTH_RESPONSES,
     publish_openapi,
 )
+from gateway_svc.responses.routes import ResponsesAnswer, responses_router
+from gateway_svc.responses.store import ResponseStore
 from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tokenize import max_model_len, tokenize_router
 
@@ -51,13 +60,13 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody
 
 def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedserve gateway", version=GATEWAY_VERSION, docs_url=None, redoc_url=None)
-    template = ChatTemplate.load(config.model_dir) if config.model_dir else None
+    template = config.template()
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
     require_key = _key_checker(config.api_key)
     served = _model_checker(config.model_id)
-    parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
+    parsers = config.parsers()
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
     rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
@@ -71,17 +80,28 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         samples = convert.completion_samples(body, shape.id, rules, _forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, window, field)
 
+    async def prompt(body: ChatCompletionRequest) -> str:
+        tools = [t.for_template() for t in body.tools or []] if body.tool_mode != "none" else None
+        return await _render_chat(template, body, tools)
+
+    async def prompt_tokens(body: ChatCompletionRequest, request: Request) -> int:
+        """The rendered prompt's tokens, as Generate counts them."""
+        reply = await client.tokenize(await prompt(body), True, False, _forwarded_key(request))
+        return len(reply.token_ids)
+
+    async def run_chat(body: ChatCompletionRequest, request: Request, shape: Answer) -> Response:
+        """A chat request's pipeline (chat completions, and the APIs answered over it)."""
+        rendered = await prompt(body)
+        constraint, field = structured.constraint_fields(body, parsers, rendered)
+        samples = convert.chat_samples(body, rendered, shape.id, rules, _forwarded_key(request), constraint)
+        return await _generate(client, live, request, body, shape, samples, window, field)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         served(body.model)
-        mode = body.tool_mode
-        tools = [t.for_template() for t in body.tools or []] if mode != "none" else None
-        prompt = await _render_chat(template, body, tools)
-        constraint, field = structured.constraint_fields(body, parsers, prompt)
-        reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
-        shape = ResponseShape("chat", config.model_id, reading)
-        samples = convert.chat_samples(body, prompt, shape.id, rules, _forwarded_key(request), constraint)
-        return await _generate(client, live, request, body, shape, samples, window, field)
+        return await run_chat(
+            body, request, ResponseShape("chat", config.model_id, structured.chat_reading(body, parsers))
+        )
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
@@ -105,6 +125,11 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
     app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
+    store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
+    app.include_router(
+        responses_router(run_chat, parsers, store, config.model_id, served), dependencies=[Depends(require_key)]
+    )
+    app.include_router(messages_router(run_chat, prompt_tokens, parsers, served), dependencies=[Depends(require_key)])
     # An oversized body is refused before anything reads it (413), inside the metrics' count.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
@@ -140,9 +165,10 @@ def _model_checker(model_id: str) -> Callable[[str | None], None]:
 
 
 def _bearer_key(request: Request) -> str | None:
+    """The caller's key: 'Authorization: Bearer KEY', or 'x-api-key: KEY' as Anthropic's clients send it."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     return key.strip()
 
 
@@ -157,7 +183,7 @@ def _key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise OpenAIError(
                 401,
-                "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                 "authentication_error",
                 None,
                 "invalid_api_key",
@@ -177,12 +203,16 @@ def _forwarded_key(request: Request) -> str | None:
 # ---------------------------------------------------------------- generation
 
 
+# How a generation answers: OpenAI's completions and chat shape, or another API's (responses).
+Answer = ResponseShape | ResponsesAnswer | MessagesAnswer
+
+
 async def _generate(
     client: Scheduler,
     live: LiveGenerations,
     request: Request,
     body: SamplingFields,
-    shape: ResponseShape,
+    shape: Answer,
     samples: list[Sample],
     window: int,
     constraint_field: str | None = None,
@@ -195,7 +225,15 @@ async def _generate(
         if body.stream:
             async with _cancel_on_disconnect(request, generation.cancel):
                 await generation.start()
-            stream = _sse(generation, shape, samples, body.include_usage)
+                counts = (
+                    await prompt_token_counts(client, samples, _forwarded_key(request))
+                    if body.continuous_usage
+                    else None
+                )
+            if isinstance(shape, ResponseShape):
+                stream = _sse(generation, shape, samples, body.include_usage, counts)
+            else:
+                stream = shape.sse(generation, samples)
             return _GenerationStream(generation, stream, lambda: live.discard(generation))
         results = convert.Results(samples)
         async with _cancel_on_disconnect(request, generation.cancel):
@@ -262,33 +300,44 @@ def _sse_event(payload: dict[str, Any]) -> str:
 
 
 async def _sse(
-    generation: Generation, shape: ResponseShape, samples: list[Sample], include_usage: bool
+    generation: Generation,
+    shape: ResponseShape,
+    samples: list[Sample],
+    include_usage: bool,
+    prompt_tokens: dict[int, int] | None = None,
 ) -> AsyncIterator[str]:
     """The event stream: OpenAI chunks, an error event if the scheduler fails
-    mid-stream (the 200 is already sent), then [DONE]."""
-    results = convert.Results(samples)
-    try:
-        for start in shape.start_chunks([s.index for s in samples], include_usage):
-            yield _sse_event(start)
-        by_index = {s.index: s for s in samples}
-        async for index, message in generation.events():
-            delta = results.add(index, message)
-            chunk = shape.chunk(by_index[index], message, delta, include_usage)
-            if chunk is not None:
-                yield _sse_event(chunk)
-        if include_usage:
-            yield _sse_event(shape.usage_chunk(results))
-    except grpc.aio.AioRpcError as err:
-        # Headers are gone: the error travels as an event (the openai client raises it).
-        yield _sse_event(convert.grpc_error(err.code(), err.details()).body())
-    except ClientGone:
-        return
-    except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
-        yield _sse_event(convert.shutting_down(str(exc)).body())
-    except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
-        log.exception("stream failed", error=repr(exc))
-        yield _sse_event(convert.error_body("internal error", "internal_error"))
+    mid-stream (the 200 is already sent), then [DONE]. `prompt_tokens` (each prompt
+    group's count): continuous usage stats, every chunk with its choice's usage so far."""
+    async for event in guarded(_chunks(generation, shape, samples, include_usage, prompt_tokens), _sse_event):
+        yield event
     yield "data: [DONE]\n\n"
+
+
+async def _chunks(
+    generation: Generation,
+    shape: ResponseShape,
+    samples: list[Sample],
+    include_usage: bool,
+    prompt_tokens: dict[int, int] | None,
+) -> AsyncIterator[str]:
+    results = convert.Results(samples)
+
+    def event(chunk: dict[str, Any]) -> str:
+        if prompt_tokens is not None:
+            chunk["usage"] = results.usage_so_far(chunk["choices"][0]["index"], prompt_tokens)
+        return _sse_event(chunk)
+
+    for start in shape.start_chunks([s.index for s in samples], include_usage):
+        yield event(start)
+    by_index = {s.index: s for s in samples}
+    async for index, message in generation.events():
+        delta = results.add(index, message)
+        chunk = shape.chunk(by_index[index], message, delta, include_usage)
+        if chunk is not None:
+            yield event(chunk)
+    if include_usage:
+        yield _sse_event(shape.usage_chunk(results))
 
 
 # ---------------------------------------------------------------- errors

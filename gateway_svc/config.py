@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway_svc.chat_template import CONTENT_FORMATS, ChatTemplate
 from gateway_svc.structured import Parsers
 from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
@@ -112,6 +113,28 @@ class GatewayConfig:
             "choices": ("", "hermes", "llama3_json"),
         },
     )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata={
+            "help": "let the model choose whether to call tools (tool_choice auto, the default with tools), read by "
+            "--tool-call-parser (vLLM's flag); without it auto is a 400, and tool_choice required or a named "
+            "function work on any model (a JSON schema of the calls, or the parser's format)"
+        },
+    )
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": "a Jinja chat template replacing the model's: a file, or the template text itself (vLLM's flag)"
+        },
+    )
+    chat_template_content_format: str = field(
+        default="auto",
+        metadata={
+            "help": "how the chat template reads a message's content: string, or openai (a list of "
+            "{type: text, text} parts); auto: openai when the template loops over a message's content",
+            "choices": CONTENT_FORMATS,
+        },
+    )
     reasoning_parser: str = field(
         default="",
         metadata={
@@ -120,6 +143,16 @@ class GatewayConfig:
             "then starts after </think>. '' = off",
             "choices": ("", "qwen3", "deepseek_r1"),
         },
+    )
+    responses_store_size: int = field(
+        default=1000,
+        metadata={
+            "help": "/v1/responses kept for GET and previous_response_id (store: true), the oldest dropped first; "
+            "0 = none kept"
+        },
+    )
+    responses_store_ttl_s: float = field(
+        default=3600.0, metadata={"help": "how long a stored /v1/responses response lives (a later read is 404)"}
     )
     max_n: int = field(default=16, metadata={"help": "largest n (samples per prompt) a request may ask for"})
     max_prompts: int = field(
@@ -202,6 +235,8 @@ class GatewayConfig:
                 "HOST:PORT, comma-separated",
             ),
             (1 <= self.max_n <= 128, "--max-n", "in 1..128"),
+            (self.responses_store_size >= 0, "--responses-store-size", ">= 0"),
+            (self.responses_store_ttl_s > 0, "--responses-store-ttl-s", "> 0"),
             (self.max_prompts >= 1, "--max-prompts", ">= 1"),
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
@@ -227,4 +262,16 @@ class GatewayConfig:
         for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
-        Parsers.load(self.tool_call_parser, self.reasoning_parser, self.model_dir)  # ValueError naming the flag
+        self.parsers()  # ValueError naming the flag
+
+    def template(self) -> ChatTemplate | None:
+        """The chat template: --chat-template's, or the model's (ValueError naming the flag)."""
+        return ChatTemplate.from_flags(self.model_dir, self.chat_template, self.chat_template_content_format)
+
+    def parsers(self) -> Parsers:
+        """The tool-call and reasoning parsers the flags select (ValueError naming the flag)."""
+        template = self.template() if self.chat_template else None
+        source = template.source if template is not None else ""
+        return Parsers.load(
+            self.tool_call_parser, self.reasoning_parser, self.model_dir, self.enable_auto_tool_choice, source
+        )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from pydantic import ValidationError
 
 from gateway_svc.chat_output import ChatOutput, ChatStream
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
@@ -106,10 +107,10 @@ def completion_samples(
     """`constraint`: serving.v1's structured_output fields (gateway_svc/structured.py)."""
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (this server returns every sample)", "best_of")
-    if body.max_tokens == 0 and not body.echo:
-        raise bad_request(
-            "max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)", "max_tokens"
-        )
+    limit = body.output_limit
+    if limit == 0 and not body.echo:
+        field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        raise bad_request(f"{field} must be >= 1 (0 only with echo: the prompt is scored, nothing generated)", field)
     if len(body.prompts) > rules.max_prompts:
         raise bad_request(f"at most {rules.max_prompts} prompts per request, got {len(body.prompts)}", "prompt")
     prompts: list[dict[str, Any]] = [
@@ -118,15 +119,26 @@ def completion_samples(
     if body.echo:
         # The prompt's logprobs, and for token ids its tokens' texts; and max_tokens 0 needs them.
         for prompt in prompts:
-            if body.logprobs is not None or body.max_tokens == 0 or "prompt_token_ids" in prompt:
+            if body.logprobs is not None or limit == 0 or "prompt_token_ids" in prompt:
                 prompt["prompt_logprobs"] = body.logprobs or 0
-    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = COMPLETION_MAX_TOKENS if limit is None else limit
     samples = _samples(prompts, body, max_tokens, response_id, rules, body.logprobs, api_key, constraint)
     texts = [p if isinstance(p, str) else None for p in body.prompts]
     return [
         dataclasses.replace(s, logprobs=body.logprobs is not None, echo=body.echo, prompt_text=texts[s.group])
         for s in samples
     ]
+
+
+def chat_body(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request (responses, messages) runs as; what chat refuses
+    in it (an empty tool call id, ...) is a 400 naming the chat field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {str(first['msg']).removeprefix('Value error, ')}", where) from None
 
 
 def chat_prompt(
@@ -280,6 +292,7 @@ class ChoiceResult:
     offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: serving_pb2.Usage | None = None
+    completion_tokens: int = 0  # so far (continuous usage stats)
     echoed: bool = False
     _next_offset: int = 0
 
@@ -289,6 +302,7 @@ class ChoiceResult:
 
     def add(self, message: serving_pb2.GenerateResponse) -> Delta:
         text, entries = message.text, _entries(message.token_logprobs)
+        self.completion_tokens += len(message.token_ids)
         if self.sample.echo and not self.echoed and (message.token_ids or message.finished):
             # The first message with output (or the end): the prompt logprobs are on it.
             self.echoed = True
@@ -319,6 +333,14 @@ class Results:
 
     def add(self, index: int, message: serving_pb2.GenerateResponse) -> Delta:
         return self.choices[index].add(message)
+
+    def usage_so_far(self, index: int, prompt_tokens: dict[int, int]) -> dict[str, int]:
+        """vLLM's continuous usage stats: one choice's counts at this point of its stream
+        (`prompt_tokens`: each prompt group's count)."""
+        choice = self.choices[index]
+        prompt = prompt_tokens[choice.group]
+        done = choice.completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def usage(self) -> dict[str, Any]:
         """OpenAI counts each prompt once and every sample's output."""
@@ -364,7 +386,7 @@ class ResponseShape:
             text, reason = "".join(c.text), c.finish_reason
             content: dict[str, Any]
             if self.kind == "chat":
-                message, called = self.chat.message(text)
+                message, called = self.chat.message(text, reason)
                 content, reason = {"message": message}, self.chat.finish_reason(reason, called)
             else:
                 content = {"text": text}
@@ -399,7 +421,7 @@ class ResponseShape:
             stream = self._streams.setdefault(sample.index, self.chat.stream())
             said = stream.feed(delta.text)
             if reason is not None:
-                said = _joined(said, stream.finish())
+                said = _joined(said, stream.finish(reason))
                 reason = self.chat.finish_reason(reason, stream.called)
             if not said and not delta.entries and reason is None:
                 return None  # progress only, or text the parsers hold back for now

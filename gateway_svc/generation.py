@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
-from gateway_svc.convert import Sample
+import grpc
+import structlog
+
+from gateway_svc.chat_output import ChatOutput
+from gateway_svc.convert import Results, Sample, error_body, grpc_error, shutting_down
 from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 
+log = structlog.get_logger("gateway")
 _DONE = None  # queue item: a call ended normally
 # What a reader puts on the queue: a message, _DONE, or the error that ended its call.
 _Item = serving_pb2.GenerateResponse | BaseException | None
@@ -107,6 +114,66 @@ class Generation:
             reader.cancel()
         # Wake a consumer blocked in _next(): the readers will never put anything now.
         self._queue.put_nowait((-1, why or ClientGone("generation cancelled")))
+
+
+async def guarded(events: AsyncIterator[str], error_event: Callable[[dict[str, Any]], str]) -> AsyncIterator[str]:
+    """An event stream that ends cleanly however its generation fails: the 200 is already
+    sent, so an error travels as an event (`error_event` of OpenAI's error body), and a
+    client that went away ends it quietly."""
+    try:
+        async for event in events:
+            yield event
+    except grpc.aio.AioRpcError as err:
+        yield error_event(grpc_error(err.code(), err.details()).body())
+    except ClientGone:
+        return
+    except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
+        yield error_event(shutting_down(str(exc)).body())
+    except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
+        log.exception("stream failed", error=repr(exc))
+        yield error_event(error_body("internal error", "internal_error"))
+
+
+@dataclass(frozen=True)
+class AnswerStep:
+    """A piece of one streamed chat answer: the chat delta it adds (reasoning_content, content,
+    tool_calls pieces); on the last, the finish reason and whether the answer called tools."""
+
+    delta: dict[str, Any]
+    results: Results
+    finished: bool = False
+    reason: str | None = None
+    called: bool = False
+
+
+async def answer_steps(generation: Generation, samples: list[Sample], reading: ChatOutput) -> AsyncIterator[AnswerStep]:
+    """The one choice of a chat generation as chat deltas, read by `reading` (what other APIs
+    stream over chat write their events from these)."""
+    results = Results(samples)
+    stream = reading.stream()
+    async for index, message in generation.events():
+        delta = results.add(index, message)
+        yield AnswerStep(stream.feed(delta.text), results)
+        if message.finished:
+            reason = results.choices[index].finish_reason
+            said = stream.finish(reason)
+            yield AnswerStep(said, results, True, reason, stream.called)
+
+
+async def prompt_token_counts(client: Scheduler, samples: list[Sample], api_key: str | None) -> dict[int, int]:
+    """Each prompt group's token count, as Generate counts it (the tokenizer's special tokens
+    added): what continuous usage stats report before the scheduler's usage arrives at the end."""
+    counts: dict[int, int] = {}
+    for sample in samples:
+        if sample.group in counts:
+            continue
+        request = sample.request
+        if request.prompt_token_ids:
+            counts[sample.group] = len(request.prompt_token_ids)
+        else:
+            reply = await client.tokenize(request.prompt, True, False, api_key)
+            counts[sample.group] = len(reply.token_ids)
+    return counts
 
 
 class LiveGenerations:

@@ -36,8 +36,10 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
 
-# Strictly: a request that names an unknown field is refused, not half-served.
-STRICT = ConfigDict(extra="forbid")
+# Strictly: a request that names an unknown field is refused, not half-served; and a value of
+# the wrong JSON type is refused, not coerced ("max_tokens": "8", "stream": "yes", 8.0 for an
+# integer), as OpenAI answers. An integer is still a number.
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 def _utf8(value: str) -> str:
@@ -160,7 +162,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` extra body field: exactly one constraint. Its other options
     (structural_tag, disable_any_whitespace, whitespace_pattern, ...) are refused as unknown."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     json_: JsonSchema | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: Choices | None = None
@@ -194,7 +196,8 @@ GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice"
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
-    continuous_usage_stats: Annotated[bool | None, _only(lambda v: not v, "continuous_usage_stats")] = None
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far (guidellm sends it).
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -205,6 +208,8 @@ class SamplingFields(BaseModel):
     # The served model's id (--model-name), or absent; another id is a 404 (app.py).
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    # Newer OpenAI name for max_tokens (vLLM takes it on completions too); it wins when both are given.
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     # top_k, min_p, ignore_eos, ... are vLLM's extensions (openai: extra_body=...). top_k -1 = off, as in vLLM.
@@ -279,12 +284,22 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
 
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     # 0 only with echo: the prompt scored, nothing generated. Unset: OpenAI's 16 (convert.py).
     max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: Logprobs | None = None
     suffix: Annotated[str | None, _only(lambda v: not v, "suffix (insertion)")] = None
@@ -428,8 +443,6 @@ class ChatRendering(BaseModel):
 
 class ChatCompletionRequest(ChatRendering, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    # Newer OpenAI name for max_tokens; it wins when both are given.
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     tools: list[Tool] | None = None
@@ -471,7 +484,3 @@ class ChatCompletionRequest(ChatRendering, SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         return self.tool_choice or "auto"
-
-    @property
-    def output_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.convert import OpenAIError, bad_request
+from gateway_svc.forced_tools import ForcedCalls, required_schema
 from gateway_svc.openai_types import ChatCompletionRequest, OutputConstraint, SamplingFields
 from gateway_svc.reasoning import START_TAG, ReasoningParser, reasoning_parser
 from gateway_svc.tool_parsers import ToolParser, ToolSpec, tool_parser
@@ -36,21 +38,30 @@ TOOL_CHOICE_FIELD = "tool_choice"
 
 @dataclass(frozen=True)
 class Parsers:
-    """What --tool-call-parser and --reasoning-parser selected (None: off)."""
+    """What --tool-call-parser and --reasoning-parser selected (None: off), and whether
+    --enable-auto-tool-choice lets the model choose (tool_choice auto)."""
 
     tool: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    auto: bool = False
 
     @classmethod
-    def load(cls, tool_call_parser: str, reasoning: str, model_dir: str) -> Parsers:
+    def load(
+        cls, tool_call_parser: str, reasoning: str, model_dir: str, auto: bool = False, template_source: str = ""
+    ) -> Parsers:
         """The parsers the flags name; ValueError naming the flag when the model's chat template never
-        writes the parser's format (its tools or its reasoning would not be in that format)."""
+        writes the parser's format (its tools or its reasoning would not be in that format).
+        `template_source`: --chat-template's, which replaces the model's."""
         tool = tool_parser(tool_call_parser) if tool_call_parser else None
         thinker = reasoning_parser(reasoning) if reasoning else None
+        if auto and tool is None:
+            raise ValueError(
+                "--enable-auto-tool-choice: needs a --tool-call-parser (to read the calls the model writes)"
+            )
         if tool is None and thinker is None:
             return cls()
         template = ChatTemplate.load(model_dir) if model_dir and Path(model_dir).is_dir() else None
-        source = template.source if template is not None else ""
+        source = template_source or (template.source if template is not None else "")
         if tool is not None and tool.template_marker not in source:
             raise ValueError(
                 f"--tool-call-parser {tool.name}: the model's chat template never writes {tool.template_marker!r}: "
@@ -61,7 +72,7 @@ class Parsers:
                 f"--reasoning-parser {thinker.name}: the model's chat template never writes {thinker.end_tag!r}: "
                 "this is not a reasoning model of that format"
             )
-        return cls(tool, thinker)
+        return cls(tool, thinker, auto)
 
 
 def constraint_fields(body: SamplingFields, parsers: Parsers, prompt: str = "") -> tuple[dict[str, Any], str | None]:
@@ -83,17 +94,31 @@ def constraint_fields(body: SamplingFields, parsers: Parsers, prompt: str = "") 
     return fields, constraint.field
 
 
+def chat_reading(body: ChatCompletionRequest, parsers: Parsers) -> ChatOutput:
+    """How the answer of a chat request reads: its reasoning, and the calls of its tool_choice."""
+    mode = body.tool_mode
+    forced = mode in ("required", "named")
+    choice = body.tool_choice
+    named = choice.function.name if mode == "named" and choice is not None and not isinstance(choice, str) else None
+    return ChatOutput(
+        parsers.reasoning,
+        parsers.tool if mode != "none" else None,
+        named=mode == "named",
+        forced=ForcedCalls(named) if forced and parsers.tool is None else None,
+    )
+
+
 def _tool_constraint(
     body: ChatCompletionRequest, parsers: Parsers, constraint: OutputConstraint | None
 ) -> OutputConstraint | None:
-    """The constraint of a request offering tools: none for auto, the parser's grammar for
-    required or a named function."""
+    """The constraint of a request offering tools: none for auto, the calls' grammar (the
+    parser's format, or JSON without a parser) for required or a named function."""
     mode = body.tool_mode
-    if parsers.tool is None:
+    if mode == "auto" and not parsers.auto:
         raise bad_request(
-            f"tools: tool calling needs the gateway's --tool-call-parser (tool_choice {mode}); "
-            "use tool_choice none, or start the gateway with the parser of this model",
-            "tools",
+            "tool_choice auto (the default with tools) needs the gateway's --enable-auto-tool-choice and "
+            "--tool-call-parser (the model's own call format); use tool_choice required, a named function, or none",
+            "tool_choice",
         )
     if constraint is not None:
         raise bad_request(
@@ -110,6 +135,9 @@ def _tool_constraint(
     else:
         tools, parallel = body.tools, body.parallel_tool_calls is not False
     specs = [ToolSpec(t.function.name, t.function.parameters or ToolSpec(t.function.name).parameters) for t in tools]
+    if parsers.tool is None:
+        schema = specs[0].parameters if mode == "named" else required_schema(specs, parallel)
+        return OutputConstraint("json_schema", schema, TOOL_CHOICE_FIELD, strict=True)
     return OutputConstraint("grammar", parsers.tool.grammar(specs, parallel), TOOL_CHOICE_FIELD)
 
 

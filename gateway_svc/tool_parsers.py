@@ -14,7 +14,8 @@ non-streamed one. The arguments are the model's own JSON text, not re-encoded.
 
 `grammar(tools, choice)` gives the Lark grammar (llguidance's dialect, with
 %json for each function's parameters) that forces `tool_choice: required` or
-a named function into this format, so the output always parses.
+a named function into this format, so the output always parses; at most
+MAX_PARALLEL_CALLS calls, so that a model repeating calls still ends.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from gateway_svc.json_scan import CallBodyScanner
 from gateway_svc.text_tags import held_prefix
 
 IdMaker = Callable[[], str]
+# The most calls one forced answer may hold (parser's grammar or forced_tools' schema): a bound
+# a model repeating calls runs into, so it ends.
+MAX_PARALLEL_CALLS = 8
 
 
 def new_call_id() -> str:
@@ -171,6 +175,14 @@ def assemble(deltas: Sequence[StreamDelta]) -> ParsedOutput:
     return ParsedOutput(content if content or not tool_calls else None, tool_calls)
 
 
+def _more_calls(separator: str, one: str) -> str:
+    """Up to MAX_PARALLEL_CALLS - 1 more calls after the first, each after `separator`."""
+    more = ""
+    for _ in range(MAX_PARALLEL_CALLS - 1):
+        more = f"({separator} {one}{more})?"
+    return " " + more
+
+
 def _merge(calls: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
     """Adjacent argument pieces of one call in one delta become one piece."""
     merged: list[ToolCallDelta] = []
@@ -278,7 +290,7 @@ class HermesParser(ToolParser):
 
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
         one = f'"<tool_call>\\n" {call_rule} "\\n</tool_call>"'
-        return f"start: {one}" + (f' ("\\n" {one})*' if parallel else "")
+        return f"start: {one}" + (_more_calls('"\\n"', one) if parallel else "")
 
 
 # ---- llama3_json ----------------------------------------------------------------
@@ -348,7 +360,7 @@ class Llama3JsonParser(ToolParser):
     template_marker = '"parameters"'  # Llama 3.x templates ask for {"name": ..., "parameters": ...}
 
     def _calls_grammar(self, call_rule: str, parallel: bool) -> str:
-        return f"start: {call_rule}" + (f' ("; " {call_rule})*' if parallel else "")
+        return f"start: {call_rule}" + (_more_calls('"; "', call_rule) if parallel else "")
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}

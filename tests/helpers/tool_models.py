@@ -36,6 +36,15 @@ Answer a call as <tool_call>
 {% endif %}{% endif %}"""
 
 
+# A weather function's parameters (the APIs' tool round trips): a short city, nothing else.
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
 def tool_model_dir(directory: Path, checkpoint: Path | None = None) -> Path:
     """`directory` holding TOOL_TEMPLATE as its chat_template.jinja, and links to the files of
     `checkpoint` (its own template is shadowed: chat_template.jinja is read first)."""

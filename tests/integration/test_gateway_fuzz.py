@@ -5,9 +5,11 @@ never a 5xx. Bounded in time (FUZZ_SECONDS); `make test-slow` runs it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from tests.helpers.procs import Cluster
@@ -51,3 +53,9 @@ def test_no_request_gets_a_server_error(cluster, tmp_path):
     report = run.stdout[-12000:] + run.stderr[-3000:]
     assert run.returncode == 0, report
     assert "No issues found" in report or "passed" in report, report
+    # Every operation of the document was fuzzed, the APIs agents call among them.
+    paths = httpx.get(f"{cluster.gateway_url}/openapi.json", timeout=30).json()["paths"]
+    operations = sum(len(methods) for methods in paths.values())
+    assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/v1/messages/count_tokens"} <= set(paths)
+    selected = re.search(r"Operations:\s+(\d+) selected / (\d+) total", report)
+    assert selected is not None and int(selected[1]) == int(selected[2]) == operations, report

@@ -40,7 +40,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model_dir):
     worker = ["--dtype", "float32", "--num-blocks", "256", "--max-model-len", "2048"]
-    with Cluster(model_dir, worker, [], gateway=True, gateway_args=["--tool-call-parser", "hermes"]) as c:
+    with Cluster(
+        model_dir, worker, [], gateway=True, gateway_args=["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    ) as c:
         yield c
 
 

@@ -340,6 +340,39 @@ def test_bad_parameters_are_openai_400(http, fake_scheduler, path, body, param):
     assert not fake_scheduler.requests
 
 
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 8.0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
+        ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "echo": "false"}, "echo"),
+        ("/v1/completions", {"prompt": "x", "seed": "7"}, "seed"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+         "stream_options.include_usage"),
+        ("/v1/completions", {"prompt": "x", "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": "2"}, "n"),
+    ],
+)  # fmt: skip
+def test_a_string_where_openai_defines_a_number_or_boolean_is_a_400_naming_it(http, fake_scheduler, path, body, param):
+    """Not coerced, as OpenAI and vLLM answer: a typo'd type must not run as some other request."""
+    error = assert_openai_error(http.post(path, json=body), 400)
+    assert error["param"] == param, error
+    assert not fake_scheduler.requests
+
+
+def test_max_completion_tokens_on_completions_wins_over_max_tokens(http, fake_scheduler):
+    """vLLM's extension, which guidellm sends on /v1/completions."""
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 9, "max_completion_tokens": 4})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"prompt": "x", "max_completion_tokens": 5, "temperature": 1})
+    assert r.status_code == 200, r.text  # an integer is a number
+    assert [req.max_tokens for req in fake_scheduler.requests] == [4, 5]
+
+
 def test_malformed_json_is_400(http):
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_openai_error(r, 400)
@@ -358,6 +391,12 @@ def test_api_key_required_and_forwarded(fake_scheduler, model_dir):
             assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
             assert_openai_error(http.get("/v1/models", headers=headers), 401)
         assert not fake_scheduler.requests
+        # Anthropic's clients send x-api-key: the same key, on every route, forwarded as Bearer.
+        for path in ("/v1/messages", "/v1/responses"):
+            assert_openai_error(http.post(path, json={}, headers={"x-api-key": "wrong"}), 401)
+        r = http.post("/v1/completions", json={"prompt": "x"}, headers={"x-api-key": "sekret"})
+        assert r.status_code == 200, r.text
+        assert fake_scheduler.metadata[-1]["authorization"] == "Bearer sekret"
         ok = http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200, ok.text
         assert fake_scheduler.metadata[0]["authorization"] == "Bearer sekret"

@@ -90,7 +90,8 @@ REFUSED_CHAT = [
     ("function_call", {"function_call": "auto"}),
     ("tool_choice", {"tool_choice": "auto"}),
     ("tool_choice", {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    # tool_choice auto, the default with tools, needs --enable-auto-tool-choice (required/named do not)
+    ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     (
         "tools",
         {"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},

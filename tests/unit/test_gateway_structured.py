@@ -18,9 +18,10 @@ import openai
 import pytest
 
 from gateway_svc.config import GatewayConfig
-from gateway_svc.tool_parsers import ToolSpec, tool_parser
+from gateway_svc.forced_tools import required_schema
+from gateway_svc.tool_parsers import MAX_PARALLEL_CALLS, ToolSpec, tool_parser
 from tests.helpers.fake_scheduler import MODEL_NAME, WAIT_S, chat_model_dir, running_gateway
-from tests.helpers.tool_models import tool_model_dir
+from tests.helpers.tool_models import TOOL_TEMPLATE, tool_model_dir
 
 USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -61,7 +62,7 @@ def plain(fake_scheduler, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tools(fake_scheduler, tmp_path_factory):
     model_dir = tool_model_dir(tmp_path_factory.mktemp("models") / "tool-model")
-    with _gateway(fake_scheduler, model_dir, tool_call_parser="hermes") as client:
+    with _gateway(fake_scheduler, model_dir, tool_call_parser="hermes", enable_auto_tool_choice=True) as client:
         yield client
 
 
@@ -244,3 +245,106 @@ def test_a_parser_the_models_template_does_not_write_is_refused_at_start_up(tmp_
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} {value}: the model's chat template never"):
         GatewayConfig(model_dir=str(model_dir), **{flag: value}).validate()
     GatewayConfig(model_dir=str(tool_model_dir(tmp_path / "tool-model")), **{flag: value}).validate()
+
+
+# ---- tool choice without a parser (any model) ---------------------------------------------------
+@pytest.mark.parametrize(
+    "choice, parallel, schema",
+    [
+        ("required", None, required_schema(_specs(TOOLS), True)),
+        ("required", False, required_schema(_specs(TOOLS), False)),
+        ({"type": "function", "function": {"name": "get_weather"}}, None, WEATHER),
+    ],
+    ids=["required", "required-one", "named"],
+)  # fmt: skip
+def test_without_a_parser_forced_calls_become_a_json_schema_of_the_calls(
+    plain, fake_scheduler, choice, parallel, schema
+):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    plain.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice=choice, **extra)
+    [req] = fake_scheduler.requests
+    assert _structured_output(req) == {"json_schema": json.dumps(schema), "json_schema_strict": True}
+    if choice == "required":
+        assert schema["maxItems"] == (1 if parallel is False else MAX_PARALLEL_CALLS) and schema["minItems"] == 1
+
+
+REQUIRED_TEXT = [
+    '[{"name": "get_weather", "param',
+    'eters": {"city": "Oslo"}}, ',
+    '{"name": "get_time", "parameters": {}}]',
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_without_a_parser_the_forced_json_comes_back_as_tool_calls(plain, fake_scheduler, stream):
+    fake_scheduler.deltas, fake_scheduler.finish_reason = REQUIRED_TEXT, "stop"
+    answer = _answer(plain, "required", stream)
+    assert answer["finish_reason"] == "tool_calls" and answer["content"] is None
+    assert answer["calls"] == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    fake_scheduler.deltas = ['{"city": ', '"Oslo"}']
+    answer = _answer(plain, {"type": "function", "function": {"name": "get_weather"}}, stream)
+    assert answer["finish_reason"] == "stop" and answer["calls"] == [("get_weather", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("parser, stream", [(False, False), (False, True), (True, False)])
+def test_a_forced_call_cut_by_max_tokens_is_length_with_the_text_and_no_call(
+    plain, tools, fake_scheduler, parser, stream
+):
+    """Never a call with truncated arguments, nor a tag leaking as half a call. (Streamed
+    with a parser, calls go out piece by piece: a cut one's pieces are out already.)"""
+    cut = CALL_TEXT[1:4] if parser else REQUIRED_TEXT[:2]
+    fake_scheduler.deltas, fake_scheduler.finish_reason = cut, "length"
+    answer = _answer(tools if parser else plain, "required", stream, "tool-model" if parser else MODEL_NAME)
+    assert answer == {"finish_reason": "length", "content": "".join(cut), "calls": []}
+
+
+def _answer(client, choice, stream: bool, model: str = MODEL_NAME) -> dict:
+    """finish_reason, content and (name, arguments) of the calls, streamed or not."""
+    options = {"model": model, "messages": USER, "tools": TOOLS, "tool_choice": choice}
+    if not stream:
+        [done] = client.chat.completions.create(**options).choices
+        calls = [(c.function.name, c.function.arguments) for c in done.message.tool_calls or []]
+        return {"finish_reason": done.finish_reason, "content": done.message.content, "calls": calls}
+    content, calls, reason = None, {}, None
+    for chunk in client.chat.completions.create(**options, stream=True):
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for piece in delta.tool_calls or []:
+            name, arguments = calls.get(piece.index, (piece.function.name, ""))
+            calls[piece.index] = (name, arguments + (piece.function.arguments or ""))
+        reason = chunk.choices[0].finish_reason or reason
+    return {"finish_reason": reason, "content": content, "calls": [calls[i] for i in sorted(calls)]}
+
+
+# ---- --chat-template, --chat-template-content-format ---------------------------------------------
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% for p in m['content'] %}[{{ p.text }}]{% endfor %}\n{% endfor %}"
+)
+
+
+def test_chat_template_flag_replaces_the_models_as_a_file_or_text(tmp_path):
+    model_dir = chat_model_dir(tmp_path)
+    file = tmp_path / "tools.jinja"
+    file.write_text(TOOL_TEMPLATE)
+    for given in (str(file), TOOL_TEMPLATE):
+        config = GatewayConfig(model_dir=str(model_dir), chat_template=given, tool_call_parser="hermes")
+        config.validate()  # the parser's marker is in --chat-template's template, not the model's
+        assert config.template().source == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="--chat-template: 'no/such/file.jinja' is neither a file nor a Jinja"):
+        GatewayConfig(model_dir=str(model_dir), chat_template="no/such/file.jinja").validate()
+    with pytest.raises(ValueError, match="--chat-template: not a valid Jinja template"):
+        GatewayConfig(model_dir=str(model_dir), chat_template="{% for %}").validate()
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice: needs a --tool-call-parser"):
+        GatewayConfig(model_dir=str(model_dir), enable_auto_tool_choice=True).validate()
+
+
+@pytest.mark.parametrize("content_format, want", [("auto", "user:[hi]"), ("openai", "user:[hi]"),
+                                                  ("string", "user:[][]")])  # fmt: skip
+def test_content_format_gives_a_template_that_loops_over_parts_its_parts(tmp_path, content_format, want):
+    model_dir = chat_model_dir(tmp_path)
+    config = GatewayConfig(model_dir=str(model_dir), chat_template=PARTS_TEMPLATE,
+                           chat_template_content_format=content_format)  # fmt: skip
+    template = config.template()
+    assert template.content_format == ("openai" if content_format == "auto" else content_format)
+    assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == want
