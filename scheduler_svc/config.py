@@ -11,6 +11,9 @@ from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.ngram import NgramConfig
+from scheduler_svc.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
+from scheduler_svc.structured.limits import DEFAULT_MAX_CHARS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_RULES, GrammarLimits
+from scheduler_svc.structured.sandbox import DEFAULT_MEMORY_MB
 from svc_common.cli import flag_name
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
@@ -138,6 +141,35 @@ class SchedulerConfig:
             "other, its token mask sent after it once the token it follows is known (late masks); "
             "--no-constrained-ahead: such a request is not planned ahead (it decodes every other step)"
         },
+    )
+    max_grammar_chars: int = field(
+        default=DEFAULT_MAX_CHARS,
+        metadata={"help": "longest structured-output constraint (JSON schema, regex, grammar, choices) in characters"},
+    )
+    max_grammar_rules: int = field(
+        default=DEFAULT_MAX_RULES,
+        metadata={
+            "help": "most rules and terminals in a structured-output grammar (the compiler recurses through them: "
+            "a 3,000-rule chain overflows its stack)"
+        },
+    )
+    max_grammar_depth: int = field(
+        default=DEFAULT_MAX_DEPTH,
+        metadata={
+            "help": "deepest nesting of (), [] and {} in a structured-output grammar, regex or JSON schema "
+            "(a schema level is two: the object and its properties)"
+        },
+    )
+    grammar_compile_timeout_s: float = field(
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        metadata={
+            "help": "longest a new constraint may take to compile, in the compile sandbox and then again in the "
+            "scheduler (a cold compile runs in both)"
+        },
+    )
+    grammar_compile_memory_mb: int = field(
+        default=DEFAULT_MEMORY_MB,
+        metadata={"help": "address-space limit of the compile sandbox's child process (the vocabulary included)"},
     )
     max_pinned_blocks: int = field(
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
@@ -303,6 +335,11 @@ class SchedulerConfig:
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
             (self.max_num_seqs >= 0, "--max-num-seqs", ">= 1, or 0 for the worker's"),
+            (self.max_grammar_chars >= 1, "--max-grammar-chars", ">= 1"),
+            (self.max_grammar_rules >= 1, "--max-grammar-rules", ">= 1"),
+            (self.max_grammar_depth >= 1, "--max-grammar-depth", ">= 1"),
+            (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout-s", "> 0"),
+            (self.grammar_compile_memory_mb >= 256, "--grammar-compile-memory-mb", ">= 256"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
@@ -347,6 +384,10 @@ class SchedulerConfig:
     def admin_key_set(self) -> frozenset[str]:
         """The keys admin.v1 callers and ZMQ KV-event subscribers present."""
         return load_keys(self.admin_keys, self.admin_keys_file)
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(self.max_grammar_chars, self.max_grammar_rules, self.max_grammar_depth)
 
     def internal_token(self) -> str | None:
         """What the scheduler presents to its workers, if it has one."""

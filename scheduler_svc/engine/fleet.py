@@ -68,7 +68,13 @@ class Fleet:
         self.reference = cores[0].info  # what every worker must serve (WorkerInfo.mismatch)
         self.max_model_len = cores[0].planner.max_len
         # Structured outputs: one grammar engine for the model every worker serves.
-        self.grammars = Grammars(tokenizer, self.reference.vocab_size)
+        self.grammars = Grammars(
+            tokenizer,
+            self.reference.vocab_size,
+            config.grammar_limits,
+            config.grammar_compile_timeout_s,
+            config.grammar_compile_memory_mb,
+        )
         # Every worker's prefix-index changes (admin.v1 SubscribeKvEvents, --kv-events-zmq).
         self.kv_events = KvEventHub(config.kv_events_buffer_steps)
         self._handover: Handover | None = None
