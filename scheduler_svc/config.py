@@ -48,6 +48,15 @@ class SchedulerConfig:
             "the records change, e.g. a Kubernetes headless Service)"
         },
     )
+    worker_allow: str = field(
+        default="",
+        metadata={
+            "help": "more addresses admin.v1 AddWorker may add when the scheduler holds an internal token and "
+            "worker TLS is off, comma-separated HOST:PORT patterns with * and ? (e.g. 10.0.3.*:50061); --workers "
+            "and the current addresses of its dns:/// names are trusted already. Any other address is refused: it "
+            "would be sent the internal token"
+        },
+    )
     worker_discovery_interval_s: float = field(
         default=10.0, metadata={"help": "how often the dns:/// names in --workers are resolved again"}
     )
@@ -174,6 +183,17 @@ class SchedulerConfig:
     max_pinned_blocks: int = field(
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
     )
+    max_pin_share_per_key: float = field(
+        default=0.125,
+        metadata={
+            "help": "share of each worker's KV blocks the pins of one API key may hold (PinPrefix; an open API is "
+            "one key); within --max-pinned-blocks for all keys together"
+        },
+    )
+    pin_ttl_s: float = field(
+        default=3600.0,
+        metadata={"help": "a pin lasts this long after its key last pinned it, then is unpinned; 0 = until unpinned"},
+    )
     default_max_tokens: int = field(
         default=0,
         metadata={
@@ -297,6 +317,10 @@ class SchedulerConfig:
         return parse_targets(self.workers)
 
     @property
+    def worker_allow_patterns(self) -> list[str]:
+        return [p.strip() for p in self.worker_allow.split(",") if p.strip()]
+
+    @property
     def admin_bind_port(self) -> int:
         """The admin port to bind: --admin-port, or derived from --port (0: the OS picks)."""
         if self.admin_port != 0:
@@ -310,6 +334,11 @@ class SchedulerConfig:
     def validate(self) -> None:
         checks = [
             targets_check(self.workers, "--workers"),
+            (
+                all(":" in p for p in self.worker_allow_patterns),
+                "--worker-allow",
+                "HOST:PORT patterns (* and ? match any text / character), comma-separated",
+            ),
             (self.worker_discovery_interval_s > 0, "--worker-discovery-interval-s", "> 0"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
@@ -341,6 +370,8 @@ class SchedulerConfig:
             (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout-s", "> 0"),
             (self.grammar_compile_memory_mb >= 256, "--grammar-compile-memory-mb", ">= 256"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
+            (0 <= self.max_pin_share_per_key <= 1, "--max-pin-share-per-key", "in 0..1"),
+            (self.pin_ttl_s >= 0, "--pin-ttl-s", ">= 0 (0 = until unpinned)"),
             (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
             (self.worker_timeout_s > 0, "--worker-timeout-s", "> 0"),
