@@ -64,14 +64,31 @@ class SchedulerConfig:
     port: int = field(default=50051, metadata={"help": "port to bind; 0 lets the OS pick"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
-    max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
+    max_num_batched_tokens: int = field(
+        default=8192,
+        metadata={"help": "token budget of one step (on a CPU worker the ceiling of --step-target-ms's budget)"},
+    )
     max_num_seqs: int = field(
         default=0,
         metadata={
             "help": f"sequences in one step / running at once; 0 = the worker's --max-num-seqs (from its Info; {DEFAULT_MAX_NUM_SEQS} for a worker that does not say). A value above a worker's is refused"
         },
     )
-    chunk_size: int = field(default=8192, metadata={"help": "largest prefill chunk of one request per step"})
+    chunk_size: int = field(
+        default=8192,
+        metadata={
+            "help": "largest prefill chunk of one request per step (vLLM's --long-prefill-token-threshold); at most "
+            "--max-num-batched-tokens; on a CPU worker the ceiling of half the measured step budget"
+        },
+    )
+    step_target_ms: float = field(
+        default=1000.0,
+        metadata={
+            "help": "CPU workers: size each step's token budget from the worker's measured prefill speed so that a "
+            "step (and so every stream's gap between tokens) takes about this long; 0 = off (the flags' budget as "
+            "given, as on an accelerator)"
+        },
+    )
     dynamic_chunking: bool = field(
         default=False,
         metadata={
@@ -369,6 +386,12 @@ class SchedulerConfig:
             (self.max_grammar_depth >= 1, "--max-grammar-depth", ">= 1"),
             (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout-s", "> 0"),
             (self.grammar_compile_memory_mb >= 256, "--grammar-compile-memory-mb", ">= 256"),
+            (
+                self.chunk_size <= self.max_num_batched_tokens,
+                "--chunk-size",
+                f"<= --max-num-batched-tokens ({self.max_num_batched_tokens}): one request's chunk fits a step",
+            ),
+            (self.step_target_ms >= 0, "--step-target-ms", ">= 0 (0 = off)"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (0 <= self.max_pin_share_per_key <= 1, "--max-pin-share-per-key", "in 0..1"),
             (self.pin_ttl_s >= 0, "--pin-ttl-s", ">= 0 (0 = until unpinned)"),

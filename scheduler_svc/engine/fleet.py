@@ -27,6 +27,7 @@ from scheduler_svc.engine.errors import (
 )
 from scheduler_svc.engine.kv_events import KvEventHub
 from scheduler_svc.engine.router import Router, WorkerState
+from scheduler_svc.engine.step_budget import step_budget
 from scheduler_svc.engine.timing import EngineHooks
 from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
 from scheduler_svc.engine.worker_status import WorkerStatus
@@ -129,6 +130,8 @@ class Fleet:
             raise StartupError(f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's {first.vocab_size}")
         options = _core_options(config)
         cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks) for c, info in workers]
+        for core in cores:
+            _size_steps(core, config)
         return cls(cores, tokenizer, config, router, hooks, resolver)
 
     def on_lost_worker(self, handover: Handover) -> None:
@@ -201,6 +204,7 @@ class Fleet:
                 raise
             options = _core_options(self.config)
             core = EngineCore(client, info, planner, self.tokenizer, options, self._handover, self.hooks)
+            _size_steps(core, self.config)
             core.kv_events = self.kv_events.worker(address)
             core.grammars = self.grammars
             self.cores.append(core)
@@ -316,6 +320,10 @@ def _core_options(config: SchedulerConfig) -> CoreOptions:
         health_interval_s=config.health_interval_s,
         async_scheduling=config.async_scheduling,
     )
+
+
+def _size_steps(core: EngineCore, config: SchedulerConfig) -> None:
+    core.step_budget = step_budget(core.planner.config, core.info.device, config.step_target_ms, core.info.address)
 
 
 def _worker_client(address: str, config: SchedulerConfig, tls_server_name: str = "") -> WorkerClient:
