@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--short-after-s", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", default="fixed,sized")
+    parser.add_argument("--step-target-ms", type=float, default=None, help="sized: this target (default: the flag's)")
     args = parser.parse_args()
     model = require_model(args.model)
     names = args.configs.split(",")
@@ -86,7 +87,10 @@ def main() -> None:
             trial(s.address, running, longs[-1][:300], short, 0.1)
         for repeat in range(args.repeats):
             for i, name in enumerate(names[repeat % len(names) :] + names[: repeat % len(names)]):
-                with ServiceProcess("scheduler_svc", base + CONFIGS[name]) as s:
+                target = (
+                    ["--step-target-ms", str(args.step_target_ms)] if name == "sized" and args.step_target_ms else []
+                )
+                with ServiceProcess("scheduler_svc", base + CONFIGS[name] + target) as s:
                     long = longs[repeat * len(names) + i]  # a fresh prompt: nothing cached anywhere
                     results[name].append(trial(s.address, running, long, short, args.short_after_s))
                 print(name, results[name][-1], flush=True)

@@ -4,13 +4,18 @@ prompt was one 36 s step on a 2-core CPU, and every stream stalled behind it).
 On an accelerator --max-num-batched-tokens and --chunk-size are used as given. On a
 CPU worker a step's time grows with its tokens at a speed no constant fits, so the
 budget follows the worker: each step with a prefill in it gives its forward time per
-token (smoothed: attention makes late chunks of a long prompt dearer per token), and
-the step budget becomes what fits --step-target-ms, within 64..--max-num-batched-tokens.
+token; the median of the last few (a cold first step or a burst of load on a shared
+machine is one sample, not the estimate; attention makes late chunks of a long prompt
+dearer per token, which the window follows within a few steps) sizes it: the step
+budget becomes what fits --step-target-ms, within 64..--max-num-batched-tokens.
 One request's prefill chunk gets at most half of it (vLLM's long-prefill threshold,
 here --chunk-size's ceiling): a short request that arrives meanwhile shares the next
 step instead of waiting for the long prompt to finish."""
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 import structlog
 
@@ -21,7 +26,7 @@ log = structlog.get_logger(__name__)
 MIN_BUDGET = 64  # below this a step's fixed cost dominates (and decodes of a big batch would starve)
 INITIAL_BUDGET = 256  # before the first measurement: ~1 s of prefill on a slow 2-core CPU
 MIN_SAMPLE_TOKENS = 32  # a step with fewer tokens (decodes) says little about prefill's cost per token
-SMOOTHING = 0.5  # weight of the newest step's cost per token
+WINDOW = 8  # recent prefill steps whose median cost per token is the estimate
 
 
 class StepBudget:
@@ -32,20 +37,21 @@ class StepBudget:
         self.worker = worker
         self.max_budget = config.max_num_batched_tokens
         self.max_chunk = config.chunk_size
-        self.ms_per_token: float | None = None
+        self._costs: deque[float] = deque(maxlen=WINDOW)  # ms per token of recent prefill steps
         self._apply(INITIAL_BUDGET)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return statistics.median(self._costs) if self._costs else None
 
     def observe(self, num_tokens: int, forward_ms: float) -> None:
         """A finished step: its tokens and the worker's forward time."""
         if num_tokens < MIN_SAMPLE_TOKENS or forward_ms <= 0:
             return
         cost = forward_ms / num_tokens
-        first = self.ms_per_token is None
-        self.ms_per_token = (
-            cost if self.ms_per_token is None else SMOOTHING * cost + (1 - SMOOTHING) * self.ms_per_token
-        )
-        self._apply(int(self.target_ms / self.ms_per_token))
-        if first:
+        self._costs.append(cost)
+        self._apply(int(self.target_ms / statistics.median(self._costs)))
+        if len(self._costs) == 1:
             log.info(
                 "step budget sized from the worker's speed",
                 worker=self.worker,

@@ -30,8 +30,10 @@ def test_the_budget_fits_the_target_at_the_measured_speed():
     assert (config.max_num_batched_tokens, config.chunk_size) == (500, 240)  # half, in whole blocks
     budget.observe(8, 900.0)  # decodes only: no news about prefill's cost
     assert config.max_num_batched_tokens == 500
-    budget.observe(100, 600.0)  # 6 ms a token (late chunks of a long prompt cost more): smoothed to 4
+    budget.observe(100, 600.0)  # 6 ms a token (late chunks of a long prompt cost more): the median, 4
     assert (config.max_num_batched_tokens, config.chunk_size) == (250, 112)
+    budget.observe(50, 5000.0)  # one step slowed 50 times (a cold kernel, a burst of load): the median, 6
+    assert config.max_num_batched_tokens == 166
 
 
 def test_the_flags_stay_the_ceilings_and_the_floor_holds():
