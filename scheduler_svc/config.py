@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
@@ -21,6 +23,10 @@ from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_
 from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
 
+log = structlog.get_logger(__name__)
+
+# --max-num-batched-tokens and --chunk-size by default (a CPU worker's step budget is sized instead).
+DEFAULT_STEP_TOKENS = 8192
 # --max-num-seqs when neither the scheduler nor the worker says (vLLM's default).
 DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
@@ -65,8 +71,8 @@ class SchedulerConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
     max_num_batched_tokens: int = field(
-        default=8192,
-        metadata={"help": "token budget of one step (on a CPU worker the ceiling of --step-target-ms's budget)"},
+        default=DEFAULT_STEP_TOKENS,
+        metadata={"help": "token budget of one step (left at its default on a CPU worker: see --step-target-ms)"},
     )
     max_num_seqs: int = field(
         default=0,
@@ -75,18 +81,18 @@ class SchedulerConfig:
         },
     )
     chunk_size: int = field(
-        default=8192,
+        default=DEFAULT_STEP_TOKENS,
         metadata={
-            "help": "largest prefill chunk of one request per step (vLLM's --long-prefill-token-threshold); at most "
-            "--max-num-batched-tokens; on a CPU worker the ceiling of half the measured step budget"
+            "help": "largest prefill chunk of one request per step (vLLM's --long-prefill-token-threshold); one "
+            "above --max-num-batched-tokens is clamped to it (logged)"
         },
     )
     step_target_ms: float = field(
         default=1000.0,
         metadata={
-            "help": "CPU workers: size each step's token budget from the worker's measured prefill speed so that a "
-            "step (and so every stream's gap between tokens) takes about this long; 0 = off (the flags' budget as "
-            "given, as on an accelerator)"
+            "help": "CPU workers, with --max-num-batched-tokens and --chunk-size left at their defaults: size each "
+            "step's token budget from the worker's measured prefill speed so that its forward takes about this "
+            "long (a running stream's gap between tokens), one request's chunk at most half of it; 0 = off"
         },
     )
     dynamic_chunking: bool = field(
@@ -386,11 +392,6 @@ class SchedulerConfig:
             (self.max_grammar_depth >= 1, "--max-grammar-depth", ">= 1"),
             (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout-s", "> 0"),
             (self.grammar_compile_memory_mb >= 256, "--grammar-compile-memory-mb", ">= 256"),
-            (
-                self.chunk_size <= self.max_num_batched_tokens,
-                "--chunk-size",
-                f"<= --max-num-batched-tokens ({self.max_num_batched_tokens}): one request's chunk fits a step",
-            ),
             (self.step_target_ms >= 0, "--step-target-ms", ">= 0 (0 = off)"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (0 <= self.max_pin_share_per_key <= 1, "--max-pin-share-per-key", "in 0..1"),
@@ -426,6 +427,13 @@ class SchedulerConfig:
         for ok, flag, valid in checks + self._credential_checks():
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
+        if self.chunk_size > self.max_num_batched_tokens >= 1:  # one request's chunk never outgrows a step
+            log.info(
+                "--chunk-size clamped to --max-num-batched-tokens",
+                chunk_size=self.chunk_size,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            )
+            self.chunk_size = self.max_num_batched_tokens
         # The planner's own options are checked where they are used, once.
         self.planner_config(max(self.max_model_len, 2), 1, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS).validate()
 
@@ -438,6 +446,12 @@ class SchedulerConfig:
     def admin_key_set(self) -> frozenset[str]:
         """The keys admin.v1 callers and ZMQ KV-event subscribers present."""
         return load_keys(self.admin_keys, self.admin_keys_file)
+
+    @property
+    def sized_step_target_ms(self) -> float:
+        """A CPU worker's step target (engine/step_budget.py); 0 where the operator set the budget flags."""
+        defaults = self.max_num_batched_tokens == self.chunk_size == DEFAULT_STEP_TOKENS
+        return self.step_target_ms if defaults else 0.0
 
     @property
     def grammar_limits(self) -> GrammarLimits:

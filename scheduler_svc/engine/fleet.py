@@ -323,7 +323,9 @@ def _core_options(config: SchedulerConfig) -> CoreOptions:
 
 
 def _size_steps(core: EngineCore, config: SchedulerConfig) -> None:
-    core.step_budget = step_budget(core.planner.config, core.info.device, config.step_target_ms, core.info.address)
+    core.step_budget = step_budget(
+        core.planner.config, core.info.device, config.sized_step_target_ms, core.info.address
+    )
 
 
 def _worker_client(address: str, config: SchedulerConfig, tls_server_name: str = "") -> WorkerClient:

@@ -4,8 +4,6 @@ so a short request arriving behind a long prompt shares the next step."""
 
 from __future__ import annotations
 
-import pytest
-
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.step_budget import INITIAL_BUDGET, MIN_BUDGET, StepBudget, step_budget
 from scheduler_svc.kv.block_manager import KVCacheManager
@@ -45,9 +43,17 @@ def test_the_flags_stay_the_ceilings_and_the_floor_holds():
     assert config.max_num_batched_tokens == MIN_BUDGET
 
 
-def test_chunk_size_above_the_step_budget_is_refused():
-    with pytest.raises(ValueError, match="--chunk-size: must be <= --max-num-batched-tokens"):
-        SchedulerConfig(chunk_size=4096, max_num_batched_tokens=2048).validate()
+def test_chunk_size_above_the_step_budget_is_clamped_to_it():
+    config = SchedulerConfig(max_num_batched_tokens=2048)
+    config.validate()
+    assert config.chunk_size == 2048 and config.planner_config(4096, 16, 8).chunk_size == 2048
+
+
+def test_only_the_default_budget_is_sized_an_operator_s_is_kept():
+    assert SchedulerConfig().sized_step_target_ms == 1000.0
+    assert SchedulerConfig(step_target_ms=0).sized_step_target_ms == 0.0
+    assert SchedulerConfig(max_num_batched_tokens=512).sized_step_target_ms == 0.0
+    assert SchedulerConfig(chunk_size=256).sized_step_target_ms == 0.0
 
 
 def test_a_short_request_behind_a_long_prompt_runs_in_the_next_step():
