@@ -52,7 +52,7 @@ def main() -> None:
     sandbox_vocab = SandboxVocab(tokenizer.tokenizer.to_str(), vocab.vocab_size, vocab.eos_token_ids)
     started = time.perf_counter()
     sandbox = CompileSandbox(sandbox_vocab, timeout_s=30.0)
-    sandbox._give_back(sandbox._take())  # started and ready
+    sandbox.wait_ready()
     startup_ms = (time.perf_counter() - started) * 1e3
     child_rss = rss_mb(sandbox._idle[0].proc.pid)
     constraints = {name: Constraint.json_schema(json.dumps(schema)) for name, schema in REAL_SCHEMAS.items()}

@@ -86,4 +86,5 @@ class Grammars:
                 f"this model's tokenizer has {vocab.vocab_size} ids, more than its {self.logits_width} logits: "
                 "constraints cannot be served",
             )
+        sandbox.wait_ready()  # its start-up (seconds on a busy machine) is outside the compile bound
         return GrammarCompiler(vocab, timeout_s=self.timeout_s, grammar_limits=self.limits, sandbox=sandbox)

@@ -160,6 +160,10 @@ class CompileSandbox:
         if "error" in answer:
             raise ConstraintRejected(constraint.field, str(answer["error"]))
 
+    def wait_ready(self) -> None:
+        """Block until a child is up (its start-up is not any constraint's compile time)."""
+        self._give_back(self._take())
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -132,7 +132,7 @@ def test_a_compile_past_the_time_limit_kills_its_child():
     sandbox = CompileSandbox(SandboxVocab(train_tokenizer_json(), 768, (TINY_EOS,)), timeout_s=1e-4)
     compiler = GrammarCompiler(tiny_vocab(), timeout_s=1e-4, sandbox=sandbox)
     try:
-        sandbox._give_back(sandbox._take())  # started and ready: its start-up is not the constraint's time
+        sandbox.wait_ready()  # its start-up is not the constraint's time
         with pytest.raises(ConstraintRejected) as caught:
             compiler.compile(Constraint.json_schema('{"type":"object","properties":{"a":{"type":"integer"}}}'))
         assert "took longer than" in caught.value.message
