@@ -7,10 +7,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.planner import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.ngram import NgramConfig
+from scheduler_svc.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
+from scheduler_svc.structured.limits import DEFAULT_MAX_CHARS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_RULES, GrammarLimits
+from scheduler_svc.structured.sandbox import DEFAULT_MEMORY_MB
 from svc_common.cli import flag_name
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
@@ -18,6 +23,10 @@ from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_
 from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
 
+log = structlog.get_logger(__name__)
+
+# --max-num-batched-tokens and --chunk-size by default (a CPU worker's step budget is sized instead).
+DEFAULT_STEP_TOKENS = 8192
 # --max-num-seqs when neither the scheduler nor the worker says (vLLM's default).
 DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
@@ -45,6 +54,15 @@ class SchedulerConfig:
             "the records change, e.g. a Kubernetes headless Service)"
         },
     )
+    worker_allow: str = field(
+        default="",
+        metadata={
+            "help": "more addresses admin.v1 AddWorker may add when the scheduler holds an internal token and "
+            "worker TLS is off, comma-separated HOST:PORT patterns with * and ? (e.g. 10.0.3.*:50061); --workers "
+            "and the current addresses of its dns:/// names are trusted already. Any other address is refused: it "
+            "would be sent the internal token"
+        },
+    )
     worker_discovery_interval_s: float = field(
         default=10.0, metadata={"help": "how often the dns:/// names in --workers are resolved again"}
     )
@@ -52,14 +70,31 @@ class SchedulerConfig:
     port: int = field(default=50051, metadata={"help": "port to bind; 0 lets the OS pick"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
-    max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
+    max_num_batched_tokens: int = field(
+        default=DEFAULT_STEP_TOKENS,
+        metadata={"help": "token budget of one step (left at its default on a CPU worker: see --step-target-ms)"},
+    )
     max_num_seqs: int = field(
         default=0,
         metadata={
             "help": f"sequences in one step / running at once; 0 = the worker's --max-num-seqs (from its Info; {DEFAULT_MAX_NUM_SEQS} for a worker that does not say). A value above a worker's is refused"
         },
     )
-    chunk_size: int = field(default=8192, metadata={"help": "largest prefill chunk of one request per step"})
+    chunk_size: int = field(
+        default=DEFAULT_STEP_TOKENS,
+        metadata={
+            "help": "largest prefill chunk of one request per step (vLLM's --long-prefill-token-threshold); one "
+            "above --max-num-batched-tokens is clamped to it (logged)"
+        },
+    )
+    step_target_ms: float = field(
+        default=1000.0,
+        metadata={
+            "help": "CPU workers, with --max-num-batched-tokens and --chunk-size left at their defaults: size each "
+            "step's token budget from the worker's measured prefill speed so that its forward takes about this "
+            "long (a running stream's gap between tokens), one request's chunk at most half of it; 0 = off"
+        },
+    )
     dynamic_chunking: bool = field(
         default=False,
         metadata={
@@ -139,8 +174,48 @@ class SchedulerConfig:
             "--no-constrained-ahead: such a request is not planned ahead (it decodes every other step)"
         },
     )
+    max_grammar_chars: int = field(
+        default=DEFAULT_MAX_CHARS,
+        metadata={"help": "longest structured-output constraint (JSON schema, regex, grammar, choices) in characters"},
+    )
+    max_grammar_rules: int = field(
+        default=DEFAULT_MAX_RULES,
+        metadata={
+            "help": "most rules and terminals in a structured-output grammar (the compiler recurses through them: "
+            "a 3,000-rule chain overflows its stack)"
+        },
+    )
+    max_grammar_depth: int = field(
+        default=DEFAULT_MAX_DEPTH,
+        metadata={
+            "help": "deepest nesting of (), [] and {} in a structured-output grammar, regex or JSON schema "
+            "(a schema level is two: the object and its properties)"
+        },
+    )
+    grammar_compile_timeout_s: float = field(
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        metadata={
+            "help": "longest a new constraint may take to compile, in the compile sandbox and then again in the "
+            "scheduler (a cold compile runs in both)"
+        },
+    )
+    grammar_compile_memory_mb: int = field(
+        default=DEFAULT_MEMORY_MB,
+        metadata={"help": "address-space limit of the compile sandbox's child process (the vocabulary included)"},
+    )
     max_pinned_blocks: int = field(
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
+    )
+    max_pin_share_per_key: float = field(
+        default=0.125,
+        metadata={
+            "help": "share of each worker's KV blocks the pins of one API key may hold (PinPrefix; an open API is "
+            "one key); within --max-pinned-blocks for all keys together"
+        },
+    )
+    pin_ttl_s: float = field(
+        default=3600.0,
+        metadata={"help": "a pin lasts this long after its key last pinned it, then is unpinned; 0 = until unpinned"},
     )
     default_max_tokens: int = field(
         default=0,
@@ -265,6 +340,10 @@ class SchedulerConfig:
         return parse_targets(self.workers)
 
     @property
+    def worker_allow_patterns(self) -> list[str]:
+        return [p.strip() for p in self.worker_allow.split(",") if p.strip()]
+
+    @property
     def admin_bind_port(self) -> int:
         """The admin port to bind: --admin-port, or derived from --port (0: the OS picks)."""
         if self.admin_port != 0:
@@ -278,6 +357,11 @@ class SchedulerConfig:
     def validate(self) -> None:
         checks = [
             targets_check(self.workers, "--workers"),
+            (
+                all(":" in p for p in self.worker_allow_patterns),
+                "--worker-allow",
+                "HOST:PORT patterns (* and ? match any text / character), comma-separated",
+            ),
             (self.worker_discovery_interval_s > 0, "--worker-discovery-interval-s", "> 0"),
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
@@ -303,7 +387,15 @@ class SchedulerConfig:
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
             (self.max_num_seqs >= 0, "--max-num-seqs", ">= 1, or 0 for the worker's"),
+            (self.max_grammar_chars >= 1, "--max-grammar-chars", ">= 1"),
+            (self.max_grammar_rules >= 1, "--max-grammar-rules", ">= 1"),
+            (self.max_grammar_depth >= 1, "--max-grammar-depth", ">= 1"),
+            (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout-s", "> 0"),
+            (self.grammar_compile_memory_mb >= 256, "--grammar-compile-memory-mb", ">= 256"),
+            (self.step_target_ms >= 0, "--step-target-ms", ">= 0 (0 = off)"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
+            (0 <= self.max_pin_share_per_key <= 1, "--max-pin-share-per-key", "in 0..1"),
+            (self.pin_ttl_s >= 0, "--pin-ttl-s", ">= 0 (0 = until unpinned)"),
             (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.connect_timeout_s > 0, "--connect-timeout-s", "> 0"),
             (self.worker_timeout_s > 0, "--worker-timeout-s", "> 0"),
@@ -335,6 +427,13 @@ class SchedulerConfig:
         for ok, flag, valid in checks + self._credential_checks():
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
+        if self.chunk_size > self.max_num_batched_tokens >= 1:  # one request's chunk never outgrows a step
+            log.info(
+                "--chunk-size clamped to --max-num-batched-tokens",
+                chunk_size=self.chunk_size,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            )
+            self.chunk_size = self.max_num_batched_tokens
         # The planner's own options are checked where they are used, once.
         self.planner_config(max(self.max_model_len, 2), 1, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS).validate()
 
@@ -347,6 +446,16 @@ class SchedulerConfig:
     def admin_key_set(self) -> frozenset[str]:
         """The keys admin.v1 callers and ZMQ KV-event subscribers present."""
         return load_keys(self.admin_keys, self.admin_keys_file)
+
+    @property
+    def sized_step_target_ms(self) -> float:
+        """A CPU worker's step target (engine/step_budget.py); 0 where the operator set the budget flags."""
+        defaults = self.max_num_batched_tokens == self.chunk_size == DEFAULT_STEP_TOKENS
+        return self.step_target_ms if defaults else 0.0
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(self.max_grammar_chars, self.max_grammar_rules, self.max_grammar_depth)
 
     def internal_token(self) -> str | None:
         """What the scheduler presents to its workers, if it has one."""

@@ -14,7 +14,7 @@ import structlog
 from proto import serving_pb2, serving_pb2_grpc
 from scheduler_svc.api.status import DOMAIN_ERRORS, abort, abort_with
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.pinning import pin_on_core
+from scheduler_svc.engine.pinning import PinLedger, pin_on_core
 from scheduler_svc.engine.stats import EngineStats, engine_stats
 from scheduler_svc.engine.streams import StreamEvent, coalesce
 from scheduler_svc.planning.validation import (
@@ -34,6 +34,7 @@ from scheduler_svc.request import Request, SamplingOptions, TokenLogprob
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected
 from scheduler_svc.text.tokenizer import ModelTokenizer
+from svc_common.peer_auth import bearer_token
 
 log = structlog.get_logger(__name__)
 
@@ -233,6 +234,12 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
         self.default_max_tokens = default_max_tokens
         self.extra_stats = extra_stats
         self.max_prompt_chars = max_prompt_chars or engine.max_model_len * engine.tokenizer.longest_token_chars
+        config = engine.fleet.config
+        self.pins = PinLedger(config.max_pin_share_per_key, config.pin_ttl_s, self._unpin)
+
+    def _unpin(self, pin_id: bytes) -> None:
+        for core in self.engine.cores:
+            core.planner.kv.unpin(pin_id)
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -285,20 +292,27 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                     f"a pinned prefix needs at least one full block "
                     f"({self.engine.fleet.block_size} tokens), got {len(prompt_ids)}",
                 )
+            cores = self.engine.fleet.serving_cores()
             pins = [
                 await pin_on_core(core, prompt_ids, request.cache_salt or None, self.engine.requests.next_seq_id())
-                for core in self.engine.fleet.serving_cores()
+                for core in cores
             ]
+            pinned = [(core, p) for core, p in zip(cores, pins, strict=True) if p is not None]
+            if not pinned:
+                await abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    "no worker could keep the prefix cached long enough to pin it (memory pressure)",
+                )
+            pin_id, tokens = pinned[0][1]
+            self.pins.admit(
+                self.pins.owner(bearer_token(context.invocation_metadata())),
+                pin_id,
+                {core.info.address: tokens // core.info.block_size for core, _ in pinned},
+                {core.info.address: core.info.num_blocks for core, _ in pinned},
+            )
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)
-        pinned = [p for p in pins if p is not None]
-        if not pinned:
-            await abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "no worker could keep the prefix cached long enough to pin it (memory pressure)",
-            )
-        pin_id, tokens = pinned[0]
         log.info("prefix pinned", pin_id=pin_id.hex(), tokens=tokens, workers=len(pinned))
         return serving_pb2.PinPrefixResponse(pin_id=pin_id.hex(), pinned_tokens=tokens, workers=len(pinned))
 
@@ -309,8 +323,8 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             pin_id = bytes.fromhex(request.pin_id)
         except ValueError:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"pin_id: not a pin id: {request.pin_id!r}")
-        unpinned = [core.planner.kv.unpin(pin_id) for core in self.engine.cores]
-        return serving_pb2.UnpinPrefixResponse(unpinned=any(unpinned))
+        owner = self.pins.owner(bearer_token(context.invocation_metadata()))
+        return serving_pb2.UnpinPrefixResponse(unpinned=self.pins.release(owner, pin_id))
 
     async def Tokenize(
         self, request: serving_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -15,6 +15,7 @@ from scheduler_svc.engine.errors import (
     WorkerIncompatible,
     WorkerUnavailable,
     WorkerUnreachable,
+    WorkerUntrusted,
 )
 from scheduler_svc.kv.block_manager import PinLimitExceeded
 from scheduler_svc.planning.planner import QueueFull
@@ -35,6 +36,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (WorkerExists, grpc.StatusCode.ALREADY_EXISTS),
     (WorkerUnreachable, grpc.StatusCode.UNAVAILABLE),
     (WorkerIncompatible, grpc.StatusCode.FAILED_PRECONDITION),
+    (WorkerUntrusted, grpc.StatusCode.PERMISSION_DENIED),  # no internal token for an address not configured
     (LastWorker, grpc.StatusCode.FAILED_PRECONDITION),
     (SchedulerBug, grpc.StatusCode.INTERNAL),  # a stream ended by the scheduler's own fault
 )

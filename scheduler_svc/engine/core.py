@@ -36,6 +36,7 @@ import structlog
 from scheduler_svc.engine import masks
 from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed, WorkerUnavailable
 from scheduler_svc.engine.kv_events import WorkerKvEvents
+from scheduler_svc.engine.step_budget import StepBudget
 from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
@@ -114,6 +115,7 @@ class EngineCore:
         self.hooks = hooks
         self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
         self.grammars: Grammars | None = None  # the fleet's grammar engine (structured outputs)
+        self.step_budget: StepBudget | None = None  # a CPU worker's budget, sized from its speed (the fleet's)
         # Where this worker's prefix-index changes go, a batch per step (the Engine sets its hub's stream).
         self.kv_events = WorkerKvEvents(info.address)
         self.streams: dict[str, RequestStream] = {}
@@ -360,6 +362,8 @@ class EngineCore:
         spec = self.planner.drafter.counters if self.planner.drafter is not None else None
         accepted_before = spec.accepted_tokens if spec is not None else 0
         updates = self.planner.update(plan, result.samples)
+        if self.step_budget is not None:
+            self.step_budget.observe(plan.num_tokens, result.forward_ms)
         if following is not None and following.plan.late_mask_rows:
             await self._start_late_masks(following)  # the worker waits for them
         self._publish_kv_events()

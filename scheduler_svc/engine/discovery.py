@@ -124,7 +124,7 @@ class WorkerDiscovery:
     async def _join(self, address: str, target: Target) -> None:
         try:
             timeout_s = min(self.interval_s, self.fleet.config.connect_timeout_s)
-            await self.fleet.add_worker(address, tls_server_name=target.host, timeout_s=timeout_s)
+            await self.fleet.add_worker(address, tls_server_name=target.host, timeout_s=timeout_s, discovered=True)
         except WorkerAdminError as exc:
             log.warning("discovered worker not added; trying again next round", worker=address, error=str(exc))
             return

@@ -33,6 +33,10 @@ class WorkerUnreachable(WorkerAdminError):
     """add_worker: the worker did not answer Info within the connect timeout."""
 
 
+class WorkerUntrusted(WorkerAdminError):
+    """add_worker: an address the scheduler may not send its internal token (engine/worker_trust.py)."""
+
+
 class WorkerIncompatible(WorkerAdminError):
     """add_worker: another model, vocabulary or block size than the current workers."""
 

@@ -23,12 +23,15 @@ from scheduler_svc.engine.errors import (
     WorkerExists,
     WorkerIncompatible,
     WorkerUnreachable,
+    WorkerUntrusted,
 )
 from scheduler_svc.engine.kv_events import KvEventHub
 from scheduler_svc.engine.router import Router, WorkerState
+from scheduler_svc.engine.step_budget import step_budget
 from scheduler_svc.engine.timing import EngineHooks
 from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
 from scheduler_svc.engine.worker_status import WorkerStatus
+from scheduler_svc.engine.worker_trust import untrusted_worker
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.interface import KVManager
@@ -58,8 +61,10 @@ class Fleet:
         config: SchedulerConfig,
         router: Router,
         hooks: EngineHooks = EngineHooks(),
+        resolver: Resolver = resolve_dns,
     ) -> None:
         self.cores = cores  # in the order the workers were added
+        self.resolver = resolver  # what dns:/// names in --workers resolve to (a trusted worker's address)
         self.tokenizer = tokenizer
         self.config = config
         self.router = router
@@ -68,7 +73,13 @@ class Fleet:
         self.reference = cores[0].info  # what every worker must serve (WorkerInfo.mismatch)
         self.max_model_len = cores[0].planner.max_len
         # Structured outputs: one grammar engine for the model every worker serves.
-        self.grammars = Grammars(tokenizer, self.reference.vocab_size)
+        self.grammars = Grammars(
+            tokenizer,
+            self.reference.vocab_size,
+            config.grammar_limits,
+            config.grammar_compile_timeout_s,
+            config.grammar_compile_memory_mb,
+        )
         # Every worker's prefix-index changes (admin.v1 SubscribeKvEvents, --kv-events-zmq).
         self.kv_events = KvEventHub(config.kv_events_buffer_steps)
         self._handover: Handover | None = None
@@ -119,7 +130,9 @@ class Fleet:
             raise StartupError(f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's {first.vocab_size}")
         options = _core_options(config)
         cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks) for c, info in workers]
-        return cls(cores, tokenizer, config, router, hooks)
+        for core in cores:
+            _size_steps(core, config)
+        return cls(cores, tokenizer, config, router, hooks, resolver)
 
     def on_lost_worker(self, handover: Handover) -> None:
         """What a core that lost its worker calls to move its requests elsewhere."""
@@ -162,13 +175,19 @@ class Fleet:
         return next((c for c in self.cores if c.info.address == address), None)
 
     # ---- joining ------------------------------------------------------------
-    async def add_worker(self, address: str, tls_server_name: str = "", timeout_s: float | None = None) -> WorkerStatus:
+    async def add_worker(
+        self, address: str, tls_server_name: str = "", timeout_s: float | None = None, discovered: bool = False
+    ) -> WorkerStatus:
         """Connect to a worker (Info, waiting up to timeout_s, default connect_timeout_s,
         for it to be ready), check it serves what the others serve, start its core and
         route to it. tls_server_name: the name its certificate carries, when it is dialled
-        by IP (found through DNS). Raises WorkerExists, WorkerUnreachable, WorkerIncompatible."""
+        by IP (found through DNS). discovered: DNS discovery found it (trusted as such);
+        otherwise it must be trusted with the internal token (engine/worker_trust.py).
+        Raises WorkerExists, WorkerUntrusted, WorkerUnreachable, WorkerIncompatible."""
         if self._find(address) is not None or address in self._adding:
             raise WorkerExists(f"worker {address} is already known")
+        if not discovered and (problem := await untrusted_worker(address, self.config, self.resolver)):
+            raise WorkerUntrusted(problem)
         self._adding.add(address)
         try:
             client = _worker_client(address, self.config, tls_server_name)
@@ -185,6 +204,7 @@ class Fleet:
                 raise
             options = _core_options(self.config)
             core = EngineCore(client, info, planner, self.tokenizer, options, self._handover, self.hooks)
+            _size_steps(core, self.config)
             core.kv_events = self.kv_events.worker(address)
             core.grammars = self.grammars
             self.cores.append(core)
@@ -299,6 +319,12 @@ def _core_options(config: SchedulerConfig) -> CoreOptions:
         worker_timeout_s=config.worker_timeout_s,
         health_interval_s=config.health_interval_s,
         async_scheduling=config.async_scheduling,
+    )
+
+
+def _size_steps(core: EngineCore, config: SchedulerConfig) -> None:
+    core.step_budget = step_budget(
+        core.planner.config, core.info.device, config.sized_step_target_ms, core.info.address
     )
 
 

@@ -7,8 +7,11 @@ and computing its first mask: both are paid once per distinct constraint and
 kept in a template matcher that every request deep-copies (~5-100 us). The
 construction drops the GIL, so it runs on a small thread pool, never on the
 event loop; a compile that errs or outlasts the bound is ConstraintRejected
-naming the field. llguidance's own limits (lexer fuel, grammar size) bound the
-work a grammar can cost even after the caller gave up waiting for it."""
+naming the field. Before that, a constraint must keep within GrammarLimits
+(limits.py) and compile in the sandbox's child process (sandbox.py): the native
+compiler can crash on a deep grammar. llguidance's own limits (lexer fuel,
+grammar size) bound the work a grammar can cost even after the caller gave up
+waiting for it."""
 
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ import llguidance.numpy
 from scheduler_svc.structured.bitmask import allowed_count
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected
+from scheduler_svc.structured.limits import GrammarLimits
 from scheduler_svc.structured.vocab import GrammarVocab
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
+
+    from scheduler_svc.structured.sandbox import CompileSandbox
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a template matcher each: KBs to a few MB)
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
@@ -74,10 +80,18 @@ class GrammarCompiler:
         cache_size: int = DEFAULT_CACHE_SIZE,
         timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         limits: llguidance.LLParserLimits | None = None,
+        grammar_limits: GrammarLimits = GrammarLimits(),
+        sandbox: CompileSandbox | None = None,
     ) -> None:
+        """`sandbox`: where a new constraint is tried first (the service always has one);
+        without, compiles run in this process only (tests, benchmarks of the compiler)."""
         assert cache_size >= 1 and timeout_s > 0
         self.vocab = vocab
         self.timeout_s = timeout_s
+        self.limits = grammar_limits
+        self._sandbox = sandbox
+        # A cold compile runs twice with a sandbox (there, then here), each bounded by timeout_s.
+        self._wait_s = timeout_s * (2 if sandbox is not None else 1)
         self._cache_size = cache_size
         self._limits = limits or llguidance.LLParserLimits(verbose_errors=False)
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
@@ -91,7 +105,7 @@ class GrammarCompiler:
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         """Blocking: the compiled grammar, or ConstraintRejected."""
         try:
-            return self._submit(constraint).result(self.timeout_s)
+            return self._submit(constraint).result(self._wait_s)
         except FutureTimeout:
             raise self._too_slow(constraint) from None
 
@@ -99,7 +113,7 @@ class GrammarCompiler:
         """The same, waiting without blocking the event loop."""
         future = asyncio.wrap_future(self._submit(constraint))
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(future), self._wait_s)
         except TimeoutError:
             raise self._too_slow(constraint) from None
 
@@ -113,6 +127,8 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.close()
 
     def _too_slow(self, constraint: Constraint) -> ConstraintRejected:
         return ConstraintRejected(constraint.field, f"the grammar took longer than {self.timeout_s:g} s to compile")
@@ -147,20 +163,40 @@ class GrammarCompiler:
 
     def _build(self, constraint: Constraint) -> CompiledGrammar:
         start = time.perf_counter()
-        grammar = llguidance_grammar(constraint)
-        matcher = llguidance.LLMatcher(self.vocab.tokenizer, grammar, log_level=0, limits=self._limits)
-        first = llguidance.numpy.allocate_token_bitmask(1, self.vocab.vocab_size)
-        if not matcher.is_error():
-            llguidance.numpy.fill_next_token_bitmask(matcher, first)
-        if matcher.is_error():
-            raise ConstraintRejected(constraint.field, clip_error(matcher.get_error()))
-        if allowed_count(first[0], self.vocab.vocab_size) == 0:
-            raise ConstraintRejected(constraint.field, "the grammar allows no token of this model's vocabulary")
+        self.limits.check(constraint)
+        if self._sandbox is not None:
+            self._sandbox.check(constraint)  # a crash ends a child there, not this process
+        matcher = build_matcher(self.vocab, constraint, self._limits)
         return CompiledGrammar(constraint, self.vocab, matcher, time.perf_counter() - start)
+
+
+def build_matcher(
+    vocab: GrammarVocab, constraint: Constraint, limits: llguidance.LLParserLimits | None = None
+) -> llguidance.LLMatcher:
+    """The constraint's matcher at its start with its first mask computed (the sandbox's
+    child runs exactly this), or ConstraintRejected."""
+    grammar = llguidance_grammar(constraint)
+    limits = limits or llguidance.LLParserLimits(verbose_errors=False)
+    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=limits)
+    first = llguidance.numpy.allocate_token_bitmask(1, vocab.vocab_size)
+    if not matcher.is_error():
+        llguidance.numpy.fill_next_token_bitmask(matcher, first)
+    if matcher.is_error():
+        raise ConstraintRejected(constraint.field, clip_error(matcher.get_error()))
+    if allowed_count(first[0], vocab.vocab_size) == 0:
+        raise ConstraintRejected(constraint.field, "the grammar allows no token of this model's vocabulary")
+    return matcher
 
 
 def llguidance_grammar(constraint: Constraint) -> str:
     """The constraint as llguidance's grammar text (not yet checked: the matcher does that)."""
+    try:  # llguidance's translators refuse with ValueError (a schema past serde's nesting bound, a bad regex)
+        return _translate(constraint)
+    except ValueError as exc:
+        raise ConstraintRejected(constraint.field, clip_error(str(exc))) from None
+
+
+def _translate(constraint: Constraint) -> str:
     match constraint.kind:
         case ConstraintKind.JSON_SCHEMA:
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -173,11 +209,8 @@ def llguidance_grammar(constraint: Constraint) -> str:
         case ConstraintKind.CHOICE:
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choices)
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        case ConstraintKind.GRAMMAR:
-            try:  # Lark passes through; GBNF (`::=`) is translated to Lark first
-                return llguidance.grammar_from("grammar", constraint.text)
-            except ValueError as exc:
-                raise ConstraintRejected(constraint.field, clip_error(str(exc))) from None
+        case ConstraintKind.GRAMMAR:  # Lark passes through; GBNF (`::=`) is translated to Lark first
+            return llguidance.grammar_from("grammar", constraint.text)
 
 
 def clip_error(message: str) -> str:

@@ -5,6 +5,7 @@ built, compiled by compiler.py."""
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -14,6 +15,7 @@ from scheduler_svc.structured.errors import ConstraintRejected
 
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar (the gRPC message limit is larger)
 MAX_CHOICES = 1024
+_ALLOWED_CONTROLS = frozenset("\t\n\r")  # whitespace a tokenizer spells; other Cc characters are refused
 
 
 class ConstraintKind(StrEnum):
@@ -48,11 +50,16 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ConstraintRejected(field, f"not valid JSON: {exc}") from None
+            except RecursionError:  # limits.py bounds the depth a compile may see; this is parsing's own bound
+                raise ConstraintRejected(field, "nested too deeply to parse") from None
         if not isinstance(schema, Mapping):
             raise ConstraintRejected(field, f"a schema is a JSON object, got {type(schema).__name__}")
         # Compact text: the same schema spaced two ways shares one compiled grammar. Keys
         # keep their order: properties are generated in the order the schema lists them.
-        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        try:
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        except RecursionError:
+            raise ConstraintRejected(field, "nested too deeply to parse") from None
         _check_size(field, text)
         return cls(ConstraintKind.JSON_SCHEMA, text, strict=strict)
 
@@ -73,6 +80,12 @@ class Constraint:
             raise ConstraintRejected(field, f"1 to {MAX_CHOICES} choices, got {len(choices)}")
         if not all(isinstance(c, str) and c for c in choices):
             raise ConstraintRejected(field, "every choice is a non-empty string")
+        for index, choice in enumerate(choices):
+            # No token spells most control characters: such a choice would be accepted, then fail mid-output.
+            if bad := next(
+                (ch for ch in choice if ch not in _ALLOWED_CONTROLS and unicodedata.category(ch) == "Cc"), None
+            ):
+                raise ConstraintRejected(field, f"choice {index} holds the control character {bad!r}")
         _check_size(field, "".join(choices))
         return cls(ConstraintKind.CHOICE, choices=choices)
 

@@ -138,7 +138,10 @@ def test_pinned_prefix_is_never_evicted_and_pins_are_capped():
     system = SYSTEMS[0]  # 40 tokens: 2 full blocks get pinned
     with (
         Cluster(
-            tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "12"], ["--max-pinned-blocks", "3"]
+            tiny_checkpoint("llama"),
+            ["--dtype", "float32", "--num-blocks", "12"],
+            # the pool-wide cap under test, not one key's share (test_hardening.py)
+            ["--max-pinned-blocks", "3", "--max-pin-share-per-key", "1"],
         ) as cluster,
         SchedulerClient(cluster.address) as client,
     ):

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "structured": {"text"},
     "kv": {"request"},
     "planning": {"request", "kv", "structured", "speculative"},
-    "config": {"request", "kv", "planning", "speculative"},
+    "config": {"request", "kv", "planning", "speculative", "structured"},  # the grammar limits' defaults
     "engine": {"request", "kv", "planning", "text", "structured", "config"},
     "api": {"request", "kv", "planning", "text", "structured", "config", "engine"},
     "observability": {"request", "kv", "planning", "engine"},
