@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
-from scheduler_svc.planning.planner import PlannerConfig
+from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.ngram import NgramConfig
 from svc_common.cli import flag_name

@@ -40,7 +40,8 @@ from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_strea
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
 from scheduler_svc.kv.block_manager import LeakError
-from scheduler_svc.planning.planner import PlanMasks, Planner, RequestUpdate, StepPlan
+from scheduler_svc.planning.plan import PlanMasks, RequestUpdate, StepPlan
+from scheduler_svc.planning.planner import Planner
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.structured.errors import GrammarFailed
 from scheduler_svc.structured.grammars import Grammars

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
-from scheduler_svc.planning.planner import RequestUpdate
+from scheduler_svc.planning.plan import RequestUpdate
 from scheduler_svc.request import FinishReason, Request, TokenLogprob
 from scheduler_svc.text.detokenizer import IncrementalDetokenizer
 from scheduler_svc.text.tokenizer import ModelTokenizer

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
     from scheduler_svc.engine.worker_client import StepResult
-    from scheduler_svc.planning.planner import StepPlan
+    from scheduler_svc.planning.plan import StepPlan
 
 Clock = Callable[[], float]
 

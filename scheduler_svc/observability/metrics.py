@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
     from scheduler_svc.engine.engine import Engine
     from scheduler_svc.engine.worker_client import StepResult
-    from scheduler_svc.planning.planner import StepPlan
+    from scheduler_svc.planning.plan import StepPlan
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards and SLO queries apply as they are.
 _VLLM_TTFT_BUCKETS = (
