@@ -104,7 +104,7 @@ class EngineCore:
         tokenizer: ModelTokenizer,
         options: CoreOptions = CoreOptions(),
         handover: Handover | None = None,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
     ):
         self.client = client
         self.info = info

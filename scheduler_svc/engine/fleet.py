@@ -57,7 +57,7 @@ class Fleet:
         tokenizer: ModelTokenizer,
         config: SchedulerConfig,
         router: Router,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
     ) -> None:
         self.cores = cores  # in the order the workers were added
         self.tokenizer = tokenizer
@@ -88,7 +88,7 @@ class Fleet:
         config: SchedulerConfig,
         tokenizer: ModelTokenizer,
         router: Router,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
         resolver: Resolver = resolve_dns,
     ) -> Fleet:
         """Connect to the fixed workers of --workers (each must answer within

@@ -270,7 +270,7 @@ def observe_step(
     metrics.observe_step_timing(cm.worker, step_s, result.forward_ms / 1e3, prefill + decode, chunks, now)
 
 
-def engine_hooks(metrics: SchedulerMetrics | None = None) -> EngineHooks:
+def engine_hooks(metrics: SchedulerMetrics | None = None) -> EngineHooks[EngineCore]:
     """What an Engine needs to feed `metrics` (default: the process's METRICS)."""
     target = metrics if metrics is not None else METRICS
 
