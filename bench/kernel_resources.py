@@ -1,6 +1,6 @@
 """What the attention kernels cost a GPU's multiprocessor once compiled: shared
 memory, registers per thread and spilled bytes, for the tiles the launcher picks
-(kernels/triton/attention_launch.attention_tiles) at a head_dim, on an architecture.
+(kernels/triton/launch.attention_tiles) at a head_dim, on an architecture.
 
 Triton compiles for a CUDA target without a GPU (ptxas ships in its wheel), so
 this runs on CPU-only machines too (tests/unit/test_kernel_resources.py) and on
@@ -147,7 +147,7 @@ def attention_resources(
         num_warps=options["num_warps"],
         num_stages=options["num_stages"],
         shared_bytes=int(kernel.metadata.shared),
-        shared_limit=T.attention_launch.SHARED_MEMORY_PER_BLOCK[capability],
+        shared_limit=T.launch.SHARED_MEMORY_PER_BLOCK[capability],
         registers=registers,
         spill_bytes=spills,
     )
@@ -164,7 +164,7 @@ def merge_resources(arch: int, head_dim: int) -> Resources:
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32")
     kernel = _compile(T.attention_kernel.merge_splits_kernel, pointers, meta, {"num_warps": 4, "num_stages": 1}, arch)
     registers, spills = ptxas_report(kernel.asm["ptx"], arch)
-    shared_limit = T.attention_launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
+    shared_limit = T.launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
     return Resources(
         "split merge", arch, head_dim, 0, 0, "bf16/fp32", T.MAX_SPLITS, block_d, 4, 1,
         int(kernel.metadata.shared), shared_limit, registers, spills,
@@ -182,7 +182,7 @@ def sampler_resources(arch: int) -> Resources:
     )
     kernel = _compile(T.sampling._gumbel_argmax_kernel, pointers, meta, {"num_warps": 4, "num_stages": 3}, arch)
     registers, spills = ptxas_report(kernel.asm["ptx"], arch)
-    shared_limit = T.attention_launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
+    shared_limit = T.launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
     return Resources(
         "gumbel sampler", arch, 0, 0, 0, "fp32", 1, 2048, 4, 3,
         int(kernel.metadata.shared), shared_limit, registers, spills,

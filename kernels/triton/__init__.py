@@ -6,7 +6,7 @@ sampler and the tests take this package where they take the reference.
 * kv_write.py: write_kv; kv_quant.py: the quantized cache's arithmetic inside
   the kernels (the write's quantization, the read's dequantization).
 * attention.py: paged and contiguous prefill/decode attention and split-KV
-  decode; attention_kernel.py: the kernel bodies; attention_launch.py: tiles
+  decode; attention_kernel.py: the kernel bodies; launch.py: tiles
   and split counts, as pure arithmetic.
 * fused.py: add_rms_norm and rope_write_kv (RoPE fused with the K/V write).
 * sampling.py: gumbel_argmax, the seeded Gumbel-max sample in one pass.
@@ -28,7 +28,10 @@ from kernels.triton.attention import (
     paged_prefill_attention,
     split_kv_decode_attention,
 )
-from kernels.triton.attention_launch import (
+from kernels.triton.common import interpreter_enabled
+from kernels.triton.fused import add_rms_norm, rope_write_kv
+from kernels.triton.kv_write import write_kv
+from kernels.triton.launch import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     AttentionTiles,
@@ -37,9 +40,6 @@ from kernels.triton.attention_launch import (
     num_kv_splits,
     num_sms,
 )
-from kernels.triton.common import interpreter_enabled
-from kernels.triton.fused import add_rms_norm, rope_write_kv
-from kernels.triton.kv_write import write_kv
 from kernels.triton.sampling import gumbel_argmax
 
 # Whole-block copies (values, and the scales of a quantized cache) are plain

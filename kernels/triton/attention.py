@@ -30,7 +30,7 @@ import triton
 from torch import Tensor
 
 from kernels.quant import KVScales, checked_scales
-from kernels.triton import attention_launch as launch
+from kernels.triton import launch
 from kernels.triton.attention_kernel import merge_splits_kernel, paged_attention_kernel
 from kernels.triton.common import LOG2E
 from kernels.triton.kv_quant import scale_pointers

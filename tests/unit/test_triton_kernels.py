@@ -259,8 +259,8 @@ def test_decode_chooses_splits_from_the_sm_count(monkeypatch):
     num_kv_splits with the table's reach as the longest context."""
     asked = []
     real = triton_ops.num_kv_splits
-    monkeypatch.setattr(triton_ops.attention_launch, "num_sms", lambda device: 132)
-    monkeypatch.setattr(triton_ops.attention_launch, "num_kv_splits", lambda *args: asked.append(args) or real(*args))
+    monkeypatch.setattr(triton_ops.launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_ops.launch, "num_kv_splits", lambda *args: asked.append(args) or real(*args))
     query, k_cache, v_cache, tables, ctx = _split_case([300, 1000], 4, 1, 16)
     out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
     assert asked == [(2, 1, tables.shape[1] * 16, 132)] and real(*asked[0]) == 2
@@ -527,8 +527,8 @@ def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
     step and a decode step. split-kv: the decodes as a 132-SM GPU would run them,
     their 64-position contexts cut into 16-token partitions."""
     if split_kv:
-        monkeypatch.setattr(triton_ops.attention_launch, "num_sms", lambda device: 132)
-        monkeypatch.setattr(triton_ops.attention_launch, "MIN_SPLIT_TOKENS", 16)
+        monkeypatch.setattr(triton_ops.launch, "num_sms", lambda device: 132)
+        monkeypatch.setattr(triton_ops.launch, "MIN_SPLIT_TOKENS", 16)
     from tests.helpers.worker_steps import Seq, sampled, step_input
     from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig
