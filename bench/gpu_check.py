@@ -223,7 +223,7 @@ def sanitize_case() -> None:
     import torch
 
     from kernels import quant, reference
-    from kernels import triton_ops as T
+    from kernels import triton as T
 
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16

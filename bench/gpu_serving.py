@@ -199,7 +199,8 @@ def _copy_gbs(reps: int, flush: torch.Tensor) -> float:
 
 def _decode_row(label: str, contexts: list[int], reps: int, flush: torch.Tensor) -> dict:
     """Paged decode at 32 query / 8 KV heads, head_dim 64, bf16, 16-token blocks in random order."""
-    from kernels import reference, triton_ops
+    from kernels import reference
+    from kernels import triton as triton_ops
 
     q_heads, kv_heads, head_dim, block = 32, 8, 64, 16
     blocks = [-(-c // block) for c in contexts]
@@ -243,7 +244,7 @@ def _decode_row(label: str, contexts: list[int], reps: int, flush: torch.Tensor)
 
 
 def _prefill_row(label, lens, q_heads, kv_heads, head_dim, reps, flush) -> dict:
-    from kernels import triton_ops
+    from kernels import triton as triton_ops
     from worker_svc.attention.prefill_route import fresh_prefill_attention
 
     block, total = 16, sum(lens)

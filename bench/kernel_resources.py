@@ -1,6 +1,6 @@
 """What the attention kernels cost a GPU's multiprocessor once compiled: shared
 memory, registers per thread and spilled bytes, for the tiles the launcher picks
-(kernels/triton_ops.attention_tiles) at a head_dim, on an architecture.
+(kernels/triton/launch.attention_tiles) at a head_dim, on an architecture.
 
 Triton compiles for a CUDA target without a GPU (ptxas ships in its wheel), so
 this runs on CPU-only machines too (tests/unit/test_kernel_resources.py) and on
@@ -98,7 +98,7 @@ def attention_resources(
     split: bool = False,
 ) -> Resources:
     """_paged_attention_kernel compiled for sm_`arch` as the launcher would launch it."""
-    from kernels import triton_ops as T
+    from kernels import triton as T
 
     capability = (arch // 10, arch % 10)
     meta, options = T.attention_launch(
@@ -133,7 +133,7 @@ def attention_resources(
         part_max_ptr=part,
         part_sum_ptr=part,
     )
-    kernel = _compile(T._paged_attention_kernel, pointers, meta, options, arch)
+    kernel = _compile(T.attention_kernel.paged_attention_kernel, pointers, meta, options, arch)
     registers, spills = ptxas_report(kernel.asm["ptx"], arch)
     return Resources(
         kernel=("split decode" if split else "decode") if decode else "prefill",
@@ -147,7 +147,7 @@ def attention_resources(
         num_warps=options["num_warps"],
         num_stages=options["num_stages"],
         shared_bytes=int(kernel.metadata.shared),
-        shared_limit=T.SHARED_MEMORY_PER_BLOCK[capability],
+        shared_limit=T.launch.SHARED_MEMORY_PER_BLOCK[capability],
         registers=registers,
         spill_bytes=spills,
     )
@@ -157,14 +157,14 @@ def merge_resources(arch: int, head_dim: int) -> Resources:
     """_merge_splits_kernel at the most partitions a decode may use."""
     import triton
 
-    from kernels import triton_ops as T
+    from kernels import triton as T
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=T.MAX_SPLITS)
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32")
-    kernel = _compile(T._merge_splits_kernel, pointers, meta, {"num_warps": 4, "num_stages": 1}, arch)
+    kernel = _compile(T.attention_kernel.merge_splits_kernel, pointers, meta, {"num_warps": 4, "num_stages": 1}, arch)
     registers, spills = ptxas_report(kernel.asm["ptx"], arch)
-    shared_limit = T.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
+    shared_limit = T.launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
     return Resources(
         "split merge", arch, head_dim, 0, 0, "bf16/fp32", T.MAX_SPLITS, block_d, 4, 1,
         int(kernel.metadata.shared), shared_limit, registers, spills,
@@ -174,15 +174,15 @@ def merge_resources(arch: int, head_dim: int) -> Resources:
 def sampler_resources(arch: int) -> Resources:
     """_gumbel_argmax_kernel (the fused sampler) over fp32 logits, as gumbel_argmax launches it."""
     from kernels import reference
-    from kernels import triton_ops as T
+    from kernels import triton as T
 
     meta = dict(MUL_A=reference.HASH_MULTIPLIERS[0], MUL_B=reference.HASH_MULTIPLIERS[1], BLOCK_V=2048)
     pointers = dict(
         logits_ptr="*fp32", temperature_ptr="*fp32", keys_ptr="*i64", thresholds_ptr="*fp32", out_ptr="*i64"
     )
-    kernel = _compile(T._gumbel_argmax_kernel, pointers, meta, {"num_warps": 4, "num_stages": 3}, arch)
+    kernel = _compile(T.sampling._gumbel_argmax_kernel, pointers, meta, {"num_warps": 4, "num_stages": 3}, arch)
     registers, spills = ptxas_report(kernel.asm["ptx"], arch)
-    shared_limit = T.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
+    shared_limit = T.launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)]
     return Resources(
         "gumbel sampler", arch, 0, 0, 0, "fp32", 1, 2048, 4, 3,
         int(kernel.metadata.shared), shared_limit, registers, spills,
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="issue 27's matrix only (bf16 GQA; the rest at the top head_dim)"
     )
     args = parser.parse_args(argv)
-    from kernels import triton_ops
+    from kernels import triton as triton_ops
 
     if triton_ops.interpreter_enabled():
         print("bench.kernel_resources compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)

@@ -57,7 +57,7 @@ from bench.harness.results import fmt, markdown_table, median, ms_since, progres
 from bench.harness.services import DEFAULT_MODEL, Cluster, ServiceProcess, log_events, require_model
 from bench.harness.step_driver import StepDriver, transport_ms
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.planning.planner import StepPlan
+from scheduler_svc.planning.plan import StepPlan
 from scheduler_svc.request import Request, SamplingOptions
 from worker_svc.config import WorkerConfig
 from worker_svc.step.builder import StepBuilder

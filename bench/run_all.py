@@ -76,29 +76,6 @@ BENCHMARKS = [
         plot=False,
     ),
     Benchmark(
-        "structured_masks",
-        ("--steps", "200"),
-        "issue 26: llguidance token masks per step (1 and 32 rows), schema compile times",
-        plot=False,
-    ),
-    Benchmark(
-        "spec_cost",
-        (
-            "--batches",
-            "1",
-            "8",
-            "32",
-            "--max-k",
-            "4",
-            "--repeats",
-            "2",
-            "--variants",
-            "smollm2-bf16",
-            "tiny-llama-fp32",
-        ),
-        "issue 30: what verifying K drafts costs vs one decode step; the proposer's cost",
-    ),
-    Benchmark(
         "spec_decode",
         ("--streams", "1", "8", "--max-tokens", "64", "--repeats", "2"),
         "issue 30: speculative decoding on vs off, copy-heavy and free text, 1 and 8 streams",
@@ -116,7 +93,7 @@ BENCHMARKS = [
 ]
 # Modules in bench/ that are not benchmarks (the shared harness is the package bench/harness/):
 # stream_ceiling is the stub bench/loop.py measures against; structured_schemas, the schemas
-# bench/structured_masks.py compiles; gpu_check, `make gpu-check`'s driver (it runs pytest,
+# bench/structured.py constrains to (the structured-output tests use them too); gpu_check, `make gpu-check`'s driver (it runs pytest,
 # compute-sanitizer and pip on a GPU machine, no services); kernel_resources, the ptxas
 # report of the compiled kernels that gpu_check and tests/unit/test_kernel_resources.py read.
 HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas", "gpu_check", "kernel_resources"}

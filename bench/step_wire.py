@@ -41,7 +41,7 @@ STAGES = ["build", "encode", "parse", "to input", "validate", "request total", "
 
 
 def plan_of(seqs: int, tokens: int, start: int, blocks: int):
-    from scheduler_svc.planning.planner import ScheduledSeq, StepPlan
+    from scheduler_svc.planning.plan import ScheduledSeq, StepPlan
     from scheduler_svc.request import SamplingOptions
 
     sampling = SamplingOptions(temperature=0.0, max_tokens=128, ignore_eos=True)

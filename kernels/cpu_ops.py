@@ -11,7 +11,7 @@ kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
   weights through (linear_cpu.cpp): ``pack_linear`` once at load, ``linear`` per call.
 
 A drop-in for kernels.reference wherever the worker picks an op module (like
-kernels.triton_ops on CUDA); write_kv and copy_blocks are the reference's. Where the
+kernels.triton on CUDA); write_kv and copy_blocks are the reference's. Where the
 kernels cannot be built (kernels/cpu_build.py warns once), or for tensors off the
 CPU, every op is the reference's. The reference stays the oracle:
 tests/unit/test_cpu_ops.py compares the two for every cache dtype.

@@ -1,7 +1,7 @@
 """Quantized KV cache: the quantize / dequantize math, as pure torch functions.
 
 The reference ops (kernels/reference.py) call these; the Triton kernels
-(kernels/triton_ops.py) do the same fp32 operations in the same order, so that
+(kernels/triton/) do the same fp32 operations in the same order, so that
 both write bit-identical caches.
 
 Granularity: one scale (and, for INT8, one zero point) per *token per KV head*,

@@ -336,7 +336,7 @@ def contiguous_decode_attention(
 # A temperature sample is a Gumbel race: argmax over tokens of logits / T + g, with
 # g ~ Gumbel(0, 1). The noise of token t in a row is a pure function of the row's
 # 32-bit key and t (a 32-bit hash), so a seeded row samples the same token on any
-# device, whatever else is in the batch. kernels/triton_ops.gumbel_argmax is the
+# device, whatever else is in the batch. kernels/triton/sampling.gumbel_argmax is the
 # same op in one pass over the logits.
 
 _M32 = 0xFFFFFFFF

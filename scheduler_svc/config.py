@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
-from scheduler_svc.planning.planner import PlannerConfig
+from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.ngram import NgramConfig
 from scheduler_svc.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S

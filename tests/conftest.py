@@ -23,8 +23,8 @@ def pytest_configure(config):
     # Schedulers started by tests serve admin.v1 on an OS-picked port, not the fixed 50052.
     os.environ.setdefault("PAGEDSERVE_SCHEDULER_ADMIN_PORT", "0")
     # Without a GPU the Triton kernels run under the interpreter. Triton reads this
-    # when kernels/triton_ops.py defines its @triton.jit functions, so it must be
-    # set before any test imports that module; setting it here covers the whole run.
+    # when kernels/triton/ defines its @triton.jit functions, so it must be
+    # set before any test imports that package; setting it here covers the whole run.
     if "TRITON_INTERPRET" not in os.environ:
         import torch
 

@@ -18,7 +18,7 @@ from scheduler_svc.engine.errors import (
     WorkerUntrusted,
 )
 from scheduler_svc.kv.block_manager import PinLimitExceeded
-from scheduler_svc.planning.planner import QueueFull
+from scheduler_svc.planning.queues import QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.structured.errors import ConstraintRejected, GrammarFailed, TokenRejected
 

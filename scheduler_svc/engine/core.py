@@ -34,14 +34,17 @@ from dataclasses import dataclass
 import structlog
 
 from scheduler_svc.engine import masks
+from scheduler_svc.engine.counters import CoreCounters
 from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed, WorkerUnavailable
 from scheduler_svc.engine.kv_events import WorkerKvEvents
-from scheduler_svc.engine.step_budget import StepBudget
+from scheduler_svc.engine.sent import SentStep, abandon
+from scheduler_svc.engine.step_budget import SpeedBudget
 from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
-from scheduler_svc.engine.worker_client import StepResult, WorkerClient, WorkerInfo
+from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
 from scheduler_svc.kv.block_manager import LeakError
-from scheduler_svc.planning.planner import PlanMasks, Planner, RequestUpdate, StepPlan
+from scheduler_svc.planning.plan import PlanMasks, RequestUpdate, StepPlan
+from scheduler_svc.planning.planner import Planner
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.structured.errors import GrammarFailed
 from scheduler_svc.structured.grammars import Grammars
@@ -54,40 +57,11 @@ _PROBE_TIMEOUT_S = 2.0
 _STOP_RETRY_S = 1.0
 
 
-@dataclass
-class CoreCounters:
-    steps_run: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
-    requests_moved_out: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    tokens_computed: int = 0  # tokens the worker ran a forward over (recomputation included)
-    worker_failures: int = 0
-    worker_restarts: int = 0
-    audit_failures: int = 0
-    finished_cached_prompt_tokens: int = 0  # prompt tokens of finished requests found in the prefix cache at admission
-    last_step_ms: float = 0.0
-
-
 @dataclass(frozen=True)
 class CoreOptions:
     worker_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     async_scheduling: bool = True  # plan and send step N+1 while step N runs
-
-
-@dataclass(slots=True)
-class _SentStep:
-    plan: StepPlan
-    started: float  # perf_counter when it was planned (its inline masks computed, then sent)
-    call: asyncio.Task[StepResult]
-    # Its mask_follows rows' masks: being computed (once the step before it is applied), then
-    # delivered with the next step or in their own StepMasks call (masks_call).
-    late_masks: asyncio.Task[PlanMasks] | None = None
-    masks_delivered: bool = False
-    masks_call: asyncio.Task[None] | None = None
-    mask_ms: float = 0.0  # its masks (inline and late): from handing the rows to the filler to having them
 
 
 # Called by a core that lost its worker, with itself: moves its live requests to
@@ -104,7 +78,7 @@ class EngineCore:
         tokenizer: ModelTokenizer,
         options: CoreOptions = CoreOptions(),
         handover: Handover | None = None,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
     ):
         self.client = client
         self.info = info
@@ -115,7 +89,7 @@ class EngineCore:
         self.hooks = hooks
         self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
         self.grammars: Grammars | None = None  # the fleet's grammar engine (structured outputs)
-        self.step_budget: StepBudget | None = None  # a CPU worker's budget, sized from its speed (the fleet's)
+        self.step_budget: SpeedBudget | None = None  # a CPU worker's budget, sized from its speed (the fleet's)
         # Where this worker's prefix-index changes go, a batch per step (the Engine sets its hub's stream).
         self.kv_events = WorkerKvEvents(info.address)
         self.streams: dict[str, RequestStream] = {}
@@ -263,16 +237,16 @@ class EngineCore:
                     await self._deliver_late_masks(following)
                 self._dispatch(updates)
         finally:
-            await self._abandon(in_flight)
+            await abandon(in_flight, self.client, self.grammars)
 
-    async def _plan_ahead(self, in_flight: deque[_SentStep]) -> None:
+    async def _plan_ahead(self, in_flight: deque[SentStep]) -> None:
         """With one step in flight, plan and send the next (async scheduling)."""
         if self.options.async_scheduling and self.planner.can_plan_ahead and self.planner.has_work():
             ahead = self.planner.schedule()
             if not ahead.is_empty:
                 in_flight.append(await self._send(ahead, after=in_flight[-1]))
 
-    async def _send(self, plan: StepPlan, after: _SentStep | None = None) -> _SentStep:
+    async def _send(self, plan: StepPlan, after: SentStep | None = None) -> SentStep:
         """Send `plan` (planned ahead: right `after` that step, whose late masks it takes along)."""
         started = time.perf_counter()
         if self.grammars is not None and (rows := masks.inline_rows(plan)):
@@ -281,12 +255,12 @@ class EngineCore:
         if after is not None and after.late_masks is not None and not after.masks_delivered:
             plan.previous_masks = await after.late_masks  # computed while this plan was made
             after.masks_delivered = True
-        sent = _SentStep(plan, started, asyncio.create_task(self.client.step(plan)))
+        sent = SentStep(plan, started, asyncio.create_task(self.client.step(plan)))
         sent.mask_ms = (time.perf_counter() - started) * 1e3 if plan.masks is not None else 0.0
         await asyncio.sleep(0)  # let the call encode and go out before the next step is planned
         return sent
 
-    async def _start_late_masks(self, step: _SentStep) -> None:
+    async def _start_late_masks(self, step: SentStep) -> None:
         """Start computing the masks of `step`'s rows planned ahead of their input, now
         that the step before it is applied (its tokens advanced the matchers). The
         filler's thread computes them while the loop streams the applied step and plans
@@ -295,7 +269,7 @@ class EngineCore:
         step.late_masks = asyncio.create_task(self._late_masks(step))
         await asyncio.sleep(0)  # hand the rows to the filler's thread now
 
-    async def _late_masks(self, step: _SentStep) -> PlanMasks:
+    async def _late_masks(self, step: SentStep) -> PlanMasks:
         assert self.grammars is not None, "a row waits for a mask, but this core has no grammar engine"
         plan = step.plan
         started = time.perf_counter()
@@ -304,7 +278,7 @@ class EngineCore:
         self._end_failed_grammars(failures, plan.step_id)
         return computed
 
-    async def _deliver_late_masks(self, step: _SentStep) -> None:
+    async def _deliver_late_masks(self, step: SentStep) -> None:
         """Late masks no next step took along go in a StepMasks call of their own."""
         if step.late_masks is not None and not step.masks_delivered:
             step.masks_call = asyncio.create_task(self.client.step_masks(step.plan.step_id, await step.late_masks))
@@ -313,26 +287,7 @@ class EngineCore:
     def _is_live(self, request_id: str) -> bool:
         return request_id in self.planner.requests
 
-    async def _abandon(self, steps: deque[_SentStep]) -> None:
-        """Wait out steps whose results no longer count: the worker runs a step only
-        right after the one it names, so none of them can land after a new plan. One
-        still waiting for its late masks gets masks that allow everything, so the
-        worker is not held up waiting for them."""
-        for step in steps:
-            if not step.masks_delivered and (rows := step.plan.late_mask_rows) and self.grammars is not None:
-                if step.late_masks is not None:
-                    step.late_masks.cancel()
-                void = masks.allowing_all(step.plan, rows, self.grammars.mask_words)
-                step.masks_call = asyncio.create_task(self.client.step_masks(step.plan.step_id, void))
-                step.masks_delivered = True
-            if not step.call.done():
-                step.call.cancel()
-        tasks = (task for step in steps for task in (step.call, step.late_masks, step.masks_call))
-        calls = [task for task in tasks if task is not None]
-        await asyncio.gather(*calls, return_exceptions=True)
-        steps.clear()
-
-    async def _complete(self, step: _SentStep, following: _SentStep | None = None) -> list[RequestUpdate] | None:
+    async def _complete(self, step: SentStep, following: SentStep | None = None) -> list[RequestUpdate] | None:
         """Apply a step's result: its updates, to stream (_dispatch); None if the steps after
         it are void. `following`: the step sent after it, whose late masks can be computed now."""
         plan = step.plan

@@ -24,22 +24,38 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.errors import StartupError, WorkerAdminError
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
+from scheduler_svc.engine.worker_status import WorkerStatus
 from svc_common.targets import Resolver, Target, resolve_dns, resolve_targets
-
-if TYPE_CHECKING:
-    from scheduler_svc.engine.fleet import Fleet
 
 log = structlog.get_logger(__name__)
 
 # (address, TLS server name, timeout_s) -> a connected client and its Info; raises StartupError.
 OpenWorker = Callable[[str, str, float], Awaitable[tuple[WorkerClient, WorkerInfo]]]
+
+
+class Fleet(Protocol):
+    """The fleet as discovery moves it (fleet.Fleet, which imports this module for
+    first_workers): the same calls as admin.v1."""
+
+    config: SchedulerConfig
+    cores: list[EngineCore]
+
+    def list_workers(self) -> list[WorkerStatus]: ...
+
+    async def add_worker(
+        self, address: str, tls_server_name: str = "", timeout_s: float | None = None
+    ) -> WorkerStatus: ...
+
+    async def drain_worker(self, address: str, wait: bool = False, allow_last: bool = False) -> WorkerStatus: ...
 
 
 async def first_workers(

@@ -36,7 +36,7 @@ class Engine:
         cls,
         config: SchedulerConfig,
         tokenizer: ModelTokenizer,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
         resolver: Resolver = resolve_dns,
         router: Router | None = None,
     ) -> Engine:

@@ -60,7 +60,7 @@ class Fleet:
         tokenizer: ModelTokenizer,
         config: SchedulerConfig,
         router: Router,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
         resolver: Resolver = resolve_dns,
     ) -> None:
         self.cores = cores  # in the order the workers were added
@@ -99,7 +99,7 @@ class Fleet:
         config: SchedulerConfig,
         tokenizer: ModelTokenizer,
         router: Router,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[EngineCore] = EngineHooks(),
         resolver: Resolver = resolve_dns,
     ) -> Fleet:
         """Connect to the fixed workers of --workers (each must answer within

@@ -13,7 +13,7 @@ from scheduler_svc.engine.errors import WorkerUnavailable
 from scheduler_svc.engine.fleet import Fleet
 from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router
 from scheduler_svc.engine.streams import StreamHandle
-from scheduler_svc.planning.planner import QueueFull
+from scheduler_svc.planning.queues import QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.request import Request
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_svc.planning.planner import PlanMasks, StepPlan
+from scheduler_svc.planning.plan import PlanMasks, StepPlan
 from scheduler_svc.structured.fill import MaskFiller
 from scheduler_svc.structured.matcher import GrammarMatcher
 

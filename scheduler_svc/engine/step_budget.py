@@ -19,7 +19,7 @@ from collections import deque
 
 import structlog
 
-from scheduler_svc.planning.planner import PlannerConfig
+from scheduler_svc.planning.config import PlannerConfig
 
 log = structlog.get_logger(__name__)
 
@@ -29,7 +29,7 @@ MIN_SAMPLE_TOKENS = 32  # a step with fewer tokens (decodes) says little about p
 WINDOW = 8  # recent prefill steps whose median cost per token is the estimate
 
 
-class StepBudget:
+class SpeedBudget:
     def __init__(self, config: PlannerConfig, target_ms: float, worker: str) -> None:
         """Tunes `config` (a planner's, in place) below its flags' values, which stay the ceilings."""
         self.config = config
@@ -69,8 +69,8 @@ class StepBudget:
         self.config.chunk_size = min(self.max_chunk, half)
 
 
-def step_budget(config: PlannerConfig, device: str, target_ms: float, worker: str) -> StepBudget | None:
+def step_budget(config: PlannerConfig, device: str, target_ms: float, worker: str) -> SpeedBudget | None:
     """The tuner of a worker on `device` (its Info), or None: an accelerator, or tuning off (target 0)."""
     if target_ms <= 0 or not device.startswith("cpu"):
         return None
-    return StepBudget(config, target_ms, worker)
+    return SpeedBudget(config, target_ms, worker)

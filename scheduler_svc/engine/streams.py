@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
-from scheduler_svc.planning.planner import RequestUpdate
+from scheduler_svc.planning.plan import RequestUpdate
 from scheduler_svc.request import FinishReason, Request, TokenLogprob
 from scheduler_svc.text.detokenizer import IncrementalDetokenizer
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -81,7 +82,7 @@ class RequestStream:
         request: Request,
         tokenizer: ModelTokenizer,
         events: asyncio.Queue[StreamEvent] | None = None,
-        hooks: EngineHooks = EngineHooks(),
+        hooks: EngineHooks[Any] = EngineHooks(),
     ):
         self.request = request
         self.detokenizer = IncrementalDetokenizer.for_prompt(tokenizer, request.prompt_token_ids, request.sampling.stop)
@@ -165,7 +166,7 @@ class RequestStream:
 
 
 def open_streams(
-    request: Request, tokenizer: ModelTokenizer, hooks: EngineHooks = EngineHooks()
+    request: Request, tokenizer: ModelTokenizer, hooks: EngineHooks[Any] = EngineHooks()
 ) -> tuple[StreamHandle, dict[str, RequestStream]]:
     """The client handle and the per-request streams feeding it: a fork parent
     reports prefill progress, each of its children one sample."""

@@ -11,12 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.core import EngineCore
     from scheduler_svc.engine.worker_client import StepResult
-    from scheduler_svc.planning.planner import StepPlan
+    from scheduler_svc.planning.plan import StepPlan
 
 Clock = Callable[[], float]
 
@@ -42,15 +41,15 @@ class NoLatencyObserver:
         pass
 
 
-# Called once per step after the worker answered and before planner.update(),
-# so the step's requests are still live: (core, plan, result, perf_counter at the call).
-StepObserver = Callable[["EngineCore", "StepPlan", "StepResult", float], None]
+Core = TypeVar("Core")  # the engine core (core.py): its type lives above this module, which it imports
 
 
 @dataclass(frozen=True)
-class EngineHooks:
+class EngineHooks(Generic[Core]):
     latency: LatencyObserver = NoLatencyObserver()
-    on_step: tuple[StepObserver, ...] = ()
+    # Called once per step after the worker answered and before planner.update(),
+    # so the step's requests are still live: (core, plan, result, perf_counter at the call).
+    on_step: tuple[Callable[[Core, StepPlan, StepResult, float], None], ...] = ()
     clock: Clock = time.monotonic
 
 

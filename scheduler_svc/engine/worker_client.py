@@ -10,7 +10,7 @@ import numpy as np
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
-from scheduler_svc.planning.planner import Alternatives, PlanMasks, ScheduledSeq, StepPlan, StepSamples
+from scheduler_svc.planning.plan import Alternatives, PlanMasks, ScheduledSeq, StepPlan, StepSamples
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 from svc_common.peer_auth import bearer_metadata
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
-    from scheduler_svc.planning.planner import StepPlan
+    from scheduler_svc.planning.plan import StepPlan
     from scheduler_svc.request import Request
 
 RATE_WINDOW_S = 10.0  # Stats' per-second figures: over the last 10 s

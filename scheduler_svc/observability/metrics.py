@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
     from scheduler_svc.engine.engine import Engine
     from scheduler_svc.engine.worker_client import StepResult
-    from scheduler_svc.planning.planner import StepPlan
+    from scheduler_svc.planning.plan import StepPlan
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards and SLO queries apply as they are.
 _VLLM_TTFT_BUCKETS = (
@@ -270,7 +270,7 @@ def observe_step(
     metrics.observe_step_timing(cm.worker, step_s, result.forward_ms / 1e3, prefill + decode, chunks, now)
 
 
-def engine_hooks(metrics: SchedulerMetrics | None = None) -> EngineHooks:
+def engine_hooks(metrics: SchedulerMetrics | None = None) -> EngineHooks[EngineCore]:
     """What an Engine needs to feed `metrics` (default: the process's METRICS)."""
     target = metrics if metrics is not None else METRICS
 

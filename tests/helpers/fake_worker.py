@@ -26,7 +26,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 
-from scheduler_svc.planning.planner import ScheduledSeq, StepPlan, StepSamples
+from scheduler_svc.planning.plan import ScheduledSeq, StepPlan, StepSamples
 from scheduler_svc.structured import allowed_ids
 
 

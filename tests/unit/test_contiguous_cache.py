@@ -78,7 +78,7 @@ def test_contiguous_reads_only_the_context_of_each_slot():
 
 
 def test_triton_kernels_read_the_contiguous_layout():
-    from kernels import triton_ops
+    from kernels import triton as triton_ops
 
     if not triton_ops.interpreter_enabled() and not torch.cuda.is_available():
         pytest.skip("no GPU and the Triton interpreter is off")

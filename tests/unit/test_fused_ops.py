@@ -1,6 +1,6 @@
 """The fused element-wise ops of a decoder layer (issue 27, fault 9) against their
 torch references (kernels/reference.py, the oracle): add_rms_norm and rope_write_kv,
-as the Triton kernels (kernels/triton_ops.py, under TRITON_INTERPRET=1 on CPU) and
+as the Triton kernels (kernels/triton/, under TRITON_INTERPRET=1 on CPU) and
 the C++ ones (kernels/cpu_ops.py) compute them; and the C++ linear layers the CPU
 decoder streams its weights through (kernels/csrc/linear_cpu.cpp) against F.linear.
 With CUDA (make gpu-check) the Triton ones run compiled, on the GPU."""
@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 import pytest
 import torch.nn.functional as F
 
-from kernels import cpu_ops, quant, reference, triton_ops
+from kernels import cpu_ops, quant, reference
+from kernels import triton as triton_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

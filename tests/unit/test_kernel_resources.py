@@ -1,6 +1,6 @@
 """The attention kernels fit the GPU they are compiled for (issue 27, fault 4):
 for head_dim 64, 128 and 256 on sm_80 (A100) and sm_90 (H100) the tiles the
-launcher picks (kernels/triton_ops.attention_tiles) compile within the
+launcher picks (kernels/triton/launch.attention_tiles) compile within the
 architecture's shared memory, with at most 255 registers and nothing spilled.
 Triton compiles for a CUDA target without a GPU (ptxas ships in its wheel), so
 this runs here; `make gpu-check` runs the same report on the GPU."""

@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from kernels import quant, reference, triton_ops
+from kernels import quant, reference
+from kernels import triton as triton_ops
 from worker_svc.attention.kv_cache import PagedKVCache
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")

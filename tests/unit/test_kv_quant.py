@@ -1,5 +1,5 @@
 """FP8 / INT8 KV caches: quantize math (kernels/quant.py), the quantizing write and
-dequantizing attention of both op sets (kernels/reference.py, kernels/triton_ops.py),
+dequantizing attention of both op sets (kernels/reference.py, kernels/triton/),
 block copies with their scales, memory accounting and the FP8 -> INT8 fallback.
 
 Without a GPU the Triton kernels run under the interpreter (tests/conftest.py);
@@ -25,8 +25,8 @@ import pytest
 from kernels import (
     quant,
     reference,
-    triton_ops,
 )
+from kernels import triton as triton_ops
 from kernels.quant import KVScales
 from worker_svc.attention.kv_cache import PagedKVCache
 
@@ -484,7 +484,8 @@ _COMPILE_SCRIPT = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import quant, triton_ops as T
+from kernels import quant
+from kernels import triton as T
 assert not T.interpreter_enabled()
 NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", quant.FP8_DTYPE: "fp8e4nv", torch.int8: "i8"}
 
@@ -506,10 +507,10 @@ for arch, cache, q, decode, split in (
     meta, options = T.attention_launch(8, 2, 128, 16, q, cache, decode, not decode, capability, False, split)
     io = "*" + NAME[q]
     part = "*fp32" if split else io
-    compile(T._paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=c, v_cache_ptr=c,
+    compile(T.attention_kernel.paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=c, v_cache_ptr=c,
             block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", part_out_ptr=part,
             part_max_ptr=part, part_sum_ptr=part, **scales), meta, arch, options)
-    compile(T._write_kv_quant_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=c, v_cache_ptr=c,
+    compile(T.kv_write._write_kv_quant_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=c, v_cache_ptr=c,
             slot_ptr="*i64", **scales), dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_D=128,
             QUANT=quant.quant_code(cache)), arch)
 print("compiled")

@@ -154,7 +154,8 @@ def test_the_fused_race_is_the_reference(vocab):
     """triton_ops.gumbel_argmax (the one-pass kernel; compiled on CUDA, the
     interpreter here) picks the reference's token on every row: same noise bits,
     same cut, ties to the lowest id, the best token in any tile."""
-    from kernels import reference, triton_ops
+    from kernels import reference
+    from kernels import triton as triton_ops
 
     device = _triton_device(triton_ops)
     logits, temperature, keys, cut = (t.to(device) for t in _race_inputs(48, vocab))
@@ -173,7 +174,7 @@ def test_the_sampler_on_the_fused_race_samples_what_the_reference_samples():
     """A batch mixing greedy, temperature, top-k, top-p, min-p and a logit bias,
     through the Sampler with the Triton race and with the torch one: the same
     tokens; and a seeded row alone samples what it samples in the batch."""
-    from kernels import triton_ops
+    from kernels import triton as triton_ops
 
     logits = _logits(24, vocab=700).to(_triton_device(triton_ops))
     rows = [

@@ -5,7 +5,7 @@ so a short request arriving behind a long prompt shares the next step."""
 from __future__ import annotations
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine.step_budget import INITIAL_BUDGET, MIN_BUDGET, StepBudget, step_budget
+from scheduler_svc.engine.step_budget import INITIAL_BUDGET, MIN_BUDGET, SpeedBudget, step_budget
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.planner import Planner, PlannerConfig
@@ -17,12 +17,12 @@ from tests.helpers.planner_sim import BS, VOCAB, reference, run, step
 def test_only_a_cpu_worker_with_a_target_is_tuned():
     assert step_budget(PlannerConfig(), "cuda:0 (NVIDIA H100)", 1000.0, "w") is None
     assert step_budget(PlannerConfig(), "cpu", 0.0, "w") is None
-    assert isinstance(step_budget(PlannerConfig(), "cpu", 1000.0, "w"), StepBudget)
+    assert isinstance(step_budget(PlannerConfig(), "cpu", 1000.0, "w"), SpeedBudget)
 
 
 def test_the_budget_fits_the_target_at_the_measured_speed():
     config = PlannerConfig(block_size=16)
-    budget = StepBudget(config, 1000.0, "w")
+    budget = SpeedBudget(config, 1000.0, "w")
     assert (config.max_num_batched_tokens, config.chunk_size) == (INITIAL_BUDGET, INITIAL_BUDGET // 2)
     budget.observe(200, 400.0)  # 2 ms a token: 500 tokens in 1 s
     assert (config.max_num_batched_tokens, config.chunk_size) == (500, 240)  # half, in whole blocks
@@ -36,7 +36,7 @@ def test_the_budget_fits_the_target_at_the_measured_speed():
 
 def test_the_flags_stay_the_ceilings_and_the_floor_holds():
     config = PlannerConfig(max_num_batched_tokens=300, chunk_size=64, block_size=16)
-    budget = StepBudget(config, 1000.0, "w")
+    budget = SpeedBudget(config, 1000.0, "w")
     budget.observe(1000, 100.0)  # 0.1 ms a token: 10,000 would fit
     assert (config.max_num_batched_tokens, config.chunk_size) == (300, 64)
     budget.observe(100, 100_000.0)  # 1 s a token
@@ -59,7 +59,7 @@ def test_only_the_default_budget_is_sized_an_operator_s_is_kept():
 def test_a_short_request_behind_a_long_prompt_runs_in_the_next_step():
     kv = KVCacheManager(BlockPool(1024, BS), BS, extra_keys=("m",))
     planner = Planner(PlannerConfig(max_model_len=8192, block_size=BS), kv)
-    budget = StepBudget(planner.config, 1000.0, "w")
+    budget = SpeedBudget(planner.config, 1000.0, "w")
     budget.observe(256, 1000.0)  # ~4 ms a token, a slow CPU: 256-token steps
     worker = FakeWorker(1024, BS, VOCAB)
     running = Request("running", 1, [5, 6, 7], SamplingOptions(max_tokens=400))

@@ -1,4 +1,4 @@
-"""Triton kernels (kernels/triton_ops.py) against the torch reference ops.
+"""Triton kernels (kernels/triton/) against the torch reference ops.
 
 Without a GPU they run under the Triton interpreter on CPU tensors
 (tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton; the
@@ -20,8 +20,8 @@ import pytest
 
 from kernels import (
     reference,
-    triton_ops,
 )
+from kernels import triton as triton_ops
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -259,8 +259,8 @@ def test_decode_chooses_splits_from_the_sm_count(monkeypatch):
     num_kv_splits with the table's reach as the longest context."""
     asked = []
     real = triton_ops.num_kv_splits
-    monkeypatch.setattr(triton_ops, "num_sms", lambda device: 132)
-    monkeypatch.setattr(triton_ops, "num_kv_splits", lambda *args: asked.append(args) or real(*args))
+    monkeypatch.setattr(triton_ops.launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_ops.launch, "num_kv_splits", lambda *args: asked.append(args) or real(*args))
     query, k_cache, v_cache, tables, ctx = _split_case([300, 1000], 4, 1, 16)
     out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
     assert asked == [(2, 1, tables.shape[1] * 16, 132)] and real(*asked[0]) == 2
@@ -437,22 +437,23 @@ def test_every_masked_load_says_what_masked_lanes_hold():
     merge read its partials that way, right only while the lanes happened to be
     zero (issue 27, fault 11). Every masked load in the kernels names `other=`."""
     import ast
-    import inspect
+    from pathlib import Path
 
-    tree = ast.parse(inspect.getsource(triton_ops))
-    loads = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "load"
-        and isinstance(node.func.value, ast.Name)
-        and node.func.value.id == "tl"
-    ]
-    masked = [call for call in loads if any(k.arg == "mask" for k in call.keywords)]
+    masked: list[tuple[str, ast.Call]] = []
+    for path in sorted(Path(triton_ops.__file__).parent.glob("*.py")):  # every module of the op set
+        masked += [
+            (path.name, node)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "tl"
+            and any(k.arg == "mask" for k in node.keywords)
+        ]
     assert len(masked) >= 10, "the walk found too few masked loads"
-    bare = [call.lineno for call in masked if not any(k.arg == "other" for k in call.keywords)]
-    assert not bare, f"kernels/triton_ops.py lines {bare}: masked tl.load without other="
+    bare = [f"{name}:{call.lineno}" for name, call in masked if not any(k.arg == "other" for k in call.keywords)]
+    assert not bare, f"kernels/triton/ {bare}: masked tl.load without other="
 
 
 # --------------------------------------------------------------------------- compiled for CUDA
@@ -465,7 +466,7 @@ _COMPILE_SCRIPT = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_ops as T
+from kernels import triton as T
 assert not T.interpreter_enabled()
 NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -486,13 +487,13 @@ for arch, q, c, heads, kv_heads, head_dim, block_size, decode, sliding, split in
                                        split)
     io, cache = "*" + NAME[q], "*" + NAME[c]
     part = "*fp32" if split else io
-    compile(T._paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=cache, v_cache_ptr=cache,
+    compile(T.attention_kernel.paged_attention_kernel, dict(out_ptr=io, q_ptr=io, k_cache_ptr=cache, v_cache_ptr=cache,
             block_tables_ptr="*i32", context_lens_ptr="*i32", cu_query_lens_ptr="*i32", part_out_ptr=part,
             part_max_ptr=part, part_sum_ptr=part), meta, arch, options)
 for arch, io, splits in ((90, "*bf16", 64), (80, "*fp32", 2)):
-    compile(T._merge_splits_kernel, dict(out_ptr=io, part_out_ptr="*fp32", part_max_ptr="*fp32",
+    compile(T.attention_kernel.merge_splits_kernel, dict(out_ptr=io, part_out_ptr="*fp32", part_max_ptr="*fp32",
             part_sum_ptr="*fp32"), dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=splits), arch)
-compile(T._write_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
+compile(T.kv_write._write_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
         slot_ptr="*i64"), dict(HEAD_DIM=64, BLOCK_SIZE=16, NUM_KV_HEADS=2, BLOCK_T=16, BLOCK_HD=128), 90)
 print("compiled")
 """
@@ -526,8 +527,8 @@ def test_worker_triton_backend_matches_torch(split_kv, monkeypatch):
     step and a decode step. split-kv: the decodes as a 132-SM GPU would run them,
     their 64-position contexts cut into 16-token partitions."""
     if split_kv:
-        monkeypatch.setattr(triton_ops, "num_sms", lambda device: 132)
-        monkeypatch.setattr(triton_ops, "MIN_SPLIT_TOKENS", 16)
+        monkeypatch.setattr(triton_ops.launch, "num_sms", lambda device: 132)
+        monkeypatch.setattr(triton_ops.launch, "MIN_SPLIT_TOKENS", 16)
     from tests.helpers.worker_steps import Seq, sampled, step_input
     from tools.tiny_checkpoints import ensure_checkpoint
     from worker_svc.config import WorkerConfig

@@ -2,7 +2,7 @@
 layouts, and the registry --attention-backend picks from.
 
 `torch` is kernels/reference.py (pure torch: the test oracle, and the forced
-fallback); `triton` is kernels/triton_ops.py (compiled on CUDA, or under
+fallback); `triton` is kernels/triton/ (compiled on CUDA, or under
 TRITON_INTERPRET=1 in tests); `cpu` is kernels/cpu_ops.py (the C++ paged
 attention that reads K/V blocks in place, built once per CPU by
 kernels/cpu_build.py): three modules with the same signatures, each an
@@ -112,7 +112,7 @@ class CopyBlocks(Protocol):
 class AttentionOps(Protocol):
     """kernels/reference.py's ops, signatures and semantics (its docstring has the
     cache layouts and the varlen conventions): one layer's cache per call, all
-    layers' for copy_blocks. kernels/triton_ops.py and kernels/cpu_ops.py are ones
+    layers' for copy_blocks. kernels/triton/ and kernels/cpu_ops.py are ones
     too. The set also carries the decoder's other fused element-wise op,
     add_rms_norm, which the model takes from its backend (models/decoder.py:
     LayerOps), so that one backend choice picks every kernel of a layer."""
@@ -156,7 +156,7 @@ def _torch() -> AttentionBackend:
 
 
 def _triton() -> AttentionBackend:
-    from kernels import triton_ops  # imported lazily: triton is heavy and optional on CPU
+    from kernels import triton as triton_ops  # imported lazily: triton is heavy and optional on CPU
 
     return AttentionBackend("triton", triton_ops, graph_safe=True)
 

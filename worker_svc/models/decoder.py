@@ -54,7 +54,7 @@ class AddRmsNorm(Protocol):
 
 class LayerOps(Protocol):
     """The fused element-wise ops the decoder runs beside attention: kernels/reference.py
-    (the oracle), kernels/triton_ops.py, kernels/cpu_ops.py (an attention backend's ops)."""
+    (the oracle), kernels/triton/, kernels/cpu_ops.py (an attention backend's ops)."""
 
     @property
     def add_rms_norm(self) -> AddRmsNorm: ...

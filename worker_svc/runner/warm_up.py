@@ -102,7 +102,7 @@ def _compile_split_variants(runner: ModelRunner) -> None:
     """Eager decodes (those of mixed steps) pick their split-KV partition count
     from their table width: compile each count's merge kernel now, through one
     1-row decode per power of two over a table that wide (reading block 0)."""
-    from kernels.triton_ops import MAX_SPLITS, MIN_SPLIT_TOKENS
+    from kernels.triton.launch import MAX_SPLITS, MIN_SPLIT_TOKENS
 
     splits = 2
     with torch.inference_mode():

@@ -63,9 +63,9 @@ def device_gumbel_argmax(device: torch.device) -> GumbelArgmax:
     """The Gumbel race for logits on `device`: the fused Triton kernel on CUDA (one
     pass over the logits), the torch reference elsewhere; the same tokens."""
     if device.type == "cuda":
-        from kernels import triton_ops  # imported lazily: triton is heavy and optional on CPU
+        from kernels.triton.sampling import gumbel_argmax  # imported lazily: triton is heavy and optional on CPU
 
-        return triton_ops.gumbel_argmax
+        return gumbel_argmax
     return reference.gumbel_argmax
 
 
