@@ -86,6 +86,18 @@ BENCHMARKS = [
         "issue 26: constrained vs unconstrained tok/s at 1 and 32 streams (late masks, held back), mask share",
     ),
     Benchmark(
+        "long_prompt",
+        (),
+        "issue 35 §5: a running stream's largest gap and a short request's TTFT behind a 4,000-token prompt",
+        plot=False,
+    ),
+    Benchmark(
+        "structured_compile",
+        ("--rounds", "5"),
+        "issue 35 §1: a cold grammar compile in the sandbox vs in-process",
+        plot=False,
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",
