@@ -21,8 +21,12 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, "PAGEDSERVE_WORKER", "pagedserve worker: model + paged KV cache, gRPC worker.v1", argv
     )
     configure_logging(config.log_format, config.log_level)
+    if config.list_architectures:
+        sys.stdout.write(architectures())
+        return
     from worker_svc.allocator import keep_freed_memory
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
+    from worker_svc.models.errors import UnsupportedModel
     from worker_svc.step.errors import WorkerDown
     from worker_svc.worker import Worker
 
@@ -34,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         worker = Worker(config)
         server = serve(worker, config)
+    except UnsupportedModel as exc:  # the one line naming what is not honoured, no traceback
+        log.error("model not supported", model=config.model, error=str(exc))
+        sys.exit(2)
     except (OSError, WorkerDown) as exc:  # cannot bind, unreadable files, a tensor-parallel rank that failed
         log.error("start-up failed", error=str(exc))
         sys.exit(2)
@@ -52,6 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     server.shutdown(config.drain_timeout_s)
     worker.close()
     log.info("worker stopped")
+
+
+def architectures() -> str:
+    """One line per registered family: its model_type and checkpoints users run."""
+    from worker_svc.models.registry import families
+
+    known = families()
+    width = max(len(t) for t in known)
+    return "".join(f"{t:<{width}}  {known[t].examples}\n" for t in sorted(known))
 
 
 if __name__ == "__main__":

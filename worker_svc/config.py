@@ -143,8 +143,14 @@ class WorkerConfig:
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+    list_architectures: bool = field(
+        default=False,
+        metadata={"help": "print the model types (config.json model_type) this worker serves, with examples, and exit"},
+    )
 
     def validate(self) -> None:
+        if self.list_architectures:  # serves nothing: no other flag matters
+            return
         token_problem = token_file_problem(self.internal_token_file)
         checks = [
             model_dir_check(self.model, "--model"),

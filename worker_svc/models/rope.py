@@ -36,6 +36,7 @@ class RopeTable:
     attention_factor: float = 1.0
     long_inv_freq: tuple[float, ...] = ()  # longrope: used from position `long_from` on
     long_from: int = 0
+    rotary_pairs: int = 0  # the rotated (dim, dim + half) pairs: only they take attention_factor
 
 
 def rope_table(params: dict[str, Any], head_dim: int, rotary_dim: int, max_position: int) -> RopeTable:
@@ -72,6 +73,7 @@ def rope_table(params: dict[str, Any], head_dim: int, rotary_dim: int, max_posit
         attention_factor,
         tuple(long.tolist()) + tuple(pad) if long is not None else (),
         long_from,
+        rotary_dim // 2,
     )
 
 
@@ -90,7 +92,10 @@ def rope_cos_sin(
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if table.attention_factor != 1.0:
-        cos, sin = cos * table.attention_factor, sin * table.attention_factor
+        # Partial rotary: the dims that do not rotate keep cos 1, sin 0 exactly.
+        half = torch.arange(inv_freq.shape[0], device=inv_freq.device) < table.rotary_pairs
+        factor = torch.where(half, table.attention_factor, 1.0).repeat(2)
+        cos, sin = cos * factor, sin * factor
     return cos.to(dtype), sin.to(dtype)
 
 

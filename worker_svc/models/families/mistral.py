@@ -17,7 +17,7 @@ def every_layer_window(cfg: PretrainedConfig) -> dict[str, Any]:
 register(
     Family(
         "mistral",
-        "mistralai/Mistral-7B-Instruct-v0.3, Mistral-7B-v0.1 (window 4096), Ministral-8B",
+        "mistralai/Mistral-7B-Instruct-v0.3, Mistral-7B-v0.1 (window 4096)",
         switches=every_layer_window,
         honours=frozenset({"sliding_window"}),
     )
