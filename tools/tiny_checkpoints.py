@@ -259,8 +259,8 @@ def _dense(config_class: str, ids: dict[str, Any], **fields: Any):
 
 
 # The rope scalings beyond default/linear/llama3 (already above), each over a short
-# original context (64) so the scaled band and, for longrope, the switch to the long
-# factors at position 64 fall inside the tests' sequences.
+# original context so the scaled band falls inside the tests' sequences (longrope is
+# served up to its original context, 128 here: worker_svc/models/rope.py).
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64}
 _LONGROPE = {
     "rope_type": "longrope",
@@ -283,7 +283,7 @@ DENSE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     # A window of 8 on every layer: the tests' prompts are far longer.
     "mistral": lambda ids: _dense("MistralConfig", ids, sliding_window=8),
     "phi3": lambda ids: _dense(
-        "Phi3Config", ids, original_max_position_embeddings=64, rope_parameters=_LONGROPE, sliding_window=None
+        "Phi3Config", ids, original_max_position_embeddings=128, rope_parameters=_LONGROPE, sliding_window=None
     ),
     "gemma2": lambda ids: _dense(
         "Gemma2Config",
@@ -305,7 +305,7 @@ DENSE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
         embedding_multiplier=3.0,
         residual_multiplier=0.5,
         attention_multiplier=0.2,
-        logits_scaling=4.0,
+        logits_scaling=1.5,
     ),
 }
 

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(architectures())
         return
     from worker_svc.allocator import keep_freed_memory
-    from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.models.errors import UnsupportedModel
+    from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.step.errors import WorkerDown
     from worker_svc.worker import Worker
 

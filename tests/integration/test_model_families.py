@@ -1,10 +1,6 @@
 """Every dense family beyond Llama/Qwen3/Gemma3, built tiny by tools/tiny_checkpoints.py,
 through a real scheduler and worker: greedy tokens equal transformers' (fp32) with
-prefix caching, chunked prefill, block eviction and preemption in the mix.
-
-The prompts stay within 64 tokens and the generations run past position 64, so
-Phi-3's longrope switches to its long factors mid-generation, where transformers
-switches too (rope.py)."""
+prefix caching, chunked prefill, block eviction and preemption in the mix."""
 
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ from tests.helpers.procs import Cluster
 
 rng = random.Random(37)
 SYSTEMS = [[rng.randrange(4, 700) for _ in range(40)] for _ in range(2)]
-# 40-token shared systems + 5..23 own tokens (<= 63: longrope's short factors for the
-# whole prompt), 10..28 generated tokens (past 64: the long ones).
+# 40-token shared systems + 5..23 own tokens, 10..28 generated: within the tiny Phi-3's
+# original context (128), where longrope is served (worker_svc/models/rope.py).
 CASES = [(SYSTEMS[i % 2] + [rng.randrange(4, 700) for _ in range(5 + 2 * i)], 10 + 2 * i) for i in range(10)]
 
 

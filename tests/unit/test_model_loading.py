@@ -100,9 +100,8 @@ def test_sharded_safetensors_load_as_the_single_file(tmp_path):
 
 
 def test_every_registered_family_has_examples_and_lists_itself():
-    out = subprocess.run(
-        [sys.executable, "-m", "worker_svc", "--list-architectures"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout
+    command = [sys.executable, "-m", "worker_svc", "--list-architectures"]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout
     listed = {line.split()[0] for line in out.splitlines()}
     assert listed == set(families()) >= {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"}
     assert all(f.examples for f in families().values())

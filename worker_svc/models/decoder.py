@@ -111,14 +111,7 @@ class DecoderModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.ropes = [
-            (
-                table,
-                torch.tensor(table.inv_freq, dtype=torch.float32, device=self.device),
-                torch.tensor(table.long_inv_freq, dtype=torch.float32, device=self.device)
-                if table.long_inv_freq
-                else None,
-            )
-            for table in spec.ropes
+            (table, torch.tensor(table.inv_freq, dtype=torch.float32, device=self.device)) for table in spec.ropes
         ]
         self.q_size = spec.num_q_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -207,7 +200,7 @@ class DecoderModel:
         delta = F.embedding(input_ids, self.embed)
         if spec.embed_scale != 1.0:
             delta = delta * torch.tensor(spec.embed_scale, dtype=self.dtype)
-        rope = [rope_cos_sin(positions, table, inv, long, self.dtype) for table, inv, long in self.ropes]
+        rope = [rope_cos_sin(positions, table, inv, self.dtype) for table, inv in self.ropes]
         residual: torch.Tensor | None = None  # the first layer's stream is the embedding itself
         for i, layer in enumerate(self.layers):
             cos, sin = rope[spec.layer_rope[i]]

@@ -11,7 +11,7 @@ gate_up_proj) before tensor-parallel sharding and the decoder take them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ class Family:
     examples: str  # checkpoints users run (--list-architectures)
     switches: Callable[[PretrainedConfig], dict[str, Any]] = _no_switches
     honours: frozenset[str] = field(default_factory=frozenset)
-    canonical: Callable[[ModelSpec, dict[str, torch.Tensor]], None] | None = None
+    canonical: Callable[[ModelSpec, MutableMapping[str, torch.Tensor]], None] | None = None
 
 
 FAMILIES: dict[str, Family] = {}

@@ -2,12 +2,12 @@
 table per set of parameters.
 
 A table holds the inverse frequencies of the rotated dimensions and the factor
-that scales cos/sin (yarn's and longrope's attention factor). Longrope has a
-second set (the long factors) for positions at or past
-original_max_position_embeddings: transformers switches to it once the sequence
-passes that length and never re-rotates the cached keys, which for a prompt no
-longer than that is exactly a per-position choice, and a per-position choice
-keeps a token's rotation independent of the batch it runs in.
+that scales cos/sin (yarn's and longrope's attention factor). Longrope is served
+with its short factors up to original_max_position_embeddings (`max_len`, which
+caps max_model_len): once a sequence passes that length transformers drops its
+cache and recomputes the whole sequence with the long factors, which a paged
+cache would have to re-rotate in place; that is not done, so longer sequences are
+not served rather than served differently.
 
 Partial rotary (Phi-3's partial_rotary_factor): only the first `rotary_dim` dims
 of a head rotate, pairing dim i with i + rotary_dim / 2. The checkpoint's q/k
@@ -34,8 +34,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 class RopeTable:
     inv_freq: tuple[float, ...]  # head_dim / 2 entries; 0 for dims that do not rotate
     attention_factor: float = 1.0
-    long_inv_freq: tuple[float, ...] = ()  # longrope: used from position `long_from` on
-    long_from: int = 0
+    max_len: int = 0  # the longest sequence the table serves as transformers does (0: any)
     rotary_pairs: int = 0  # the rotated (dim, dim + half) pairs: only they take attention_factor
 
 
@@ -50,8 +49,7 @@ def rope_table(params: dict[str, Any], head_dim: int, rotary_dim: int, max_posit
     inv_freq = 1.0 / (base**exponents)
     factor = params.get("factor")
     attention_factor = 1.0
-    long: torch.Tensor | None = None
-    long_from = 0
+    max_len = 0
     if rope_type == "linear":
         inv_freq = inv_freq / float(factor)  # type: ignore[arg-type]
     elif rope_type == "llama3":
@@ -63,32 +61,24 @@ def rope_table(params: dict[str, Any], head_dim: int, rotary_dim: int, max_posit
         factor = float(factor) if factor is not None else max_position / original
         attention_factor = _longrope_attention_factor(params, factor, original)
         inv_freq = 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**exponents)
-        long = 1.0 / (torch.tensor(params["long_factor"], dtype=torch.float32) * base**exponents)
-        long_from = original
+        max_len = original
     # "dynamic" (NTK) rescales only past max_position_embeddings, which max_model_len
     # never exceeds: within it the frequencies are the default ones.
     pad = [0.0] * ((head_dim - rotary_dim) // 2)
     return RopeTable(
         tuple(inv_freq.tolist()) + tuple(pad),
         attention_factor,
-        tuple(long.tolist()) + tuple(pad) if long is not None else (),
-        long_from,
+        max_len,
         rotary_dim // 2,
     )
 
 
 def rope_cos_sin(
-    positions: torch.Tensor,
-    table: RopeTable,
-    inv_freq: torch.Tensor,
-    long_inv_freq: torch.Tensor | None,
-    dtype: torch.dtype,
+    positions: torch.Tensor, table: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] for positions [T], in fp32 then cast, as transformers computes them."""
+    """cos/sin [T, head_dim] for positions [T], in fp32 then cast, as transformers
+    computes them; inv_freq is table.inv_freq on the device."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    if long_inv_freq is not None:
-        long = positions.float()[:, None] * long_inv_freq[None, :]
-        freqs = torch.where((positions >= table.long_from)[:, None], long, freqs)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if table.attention_factor != 1.0:

@@ -108,7 +108,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.rms_norm_eps,
-        max_model_len=cfg.max_position_embeddings,
+        max_model_len=min([cfg.max_position_embeddings, *(t.max_len for t in ropes if t.max_len)]),
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
         activation=ACTIVATIONS[act_name],
         attention_scale=head_dim**-0.5,
