@@ -57,7 +57,7 @@ class WorkerConfig:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "weights/activations dtype; auto = bfloat16 on CUDA and on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (printed at start)",
+            "help": "weights/activations dtype; auto = bfloat16 on CUDA (float16 for a float16 checkpoint) and on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (printed at start)",
             "choices": DTYPES,
         },
     )

@@ -22,6 +22,7 @@ from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_ca
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
 from worker_svc.models import DecoderModel, load_spec
+from worker_svc.models.spec import auto_dtype
 from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
 from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
@@ -201,6 +202,8 @@ class Worker:
         memory = CudaMemory(self.device) if self.device.type == "cuda" else None
         baseline = MemoryBaseline.read(memory) if memory is not None else None
         self.dtype = resolve_dtype(config.dtype, self.device.type, cpu)
+        if config.dtype == "auto":
+            self.dtype = auto_dtype(self.dtype, self.device.type, config.model)
         dtype = TORCH_DTYPES[self.dtype]
         backend = load_backend(resolve_backend(config.attention_backend, self.device))
         self.backend = backend.name

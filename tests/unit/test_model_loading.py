@@ -18,6 +18,7 @@ from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.procs import REPO
 from worker_svc.models import DecoderModel, UnsupportedModel, load_spec
 from worker_svc.models.registry import families
+from worker_svc.models.spec import auto_dtype
 
 CPU = torch.device("cpu")
 
@@ -121,3 +122,18 @@ def test_a_refused_model_exits_with_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in output
     errors = [json.loads(line) for line in output.splitlines() if line.startswith("{") and '"error"' in line]
     assert len(errors) == 1 and "attn_logit_softcapping=50.0" in errors[0]["error"]
+
+
+@pytest.mark.parametrize(
+    ("stored", "device", "preferred", "served"),
+    [
+        ("float16", "cuda", "bfloat16", "float16"),  # bf16 would round the checkpoint's weights
+        ("bfloat16", "cuda", "bfloat16", "bfloat16"),
+        ("float32", "cuda", "bfloat16", "bfloat16"),
+        ("float16", "cpu", "float32", "float32"),  # fp16 is not native on the CPU
+        ("bfloat16", "cpu", "bfloat16", "bfloat16"),
+    ],
+)
+def test_dtype_auto_follows_the_checkpoint_where_the_device_computes_in_it(tmp_path, stored, device, preferred, served):
+    ckpt = copy_checkpoint("llama", tmp_path / "m", {"dtype": stored})
+    assert auto_dtype(preferred, device, ckpt) == served

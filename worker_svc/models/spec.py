@@ -8,6 +8,7 @@ its neutral value; anything else is refused at load naming the field and value.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,19 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
     )
     return ModelSpec(**{**common, **family.switches(cfg)})
+
+
+def auto_dtype(resolved: str, device_type: str, model_dir: str | Path) -> str:
+    """--dtype auto, given what the device prefers (`resolved`): the checkpoint's own
+    torch_dtype/dtype where the device computes in it natively. On CUDA a float16
+    checkpoint stays float16 (bf16 would cut 3 bits off every weight's mantissa) and
+    a bfloat16 or float32 one is served in bfloat16; the CPU keeps its choice (fp16
+    is not native there)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+    if device_type == "cuda" and stored == "float16":
+        return "float16"
+    return resolved
 
 
 def _refuse_unread(cfg: PretrainedConfig, family: Family) -> None:

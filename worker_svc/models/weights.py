@@ -1,22 +1,24 @@
 """A checkpoint's tensors, read lazily from its safetensors files.
 
 One file, or the shards `model.safetensors.index.json` maps names to. A tensor is
-read from its (memory-mapped) file when it is first taken, and the decoder takes
-and converts each one in turn, so loading holds the model being built plus the
-tensor in hand, never the whole checkpoint twice (bench/model_load.py measures
-the peak). Every tensor must be taken: what is left at the end is an error naming
+read from its file when it is first taken (plain reads at the offsets the file's
+header gives, not a memory map, whose touched pages would stay resident until the
+file is closed), and the decoder takes and converts each one in turn, so loading
+holds the model being built plus the tensor in hand, never the whole checkpoint
+twice (bench/model_load.py measures the peak). Every tensor must be taken: what is left at the end is an error naming
 it (`check_consumed`), so a weight we do not understand cannot be dropped silently.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.registry import family_of
@@ -32,58 +34,95 @@ DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 Tensors = MutableMapping[str, torch.Tensor]
 
 
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    start: int  # absolute byte offset in the file
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _header(path: Path) -> dict[str, _Entry]:
+    """A safetensors file's index: 8 bytes of header length, a JSON header, the data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    base = 8 + length
+    return {
+        name: _Entry(path, base + e["data_offsets"][0], base + e["data_offsets"][1], e["dtype"], tuple(e["shape"]))
+        for name, e in header.items()
+    }
+
+
 class CheckpointTensors(MutableMapping[str, torch.Tensor]):
     """name -> tensor; unread names come from their file on first access, and
     assigned tensors (a renamed, split or sharded one) replace them."""
 
-    def __init__(self, files: dict[str, Path]):
-        self._files = files  # not yet read: name -> its file
+    def __init__(self, entries: dict[str, _Entry]):
+        self._entries = entries  # not yet read
         self._held: dict[str, torch.Tensor] = {}
-        self._handles: dict[Path, Any] = {}
 
     @classmethod
     def open(cls, model_dir: Path) -> CheckpointTensors:
         index = model_dir / INDEX
         if index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = {name: model_dir / file for name, file in weight_map.items()}
+            paths = sorted({model_dir / file for file in weight_map.values()})
         else:
-            files = {}
-            for path in sorted(model_dir.glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as f:
-                    files.update(dict.fromkeys(f.keys(), path))
-        if not files:
+            paths = sorted(model_dir.glob("*.safetensors"))
+        if not paths:
             raise FileNotFoundError(f"no *.safetensors (nor {INDEX}) in {model_dir}")
-        return cls({n: p for n, p in files.items() if not n.endswith(DERIVED_SUFFIXES)})
+        entries = {name: e for path in paths for name, e in _header(path).items()}
+        return cls({n: e for n, e in entries.items() if not n.endswith(DERIVED_SUFFIXES)})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._held:
             return self._held[name]
-        path = self._files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        tensor: torch.Tensor = self._handles[path].get_tensor(name)
-        return tensor
+        e = self._entries[name]
+        if e.dtype not in _DTYPES:
+            raise UnsupportedModel(f"checkpoint tensor {name!r} has dtype {e.dtype}, which is not supported")
+        data = bytearray(e.end - e.start)
+        with open(e.path, "rb") as f:
+            f.seek(e.start)
+            f.readinto(data)
+        if not data:
+            return torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+        return torch.frombuffer(data, dtype=_DTYPES[e.dtype]).reshape(e.shape)
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
-        self._files.pop(name, None)
+        self._entries.pop(name, None)
         self._held[name] = tensor
 
     def __delitem__(self, name: str) -> None:
-        if name not in self._held and name not in self._files:
+        if name not in self._held and name not in self._entries:
             raise KeyError(name)
         self._held.pop(name, None)
-        self._files.pop(name, None)
+        self._entries.pop(name, None)
 
     def __iter__(self) -> Iterator[str]:
         yield from list(self._held)
-        yield from [n for n in self._files if n not in self._held]
+        yield from list(self._entries)
 
     def __len__(self) -> int:
-        return len(self._held) + sum(1 for n in self._files if n not in self._held)
-
-    def close(self) -> None:
-        self._handles.clear()
+        return len(self._held) + len(self._entries)
 
 
 def check_consumed(tensors: Tensors, model_type: str) -> None:
