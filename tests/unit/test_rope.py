@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Phi3Config
+from transformers import AutoConfig, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from kernels.reference import apply_rope
+from tests.helpers.checkpoints import tiny_checkpoint
 from worker_svc.models.rope import partial_rotary_permutation, rope_cos_sin, rope_table
 
 HEAD_DIM = 16
 PARAMS = [
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    },
     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64},
     {
         "rope_type": "yarn",
@@ -48,6 +41,13 @@ def test_tables_equal_transformers(params):
     ours = rope_table(dict(config.rope_parameters), HEAD_DIM, HEAD_DIM, 512)
     assert torch.equal(torch.tensor(ours.inv_freq), theirs.float())
     assert ours.attention_factor == pytest.approx(factor, rel=1e-12)
+
+
+def test_the_tiny_llama3_table_equals_transformers():
+    config = AutoConfig.from_pretrained(tiny_checkpoint("llama"))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    ours = rope_table(dict(config.rope_parameters), HEAD_DIM, HEAD_DIM, config.max_position_embeddings)
+    assert torch.equal(torch.tensor(ours.inv_freq), theirs.float())
 
 
 def test_longrope_serves_its_short_factors_up_to_the_original_length():
