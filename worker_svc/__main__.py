@@ -22,13 +22,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     configure_logging(config.log_format, config.log_level)
     if config.list_architectures:
+        from worker_svc.worker import architectures
+
         sys.stdout.write(architectures())
         return
     from worker_svc.allocator import keep_freed_memory
-    from worker_svc.models.errors import UnsupportedModel
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.step.errors import WorkerDown
-    from worker_svc.worker import Worker
+    from worker_svc.worker import UnsupportedModel, Worker
 
     keep_freed_memory()
 
@@ -59,15 +60,6 @@ def main(argv: list[str] | None = None) -> None:
     server.shutdown(config.drain_timeout_s)
     worker.close()
     log.info("worker stopped")
-
-
-def architectures() -> str:
-    """One line per registered family: its model_type and checkpoints users run."""
-    from worker_svc.models.registry import families
-
-    known = families()
-    width = max(len(t) for t in known)
-    return "".join(f"{t:<{width}}  {known[t].examples}\n" for t in sorted(known))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_ca
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
 from worker_svc.models import DecoderModel, load_spec
+from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
+from worker_svc.models.families import listing
 from worker_svc.models.spec import auto_dtype
 from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
 from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
@@ -494,3 +496,8 @@ def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection
         return Worker(config, parallel=group).execute
 
     serve_rank(rank, pipe, build)
+
+
+def architectures() -> str:
+    """What --list-architectures prints: the registered families (models/families/)."""
+    return listing()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.procs import REPO
 from worker_svc.models import DecoderModel, UnsupportedModel, load_spec
-from worker_svc.models.registry import families
+from worker_svc.models.registry import FAMILIES
 from worker_svc.models.spec import auto_dtype
 
 CPU = torch.device("cpu")
@@ -104,8 +104,8 @@ def test_every_registered_family_has_examples_and_lists_itself():
     command = [sys.executable, "-m", "worker_svc", "--list-architectures"]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout
     listed = {line.split()[0] for line in out.splitlines()}
-    assert listed == set(families()) >= {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"}
-    assert all(f.examples for f in families().values())
+    assert listed == set(FAMILIES) >= {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"}
+    assert all(f.examples for f in FAMILIES.values())
 
 
 def test_a_refused_model_exits_with_one_line_not_a_traceback(tmp_path):

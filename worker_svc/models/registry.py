@@ -1,5 +1,6 @@
 """The families the worker serves, each a short declarative adapter (families/)
-registered by its model_type.
+registered by its model_type (families/__init__.py imports them all and
+looks them up).
 
 A family says how its checkpoint differs from Llama's and nothing else: the
 ModelSpec switches it sets from its config (`switches`), the math-changing config
@@ -13,15 +14,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from worker_svc.models.errors import UnsupportedModel
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from worker_svc.models.spec import ModelSpec
+
+class Shapes(Protocol):
+    """What a canonical step needs of the ModelSpec (spec.py, which imports the
+    families: they cannot import it back)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_q_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 def _no_switches(cfg: PretrainedConfig) -> dict[str, Any]:
@@ -34,7 +45,7 @@ class Family:
     examples: str  # checkpoints users run (--list-architectures)
     switches: Callable[[PretrainedConfig], dict[str, Any]] = _no_switches
     honours: frozenset[str] = field(default_factory=frozenset)
-    canonical: Callable[[ModelSpec, MutableMapping[str, torch.Tensor]], None] | None = None
+    canonical: Callable[[Shapes, MutableMapping[str, torch.Tensor]], None] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -43,16 +54,3 @@ FAMILIES: dict[str, Family] = {}
 def register(family: Family) -> Family:
     FAMILIES[family.model_type] = family
     return family
-
-
-def families() -> dict[str, Family]:
-    import worker_svc.models.families  # noqa: F401  (each module registers itself)
-
-    return FAMILIES
-
-
-def family_of(model_type: str) -> Family:
-    known = families()
-    if model_type not in known:
-        raise UnsupportedModel(f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(known))})")
-    return known[model_type]

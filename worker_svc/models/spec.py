@@ -16,7 +16,8 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from worker_svc.models.errors import UnsupportedModel
-from worker_svc.models.registry import Family, family_of
+from worker_svc.models.families import family_of
+from worker_svc.models.registry import Family
 from worker_svc.models.rope import RopeTable, rope_table
 
 # transformers' activation names -> the gated MLP's (models/linear.py: activate)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker_svc.models.errors import UnsupportedModel
-from worker_svc.models.registry import family_of
+from worker_svc.models.families import family_of
 from worker_svc.models.rope import partial_rotary_permutation
 
 if TYPE_CHECKING:

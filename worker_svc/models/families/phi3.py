@@ -6,18 +6,14 @@ the Llama names, so tensor parallelism and the decoder see one layout), longrope
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker_svc.models.families.mistral import every_layer_window
-from worker_svc.models.registry import Family, register
-
-if TYPE_CHECKING:
-    from worker_svc.models.spec import ModelSpec
+from worker_svc.models.registry import Family, Shapes, register
 
 
-def split_fused(spec: ModelSpec, tensors: MutableMapping[str, torch.Tensor]) -> None:
+def split_fused(spec: Shapes, tensors: MutableMapping[str, torch.Tensor]) -> None:
     q_size, kv_size = spec.num_q_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     for i in range(spec.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
