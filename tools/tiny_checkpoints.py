@@ -262,7 +262,7 @@ def _dense(config_class: str, ids: dict[str, Any], **fields: Any):
 # original context so the scaled band falls inside the tests' sequences (longrope is
 # served up to its original context, 128 here: worker_svc/models/rope.py).
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64}
-_LONGROPE = {
+LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
     # partial_rotary_factor 0.5 of head_dim 16: 8 rotary dims, 4 factors each
@@ -283,7 +283,7 @@ DENSE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     # A window of 8 on every layer: the tests' prompts are far longer.
     "mistral": lambda ids: _dense("MistralConfig", ids, sliding_window=8),
     "phi3": lambda ids: _dense(
-        "Phi3Config", ids, original_max_position_embeddings=128, rope_parameters=_LONGROPE, sliding_window=None
+        "Phi3Config", ids, original_max_position_embeddings=128, rope_parameters=dict(LONGROPE), sliding_window=None
     ),
     "gemma2": lambda ids: _dense(
         "Gemma2Config",

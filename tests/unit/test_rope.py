@@ -12,6 +12,7 @@ from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from kernels.reference import apply_rope
 from tests.helpers.checkpoints import tiny_checkpoint
+from tools.tiny_checkpoints import LONGROPE
 from worker_svc.models.rope import partial_rotary_permutation, rope_cos_sin, rope_table
 
 HEAD_DIM = 16
@@ -51,19 +52,12 @@ def test_the_tiny_llama3_table_equals_transformers():
 
 
 def test_longrope_serves_its_short_factors_up_to_the_original_length():
-    params = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0, 1.3, 2.1, 3.5],
-        "long_factor": [1.2, 2.4, 5.0, 9.0],
-        "partial_rotary_factor": 0.5,
-    }
     config = Phi3Config(
         hidden_size=64,
         num_attention_heads=4,
         max_position_embeddings=512,
         original_max_position_embeddings=64,
-        rope_parameters=params,
+        rope_parameters=dict(LONGROPE),  # the tiny Phi-3's: partial rotary 0.5, 4 factors each
     )
     short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
     ours = rope_table(dict(config.rope_parameters), HEAD_DIM, 8, 512)
