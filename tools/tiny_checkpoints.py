@@ -250,6 +250,65 @@ def _gemma3(ids: dict[str, Any], num_kv_heads: int):
     )
 
 
+def _dense(config_class: str, ids: dict[str, Any], **fields: Any):
+    """A 2-layer GQA model of another dense family: its own switches in `fields`."""
+    import transformers
+
+    common = {**_COMMON, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    return getattr(transformers, config_class)(**{**common, **ids, **fields})
+
+
+# The rope scalings beyond default/linear/llama3 (already above), each over a short
+# original context so the scaled band falls inside the tests' sequences (longrope is
+# served up to its original context, 128 here: worker_svc/models/rope.py).
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    # partial_rotary_factor 0.5 of head_dim 16: 8 rotary dims, 4 factors each
+    "short_factor": [1.0, 1.3, 2.1, 3.5],
+    "long_factor": [1.2, 2.4, 5.0, 9.0],
+    "partial_rotary_factor": 0.5,
+}
+
+DENSE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
+    # Biases everywhere transformers' Llama has them (attention_bias: q/k/v/o, mlp_bias:
+    # gate/up/down), drawn non-zero by _randomize, with yarn rope.
+    "llama_bias": lambda ids: _dense(
+        "LlamaConfig", ids, attention_bias=True, mlp_bias=True, rope_parameters=_YARN, tie_word_embeddings=False
+    ),
+    "qwen2": lambda ids: _dense(
+        "Qwen2Config", ids, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    ),
+    # A window of 8 on every layer: the tests' prompts are far longer.
+    "mistral": lambda ids: _dense("MistralConfig", ids, sliding_window=8),
+    "phi3": lambda ids: _dense(
+        "Phi3Config", ids, original_max_position_embeddings=128, rope_parameters=dict(LONGROPE), sliding_window=None
+    ),
+    "gemma2": lambda ids: _dense(
+        "Gemma2Config",
+        ids,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=None,
+        final_logit_softcapping=3.0,  # well inside the logits' range, so the cap bites
+        tie_word_embeddings=True,
+    ),
+    "olmo2": lambda ids: _dense("Olmo2Config", ids, attention_bias=True),
+    "granite": lambda ids: _dense(
+        "GraniteConfig",
+        ids,
+        attention_bias=True,
+        mlp_bias=True,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=1.5,
+    ),
+}
+
 FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     "llama": lambda ids: _llama(ids, num_kv_heads=2, llama3_rope=True),
     "llama_mqa": lambda ids: _llama(ids, num_kv_heads=1, llama3_rope=False),
@@ -258,6 +317,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     "qwen3_mqa": lambda ids: _qwen3(ids, num_kv_heads=1),
     "gemma3": lambda ids: _gemma3(ids, num_kv_heads=2),
     "gemma3_mqa": lambda ids: _gemma3(ids, num_kv_heads=1),
+    **DENSE_FAMILIES,
 }
 
 
@@ -290,6 +350,8 @@ def _randomize(model, family: str) -> None:
     # Gemma multiplies embeddings by sqrt(hidden); undo it so the token's own embedding
     # does not dominate the residual stream.
     embed_scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", 1.0)
+    if model.config.model_type == "gemma2":  # scales in its forward, not its embedding module
+        embed_scale = model.config.hidden_size**0.5
 
     def randn(shape, mean=0.0, std=1.0):
         return mean + std * torch.randn(shape, generator=gen)

@@ -21,10 +21,15 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, "PAGEDSERVE_WORKER", "pagedserve worker: model + paged KV cache, gRPC worker.v1", argv
     )
     configure_logging(config.log_format, config.log_level)
+    if config.list_architectures:
+        from worker_svc.worker import architectures
+
+        sys.stdout.write(architectures())
+        return
     from worker_svc.allocator import keep_freed_memory
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.step.errors import WorkerDown
-    from worker_svc.worker import Worker
+    from worker_svc.worker import UnsupportedModel, Worker
 
     keep_freed_memory()
 
@@ -34,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         worker = Worker(config)
         server = serve(worker, config)
+    except UnsupportedModel as exc:  # the one line naming what is not honoured, no traceback
+        log.error("model not supported", model=config.model, error=str(exc))
+        sys.exit(2)
     except (OSError, WorkerDown) as exc:  # cannot bind, unreadable files, a tensor-parallel rank that failed
         log.error("start-up failed", error=str(exc))
         sys.exit(2)

@@ -57,7 +57,7 @@ class WorkerConfig:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "weights/activations dtype; auto = bfloat16 on CUDA and on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (printed at start)",
+            "help": "weights/activations dtype; auto = bfloat16 on CUDA (float16 for a float16 checkpoint) and on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (printed at start)",
             "choices": DTYPES,
         },
     )
@@ -143,8 +143,14 @@ class WorkerConfig:
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+    list_architectures: bool = field(
+        default=False,
+        metadata={"help": "print the model types (config.json model_type) this worker serves, with examples, and exit"},
+    )
 
     def validate(self) -> None:
+        if self.list_architectures:  # serves nothing: no other flag matters
+            return
         token_problem = token_file_problem(self.internal_token_file)
         checks = [
             model_dir_check(self.model, "--model"),

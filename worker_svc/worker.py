@@ -22,6 +22,9 @@ from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_ca
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
 from worker_svc.models import DecoderModel, load_spec
+from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
+from worker_svc.models.families import listing
+from worker_svc.models.spec import auto_dtype
 from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
 from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
@@ -201,6 +204,8 @@ class Worker:
         memory = CudaMemory(self.device) if self.device.type == "cuda" else None
         baseline = MemoryBaseline.read(memory) if memory is not None else None
         self.dtype = resolve_dtype(config.dtype, self.device.type, cpu)
+        if config.dtype == "auto":
+            self.dtype = auto_dtype(self.dtype, self.device.type, config.model)
         dtype = TORCH_DTYPES[self.dtype]
         backend = load_backend(resolve_backend(config.attention_backend, self.device))
         self.backend = backend.name
@@ -491,3 +496,8 @@ def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection
         return Worker(config, parallel=group).execute
 
     serve_rank(rank, pipe, build)
+
+
+def architectures() -> str:
+    """What --list-architectures prints: the registered families (models/families/)."""
+    return listing()

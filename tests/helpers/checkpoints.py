@@ -8,6 +8,9 @@ from tests.helpers.procs import REPO
 
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
 TINY_FAMILIES = ("llama", "llama_mqa", "llama_long", "qwen3", "qwen3_mqa", "gemma3", "gemma3_mqa")
+# The other dense families (tools/tiny_checkpoints.py: DENSE_FAMILIES), tested by
+# tests/integration/test_model_families.py and the chunked-prefill test.
+DENSE_FAMILIES = ("llama_bias", "qwen2", "mistral", "phi3", "gemma2", "olmo2", "granite")
 
 
 def tiny_checkpoint(family: str) -> Path:

@@ -99,6 +99,8 @@ def references():
         ("qwen3_mqa", 4, "torch"),  # one KV head on every rank; q/k norms
         ("gemma3", 2, "torch"),  # sliding-window layers, sandwich norms, tied embeddings
         ("llama", 2, "triton"),  # the Triton kernels (interpreter) on each rank
+        ("llama_bias", 2, "torch"),  # q/k/v/gate/up biases sliced, o/down biases added once
+        ("phi3", 2, "torch"),  # fused qkv/gate_up split and partial-rotary rows permuted before slicing
     ],
 )
 def test_logits_and_tokens_match_one_rank(family, size, backend, references):

@@ -19,6 +19,13 @@ EXPECTED = {  # family -> (model_type, kv heads, tied embeddings)
     "gemma3": ("gemma3_text", 2, True),
     "gemma3_mqa": ("gemma3_text", 1, True),
     "llama_long": ("llama", 1, True),
+    "llama_bias": ("llama", 2, False),
+    "qwen2": ("qwen2", 2, False),
+    "mistral": ("mistral", 2, False),
+    "phi3": ("phi3", 2, False),
+    "gemma2": ("gemma2", 2, True),
+    "olmo2": ("olmo2", 2, False),
+    "granite": ("granite", 2, False),
 }
 
 
@@ -128,6 +135,22 @@ def test_logits_have_spread(builds):
             logits = model(ids).logits[0]
         assert torch.isfinite(logits).all()
         assert logits.std(-1).mean() > 1.0, family
+
+
+@pytest.mark.parametrize("family", sorted(tc.DENSE_FAMILIES))
+def test_biases_and_norms_are_not_trivial(builds, family):
+    """HF initialises biases to zero and norms to one, which would hide a dropped
+    bias or a misplaced norm: every one of them is drawn away from that."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(builds[family][0] / "model.safetensors")
+    offset = 1.0 if family.startswith("gemma") else 0.0  # Gemma stores w - 1
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            assert t.std() > 0.1, name
+        elif "norm" in name and name != "model.norm.weight":
+            assert (t + offset - 1.0).abs().max() > 0.05, name
+    assert any(n.endswith(".bias") for n in tensors) == (family in ("llama_bias", "qwen2", "olmo2", "granite"))
 
 
 def test_ensure_checkpoint_caches_and_rebuilds_stale(tmp_path, monkeypatch):

@@ -20,12 +20,14 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from kernels import reference
-from worker_svc.models.layers import rms_norm, rope_cos_sin
-from worker_svc.models.linear import GatedLinear, Linear, Projection
+from worker_svc.models.layers import rms_norm
+from worker_svc.models.linear import Projection
+from worker_svc.models.projections import gated_projection, projection, tied_head
+from worker_svc.models.rope import rope_cos_sin
 from worker_svc.models.spec import ModelSpec, load_spec
+from worker_svc.models.weights import CheckpointTensors, Tensors, check_consumed, to_canonical
 
 
 class Attention(Protocol):
@@ -66,12 +68,28 @@ class LayerWeights:
     o: Projection
     gate_up: Projection  # act(gate) * up: the gate and up projections fused with the activation
     down: Projection
-    attn_norm: torch.Tensor  # before attention
-    mlp_norm: torch.Tensor  # before the MLP
-    post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms
+    attn_norm: torch.Tensor | None  # before attention (None: OLMo 2 norms only after)
+    mlp_norm: torch.Tensor | None  # before the MLP
+    post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms, OLMo 2 post-norms
     post_mlp_norm: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+
+
+# Where each family's layer norms sit (spec.norms), by checkpoint name: before
+# attention, before the MLP, after attention, after the MLP. Llama's
+# "post_attention_layernorm" is the pre-MLP norm; Gemma's and OLMo 2's normalize
+# the attention output.
+NORM_NAMES: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    "pre": ("input_layernorm", "post_attention_layernorm", None, None),
+    "sandwich": (
+        "input_layernorm",
+        "pre_feedforward_layernorm",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": (None, None, "post_attention_layernorm", "post_feedforward_layernorm"),
+}
 
 
 class DecoderModel:
@@ -92,7 +110,9 @@ class DecoderModel:
         self.lm_head = lm_head
         self.dtype = embed.dtype
         self.device = embed.device
-        self.inv_freqs = [torch.tensor(f, dtype=torch.float32, device=self.device) for f in spec.rope_inv_freqs]
+        self.ropes = [
+            (table, torch.tensor(table.inv_freq, dtype=torch.float32, device=self.device)) for table in spec.ropes
+        ]
         self.q_size = spec.num_q_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
@@ -102,8 +122,7 @@ class DecoderModel:
         model_dir: str | Path,
         dtype: torch.dtype,
         device: torch.device,
-        transform: Callable[[ModelSpec, dict[str, torch.Tensor]], tuple[ModelSpec, dict[str, torch.Tensor]]]
-        | None = None,
+        transform: Callable[[ModelSpec, Tensors], tuple[ModelSpec, Tensors]] | None = None,
         ops: LayerOps = reference,
         cpu_linears: bool = False,
     ) -> DecoderModel:
@@ -112,7 +131,8 @@ class DecoderModel:
         `ops`: the fused element-wise ops (an attention backend's). `cpu_linears`: pack
         the weights for the C++ linear kernels on the CPU (models/linear.py)."""
         spec = load_spec(model_dir)
-        tensors = _read_safetensors(Path(model_dir))
+        tensors: Tensors = CheckpointTensors.open(Path(model_dir))
+        to_canonical(spec, tensors)
         if transform is not None:
             spec, tensors = transform(spec, tensors)
         return cls.from_tensors(spec, tensors, dtype, device, ops, cpu_linears)
@@ -121,48 +141,58 @@ class DecoderModel:
     def from_tensors(
         cls,
         spec: ModelSpec,
-        tensors: dict[str, torch.Tensor],
+        tensors: Tensors,
         dtype: torch.dtype,
         device: torch.device,
         ops: LayerOps = reference,
         cpu_linears: bool = False,
     ) -> DecoderModel:
+        """The model over `tensors` (Llama's names, to_canonical), each taken once:
+        one left over is an error naming it."""
+
         def take(name: str) -> torch.Tensor:
             return tensors.pop(name).to(device=device, dtype=dtype)
 
-        def norm(name: str) -> torch.Tensor:
+        def takes(names: list[str], present: bool = True) -> torch.Tensor | None:
+            return torch.cat([take(n) for n in names]) if present else None
+
+        def norm(name: str | None) -> torch.Tensor | None:
             # Norm weights stay fp32: they multiply fp32 activations in rms_norm.
-            return (tensors.pop(name).float() + spec.norm_offset).to(device)
+            return None if name is None else (tensors.pop(name).float() + spec.norm_offset).to(device)
+
+        def linear(prefix: str, names: list[str], biased: bool) -> Projection:
+            weight = takes([prefix + n + ".weight" for n in names])
+            assert weight is not None
+            return projection(weight, takes([prefix + n + ".bias" for n in names], biased), cpu_linears)
 
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            qkv = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")])
-            gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-            sandwich = spec.sandwich_norm
+            gate_up = takes([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            assert gate_up is not None
+            gate_up_bias = takes([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
+            pre_attn, pre_mlp, post_attn, post_mlp = NORM_NAMES[spec.norms]
             layers.append(
                 LayerWeights(
-                    qkv=Linear(qkv, cpu_kernel=cpu_linears),
-                    o=Linear(take(attn + "o_proj.weight"), cpu_kernel=cpu_linears),
-                    gate_up=GatedLinear(gate_up, spec.activation, cpu_kernel=cpu_linears),
-                    down=Linear(take(mlp + "down_proj.weight"), cpu_kernel=cpu_linears),
-                    attn_norm=norm(p + "input_layernorm.weight"),
-                    # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma's
-                    # normalizes the attention output and has its own pre-MLP norm.
-                    mlp_norm=norm(
-                        p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
-                    ),
-                    post_attn_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
-                    post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
-                    q_norm=norm(attn + "q_norm.weight") if spec.qk_norm else None,
-                    k_norm=norm(attn + "k_norm.weight") if spec.qk_norm else None,
+                    qkv=linear(attn, ["q_proj", "k_proj", "v_proj"], spec.qkv_bias),
+                    o=linear(attn, ["o_proj"], spec.o_bias),
+                    gate_up=gated_projection(gate_up, gate_up_bias, spec.activation, cpu_linears),
+                    down=linear(mlp, ["down_proj"], spec.mlp_bias),
+                    attn_norm=norm(pre_attn and p + pre_attn + ".weight"),
+                    mlp_norm=norm(pre_mlp and p + pre_mlp + ".weight"),
+                    post_attn_norm=norm(post_attn and p + post_attn + ".weight"),
+                    post_mlp_norm=norm(post_mlp and p + post_mlp + ".weight"),
+                    q_norm=norm(attn + "q_norm.weight" if spec.qk_norm else None),
+                    k_norm=norm(attn + "k_norm.weight" if spec.qk_norm else None),
                 )
             )
         embed = take("model.embed_tokens.weight")
-        lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
-        lm_head_linear = Linear(lm_head, cpu_kernel=cpu_linears)
-        return cls(spec, embed, layers, norm("model.norm.weight"), lm_head_linear, ops)
+        lm_head = tied_head(embed, tensors, take) if spec.tie_word_embeddings else take("lm_head.weight")
+        final_norm = norm("model.norm.weight")
+        assert final_norm is not None
+        check_consumed(tensors, spec.model_type)
+        return cls(spec, embed, layers, final_norm, projection(lm_head, None, cpu_linears), ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
@@ -170,7 +200,7 @@ class DecoderModel:
         delta = F.embedding(input_ids, self.embed)
         if spec.embed_scale != 1.0:
             delta = delta * torch.tensor(spec.embed_scale, dtype=self.dtype)
-        rope = [rope_cos_sin(positions, inv_freq, self.dtype) for inv_freq in self.inv_freqs]
+        rope = [rope_cos_sin(positions, table, inv, self.dtype) for table, inv in self.ropes]
         residual: torch.Tensor | None = None  # the first layer's stream is the embedding itself
         for i, layer in enumerate(self.layers):
             cos, sin = rope[spec.layer_rope[i]]
@@ -191,35 +221,43 @@ class DecoderModel:
         """(this layer's MLP output, the stream before it): the next layer adds them."""
         spec, eps = self.spec, self.spec.rms_norm_eps
         num_tokens = delta.shape[0]
-        x, residual = self.ops.add_rms_norm(delta, residual, w.attn_norm, eps)
+        x, residual = self._add_norm(delta, residual, w.attn_norm)
         q, k, v = torch.split(w.qkv(x), [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if spec.qk_norm == "full" and w.q_norm is not None and w.k_norm is not None:
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q = q.view(num_tokens, spec.num_q_heads, spec.head_dim)
         k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        if w.q_norm is not None and w.k_norm is not None:  # spec.qk_norm
+        if spec.qk_norm == "head" and w.q_norm is not None and w.k_norm is not None:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         attn = attention(i, q, k, v, cos, sin, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
-        attn = w.o(attn)
-        if w.post_attn_norm is not None:
-            attn = rms_norm(attn, w.post_attn_norm, eps)
-        x, residual = self.ops.add_rms_norm(attn, residual, w.mlp_norm, eps)
-        mlp = w.down(w.gate_up(x))
-        if w.post_mlp_norm is not None:
-            mlp = rms_norm(mlp, w.post_mlp_norm, eps)
+        attn = self._block_output(w.o(attn), w.post_attn_norm)
+        x, residual = self._add_norm(attn, residual, w.mlp_norm)
+        mlp = self._block_output(w.down(w.gate_up(x)), w.post_mlp_norm)
         return mlp, residual
+
+    def _add_norm(
+        self, delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the block's input, the stream): the norm of residual + delta, or the sum
+        itself where the family has no norm before the block (OLMo 2)."""
+        if weight is not None:
+            return self.ops.add_rms_norm(delta, residual, weight, self.spec.rms_norm_eps)
+        stream = delta if residual is None else residual + delta
+        return stream, stream
+
+    def _block_output(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        if post_norm is not None:
+            out = rms_norm(out, post_norm, self.spec.rms_norm_eps)
+        if self.spec.residual_scale != 1.0:
+            out = out * self.spec.residual_scale
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the selected hidden rows."""
-        return self.lm_head(hidden).float()
-
-
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+        logits = self.lm_head(hidden).float()
+        if self.spec.logits_divisor != 1.0:
+            logits = logits / self.spec.logits_divisor
+        if self.spec.final_softcap:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits

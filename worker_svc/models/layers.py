@@ -11,12 +11,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # torch's fused kernel, in fp32 (weight is fp32): one pass instead of six
     # elementwise ones, and the same result as x * rsqrt(mean(x^2) + eps) * weight.
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] for positions [T] (computed in fp32, like the reference)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_svc.models import DecoderModel
+from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.spec import ModelSpec
+from worker_svc.models.weights import Tensors
 from worker_svc.parallel.layers import RowParallel, VocabParallelHead
 from worker_svc.parallel.layout import RankLayout
 
@@ -43,24 +45,35 @@ def rank_layout(spec: ModelSpec, rank: int, size: int) -> RankLayout:
     return RankLayout(rank, size, spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size)
 
 
-def shard_checkpoint(
-    spec: ModelSpec, tensors: dict[str, torch.Tensor], layout: RankLayout
-) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def shard_checkpoint(spec: ModelSpec, tensors: Tensors, layout: RankLayout) -> tuple[ModelSpec, Tensors]:
     """The rank's spec (its head counts and MLP width; the output projection its
-    own, untied) and its tensors, sliced in place of the full ones."""
+    own, untied) and its tensors, sliced in place of the full ones. A column-parallel
+    bias is sliced with its rows; a row-parallel one (o, down) is added once, by
+    rank 0: the others' are zeros, as the all-reduce sums every rank's output."""
+    if spec.qk_norm == "full":
+        raise UnsupportedModel(
+            f"{spec.model_type}: --tensor-parallel-size > 1 is not supported: its q/k norms span every rank's heads"
+        )
     d = spec.head_dim
     q = _rows(layout.q_heads, d)
     kv = _rows(layout.kv_heads, d)
     mlp = _rows(layout.mlp_columns, 1)
     for i in range(spec.num_layers):
         attn, ffn = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        tensors[attn + "q_proj.weight"] = tensors[attn + "q_proj.weight"][q]
-        tensors[attn + "k_proj.weight"] = tensors[attn + "k_proj.weight"][kv]
-        tensors[attn + "v_proj.weight"] = tensors[attn + "v_proj.weight"][kv]
-        tensors[attn + "o_proj.weight"] = tensors[attn + "o_proj.weight"][:, q].contiguous()
-        tensors[ffn + "gate_proj.weight"] = tensors[ffn + "gate_proj.weight"][mlp]
-        tensors[ffn + "up_proj.weight"] = tensors[ffn + "up_proj.weight"][mlp]
-        tensors[ffn + "down_proj.weight"] = tensors[ffn + "down_proj.weight"][:, mlp].contiguous()
+        for name, rows in (
+            (attn + "q_proj", q),
+            (attn + "k_proj", kv),
+            (attn + "v_proj", kv),
+            (ffn + "gate_proj", mlp),
+            (ffn + "up_proj", mlp),
+        ):
+            for kind in ("weight", "bias"):
+                if f"{name}.{kind}" in tensors:
+                    tensors[f"{name}.{kind}"] = tensors[f"{name}.{kind}"][rows]
+        for name, columns in ((attn + "o_proj", q), (ffn + "down_proj", mlp)):
+            tensors[name + ".weight"] = tensors[name + ".weight"][:, columns].contiguous()
+            if name + ".bias" in tensors and layout.rank != 0:
+                tensors[name + ".bias"] = torch.zeros_like(tensors[name + ".bias"])
     tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors
     head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
     tensors["lm_head.weight"] = _vocab_slice(head, layout.vocab_rows)
