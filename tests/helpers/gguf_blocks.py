@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
+from kernels.gguf_quant import QuantizedWeight
 
 # Byte offsets of each format's fp16 scale fields (d, and dmin or m) in a block.
 SCALE_OFFSETS = {
@@ -22,11 +23,12 @@ SCALE_OFFSETS = {
 
 
 def random_block_bytes(qtype: str, out_features: int, in_features: int, seed: int, scale: float = 0.02) -> np.ndarray:
-    """uint8 [out_features, row bytes]: random quantized values, finite random scales."""
-    elems, size = BLOCK_FORMATS[qtype]
+    """uint8 [out_features, row bytes]: random quantized values, finite random scales
+    (random bytes throughout for a format not served, which only a refusal reads)."""
+    elems, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(out_features * in_features // elems, size), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[qtype]:
+    for offset in SCALE_OFFSETS.get(qtype, ()):
         values = (rng.standard_normal(len(blocks)) * scale).astype(np.float16)
         blocks[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(out_features, -1)

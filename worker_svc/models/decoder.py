@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels import reference
+from worker_svc.models.gguf import is_gguf, read_gguf
 from worker_svc.models.layers import rms_norm, rope_cos_sin
-from worker_svc.models.linear import GatedLinear, Linear, Projection
+from worker_svc.models.linear import Projection, Weight, dense, gated_linear, make_linear, place
 from worker_svc.models.spec import ModelSpec, load_spec
 
 
@@ -112,41 +113,48 @@ class DecoderModel:
         `ops`: the fused element-wise ops (an attention backend's). `cpu_linears`: pack
         the weights for the C++ linear kernels on the CPU (models/linear.py)."""
         spec = load_spec(model_dir)
+        if is_gguf(model_dir):
+            if transform is not None:
+                raise ValueError("a GGUF model is not split over ranks (tensor parallel): serve it on one worker")
+            return cls.from_tensors(spec, read_gguf(model_dir, spec), dtype, device, ops, cpu_linears)
         tensors = _read_safetensors(Path(model_dir))
         if transform is not None:
             spec, tensors = transform(spec, tensors)
-        return cls.from_tensors(spec, tensors, dtype, device, ops, cpu_linears)
+        weights: dict[str, Weight] = dict(tensors)
+        return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears)
 
     @classmethod
     def from_tensors(
         cls,
         spec: ModelSpec,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, Weight],
         dtype: torch.dtype,
         device: torch.device,
         ops: LayerOps = reference,
         cpu_linears: bool = False,
     ) -> DecoderModel:
-        def take(name: str) -> torch.Tensor:
-            return tensors.pop(name).to(device=device, dtype=dtype)
+        """`tensors`: tensors, or a GGUF file's quantized blocks (models/linear.py)."""
+
+        def take(name: str) -> Weight:
+            return place(tensors.pop(name), device, dtype)
 
         def norm(name: str) -> torch.Tensor:
             # Norm weights stay fp32: they multiply fp32 activations in rms_norm.
-            return (tensors.pop(name).float() + spec.norm_offset).to(device)
+            return (dense(tensors.pop(name), torch.float32) + spec.norm_offset).to(device)
 
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            qkv = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")])
-            gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            qkv = [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")]
+            gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
             sandwich = spec.sandwich_norm
             layers.append(
                 LayerWeights(
-                    qkv=Linear(qkv, cpu_kernel=cpu_linears),
-                    o=Linear(take(attn + "o_proj.weight"), cpu_kernel=cpu_linears),
-                    gate_up=GatedLinear(gate_up, spec.activation, cpu_kernel=cpu_linears),
-                    down=Linear(take(mlp + "down_proj.weight"), cpu_kernel=cpu_linears),
+                    qkv=make_linear(qkv, cpu_kernel=cpu_linears),
+                    o=make_linear([take(attn + "o_proj.weight")], cpu_kernel=cpu_linears),
+                    gate_up=gated_linear(gate, up, spec.activation, cpu_kernel=cpu_linears),
+                    down=make_linear([take(mlp + "down_proj.weight")], cpu_kernel=cpu_linears),
                     attn_norm=norm(p + "input_layernorm.weight"),
                     # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma's
                     # normalizes the attention output and has its own pre-MLP norm.
@@ -159,9 +167,12 @@ class DecoderModel:
                     k_norm=norm(attn + "k_norm.weight") if spec.qk_norm else None,
                 )
             )
-        embed = take("model.embed_tokens.weight")
-        lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in tensors else take("lm_head.weight")
-        lm_head_linear = Linear(lm_head, cpu_kernel=cpu_linears)
+        embed_weight = take("model.embed_tokens.weight")
+        embed = dense(embed_weight, dtype)
+        # A tied head over quantized blocks multiplies the blocks, not the dequantized table.
+        tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors
+        lm_head = embed_weight if tied else take("lm_head.weight")
+        lm_head_linear = make_linear([lm_head], cpu_kernel=cpu_linears)
         return cls(spec, embed, layers, norm("model.norm.weight"), lm_head_linear, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:

@@ -74,8 +74,28 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
-def load_spec(model_dir: str | Path) -> ModelSpec:
+def read_config(model_dir: str | Path) -> PretrainedConfig:
+    """The checkpoint's config: config.json, or a GGUF file's metadata (transformers
+    reads it). A quantization_config is refused by name: none is served (a GGUF
+    file's blocks are, models/gguf.py)."""
+    path = Path(model_dir)
+    cfg: PretrainedConfig
+    if path.suffix == ".gguf":
+        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return cfg
     cfg = AutoConfig.from_pretrained(model_dir)
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise ValueError(
+            f"config.json quantization_config (quant_method {str(method)!r}) is not served: "
+            "quantized safetensors checkpoints are refused; GGUF files are served"
+        )
+    return cfg
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    cfg = read_config(model_dir)
     if cfg.model_type not in SUPPORTED_TYPES:
         raise ValueError(f"model_type {cfg.model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -120,10 +140,16 @@ def _rope_tables(cfg: PretrainedConfig, layer_types: list[str], head_dim: int) -
 def _eos_ids(model_dir: str | Path, cfg: PretrainedConfig) -> tuple[int, ...]:
     from transformers import GenerationConfig
 
+    if Path(model_dir).suffix == ".gguf":  # no generation config in a GGUF: the metadata's eos
+        return _as_ids(cfg.eos_token_id)
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:
         eos = cfg.eos_token_id
+    return _as_ids(eos)
+
+
+def _as_ids(eos: int | list[int] | None) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
