@@ -8,10 +8,10 @@ from torch import Tensor
 
 from kernels import cpu_build
 from kernels.gguf_quant import QuantizedWeight
+from kernels.gguf_quant import quant_linear as reference_quant_linear
 
-# The formats the kernel decodes; the others run the reference.
-CPU_FORMATS: tuple[str, ...] = ()
-ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+# The formats the kernel decodes (every one kernels/gguf_quant.py serves).
+CPU_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def takes(weight: QuantizedWeight) -> bool:
@@ -22,6 +22,8 @@ def takes(weight: QuantizedWeight) -> bool:
 def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     """x [T, in] @ dequantize(weight).T -> [T, out] in x's dtype: fp32 products of x
     and the decoded weights, summed in fp32, rounded once to x's dtype."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return reference_quant_linear(x, weight)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y: Tensor = torch.ops.pagedserve_cpu.quant_linear(x, weight.data, weight.qtype, weight.out_features)

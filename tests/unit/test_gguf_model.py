@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kernels import cpu_ops
 from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.worker_steps import Seq, sampled, step_input
@@ -57,6 +58,7 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     assert worker_tokens(worker) == reference_tokens(path)
     layer = worker.model.layers[0]
     assert isinstance(layer.qkv, QuantLinear) and layer.qkv.weight.qtype == qtype
+    assert layer.qkv.kernel == ("cpu" if cpu_ops.available() else "")  # the C++ kernel read the blocks
     assert isinstance(worker.model.lm_head, QuantLinear)  # tied: the head multiplies the embedding's blocks
 
 
@@ -75,7 +77,9 @@ def test_mixed_formats_and_an_untied_head(tmp_path):
                                      enforce_eager=eager))  # fmt: skip
         assert worker_tokens(worker) == reference_tokens(path)
         assert isinstance(worker.model.layers[0].qkv, Concat)  # q, k in Q4_K; v in Q6_K
-        assert worker.model.lm_head.weight.qtype == "Q8_0"  # type: ignore[attr-defined]
+        head = worker.model.lm_head
+        assert isinstance(head, QuantLinear) and head.weight.qtype == "Q8_0"
+        assert head.kernel == ("" if eager or not cpu_ops.available() else "cpu")
 
 
 def test_linear_weights_stay_in_their_blocks(tmp_path):
