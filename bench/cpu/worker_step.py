@@ -40,6 +40,7 @@ import torch
 
 from bench.harness.results import fmt, markdown_table, write_result
 from svc_common.cpu_features import read_cpu_features
+from tools.prepare_default_model import shipped_gguf
 from worker_svc.config import WorkerConfig
 from worker_svc.step.builder import StepBuilder
 from worker_svc.step.input import StepInput
@@ -47,6 +48,9 @@ from worker_svc.worker import Worker
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
+# The GGUF that MODEL_DIR was converted from (tools/prepare_default_model.py): the same
+# values, served from its Q4_1 blocks (issue 38).
+SHIPPED_GGUF = str(shipped_gguf())
 BLOCK = 16
 
 
@@ -77,6 +81,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "today fp32": dict(dtype="float32", attention_backend="torch", enforce_eager=True),
     "C++ attention fp32": dict(dtype="float32", enforce_eager=True),
     "all fp32": dict(dtype="float32"),
+    "Q4_1 gguf fp32": dict(dtype="float32", model=SHIPPED_GGUF),
+    "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
 }
 
 

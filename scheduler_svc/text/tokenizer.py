@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from svc_common.gguf_sidecar import model_files
 from tokenizers import Tokenizer
 
 # Up to this many characters (or ids) a text is handled on the event loop: a
@@ -101,7 +102,8 @@ def _yield_cpu() -> None:
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
-    model_dir = Path(model_dir)
+    """From a model directory, or a GGUF file's extracted files (svc_common/gguf_sidecar.py)."""
+    model_dir = model_files(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: --tokenizer must be a directory with tokenizer.json")
