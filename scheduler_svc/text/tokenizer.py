@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from svc_common.gguf_sidecar import model_files
 from tokenizers import Tokenizer
+
+from svc_common.gguf_sidecar import model_files
 
 # Up to this many characters (or ids) a text is handled on the event loop: a
 # thread hop costs more than the work (about 1 us per character or id).
