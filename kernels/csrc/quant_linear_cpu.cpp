@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -67,92 +68,123 @@ FormatInfo format_of(const std::string& name) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
+// {0, 1, ..., kLanes - 1}
+inline vint lane_index() {
+  vint v;
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+
 inline float f16(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
-// 32 weights of a Q4/Q5 block: q = nibble (low nibbles: 0-15, high: 16-31) | 5th bit.
-void decode_32(Format f, const uint8_t* b, float* out) {
-  if (f == Format::kQ8_0) {
+// 32 weights of a Q8_0 / Q4 / Q5 block, q = nibble (low nibbles: 0-15, high: 16-31) | 5th
+// bit. One template per format: branch-free loops the compiler vectorizes.
+template <Format F>
+inline void decode_32(const uint8_t* __restrict b, float* __restrict out) {
+  if constexpr (F == Format::kQ8_0) {
     const float d = f16(b);
     for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
-    return;
-  }
-  const bool affine = f == Format::kQ4_1 || f == Format::kQ5_1;  // d * q + m
-  const bool five = f == Format::kQ5_0 || f == Format::kQ5_1;
-  const float d = f16(b);
-  const float m = affine ? f16(b + 2) : 0.0f;
-  const uint8_t* p = b + (affine ? 4 : 2);
-  uint32_t qh = 0;
-  if (five) {
-    std::memcpy(&qh, p, 4);
-    p += 4;
-  }
-  const int offset = affine ? 0 : (five ? 16 : 8);
-  for (int i = 0; i < 32; ++i) {
-    const int nibble = i < 16 ? (p[i] & 0x0F) : (p[i - 16] >> 4);
-    const int q = nibble | (five ? static_cast<int>((qh >> i) & 1u) << 4 : 0);
-    if (affine)
-      out[i] = d * static_cast<float>(q) + m;
-    else
-      out[i] = d * static_cast<float>(q - offset);
+  } else {
+    constexpr bool affine = F == Format::kQ4_1 || F == Format::kQ5_1;  // d * q + m
+    constexpr bool five = F == Format::kQ5_0 || F == Format::kQ5_1;
+    constexpr int offset = affine ? 0 : (five ? 16 : 8);
+    const float d = f16(b);
+    const float m = affine ? f16(b + 2) : 0.0f;
+    const uint8_t* p = b + (affine ? 4 : 2);
+    uint32_t qh = 0;
+    if constexpr (five) {
+      std::memcpy(&qh, p, 4);
+      p += 4;
+    }
+    // kLanes nibbles at a time as vectors (the bytes widened to 32-bit lanes, masked and
+    // shifted there): low nibbles are weights 0-15, high nibbles 16-31.
+    typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
+    const vuint lane = __builtin_convertvector(vint{} + lane_index(), vuint);
+    for (int i = 0; i < 16; i += kLanes) {
+      vbyte bytes;
+      std::memcpy(&bytes, p + i, sizeof bytes);
+      const vuint u = __builtin_convertvector(bytes, vuint);
+      for (int hi = 0; hi < 2; ++hi) {
+        const int e = hi * 16 + i;
+        vuint q = hi ? u >> 4 : u & 0x0Fu;
+        if constexpr (five) q |= ((vuint{} + qh) >> (lane + static_cast<uint32_t>(e)) & 1u) << 4;
+        vfloat w;
+        if constexpr (affine)
+          w = d * __builtin_convertvector(q, vfloat) + m;
+        else
+          w = d * __builtin_convertvector(__builtin_convertvector(q, vint) - offset, vfloat);
+        vstore(out + e, w);
+      }
+    }
   }
 }
 
 // Q4_K / Q5_K: 8 sub-blocks of 32, each (d * scale) * q - (dmin * min), 6-bit scales and mins.
-void decode_k45(bool five, const uint8_t* b, float* out) {
+template <bool Five>
+inline void decode_k45(const uint8_t* __restrict b, float* __restrict out) {
   const float d = f16(b), dmin = f16(b + 2);
   const uint8_t* s = b + 4;
   const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + (five ? 48 : 16);
+  const uint8_t* qs = b + (Five ? 48 : 16);
   for (int j = 0; j < 8; ++j) {
     const int sc = j < 4 ? (s[j] & 0x3F) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30));
     const int mn = j < 4 ? (s[j + 4] & 0x3F) : ((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
     const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
     const uint8_t* q = qs + (j / 2) * 32;
     const int shift = (j % 2) * 4;
+    float* o = out + j * 32;
     for (int i = 0; i < 32; ++i) {
-      const int high = five ? ((qh[i] >> j) & 1) << 4 : 0;
-      out[j * 32 + i] = dl * static_cast<float>(((q[i] >> shift) & 0x0F) | high) - ml;
+      int v = (q[i] >> shift) & 0x0F;
+      if constexpr (Five) v |= ((qh[i] >> j) & 1) << 4;
+      o[i] = dl * static_cast<float>(v) - ml;
     }
   }
 }
 
 // Q6_K: 16 sub-blocks of 16, each (d * scale) * (q - 32), q = 4 low bits | 2 high bits.
-void decode_q6_k(const uint8_t* b, float* out) {
+inline void decode_q6_k(const uint8_t* __restrict b, float* __restrict out) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = f16(b + 208);
   for (int half = 0; half < 2; ++half)
-    for (int j = 0; j < 4; ++j)  // 4 runs of 32 per half: low nibbles of ql[0:32], ql[32:64], then high nibbles
-      for (int i = 0; i < 32; ++i) {
-        const int e = half * 128 + j * 32 + i;
-        const int low = (ql[half * 64 + (j % 2) * 32 + i] >> ((j / 2) * 4)) & 0x0F;
-        const int high = (qh[half * 32 + i] >> (2 * j)) & 3;
-        const float dl = d * static_cast<float>(sc[e / 16]);
-        out[e] = dl * static_cast<float>((low | (high << 4)) - 32);
+    for (int j = 0; j < 4; ++j) {  // 4 runs of 32 per half: low nibbles of ql[0:32], ql[32:64], then high nibbles
+      const uint8_t* l = ql + half * 64 + (j % 2) * 32;
+      const uint8_t* h = qh + half * 32;
+      const int lshift = (j / 2) * 4, hshift = 2 * j;
+      const int e = half * 128 + j * 32;
+      for (int part = 0; part < 2; ++part) {
+        const float dl = d * static_cast<float>(sc[e / 16 + part]);
+        for (int i = part * 16; i < part * 16 + 16; ++i) {
+          const int v = ((l[i] >> lshift) & 0x0F) | (((h[i] >> hshift) & 3) << 4);
+          out[e + i] = dl * static_cast<float>(v - 32);
+        }
       }
+    }
+}
+
+template <Format F>
+inline void decode_block(const uint8_t* b, float* out) {
+  if constexpr (F == Format::kQ4_K || F == Format::kQ5_K)
+    decode_k45<F == Format::kQ5_K>(b, out);
+  else if constexpr (F == Format::kQ6_K)
+    decode_q6_k(b, out);
+  else
+    decode_32<F>(b, out);
 }
 
 // `rows` rows of W from row n0 into out [rows][K].
+template <Format F>
 void decode_rows(const FormatInfo& fi, const uint8_t* data, int64_t row_bytes, int64_t n0, int rows, int64_t K,
                  float* out) {
   const int64_t blocks = K / fi.elems;
   for (int r = 0; r < rows; ++r) {
     const uint8_t* row = data + (n0 + r) * row_bytes;
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const uint8_t* b = row + blk * fi.bytes;
-      float* o = out + r * K + blk * fi.elems;
-      if (fi.format == Format::kQ4_K || fi.format == Format::kQ5_K)
-        decode_k45(fi.format == Format::kQ5_K, b, o);
-      else if (fi.format == Format::kQ6_K)
-        decode_q6_k(b, o);
-      else
-        decode_32(fi.format, b, o);
-    }
+    for (int64_t blk = 0; blk < blocks; ++blk) decode_block<F>(row + blk * fi.bytes, out + r * K + blk * fi.elems);
   }
 }
 
@@ -190,7 +222,7 @@ void multiply(const float* w, int rows, const float* x, int64_t K, int64_t m0, i
   }
 }
 
-template <typename T>
+template <Format F, typename T>
 void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, const uint8_t* data, int64_t N,
          T* y) {
   // x as fp32 rows of exactly K (copied where it is bf16 or strided: M x K is small
@@ -217,7 +249,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t n0 = g * kRows;
         const int rows = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-        decode_rows(fi, data, row_bytes, n0, rows, K, w.data());
+        decode_rows<F>(fi, data, row_bytes, n0, rows, K, w.data());
         multiply(w.data(), rows, xs, K, m0, m1, y, N, n0);
       }
     });
@@ -236,11 +268,24 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0 || out_features == 0) return y;
   const uint8_t* d = data.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kFloat)
-    run(x.data_ptr<float>(), x.stride(0), x.size(0), K, fi, d, out_features, y.data_ptr<float>());
-  else
-    run(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0), K, fi, d, out_features,
-        reinterpret_cast<uint16_t*>(y.data_ptr()));
+  const auto go = [&](auto format) {
+    constexpr Format F = decltype(format)::value;
+    if (x.scalar_type() == at::kFloat)
+      run<F>(x.data_ptr<float>(), x.stride(0), x.size(0), K, fi, d, out_features, y.data_ptr<float>());
+    else
+      run<F>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0), K, fi, d, out_features,
+             reinterpret_cast<uint16_t*>(y.data_ptr()));
+  };
+  switch (fi.format) {
+    case Format::kQ8_0: go(std::integral_constant<Format, Format::kQ8_0>{}); break;
+    case Format::kQ4_0: go(std::integral_constant<Format, Format::kQ4_0>{}); break;
+    case Format::kQ4_1: go(std::integral_constant<Format, Format::kQ4_1>{}); break;
+    case Format::kQ5_0: go(std::integral_constant<Format, Format::kQ5_0>{}); break;
+    case Format::kQ5_1: go(std::integral_constant<Format, Format::kQ5_1>{}); break;
+    case Format::kQ4_K: go(std::integral_constant<Format, Format::kQ4_K>{}); break;
+    case Format::kQ5_K: go(std::integral_constant<Format, Format::kQ5_K>{}); break;
+    case Format::kQ6_K: go(std::integral_constant<Format, Format::kQ6_K>{}); break;
+  }
   return y;
 }
 

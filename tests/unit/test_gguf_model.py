@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
 from kernels import cpu_ops
@@ -73,8 +74,11 @@ def test_mixed_formats_and_an_untied_head(tmp_path):
     }
     path = write_tiny_gguf(tmp_path / "mixed.gguf", "Q4_K", seed=7, tied=False, overrides=overrides)
     for eager in (False, True):  # the fused forward (C++ ops where they take the format) and the per-op one
-        worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE,
-                                     enforce_eager=eager))  # fmt: skip
+        with capture_logs() as logs:
+            worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE,
+                                         enforce_eager=eager))  # fmt: skip
+        [started] = [e for e in logs if e["event"] == "worker compute"]
+        assert started["weights"] == "gguf Q4_K+Q6_K+Q8_0"
         assert worker_tokens(worker) == reference_tokens(path)
         assert isinstance(worker.model.layers[0].qkv, Concat)  # q, k in Q4_K; v in Q6_K
         head = worker.model.lm_head

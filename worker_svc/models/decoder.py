@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels import reference
+from kernels.gguf_quant import QuantizedWeight
 from worker_svc.models.gguf import is_gguf, read_gguf
 from worker_svc.models.layers import rms_norm, rope_cos_sin
 from worker_svc.models.linear import Projection, Weight, dense, gated_linear, make_linear, place
@@ -92,6 +93,9 @@ class DecoderModel:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.dtype = embed.dtype
+        # What the linear weights are stored as (the `worker compute` line): the dtype,
+        # or a GGUF file's block formats (set by from_tensors).
+        self.weight_format = str(embed.dtype).removeprefix("torch.")
         self.device = embed.device
         self.inv_freqs = [torch.tensor(f, dtype=torch.float32, device=self.device) for f in spec.rope_inv_freqs]
         self.q_size = spec.num_q_heads * spec.head_dim
@@ -134,6 +138,7 @@ class DecoderModel:
         cpu_linears: bool = False,
     ) -> DecoderModel:
         """`tensors`: tensors, or a GGUF file's quantized blocks (models/linear.py)."""
+        formats = sorted({w.qtype for w in tensors.values() if isinstance(w, QuantizedWeight)})
 
         def take(name: str) -> Weight:
             return place(tensors.pop(name), device, dtype)
@@ -173,7 +178,10 @@ class DecoderModel:
         tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors
         lm_head = embed_weight if tied else take("lm_head.weight")
         lm_head_linear = make_linear([lm_head], cpu_kernel=cpu_linears)
-        return cls(spec, embed, layers, norm("model.norm.weight"), lm_head_linear, ops)
+        model = cls(spec, embed, layers, norm("model.norm.weight"), lm_head_linear, ops)
+        if formats:
+            model.weight_format = "gguf " + "+".join(formats)
+        return model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
