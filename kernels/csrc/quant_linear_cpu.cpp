@@ -117,7 +117,8 @@ inline void decode_32(const uint8_t* __restrict b, float* __restrict out) {
           w = d * __builtin_convertvector(q, vfloat) + m;
         else
           w = d * __builtin_convertvector(__builtin_convertvector(q, vint) - offset, vfloat);
-        vstore(out + e, w);
+        std::memcpy(out + e, &w, sizeof w);  // not cpu_vec.h's vstore: built without this region's
+                                              // options, GCC would call it instead of inlining it
       }
     }
   }
