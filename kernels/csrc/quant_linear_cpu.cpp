@@ -112,11 +112,14 @@ inline void decode_32(const uint8_t* __restrict b, float* __restrict out) {
         const int e = hi * 16 + i;
         vuint q = hi ? u >> 4 : u & 0x0Fu;
         if constexpr (five) q |= ((vuint{} + qh) >> (lane + static_cast<uint32_t>(e)) & 1u) << 4;
+        // Through signed lanes: AVX2 has no unsigned int -> float conversion (GCC would
+        // emulate one), and q < 32 either way.
+        const vfloat qf = __builtin_convertvector(__builtin_convertvector(q, vint) - offset, vfloat);
         vfloat w;
         if constexpr (affine)
-          w = d * __builtin_convertvector(q, vfloat) + m;
+          w = d * qf + m;
         else
-          w = d * __builtin_convertvector(__builtin_convertvector(q, vint) - offset, vfloat);
+          w = d * qf;
         std::memcpy(out + e, &w, sizeof w);  // not cpu_vec.h's vstore: built without this region's
                                               // options, GCC would call it instead of inlining it
       }
