@@ -31,7 +31,12 @@ from kernels.build_cache import Library
 log = structlog.get_logger("kernels.cpu_build")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+SOURCES = (
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "linear_cpu.cpp",
+    CSRC / "elementwise_cpu.cpp",
+    CSRC / "quant_linear_cpu.cpp",
+)
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.
 CFLAGS = (

@@ -240,6 +240,7 @@ class Worker:
             attention_backend=backend.name,
             forward="per-op (eager)" if self.model.ops is reference else f"fused ({backend.name} ops)",
             linears="C++ (packed at load)" if self.cpu_linears else "torch",
+            weights=self.model.weight_format,
         )
         if not eager and graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None

@@ -25,6 +25,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from svc_common.gguf_sidecar import model_files
+
 # Up to this many characters (or ids) a text is handled on the event loop: a
 # thread hop costs more than the work (about 1 us per character or id).
 INLINE_CHARS = 8192
@@ -101,7 +103,8 @@ def _yield_cpu() -> None:
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
-    model_dir = Path(model_dir)
+    """From a model directory, or a GGUF file's extracted files (svc_common/gguf_sidecar.py)."""
+    model_dir = model_files(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: --tokenizer must be a directory with tokenizer.json")

@@ -13,21 +13,25 @@ order are the unfused decoder's: hidden + attn, then the norm.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.gguf_quant import QuantizedWeight
+from worker_svc.models.errors import UnsupportedModel
+from worker_svc.models.gguf import is_gguf, read_gguf
 from worker_svc.models.layers import rms_norm
-from worker_svc.models.linear import Projection
+from worker_svc.models.linear import Projection, Weight, dense, place
 from worker_svc.models.projections import gated_projection, projection, tied_head
 from worker_svc.models.rope import rope_cos_sin
 from worker_svc.models.spec import ModelSpec, load_spec
-from worker_svc.models.weights import CheckpointTensors, Tensors, check_consumed, to_canonical
+from worker_svc.models.weights import CheckpointTensors, Tensors, Weights, check_consumed, to_canonical
 
 
 class Attention(Protocol):
@@ -109,6 +113,9 @@ class DecoderModel:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.dtype = embed.dtype
+        # What the linear weights are stored as (the `worker compute` line): the dtype,
+        # or a GGUF file's block formats (set by from_tensors).
+        self.weight_format = str(embed.dtype).removeprefix("torch.")
         self.device = embed.device
         self.ropes = [
             (table, torch.tensor(table.inv_freq, dtype=torch.float32, device=self.device)) for table in spec.ropes
@@ -131,53 +138,60 @@ class DecoderModel:
         `ops`: the fused element-wise ops (an attention backend's). `cpu_linears`: pack
         the weights for the C++ linear kernels on the CPU (models/linear.py)."""
         spec = load_spec(model_dir)
+        if is_gguf(model_dir):
+            if transform is not None:
+                raise UnsupportedModel("a GGUF model is not split over ranks (tensor parallel): serve it on one worker")
+            weights = read_gguf(model_dir, spec)
+            if "lm_head.weight" not in weights:  # llama.cpp's files leave a tied head out
+                spec = dataclasses.replace(spec, tie_word_embeddings=True)
+            return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears)
         tensors: Tensors = CheckpointTensors.open(Path(model_dir))
         to_canonical(spec, tensors)
         if transform is not None:
             spec, tensors = transform(spec, tensors)
-        return cls.from_tensors(spec, tensors, dtype, device, ops, cpu_linears)
+        return cls.from_tensors(spec, cast(Weights, tensors), dtype, device, ops, cpu_linears)
 
     @classmethod
     def from_tensors(
         cls,
         spec: ModelSpec,
-        tensors: Tensors,
+        tensors: Weights,
         dtype: torch.dtype,
         device: torch.device,
         ops: LayerOps = reference,
         cpu_linears: bool = False,
     ) -> DecoderModel:
-        """The model over `tensors` (Llama's names, to_canonical), each taken once:
-        one left over is an error naming it."""
+        """The model over `tensors` (Llama's names, to_canonical; tensors, or a GGUF
+        file's quantized blocks: models/linear.py), each taken once: one left over is
+        an error naming it."""
+        formats = sorted({w.qtype for w in tensors.values() if isinstance(w, QuantizedWeight)})
 
-        def take(name: str) -> torch.Tensor:
-            return tensors.pop(name).to(device=device, dtype=dtype)
+        def take(name: str) -> Weight:
+            return place(tensors.pop(name), device, dtype)
 
-        def takes(names: list[str], present: bool = True) -> torch.Tensor | None:
-            return torch.cat([take(n) for n in names]) if present else None
+        def bias(names: list[str], present: bool) -> torch.Tensor | None:
+            return torch.cat([dense(take(n), dtype) for n in names]) if present else None
 
         def norm(name: str | None) -> torch.Tensor | None:
             # Norm weights stay fp32: they multiply fp32 activations in rms_norm.
-            return None if name is None else (tensors.pop(name).float() + spec.norm_offset).to(device)
+            return None if name is None else (dense(tensors.pop(name), torch.float32) + spec.norm_offset).to(device)
 
         def linear(prefix: str, names: list[str], biased: bool) -> Projection:
-            weight = takes([prefix + n + ".weight" for n in names])
-            assert weight is not None
-            return projection(weight, takes([prefix + n + ".bias" for n in names], biased), cpu_linears)
+            weights = [take(prefix + n + ".weight") for n in names]
+            return projection(weights, bias([prefix + n + ".bias" for n in names], biased), cpu_linears)
 
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            gate_up = takes([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-            assert gate_up is not None
-            gate_up_bias = takes([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
+            gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
+            gate_up_bias = bias([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
             pre_attn, pre_mlp, post_attn, post_mlp = NORM_NAMES[spec.norms]
             layers.append(
                 LayerWeights(
                     qkv=linear(attn, ["q_proj", "k_proj", "v_proj"], spec.qkv_bias),
                     o=linear(attn, ["o_proj"], spec.o_bias),
-                    gate_up=gated_projection(gate_up, gate_up_bias, spec.activation, cpu_linears),
+                    gate_up=gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears),
                     down=linear(mlp, ["down_proj"], spec.mlp_bias),
                     attn_norm=norm(pre_attn and p + pre_attn + ".weight"),
                     mlp_norm=norm(pre_mlp and p + pre_mlp + ".weight"),
@@ -187,12 +201,16 @@ class DecoderModel:
                     k_norm=norm(attn + "k_norm.weight" if spec.qk_norm else None),
                 )
             )
-        embed = take("model.embed_tokens.weight")
-        lm_head = tied_head(embed, tensors, take) if spec.tie_word_embeddings else take("lm_head.weight")
+        embed_weight = take("model.embed_tokens.weight")
+        # A tied head over quantized blocks multiplies the blocks, not the dequantized table.
+        lm_head = tied_head(embed_weight, tensors, take) if spec.tie_word_embeddings else take("lm_head.weight")
         final_norm = norm("model.norm.weight")
         assert final_norm is not None
         check_consumed(tensors, spec.model_type)
-        return cls(spec, embed, layers, final_norm, projection(lm_head, None, cpu_linears), ops)
+        model = cls(spec, dense(embed_weight, dtype), layers, final_norm, projection([lm_head], None, cpu_linears), ops)
+        if formats:
+            model.weight_format = "gguf " + "+".join(formats)
+        return model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""

@@ -15,16 +15,27 @@ reordered once into oneDNN's blocked format (F.linear would reorder the plain
 [out, in] matrix on every call, which at decode batch sizes costs about as much as
 the multiply); fp32 weights stay plain, as transformers multiplies them; CUDA
 weights stay plain too (cuBLAS needs no reorder).
+
+A GGUF model's weights stay in their quantized blocks (kernels/gguf_quant.py): a
+QuantLinear multiplies them with kernels/csrc/quant_linear_cpu.cpp, which decodes the
+blocks in registers, where it takes the format, and otherwise with the reference
+(dequantize, then multiply: slower, same values). `make_linear` and `gated_linear`
+build whichever a weight needs, so the decoder has one path for both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, quant_cpu_ops
+from kernels.gguf_quant import QuantizedWeight, quant_linear, stack
+
+# A checkpoint's weight: a tensor, or a GGUF file's quantized blocks.
+Weight = torch.Tensor | QuantizedWeight
 
 # The oneDNN reorder is tuned for a batch size; decode batches are tens of rows.
 _PACK_BATCH_HINT = 32
@@ -84,6 +95,17 @@ def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
     return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
 
 
+class Gated:
+    """act(gate) * up over a projection whose output is [gate, up]."""
+
+    def __init__(self, linear: Projection, activation: str):
+        self.linear, self.activation = linear, activation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear(x).chunk(2, dim=-1)
+        return activate(gate, self.activation) * up
+
+
 class GatedLinear:
     """act(x @ gate.T) * (x @ up.T) for weight = [gate; up] [2 x intermediate, in]: the
     fused gate-up projection of a gated MLP and its activation. The C++ kernel
@@ -95,11 +117,71 @@ class GatedLinear:
         self.out_features, self.in_features = weight.shape[0] // 2, weight.shape[1]
         self.fused = cpu_kernel and cpu_kernel_takes(weight)
         self.weight = cpu_ops.pack_linear(weight, gated=True) if self.fused else None
-        self.linear = None if self.fused else Linear(weight)
+        self.gated = None if self.fused else Gated(Linear(weight), activation)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.linear is None:
+        if self.gated is None:
             assert self.weight is not None
             return cpu_ops.linear(x, self.weight, self.out_features, self.in_features, self.activation)
-        gate, up = self.linear(x).chunk(2, dim=-1)
-        return activate(gate, self.activation) * up
+        return self.gated(x)
+
+
+class QuantLinear:
+    """y = x @ W.T for W in GGUF blocks: the C++ kernel where it takes the format here,
+    else the reference (dequantize on every call, then multiply)."""
+
+    def __init__(self, weight: QuantizedWeight, cpu_kernel: bool = False):
+        self.weight = weight
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.kernel = "cpu" if cpu_kernel and quant_cpu_ops.takes(weight) else ""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "cpu":
+            return quant_cpu_ops.quant_linear(x, self.weight)
+        return quant_linear(x, self.weight)
+
+
+class Concat:
+    """Projections side by side, outputs concatenated: a fused projection whose parts
+    cannot share one weight (GGUF blocks of different formats)."""
+
+    def __init__(self, parts: list[Projection]):
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def place(weight: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
+    """A weight on the device: a tensor in the model's dtype, quantized blocks as they are."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.to(device)
+    return weight.to(device=device, dtype=dtype)
+
+
+def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's values as a tensor of `dtype` (quantized blocks dequantized): what the
+    embedding table and the norms are kept as."""
+    values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+    return values.to(dtype)
+
+
+def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False) -> Projection:
+    """The projection by the parts' rows stacked (q, k, v: one matmul): one Linear over
+    tensors, one QuantLinear over blocks of one format, else one per part."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+        return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), cpu_kernel=cpu_kernel)
+    blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
+    stacked = stack(blocks) if len(blocks) == len(parts) else None
+    if stacked is not None:
+        return QuantLinear(stacked, cpu_kernel)
+    return Concat([make_linear([p], cpu_kernel) for p in parts])
+
+
+def gated_linear(gate: Weight, up: Weight, activation: str, cpu_kernel: bool = False) -> Projection:
+    """act(x @ gate.T) * (x @ up.T): GatedLinear over tensors, else the activation after
+    make_linear's projection."""
+    if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor):
+        return GatedLinear(torch.cat([gate, up]), activation, cpu_kernel=cpu_kernel)
+    return Gated(make_linear([gate, up], cpu_kernel), activation)

@@ -5,12 +5,12 @@ mlp_bias) are added after the multiply, as transformers' nn.Linear does."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 
 from worker_svc.models.errors import UnsupportedModel
-from worker_svc.models.linear import GatedLinear, Linear, Projection, activate
+from worker_svc.models.linear import Gated, Projection, Weight, dense, gated_linear, make_linear
 
 
 class Biased:
@@ -24,36 +24,27 @@ class Biased:
         return self.linear(x) + self.bias
 
 
-class BiasedGated:
-    """act(x @ gate.T + b_gate) * (x @ up.T + b_up): the bias comes before the
-    activation, so the fused gated kernel cannot take it."""
-
-    def __init__(self, linear: Projection, activation: str):
-        self.linear = linear
-        self.activation = activation
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(x).chunk(2, dim=-1)
-        return activate(gate, self.activation) * up
-
-
-def projection(weight: torch.Tensor, bias: torch.Tensor | None, cpu_kernel: bool) -> Projection:
-    linear = Linear(weight, cpu_kernel=cpu_kernel)
+def projection(parts: Sequence[Weight], bias: torch.Tensor | None, cpu_kernel: bool) -> Projection:
+    """The parts' rows stacked (q, k, v: one multiply; models/linear.py's factory)."""
+    linear = make_linear(parts, cpu_kernel=cpu_kernel)
     return linear if bias is None else Biased(linear, bias)
 
 
-def gated_projection(weight: torch.Tensor, bias: torch.Tensor | None, activation: str, cpu_kernel: bool) -> Projection:
-    """weight = [gate; up] (and bias likewise)."""
+def gated_projection(
+    gate: Weight, up: Weight, bias: torch.Tensor | None, activation: str, cpu_kernel: bool
+) -> Projection:
+    """act(x @ gate.T + b_gate) * (x @ up.T + b_up), bias = [b_gate; b_up]: the bias
+    comes before the activation, so the fused gated kernel cannot take it."""
     if bias is None:
-        return GatedLinear(weight, activation, cpu_kernel=cpu_kernel)
-    return BiasedGated(projection(weight, bias, cpu_kernel), activation)
+        return gated_linear(gate, up, activation, cpu_kernel=cpu_kernel)
+    return Gated(projection([gate, up], bias, cpu_kernel), activation)
 
 
-def tied_head(
-    embed: torch.Tensor, tensors: MutableMapping[str, torch.Tensor], take: Callable[[str], torch.Tensor]
-) -> torch.Tensor:
+def tied_head(embed: Weight, tensors: MutableMapping[str, Weight], take: Callable[[str], Weight]) -> Weight:
     """The output projection of a model with tie_word_embeddings: the embeddings. A
     checkpoint that also stores lm_head.weight must store the same matrix."""
-    if "lm_head.weight" in tensors and not torch.equal(take("lm_head.weight"), embed):
+    if "lm_head.weight" in tensors and not torch.equal(
+        dense(take("lm_head.weight"), torch.float32), dense(embed, torch.float32)
+    ):
         raise UnsupportedModel("tie_word_embeddings is true but lm_head.weight differs from the embeddings")
     return embed

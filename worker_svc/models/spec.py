@@ -75,17 +75,35 @@ NEUTRAL: dict[str, Any] = {
     "attention_multiplier": None,
     "logits_scaling": 1.0,
     "use_bidirectional_attention": None,
-    "quantization_config": None,
     "use_qk_norm": False,
     "clip_qkv": None,
 }
 
 
-def load_spec(model_dir: str | Path) -> ModelSpec:
+def read_config(model_dir: str | Path) -> PretrainedConfig:
+    """The checkpoint's config: config.json, or a GGUF file's metadata (transformers
+    reads it). A quantization_config is refused by name: none is served (a GGUF
+    file's blocks are, models/gguf.py)."""
+    path = Path(model_dir)
     try:
+        if path.suffix == ".gguf":
+            cfg: PretrainedConfig = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            return cfg
         cfg = AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError) as exc:  # a model_type transformers itself does not know
-        raise UnsupportedModel(f"config.json: {exc}") from exc
+        raise UnsupportedModel(f"{path.name}: {exc}") from exc
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise UnsupportedModel(
+            f"config.json quantization_config (quant_method {str(method)!r}) is not served: "
+            "quantized safetensors checkpoints are refused; GGUF files are served"
+        )
+    return cfg
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    cfg = read_config(model_dir)
     family = family_of(cfg.model_type)
     _refuse_unread(cfg, family)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -161,10 +179,16 @@ def _rope_tables(
 def _eos_ids(model_dir: str | Path, cfg: PretrainedConfig) -> tuple[int, ...]:
     from transformers import GenerationConfig
 
+    if Path(model_dir).suffix == ".gguf":  # no generation config in a GGUF: the metadata's eos
+        return _as_ids(cfg.eos_token_id)
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:
         eos = cfg.eos_token_id
+    return _as_ids(eos)
+
+
+def _as_ids(eos: int | list[int] | None) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -25,6 +25,7 @@ from worker_svc.models.families import family_of
 from worker_svc.models.rope import partial_rotary_permutation
 
 if TYPE_CHECKING:
+    from worker_svc.models.linear import Weight
     from worker_svc.models.spec import ModelSpec
 
 INDEX = "model.safetensors.index.json"
@@ -32,6 +33,8 @@ INDEX = "model.safetensors.index.json"
 DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 Tensors = MutableMapping[str, torch.Tensor]
+# What the decoder takes its weights from: tensors, or a GGUF file's quantized blocks.
+Weights = MutableMapping[str, "Weight"]
 
 
 _DTYPES = {
@@ -125,7 +128,7 @@ class CheckpointTensors(MutableMapping[str, torch.Tensor]):
         return len(self._held) + len(self._entries)
 
 
-def check_consumed(tensors: Tensors, model_type: str) -> None:
+def check_consumed(tensors: Weights, model_type: str) -> None:
     """Every checkpoint tensor was used: a leftover is a weight the model would drop."""
     left = sorted(tensors)
     if left:

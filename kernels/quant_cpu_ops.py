@@ -1,0 +1,30 @@
+"""The C++ CPU kernels over GGUF blocks (kernels/csrc/quant_linear_cpu.cpp), with
+kernels/gguf_quant.py's reference signature: quant_linear(x, weight)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels import cpu_build
+from kernels.gguf_quant import QuantizedWeight
+from kernels.gguf_quant import quant_linear as reference_quant_linear
+
+# The formats the kernel decodes (every one kernels/gguf_quant.py serves).
+CPU_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def takes(weight: QuantizedWeight) -> bool:
+    """Whether the kernel multiplies this weight here (a format it decodes, on the CPU)."""
+    return weight.qtype in CPU_FORMATS and weight.data.device.type == "cpu" and cpu_build.load()
+
+
+def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
+    """x [T, in] @ dequantize(weight).T -> [T, out] in x's dtype: fp32 products of x
+    and the decoded weights, summed in fp32, rounded once to x's dtype."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return reference_quant_linear(x, weight)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y: Tensor = torch.ops.pagedserve_cpu.quant_linear(x, weight.data, weight.qtype, weight.out_features)
+    return y

@@ -1,0 +1,40 @@
+"""A GGUF model's tokenizer, chat template and config as the files a model directory
+has, for the services that read those files and never import torch (the scheduler's
+tokenizer, the gateway's chat template). transformers converts them from the GGUF
+metadata (it imports torch): `python -m tools.prepare_default_model --gguf FILE
+--sidecar` writes them once into a folder keyed by the file's path, size and mtime,
+and prints it; `model_files(path)` finds that folder for `--model FILE.gguf`.
+
+    PAGEDSERVE_GGUF_CACHE   the folders' root (default ~/.cache/pagedserve/gguf)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def sidecar_dir(gguf: str | Path) -> Path:
+    path = Path(gguf).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PAGEDSERVE_GGUF_CACHE", Path.home() / ".cache" / "pagedserve" / "gguf"))
+    return root / f"{path.stem}-{key}"
+
+
+def model_files(path: str | Path) -> Path:
+    """The directory holding tokenizer.json & co. for a model directory or a GGUF file."""
+    if not is_gguf_path(path):
+        return Path(path)
+    folder = sidecar_dir(path)
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{path}: its tokenizer is not extracted yet: run `python -m tools.prepare_default_model "
+            f"--gguf {path} --sidecar` (writes {folder})"
+        )
+    return folder

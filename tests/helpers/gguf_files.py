@@ -1,0 +1,77 @@
+"""Tiny llama GGUF files written with the gguf package's writer: random blocks in a
+chosen format for every linear weight (random bytes are valid blocks; the scales
+are finite, tests/helpers/gguf_blocks.py), fp32 norms, a byte-level vocabulary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from tests.helpers.gguf_blocks import random_block_bytes
+
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 256, 512, 2, 4, 2, 320, 256
+
+
+def write_tiny_gguf(
+    path: Path,
+    qtype: str,
+    seed: int = 0,
+    tied: bool = True,
+    overrides: dict[str, str] | None = None,
+    architecture: str = "llama",
+) -> Path:
+    """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
+    (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have."""
+    overrides = overrides or {}
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(VOCAB)])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def linear(name: str, rows: int, cols: int) -> None:
+        kind = next((t for suffix, t in overrides.items() if name.endswith(suffix)), qtype)
+        if kind == "F32":
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+            return
+        data = random_block_bytes(kind, rows, cols, seed=int(rng.integers(1 << 31)))
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[kind])
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+
+    head_dim = HIDDEN // HEADS
+    linear("token_embd.weight", VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        linear(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
+        linear(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        linear(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        linear(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        linear(f"blk.{i}.ffn_gate.weight", INTERMEDIATE, HIDDEN)
+        linear(f"blk.{i}.ffn_up.weight", INTERMEDIATE, HIDDEN)
+        linear(f"blk.{i}.ffn_down.weight", HIDDEN, INTERMEDIATE)
+    norm("output_norm.weight")
+    if not tied:
+        linear("output.weight", VOCAB, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

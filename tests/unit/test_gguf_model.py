@@ -1,0 +1,126 @@
+"""A GGUF file as the worker's model (issue 38): every served block format, fp32,
+gives transformers' greedy tokens on the same file (transformers dequantizes it with
+the gguf package), through the C++ kernels where they take the format and the
+reference elsewhere; the linear weights stay in the file's blocks; what is not
+served is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+from transformers import AutoModelForCausalLM
+
+from kernels import cpu_ops
+from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
+from tests.helpers.gguf_files import write_tiny_gguf
+from tests.helpers.worker_steps import Seq, sampled, step_input
+from worker_svc.config import WorkerConfig
+from worker_svc.models.linear import Concat, QuantLinear
+from worker_svc.models.spec import load_spec
+from worker_svc.worker import Worker
+
+PROMPT = [5, 17, 99, 3, 250, 42, 8, 77, 130, 19, 61]
+NEW_TOKENS = 8
+BLOCK_SIZE = 16
+
+
+def worker_tokens(worker: Worker) -> list[int]:
+    """Greedy: one prefill step, then one decode step per token."""
+    table = [3, 0]
+
+    def seq(tokens: list[int], start: int) -> Seq:
+        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + len(tokens))]
+        return Seq(0, tokens, start, table, slots, sample=True)
+
+    out: list[int] = []
+    tokens, start = PROMPT, 0
+    for step_id in range(1, NEW_TOKENS + 1):
+        [token] = sampled(worker.step(step_input(step_id, [], [seq(tokens, start)])))
+        out.append(token.token_id)
+        start += len(tokens)
+        tokens = [token.token_id]
+    return out
+
+
+def reference_tokens(path) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    return ids[0, len(PROMPT) :].tolist()
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, seed=len(qtype) + ord(qtype[1]))
+    worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
+    assert worker_tokens(worker) == reference_tokens(path)
+    layer = worker.model.layers[0]
+    assert isinstance(layer.qkv, QuantLinear) and layer.qkv.weight.qtype == qtype
+    assert layer.qkv.kernel == ("cpu" if cpu_ops.available() else "")  # the C++ kernel read the blocks
+    assert isinstance(worker.model.lm_head, QuantLinear)  # tied: the head multiplies the embedding's blocks
+
+
+def test_mixed_formats_and_an_untied_head(tmp_path):
+    """A Q4_K_M-like file: attn_v and ffn_down in Q6_K, the head in Q8_0, one weight plain
+    fp32 (F32 tensors are served too)."""
+    overrides = {
+        "attn_v.weight": "Q6_K",
+        "ffn_down.weight": "Q6_K",
+        "output.weight": "Q8_0",
+        "blk.1.ffn_up.weight": "F32",
+    }
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", "Q4_K", seed=7, tied=False, overrides=overrides)
+    for eager in (False, True):  # the fused forward (C++ ops where they take the format) and the per-op one
+        with capture_logs() as logs:
+            worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE,
+                                         enforce_eager=eager))  # fmt: skip
+        [started] = [e for e in logs if e["event"] == "worker compute"]
+        assert started["weights"] == "gguf Q4_K+Q6_K+Q8_0"
+        assert worker_tokens(worker) == reference_tokens(path)
+        assert isinstance(worker.model.layers[0].qkv, Concat)  # q, k in Q4_K; v in Q6_K
+        head = worker.model.lm_head
+        assert isinstance(head, QuantLinear) and head.weight.qtype == "Q8_0"
+        assert head.kernel == ("" if eager or not cpu_ops.available() else "cpu")
+
+
+def test_linear_weights_stay_in_their_blocks(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q4_0.gguf", "Q4_0", seed=3)
+    worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
+    layer = worker.model.layers[1]
+    for projection in (layer.qkv, layer.o, layer.down):
+        assert isinstance(projection, QuantLinear) and projection.weight.data.dtype == torch.uint8
+    weight: QuantizedWeight = layer.down.weight  # type: ignore[attr-defined]
+    assert weight.nbytes == 256 * 512 // 32 * 18  # [hidden, intermediate] in Q4_0: 18 bytes per 32
+
+
+def test_what_is_not_served_is_refused_by_name(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q2k.gguf", "Q4_0", overrides={"ffn_gate.weight": "Q2_K"})
+    with pytest.raises(ValueError, match=r"blk.0.ffn_gate.weight.*Q2_K"):
+        Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8))
+    other = write_tiny_gguf(tmp_path / "qwen2.gguf", "Q8_0", architecture="qwen2")
+    with pytest.raises(ValueError, match="qwen2"):
+        Worker(WorkerConfig(model=str(other), dtype="float32", num_blocks=8))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+    ],
+    ids=lambda c: c["quant_method"],
+)
+def test_a_quantization_config_is_refused_naming_the_format(tmp_path, config):
+    from tests.helpers.checkpoints import tiny_checkpoint
+
+    source = tiny_checkpoint("llama")
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["quantization_config"] = config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"quantization_config \(quant_method '{config['quant_method']}'\)"):
+        load_spec(tmp_path)

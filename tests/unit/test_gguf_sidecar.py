@@ -1,0 +1,36 @@
+"""--model FILE.gguf for the torch-free services: the GGUF's tokenizer and chat template
+extracted once (tools/prepare_default_model.py --sidecar) are what the scheduler loads
+for the GGUF path, and they tokenize as the checkpoint converted from the same file."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.text.tokenizer import load_tokenizer
+from svc_common.defaults import model_dir_check
+from svc_common.gguf_sidecar import sidecar_dir
+from tests.helpers.checkpoints import DEFAULT_MODEL
+from tools.prepare_default_model import shipped_gguf, write_sidecar
+
+GGUF = shipped_gguf()
+pytestmark = pytest.mark.skipif(
+    not GGUF.is_file() or not (DEFAULT_MODEL / "tokenizer.json").is_file(),
+    reason="needs the shipped GGUF and `make model`",
+)
+
+
+def test_the_scheduler_tokenizes_a_gguf_as_its_converted_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--sidecar"):
+        load_tokenizer(GGUF)  # not extracted yet: the error says how
+    folder = write_sidecar(GGUF)
+    assert folder == sidecar_dir(GGUF) and folder.parent == tmp_path
+    assert (folder / "chat_template.jinja").is_file() or "chat_template" in (
+        folder / "tokenizer_config.json"
+    ).read_text()
+    from_gguf, converted = load_tokenizer(str(GGUF)), load_tokenizer(DEFAULT_MODEL)
+    text = "Hello there! Quantized weights, 1234 tokens: <|im_start|>user\nwhat?<|im_end|>"
+    assert from_gguf.tokenizer.encode(text).ids == converted.tokenizer.encode(text).ids
+    assert from_gguf.eos_token_ids == converted.eos_token_ids and from_gguf.vocab_size == converted.vocab_size
+    assert model_dir_check(str(GGUF), "--model")[0]
+    assert not model_dir_check(str(tmp_path / "missing.gguf"), "--model")[0]

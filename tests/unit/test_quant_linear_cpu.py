@@ -1,0 +1,66 @@
+"""The C++ kernel over GGUF blocks against the torch reference (kernels/gguf_quant.py):
+its decode is the reference's bit for bit (x = the identity returns W.T exactly), and
+its products within fp32 rounding, for every format, fp32 and bf16 activations, and
+row counts from a decode's one to a prefill's chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, quant_cpu_ops
+from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight, quant_linear
+from tests.helpers.gguf_blocks import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels could not be built here")
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_the_kernel_decodes_the_reference_bits(qtype: str):
+    k = 2 * BLOCK_FORMATS[qtype][0]
+    weight = random_blocks(qtype, out_features=7, in_features=k, seed=11)  # 7: a partial group of rows
+    assert quant_cpu_ops.takes(weight)
+    y = quant_cpu_ops.quant_linear(torch.eye(k), weight)
+    assert torch.equal(y, weight.dequantize().T)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 5, 70])  # a decode, a verification chunk, more than one chunk of x rows
+def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
+    k = 2 * BLOCK_FORMATS[qtype][0]
+    weight = random_blocks(qtype, out_features=37, in_features=k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert_within_fp32_sums(quant_cpu_ops.quant_linear(x, weight), x, weight)
+    xb = x.bfloat16()
+    got_bf16 = quant_cpu_ops.quant_linear(xb, weight)
+    assert got_bf16.dtype == torch.bfloat16
+    # fp32 sums of the bf16 inputs, rounded once to bf16: within half a bf16 ulp (2^-9) of them, plus fp32's error
+    assert_within_fp32_sums(got_bf16.float(), xb.float(), weight, rel=2.0**-8)
+
+
+def assert_within_fp32_sums(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, rel: float = 0.0) -> None:
+    """got is x @ W.T up to fp32 summation error: |got - exact| <= 1e-6 * (|x| @ |W|.T) (about
+    16 ulps of the sum of the magnitudes) + rel * |exact|."""
+    dense = weight.dequantize().double()
+    exact = x.double() @ dense.T
+    bound = 1e-6 * (x.double().abs() @ dense.abs().T) + rel * exact.abs()
+    excess = (got.double() - exact).abs() - bound
+    assert excess.max() <= 0, f"{excess.max().item()} beyond the bound"
+
+
+def test_strided_rows_and_empty_batches():
+    weight = random_blocks("Q4_1", out_features=8, in_features=64, seed=1)
+    wide = torch.randn(3, 96)
+    x = wide[:, 16:80]  # rows 96 apart
+    torch.testing.assert_close(quant_cpu_ops.quant_linear(x, weight), quant_linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert quant_cpu_ops.quant_linear(torch.empty(0, 64), weight).shape == (0, 8)
+
+
+def test_wrong_shapes_are_refused():
+    weight = random_blocks("Q8_0", out_features=4, in_features=64, seed=2)
+    with pytest.raises(RuntimeError, match="data must be uint8"):
+        torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 64), weight.data, "Q8_0", 5)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 48), weight.data, "Q8_0", 4)
+    with pytest.raises(RuntimeError, match="IQ4_NL is not decoded"):
+        torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 64), weight.data, "IQ4_NL", 4)
