@@ -27,7 +27,9 @@ README = REPO / "README.md"
 SKIPPED = {
     "make serve": "starts the cluster the other blocks run against: its launcher runs here, on free ports",
     "make test": "runs the whole suite, this test included",
-    "make serve MODEL=/path/to/checkpoint": "names a checkpoint of the user's; the same launcher serves the default model here",
+    "make serve MODEL=/path/to/checkpoint": (
+        "names a checkpoint of the user's; the same launcher serves the default model here"
+    ),
 }
 # The addresses the README's commands use (make serve's defaults) -> the services that stand for them.
 README_ADDRESSES = {"127.0.0.1:50051": "scheduler", "127.0.0.1:8000": "gateway"}
