@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 import grpc
 import structlog
@@ -24,12 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert, structured
+from gateway_svc.auth import forwarded_key
+from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
 from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
-from gateway_svc.limits import BodyLimit
+from gateway_svc.limits import EdgeGuard
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.openapi import (
@@ -47,6 +48,8 @@ log = structlog.get_logger("gateway")
 # Tell proxies not to buffer the event stream (each chunk must reach the client now).
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+# Module globals: the routes' annotations name them (a string annotation sees no locals).
+COMPLETION_BODY, CHAT_BODY = JsonBody(CompletionRequest), JsonBody(ChatCompletionRequest)
 
 
 def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
@@ -55,7 +58,6 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
-    require_key = _key_checker(config.api_key)
     served = _model_checker(config.model_id)
     parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
     live = LiveGenerations()
@@ -63,16 +65,18 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
     window = config.max_parallel_per_request
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=COMPLETION_BODY.openapi_extra)
+    async def completions(body: Annotated[CompletionRequest, Depends(COMPLETION_BODY)], request: Request) -> Response:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
         constraint, field = structured.constraint_fields(body, parsers)
-        samples = convert.completion_samples(body, shape.id, rules, _forwarded_key(request), constraint)
+        samples = convert.completion_samples(body, shape.id, rules, forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, window, field)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES, openapi_extra=CHAT_BODY.openapi_extra)
+    async def chat_completions(
+        body: Annotated[ChatCompletionRequest, Depends(CHAT_BODY)], request: Request
+    ) -> Response:
         served(body.model)
         mode = body.tool_mode
         tools = [t.for_template() for t in body.tools or []] if mode != "none" else None
@@ -80,18 +84,18 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         constraint, field = structured.constraint_fields(body, parsers, prompt)
         reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
         shape = ResponseShape("chat", config.model_id, reading)
-        samples = convert.chat_samples(body, prompt, shape.id, rules, _forwarded_key(request), constraint)
+        samples = convert.chat_samples(body, prompt, shape.id, rules, forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, window, field)
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        return card | await max_model_len(client, _forwarded_key(request))
+        return card | await max_model_len(client, forwarded_key(request))
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": [await model_card(request)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         if model_id != config.model_id:
             raise convert.model_not_found(model_id)
@@ -104,24 +108,34 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
-    app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
-    # An oversized body is refused before anything reads it (413), inside the metrics' count.
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.include_router(tokenize_router(client, template, forwarded_key, served))
+    # The caller's key, the body's size and pace are checked before anything reads or parses
+    # the body (401, 413, 408), inside the metrics' count.
+    app.add_middleware(
+        EdgeGuard,
+        api_key=config.api_key,
+        max_bytes=config.max_request_bytes,
+        body_timeout_s=config.body_timeout_s,
+        body_min_rate=config.body_min_rate,
+    )
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
     publish_openapi(app)
     return app
 
 
-# Messages longer than this (characters, all of them) are rendered in a worker thread:
-# the template's Python code then shares the GIL in slices instead of holding the loop.
+# Messages longer than this (characters, all of them), or more of them than this, are
+# rendered in a worker thread: the template's Python code then shares the GIL in slices
+# instead of holding the loop. Both count: 150,000 empty messages are seconds of template.
 RENDER_INLINE_CHARS = 65_536
+RENDER_INLINE_MESSAGES = 256
 
 
 async def _render_chat(
     template: ChatTemplate | None, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
 ) -> str:
-    if sum(len(m.content or "") for m in body.messages) <= RENDER_INLINE_CHARS:
+    small = len(body.messages) <= RENDER_INLINE_MESSAGES
+    if small and sum(len(m.content or "") for m in body.messages) <= RENDER_INLINE_CHARS:
         return convert.chat_prompt(template, body.messages, body, tools)
     return await asyncio.to_thread(convert.chat_prompt, template, body.messages, body, tools)
 
@@ -134,44 +148,6 @@ def _model_checker(model_id: str) -> Callable[[str | None], None]:
             raise convert.model_not_found(model)
 
     return served
-
-
-# ---------------------------------------------------------------- auth
-
-
-def _bearer_key(request: Request) -> str | None:
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return None
-    return key.strip()
-
-
-def _key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread
-    # hand-off (and GIL round trip) on every request for a string compare.
-    async def require_key(request: Request) -> None:
-        if not api_key:
-            return
-        given = _bearer_key(request) or ""
-        # Constant-time compare: the key must not leak through response timing.
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise OpenAIError(
-                401,
-                "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                "authentication_error",
-                None,
-                "invalid_api_key",
-            )
-
-    return require_key
-
-
-def _forwarded_key(request: Request) -> str | None:
-    """The caller's key, passed on so that a scheduler which wants one can check it."""
-    key = _bearer_key(request)
-    if key is not None and not (key.isascii() and key.isprintable()):
-        raise OpenAIError(401, "API key must be printable ASCII", "authentication_error", None, "invalid_api_key")
-    return key
 
 
 # ---------------------------------------------------------------- generation
@@ -189,7 +165,7 @@ async def _generate(
 ) -> Response:
     """`constraint_field`: the request field a structured-output constraint came from, named
     when the scheduler refuses the constraint."""
-    generation = Generation(client, samples, _forwarded_key(request), window)
+    generation = Generation(client, samples, forwarded_key(request), window)
     live.add(generation)
     try:
         if body.stream:

@@ -140,12 +140,40 @@ class GatewayConfig:
             "Content-Length) or as soon as that many bytes arrived"
         },
     )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a request's head (its line and headers) must arrive within this many seconds of the connection "
+            "opening (or of its first byte, on a kept-alive connection); else the connection is closed"
+        },
+    )
+    body_timeout_s: float = field(
+        default=15.0,
+        metadata={
+            "help": "a request body must keep arriving: each window of this many seconds must bring "
+            "--body-min-rate x the window in bytes (or the rest of the body), else the request is cut with 408 "
+            "and its buffer freed"
+        },
+    )
+    body_min_rate: int = field(
+        default=8192,
+        metadata={"help": "the slowest a request body may arrive, in bytes per second (see --body-timeout-s)"},
+    )
+    max_connections: int = field(
+        default=2048,
+        metadata={
+            "help": "open HTTP connections (or requests in flight) at most: a request beyond them is answered 503 "
+            "at once (uvicorn's limit_concurrency)"
+        },
+    )
     cache_salt_from_api_key: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "give each caller's API key its own prefix cache: the request's cache salt is derived from the key "
             "(and its own cache_salt, if any), so callers with different keys never share cached blocks, and "
-            "usage.prompt_tokens_details.cached_tokens counts only their own"
+            "usage.prompt_tokens_details.cached_tokens counts only their own (a side channel on other tenants' "
+            "prompts otherwise). On by default; --no-cache-salt-from-api-key shares the cache across keys. "
+            "Callers without a key are unaffected"
         },
     )
     scheduler_tls_ca: str = field(
@@ -205,6 +233,10 @@ class GatewayConfig:
             (self.max_prompts >= 1, "--max-prompts", ">= 1"),
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
+            (self.header_timeout_s > 0, "--header-timeout-s", "> 0"),
+            (self.body_timeout_s > 0, "--body-timeout-s", "> 0"),
+            (self.body_min_rate >= 0, "--body-min-rate", ">= 0"),
+            (self.max_connections >= 1, "--max-connections", ">= 1"),
             pair_check(self.scheduler_tls_cert, self.scheduler_tls_key, "--scheduler-tls-cert", "--scheduler-tls-key"),
             (
                 not self.scheduler_tls_cert or bool(self.scheduler_tls_ca),

@@ -71,7 +71,7 @@ class RequestRules:
 
     max_n: int = 16
     max_prompts: int = 1024  # prompts of one /v1/completions batch
-    cache_salt_from_api_key: bool = False  # each API key its own prefix cache (tenant_salt)
+    cache_salt_from_api_key: bool = True  # each API key its own prefix cache (tenant_salt)
 
 
 def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:
