@@ -29,7 +29,7 @@ from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
-from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
+from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown, SlowReader
 from gateway_svc.limits import EdgeGuard
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -63,7 +63,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
     rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
-    window = config.max_parallel_per_request
+    bounds = config.max_parallel_per_request, config.max_stream_buffer_bytes
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=COMPLETION_BODY.openapi_extra)
     async def completions(body: Annotated[CompletionRequest, Depends(COMPLETION_BODY)], request: Request) -> Response:
@@ -71,7 +71,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         shape = ResponseShape("completion", config.model_id)
         constraint, field = structured.constraint_fields(body, parsers)
         samples = convert.completion_samples(body, shape.id, rules, forwarded_key(request), constraint)
-        return await _generate(client, live, request, body, shape, samples, window, field)
+        return await _generate(client, live, request, body, shape, samples, bounds, field)
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES, openapi_extra=CHAT_BODY.openapi_extra)
     async def chat_completions(
@@ -85,7 +85,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
         shape = ResponseShape("chat", config.model_id, reading)
         samples = convert.chat_samples(body, prompt, shape.id, rules, forwarded_key(request), constraint)
-        return await _generate(client, live, request, body, shape, samples, window, field)
+        return await _generate(client, live, request, body, shape, samples, bounds, field)
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
@@ -160,12 +160,13 @@ async def _generate(
     body: SamplingFields,
     shape: ResponseShape,
     samples: list[Sample],
-    window: int,
+    bounds: tuple[int, int],
     constraint_field: str | None = None,
 ) -> Response:
-    """`constraint_field`: the request field a structured-output constraint came from, named
-    when the scheduler refuses the constraint."""
-    generation = Generation(client, samples, forwarded_key(request), window)
+    """`bounds`: the calls at once and the unread bytes at most (--max-parallel-per-request,
+    --max-stream-buffer-bytes); `constraint_field`: the request field a structured-output
+    constraint came from, named when the scheduler refuses the constraint."""
+    generation = Generation(client, samples, forwarded_key(request), *bounds)
     live.add(generation)
     try:
         if body.stream:
@@ -261,6 +262,9 @@ async def _sse(
         return
     except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
         yield _sse_event(convert.shutting_down(str(exc)).body())
+    except SlowReader as exc:  # its calls are cancelled already; this event is all it still gets
+        log.info("slow reader cut", error=str(exc))
+        yield _sse_event(convert.slow_reader(str(exc)).body())
     except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
         log.exception("stream failed", error=repr(exc))
         yield _sse_event(convert.error_body("internal error", "internal_error"))
@@ -292,6 +296,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ShuttingDown)
     async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
         return _error_response(convert.shutting_down(str(err)))
+
+    @app.exception_handler(SlowReader)
+    async def slow_reader(_: Request, err: SlowReader) -> JSONResponse:
+        return _error_response(convert.slow_reader(str(err)))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:

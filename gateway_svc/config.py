@@ -133,6 +133,14 @@ class GatewayConfig:
             "behind all of it"
         },
     )
+    max_stream_buffer_bytes: int = field(
+        default=4 * 2**20,
+        metadata={
+            "help": "output of one request waiting for its client to read it, in bytes (serving.v1 messages) at most: "
+            "a client that reads slower than its answer is generated is cut there, its stream ending with an "
+            "error event (code stream_buffer_full), its generation stopped"
+        },
+    )
     max_request_bytes: int = field(
         default=8 * 2**20,
         metadata={
@@ -233,6 +241,7 @@ class GatewayConfig:
             (self.max_prompts >= 1, "--max-prompts", ">= 1"),
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
+            (self.max_stream_buffer_bytes >= 65536, "--max-stream-buffer-bytes", ">= 65536"),
             (self.header_timeout_s > 0, "--header-timeout-s", "> 0"),
             (self.body_timeout_s > 0, "--body-timeout-s", "> 0"),
             (self.body_min_rate >= 0, "--body-min-rate", ">= 0"),

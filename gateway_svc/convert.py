@@ -54,6 +54,10 @@ def shutting_down(why: str) -> OpenAIError:
     return OpenAIError(503, why, "service_unavailable_error", None, "shutting_down")
 
 
+def slow_reader(why: str) -> OpenAIError:
+    return OpenAIError(503, why, "service_unavailable_error", None, "stream_buffer_full")
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
@@ -481,8 +485,22 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 
+# serving.v1 fields the scheduler names (its refusals read "FIELD: why") under another
+# OpenAI name; the others the requests share (max_tokens, stop, ...) keep theirs.
+_OPENAI_PARAM = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs", "token_ids": "tokens"}
+_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields) | {"tokens"}
+
+
+def refused_param(details: str) -> str | None:
+    """The request field a scheduler's refusal names, as the OpenAI request calls it."""
+    field = details.split(":", 1)[0] if ":" in details else ""
+    param = _OPENAI_PARAM.get(field, field)
+    return param if param in _REQUEST_FIELDS else None
+
+
 def grpc_error(code: grpc.StatusCode, details: str | None) -> OpenAIError:
     status, type_ = _GRPC_TO_HTTP.get(code, (500, "internal_error"))
     # The scheduler's messages are written for clients (never a stack trace): pass them on.
     message = details or f"scheduler returned {code.name}"
-    return OpenAIError(status, message, type_, None, code.name.lower())
+    param = refused_param(message) if status == 400 else None
+    return OpenAIError(status, message, type_, param, code.name.lower())

@@ -9,10 +9,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from gateway_svc.bodies import JsonBody, body_schemas
+from gateway_svc.bodies import body_schemas
 
 GATEWAY_VERSION = "0.1.0"
 
@@ -70,7 +69,7 @@ def publish_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(body_schemas(_json_bodies(app)))
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(body_schemas())
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
@@ -80,9 +79,3 @@ def publish_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-def _json_bodies(app: FastAPI) -> list[JsonBody[Any]]:
-    routes = [route for route in app.routes if isinstance(route, APIRoute)]
-    calls = [dependency.call for route in routes for dependency in route.dependant.dependencies]
-    return [call for call in calls if isinstance(call, JsonBody)]

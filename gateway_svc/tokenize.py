@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import grpc
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
@@ -32,6 +32,17 @@ ModelCheck = Callable[[str | None], None]
 
 
 class TokenizeRequest(ChatRendering):
+    # The published schema says what _text checks: exactly one of a non-empty prompt or messages.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string", "minLength": 1}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}}},
+            ]
+        },
+    )
+
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
