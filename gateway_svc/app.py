@@ -62,7 +62,9 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
-    rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
+    rules = convert.RequestRules(
+        config.max_n, config.max_prompts, config.cache_salt_from_api_key, config.default_max_tokens
+    )
     bounds = config.max_parallel_per_request, config.max_stream_buffer_bytes
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=COMPLETION_BODY.openapi_extra)

@@ -133,6 +133,14 @@ class GatewayConfig:
             "behind all of it"
         },
     )
+    default_max_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "a chat request that sets no max_tokens / max_completion_tokens generates at most this many "
+            "tokens (still within the context, and within the scheduler's own --default-max-tokens); 0 = up to "
+            "the context, as OpenAI's API. /v1/completions without max_tokens sends OpenAI's 16"
+        },
+    )
     max_stream_buffer_bytes: int = field(
         default=4 * 2**20,
         metadata={
@@ -242,6 +250,7 @@ class GatewayConfig:
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
             (self.max_stream_buffer_bytes >= 65536, "--max-stream-buffer-bytes", ">= 65536"),
+            (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
             (self.header_timeout_s > 0, "--header-timeout-s", "> 0"),
             (self.body_timeout_s > 0, "--body-timeout-s", "> 0"),
             (self.body_min_rate >= 0, "--body-min-rate", ">= 0"),

@@ -76,6 +76,7 @@ class RequestRules:
     max_n: int = 16
     max_prompts: int = 1024  # prompts of one /v1/completions batch
     cache_salt_from_api_key: bool = True  # each API key its own prefix cache (tenant_salt)
+    chat_default_max_tokens: int = 0  # a chat's output when it sets no limit, at most (0: up to the context)
 
 
 def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:
@@ -167,12 +168,14 @@ def chat_samples(
     constraint: dict[str, Any] | None = None,
 ) -> list[Sample]:
     """Without max_tokens / max_completion_tokens the answer may run up to the
-    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does;
-    the operator caps that with the scheduler's --default-max-tokens."""
+    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does,
+    within the gateway's --default-max-tokens (and the scheduler's) when set."""
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    prompts = [{"prompt": _utf8_prompt(prompt)}]
+    prompts: list[dict[str, Any]] = [{"prompt": _utf8_prompt(prompt)}]
+    if body.output_limit is None and rules.chat_default_max_tokens:
+        prompts[0]["default_max_tokens"] = rules.chat_default_max_tokens
     samples = _samples(prompts, body, body.output_limit, response_id, rules, logprobs, api_key, constraint)
     return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 

@@ -34,6 +34,7 @@ TIMEOUT_S = 2.0  # the gateways' --header-timeout-s and --body-timeout-s here
 MAX_CONNECTIONS = 64
 STREAM_BUFFER = 65536
 MB = 2**20
+CHAT_DEFAULT = 5  # the keyed gateway's --default-max-tokens
 EDGE_ARGS = [
     *("--header-timeout-s", str(TIMEOUT_S), "--body-timeout-s", str(TIMEOUT_S), "--body-min-rate", "65536"),
     *("--max-connections", str(MAX_CONNECTIONS), "--max-stream-buffer-bytes", str(STREAM_BUFFER)),
@@ -57,10 +58,14 @@ def cell(tmp_path_factory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def keyed_gateway(cell: Cluster) -> Iterator[str]:
-    """A second gateway, with its own --api-key (KEY_A, which the scheduler takes too)."""
+    """A second gateway, with its own --api-key (KEY_A, which the scheduler takes too) and a
+    small --default-max-tokens."""
     gateway = ServiceProcess(
         "gateway_svc",
-        ["--scheduler", cell.address, "--model-dir", str(cell.model_dir), "--api-key", KEY_A, *EDGE_ARGS],
+        [
+            *("--scheduler", cell.address, "--model-dir", str(cell.model_dir), "--api-key", KEY_A),
+            *("--default-max-tokens", str(CHAT_DEFAULT), *EDGE_ARGS),
+        ],
     )
     with gateway:
         yield f"http://{gateway.address}"
@@ -276,3 +281,13 @@ def test_a_client_that_does_not_read_its_stream_is_cut_and_its_blocks_freed(cell
     assert error["code"] == "stream_buffer_full" and "--max-stream-buffer-bytes" in error["message"], error
     tokens = sum(len(json.loads(e)["choices"][0]["logprobs"]["tokens"]) for e in events[:-2] if '"choices"' in e)
     assert tokens < 16 * 480, "the whole answer was buffered for a client that read none of it"
+
+
+def test_a_chat_without_a_limit_stops_at_the_gateways_default(keyed_gateway):
+    """On dd5cf58 it ran to the whole context (here 512 tokens of the tiny model)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    reply = httpx.post(f"{keyed_gateway}/v1/chat/completions", json=body, headers=headers, timeout=WAIT_S)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == CHAT_DEFAULT
+    assert reply.json()["choices"][0]["finish_reason"] == "length"

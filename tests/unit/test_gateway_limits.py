@@ -159,3 +159,21 @@ def test_the_published_schema_refuses_what_the_routes_refuse(fake_scheduler, mod
             reply = http.post(route, json=body)
             # Refused with 400 exactly when the schema refuses it (the fake scheduler does not tokenize).
             assert (reply.status_code != 400) is valid, (route, body, reply.text)
+
+
+def test_a_chat_without_a_limit_is_capped_by_the_gateways_default(fake_scheduler, model_dir):
+    """Issue 35 item 9: a chat request without max_tokens ran to the whole context."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with gateway(fake_scheduler, model_dir, default_max_tokens=7) as url, httpx.Client(base_url=url) as http:
+        for body in (chat, {**chat, "max_tokens": 3}, {**chat, "max_completion_tokens": 2}):
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    unset, max_tokens, max_completion, completion = fake_scheduler.requests
+    assert unset.default_max_tokens == 7 and not unset.HasField("max_tokens")
+    assert max_tokens.max_tokens == 3 and not max_tokens.HasField("default_max_tokens")
+    assert max_completion.max_tokens == 2 and not max_completion.HasField("default_max_tokens")
+    assert completion.max_tokens == 16 and not completion.HasField("default_max_tokens")  # OpenAI's 16 there
+    fake_scheduler.reset()
+    with gateway(fake_scheduler, model_dir, default_max_tokens=0) as url, httpx.Client(base_url=url) as http:
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert not fake_scheduler.requests[0].HasField("default_max_tokens")  # 0: up to the context
