@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Annotated, Any
 
 import grpc
@@ -41,6 +42,7 @@ from gateway_svc.openapi import (
     publish_openapi,
 )
 from gateway_svc.scheduler_client import Scheduler
+from gateway_svc.tenancy import Tenancy
 from gateway_svc.tokenize import max_model_len, tokenize_router
 
 log = structlog.get_logger("gateway")
@@ -62,9 +64,8 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     parsers = structured.Parsers.load(config.tool_call_parser, config.reasoning_parser, config.model_dir)
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
-    rules = convert.RequestRules(
-        config.max_n, config.max_prompts, config.cache_salt_from_api_key, config.default_max_tokens
-    )
+    rules = convert.RequestRules(config.max_n, config.max_prompts, chat_default_max_tokens=config.default_max_tokens)
+    tenancy = Tenancy(client, config.tenant_salt_forced, bool(config.api_key))
     bounds = config.max_parallel_per_request, config.max_stream_buffer_bytes
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=COMPLETION_BODY.openapi_extra)
@@ -72,7 +73,8 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
         constraint, field = structured.constraint_fields(body, parsers)
-        samples = convert.completion_samples(body, shape.id, rules, forwarded_key(request), constraint)
+        salted = replace(rules, cache_salt_from_api_key=await tenancy.isolates())
+        samples = convert.completion_samples(body, shape.id, salted, forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, bounds, field)
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES, openapi_extra=CHAT_BODY.openapi_extra)
@@ -86,7 +88,8 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         constraint, field = structured.constraint_fields(body, parsers, prompt)
         reading = ChatOutput(parsers.reasoning, parsers.tool if mode != "none" else None, named=mode == "named")
         shape = ResponseShape("chat", config.model_id, reading)
-        samples = convert.chat_samples(body, prompt, shape.id, rules, forwarded_key(request), constraint)
+        salted = replace(rules, cache_salt_from_api_key=await tenancy.isolates())
+        samples = convert.chat_samples(body, prompt, shape.id, salted, forwarded_key(request), constraint)
         return await _generate(client, live, request, body, shape, samples, bounds, field)
 
     async def model_card(request: Request) -> dict[str, Any]:

@@ -183,13 +183,19 @@ class GatewayConfig:
         },
     )
     cache_salt_from_api_key: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "give each caller's API key its own prefix cache: the request's cache salt is derived from the key "
-            "(and its own cache_salt, if any), so callers with different keys never share cached blocks, and "
-            "usage.prompt_tokens_details.cached_tokens counts only their own (a side channel on other tenants' "
-            "prompts otherwise). On by default; --no-cache-salt-from-api-key shares the cache across keys. "
-            "Callers without a key are unaffected"
+            "help": "always give each caller's API key its own prefix cache (the request's cache salt is derived from "
+            "the key, and its own cache_salt after it). Without this flag or --share-prefix-cache-across-keys the "
+            "gateway does so whenever keys are in force (its --api-key, or the scheduler's --api-keys), so that "
+            "cached_tokens and latency never tell a caller about another tenant's prompts"
+        },
+    )
+    share_prefix_cache_across_keys: bool = field(
+        default=False,
+        metadata={
+            "help": "let callers with different API keys share cached prompt blocks even where keys are in force "
+            "(the operator's explicit choice: cached_tokens then says whether another tenant sent a prompt)"
         },
     )
     scheduler_tls_ca: str = field(
@@ -204,6 +210,13 @@ class GatewayConfig:
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+
+    @property
+    def tenant_salt_forced(self) -> bool | None:
+        """True / False when a flag decides whether keys share the prefix cache; None: the keys in force do."""
+        if self.cache_salt_from_api_key:
+            return True
+        return False if self.share_prefix_cache_across_keys else None
 
     @property
     def model_id(self) -> str:
@@ -251,6 +264,11 @@ class GatewayConfig:
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
             (self.max_stream_buffer_bytes >= 65536, "--max-stream-buffer-bytes", ">= 65536"),
             (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
+            (
+                not (self.cache_salt_from_api_key and self.share_prefix_cache_across_keys),
+                "--share-prefix-cache-across-keys",
+                "left out with --cache-salt-from-api-key",
+            ),
             (self.header_timeout_s > 0, "--header-timeout-s", "> 0"),
             (self.body_timeout_s > 0, "--body-timeout-s", "> 0"),
             (self.body_min_rate >= 0, "--body-min-rate", ">= 0"),

@@ -75,7 +75,7 @@ class RequestRules:
 
     max_n: int = 16
     max_prompts: int = 1024  # prompts of one /v1/completions batch
-    cache_salt_from_api_key: bool = True  # each API key its own prefix cache (tenant_salt)
+    cache_salt_from_api_key: bool = False  # each API key its own prefix cache (tenant_salt)
     chat_default_max_tokens: int = 0  # a chat's output when it sets no limit, at most (0: up to the context)
 
 

@@ -108,7 +108,7 @@ class GatewayServer:
             model=self.config.model_id,
             api_key=bool(self.config.api_key),
             scheduler_tls=bool(self.config.scheduler_tls_ca),
-            cache_salt_from_api_key=self.config.cache_salt_from_api_key,
+            tenant_salt=self.config.tenant_salt_forced,
         )
         self.ready.set()
 

@@ -206,8 +206,9 @@ def cached_tokens(url: str, key: str, ids: list[int]) -> int:
 
 
 def test_api_keys_do_not_share_the_prefix_cache_by_default(cell):
-    """The gateway runs without --cache-salt-from-api-key: on dd5cf58 key B resending key
-    A's prompt was served from A's cached blocks (cached_tokens 976-992 of 1,000)."""
+    """The gateway runs without --cache-salt-from-api-key, the scheduler with --api-keys-file:
+    on dd5cf58 key B resending key A's prompt was served from A's cached blocks
+    (cached_tokens 976-992 of 1,000)."""
     ids = prompt(35)
     assert cached_tokens(cell.gateway_url, KEY_A, ids) == 0
     assert cached_tokens(cell.gateway_url, KEY_B, ids) == 0

@@ -72,9 +72,9 @@ def test_priority_is_passed_on(fake_scheduler, model_dir):
     assert [r.priority for r in fake_scheduler.requests] == [-3, 0]
 
 
-def test_the_cache_salt_comes_from_the_callers_key_by_default(fake_scheduler, model_dir):
+def test_the_cache_salt_comes_from_the_callers_key(fake_scheduler, model_dir):
     with (
-        gateway(fake_scheduler, model_dir) as url,
+        gateway(fake_scheduler, model_dir, cache_salt_from_api_key=True) as url,
         httpx.Client(base_url=url, timeout=WAIT_S) as http,
     ):
         for key, salt in (("key-a", None), ("key-a", "s"), ("key-b", "s"), (None, "s")):
@@ -89,17 +89,23 @@ def test_the_cache_salt_comes_from_the_callers_key_by_default(fake_scheduler, mo
     assert not tenant_salt("key-a", "x").startswith(tenant_salt("key-b", None) + "/")
 
 
-def test_sharing_the_cache_across_keys_is_an_explicit_choice(fake_scheduler, model_dir):
-    with (
-        gateway(fake_scheduler, model_dir, cache_salt_from_api_key=False) as url,
-        httpx.Client(base_url=url, timeout=WAIT_S) as http,
-    ):
-        for key in ("key-a", "key-b"):
-            body = {"prompt": "x", "cache_salt": "s"}
-            assert (
-                http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
-            )
-    assert [r.cache_salt for r in fake_scheduler.requests] == ["s", "s"]
+@pytest.mark.parametrize(
+    ("required_key", "config", "salted"),
+    [
+        ("key-a", {}, True),  # keys in force at the scheduler: salted by default (issue 35 item 3)
+        (None, {"api_key": "key-a"}, True),  # the gateway's own key
+        (None, {}, False),  # no keys anywhere: one tenant, whatever key the client sends
+        ("key-a", {"share_prefix_cache_across_keys": True}, False),  # the operator's explicit choice
+    ],
+)
+def test_keys_in_force_give_each_key_its_own_cache_by_default(fake_scheduler, model_dir, required_key, config, salted):
+    fake_scheduler.required_key = required_key
+    with gateway(fake_scheduler, model_dir, **config) as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        body = {"prompt": "x", "cache_salt": "s"}
+        reply = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-a"})
+        assert reply.status_code == 200, reply.text
+    [request] = fake_scheduler.requests
+    assert request.cache_salt == (tenant_salt("key-a", "s") if salted else "s")
 
 
 def nested_schema(levels: int) -> str:
