@@ -40,8 +40,9 @@ class Prober:
     def _read(self) -> None:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
-            when, wait = map(float, line.split())
-            self.waits.append((when, wait))
+            fields = line.split()
+            if len(fields) == 2:  # a line cut short when the probe is killed is no measurement
+                self.waits.append((float(fields[0]), float(fields[1])))
 
     def longest_wait(self, start: float, end: float) -> float:
         waits = [wait for when, wait in self.waits if start <= when <= end]
