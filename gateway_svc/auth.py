@@ -14,19 +14,18 @@ from gateway_svc.convert import OpenAIError
 UNAUTHORIZED = 401
 
 
-def _bearer(authorization: str) -> str | None:
+def _caller_key(authorization: str, x_api_key: str) -> str | None:
+    """'Authorization: Bearer KEY', or 'x-api-key: KEY' as Anthropic's clients send it."""
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        return None
+        return x_api_key.strip() or None
     return key.strip()
 
 
 def scope_key(scope: Scope) -> str | None:
-    """The Bearer key of a request that has not been read yet (the ASGI scope's headers)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            return _bearer(value.decode("latin-1"))
-    return None
+    """The caller's key of a request that has not been read yet (the ASGI scope's headers)."""
+    headers = {name: value.decode("latin-1") for name, value in scope.get("headers", ())}
+    return _caller_key(headers.get(b"authorization", ""), headers.get(b"x-api-key", ""))
 
 
 def key_matches(given: str | None, api_key: str) -> bool:
@@ -37,7 +36,7 @@ def key_matches(given: str | None, api_key: str) -> bool:
 def invalid_key() -> OpenAIError:
     return OpenAIError(
         UNAUTHORIZED,
-        "missing or invalid API key (send 'Authorization: Bearer KEY')",
+        "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
         "authentication_error",
         None,
         "invalid_api_key",
@@ -46,7 +45,7 @@ def invalid_key() -> OpenAIError:
 
 def forwarded_key(request: Request) -> str | None:
     """The caller's key, passed on so that a scheduler which wants one can check it."""
-    key = _bearer(request.headers.get("authorization", ""))
+    key = _caller_key(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""))
     if key is not None and not (key.isascii() and key.isprintable()):
         raise OpenAIError(401, "API key must be printable ASCII", "authentication_error", None, "invalid_api_key")
     return key

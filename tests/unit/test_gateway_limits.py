@@ -183,3 +183,16 @@ def test_a_chat_without_a_limit_is_capped_by_the_gateways_default(fake_scheduler
     with gateway(fake_scheduler, model_dir, default_max_tokens=0) as url, httpx.Client(base_url=url) as http:
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
     assert not fake_scheduler.requests[0].HasField("default_max_tokens")  # 0: up to the context
+
+
+def test_the_key_is_checked_from_the_head_as_bearer_or_x_api_key(fake_scheduler, model_dir):
+    """The edge guard answers 401 before reading a body (issue 35 item 6), and takes the key
+    as Anthropic's clients send it too; the scheduler gets it as a Bearer key either way."""
+    with gateway(fake_scheduler, model_dir, api_key="k1") as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        for headers in ({"Authorization": "Bearer k1"}, {"x-api-key": "k1"}):
+            assert http.post("/v1/completions", json={"prompt": "x"}, headers=headers).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer k2"}, {"x-api-key": "k2"}, {"Authorization": "Basic k1"}):
+            error = assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+        assert http.get("/health").status_code == 200 and http.get("/openapi.json").status_code == 200
+    assert [m.get("authorization") for m in fake_scheduler.metadata] == ["Bearer k1", "Bearer k1"]
