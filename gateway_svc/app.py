@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Annotated, Any
 
 import grpc
 import structlog
@@ -25,6 +25,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert, structured
 from gateway_svc.anthropic.routes import MessagesAnswer, messages_router
+from gateway_svc.auth import forwarded_key
+from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
@@ -33,10 +35,11 @@ from gateway_svc.generation import (
     Generation,
     LiveGenerations,
     ShuttingDown,
+    SlowReader,
     guarded,
     prompt_token_counts,
 )
-from gateway_svc.limits import BodyLimit
+from gateway_svc.limits import EdgeGuard
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.openapi import (
@@ -49,6 +52,7 @@ from gateway_svc.openapi import (
 from gateway_svc.responses.routes import ResponsesAnswer, responses_router
 from gateway_svc.responses.store import ResponseStore
 from gateway_svc.scheduler_client import Scheduler
+from gateway_svc.tenancy import Tenancy
 from gateway_svc.tokenize import max_model_len, tokenize_router
 
 log = structlog.get_logger("gateway")
@@ -56,6 +60,8 @@ log = structlog.get_logger("gateway")
 # Tell proxies not to buffer the event stream (each chunk must reach the client now).
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+# Module globals: the routes' annotations name them (a string annotation sees no locals).
+COMPLETION_BODY, CHAT_BODY = JsonBody(CompletionRequest), JsonBody(ChatCompletionRequest)
 
 
 def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
@@ -64,21 +70,22 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
-    require_key = _key_checker(config.api_key)
     served = _model_checker(config.model_id)
     parsers = config.parsers()
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
-    rules = convert.RequestRules(config.max_n, config.max_prompts, config.cache_salt_from_api_key)
-    window = config.max_parallel_per_request
+    rules = convert.RequestRules(config.max_n, config.max_prompts, chat_default_max_tokens=config.default_max_tokens)
+    tenancy = Tenancy(client, config.tenant_salt_forced, bool(config.api_key))
+    bounds = config.max_parallel_per_request, config.max_stream_buffer_bytes
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=COMPLETION_BODY.openapi_extra)
+    async def completions(body: Annotated[CompletionRequest, Depends(COMPLETION_BODY)], request: Request) -> Response:
         served(body.model)
         shape = ResponseShape("completion", config.model_id)
         constraint, field = structured.constraint_fields(body, parsers)
-        samples = convert.completion_samples(body, shape.id, rules, _forwarded_key(request), constraint)
-        return await _generate(client, live, request, body, shape, samples, window, field)
+        salted = replace(rules, cache_salt_from_api_key=await tenancy.isolates())
+        samples = convert.completion_samples(body, shape.id, salted, forwarded_key(request), constraint)
+        return await _generate(client, live, request, body, shape, samples, bounds, field)
 
     async def prompt(body: ChatCompletionRequest) -> str:
         tools = [t.for_template() for t in body.tools or []] if body.tool_mode != "none" else None
@@ -86,18 +93,21 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
 
     async def prompt_tokens(body: ChatCompletionRequest, request: Request) -> int:
         """The rendered prompt's tokens, as Generate counts them."""
-        reply = await client.tokenize(await prompt(body), True, False, _forwarded_key(request))
+        reply = await client.tokenize(await prompt(body), True, False, forwarded_key(request))
         return len(reply.token_ids)
 
     async def run_chat(body: ChatCompletionRequest, request: Request, shape: Answer) -> Response:
         """A chat request's pipeline (chat completions, and the APIs answered over it)."""
         rendered = await prompt(body)
         constraint, field = structured.constraint_fields(body, parsers, rendered)
-        samples = convert.chat_samples(body, rendered, shape.id, rules, _forwarded_key(request), constraint)
-        return await _generate(client, live, request, body, shape, samples, window, field)
+        salted = replace(rules, cache_salt_from_api_key=await tenancy.isolates())
+        samples = convert.chat_samples(body, rendered, shape.id, salted, forwarded_key(request), constraint)
+        return await _generate(client, live, request, body, shape, samples, bounds, field)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], responses=GENERATION_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES, openapi_extra=CHAT_BODY.openapi_extra)
+    async def chat_completions(
+        body: Annotated[ChatCompletionRequest, Depends(CHAT_BODY)], request: Request
+    ) -> Response:
         served(body.model)
         return await run_chat(
             body, request, ResponseShape("chat", config.model_id, structured.chat_reading(body, parsers))
@@ -105,13 +115,13 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        return card | await max_model_len(client, _forwarded_key(request))
+        return card | await max_model_len(client, forwarded_key(request))
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": [await model_card(request)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+    @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         if model_id != config.model_id:
             raise convert.model_not_found(model_id)
@@ -124,29 +134,37 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
-    app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
+    app.include_router(tokenize_router(client, template, forwarded_key, served))
     store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
-    app.include_router(
-        responses_router(run_chat, parsers, store, config.model_id, served), dependencies=[Depends(require_key)]
+    app.include_router(responses_router(run_chat, parsers, store, config.model_id, served))
+    app.include_router(messages_router(run_chat, prompt_tokens, parsers, served))
+    # The caller's key, the body's size and pace are checked before anything reads or parses
+    # the body (401, 413, 408), inside the metrics' count.
+    app.add_middleware(
+        EdgeGuard,
+        api_key=config.api_key,
+        max_bytes=config.max_request_bytes,
+        body_timeout_s=config.body_timeout_s,
+        body_min_rate=config.body_min_rate,
     )
-    app.include_router(messages_router(run_chat, prompt_tokens, parsers, served), dependencies=[Depends(require_key)])
-    # An oversized body is refused before anything reads it (413), inside the metrics' count.
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
     publish_openapi(app)
     return app
 
 
-# Messages longer than this (characters, all of them) are rendered in a worker thread:
-# the template's Python code then shares the GIL in slices instead of holding the loop.
+# Messages longer than this (characters, all of them), or more of them than this, are
+# rendered in a worker thread: the template's Python code then shares the GIL in slices
+# instead of holding the loop. Both count: 150,000 empty messages are seconds of template.
 RENDER_INLINE_CHARS = 65_536
+RENDER_INLINE_MESSAGES = 256
 
 
 async def _render_chat(
     template: ChatTemplate | None, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
 ) -> str:
-    if sum(len(m.content or "") for m in body.messages) <= RENDER_INLINE_CHARS:
+    small = len(body.messages) <= RENDER_INLINE_MESSAGES
+    if small and sum(len(m.content or "") for m in body.messages) <= RENDER_INLINE_CHARS:
         return convert.chat_prompt(template, body.messages, body, tools)
     return await asyncio.to_thread(convert.chat_prompt, template, body.messages, body, tools)
 
@@ -159,45 +177,6 @@ def _model_checker(model_id: str) -> Callable[[str | None], None]:
             raise convert.model_not_found(model)
 
     return served
-
-
-# ---------------------------------------------------------------- auth
-
-
-def _bearer_key(request: Request) -> str | None:
-    """The caller's key: 'Authorization: Bearer KEY', or 'x-api-key: KEY' as Anthropic's clients send it."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return request.headers.get("x-api-key", "").strip() or None
-    return key.strip()
-
-
-def _key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread
-    # hand-off (and GIL round trip) on every request for a string compare.
-    async def require_key(request: Request) -> None:
-        if not api_key:
-            return
-        given = _bearer_key(request) or ""
-        # Constant-time compare: the key must not leak through response timing.
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise OpenAIError(
-                401,
-                "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
-                "authentication_error",
-                None,
-                "invalid_api_key",
-            )
-
-    return require_key
-
-
-def _forwarded_key(request: Request) -> str | None:
-    """The caller's key, passed on so that a scheduler which wants one can check it."""
-    key = _bearer_key(request)
-    if key is not None and not (key.isascii() and key.isprintable()):
-        raise OpenAIError(401, "API key must be printable ASCII", "authentication_error", None, "invalid_api_key")
-    return key
 
 
 # ---------------------------------------------------------------- generation
@@ -214,19 +193,20 @@ async def _generate(
     body: SamplingFields,
     shape: Answer,
     samples: list[Sample],
-    window: int,
+    bounds: tuple[int, int],
     constraint_field: str | None = None,
 ) -> Response:
-    """`constraint_field`: the request field a structured-output constraint came from, named
-    when the scheduler refuses the constraint."""
-    generation = Generation(client, samples, _forwarded_key(request), window)
+    """`bounds`: the calls at once and the unread bytes at most (--max-parallel-per-request,
+    --max-stream-buffer-bytes); `constraint_field`: the request field a structured-output
+    constraint came from, named when the scheduler refuses the constraint."""
+    generation = Generation(client, samples, forwarded_key(request), *bounds)
     live.add(generation)
     try:
         if body.stream:
             async with _cancel_on_disconnect(request, generation.cancel):
                 await generation.start()
                 counts = (
-                    await prompt_token_counts(client, samples, _forwarded_key(request))
+                    await prompt_token_counts(client, samples, forwarded_key(request))
                     if body.continuous_usage
                     else None
                 )
@@ -365,6 +345,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ShuttingDown)
     async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
         return _error_response(convert.shutting_down(str(err)))
+
+    @app.exception_handler(SlowReader)
+    async def slow_reader(_: Request, err: SlowReader) -> JSONResponse:
+        return _error_response(convert.slow_reader(str(err)))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:

@@ -166,6 +166,22 @@ class GatewayConfig:
             "behind all of it"
         },
     )
+    default_max_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "a chat request that sets no max_tokens / max_completion_tokens generates at most this many "
+            "tokens (still within the context, and within the scheduler's own --default-max-tokens); 0 = up to "
+            "the context, as OpenAI's API. /v1/completions without max_tokens sends OpenAI's 16"
+        },
+    )
+    max_stream_buffer_bytes: int = field(
+        default=4 * 2**20,
+        metadata={
+            "help": "output of one request waiting for its client to read it, in bytes (serving.v1 messages) at most: "
+            "a client that reads slower than its answer is generated is cut there, its stream ending with an "
+            "error event (code stream_buffer_full), its generation stopped"
+        },
+    )
     max_request_bytes: int = field(
         default=8 * 2**20,
         metadata={
@@ -173,12 +189,46 @@ class GatewayConfig:
             "Content-Length) or as soon as that many bytes arrived"
         },
     )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a request's head (its line and headers) must arrive within this many seconds of the connection "
+            "opening (or of its first byte, on a kept-alive connection); else the connection is closed"
+        },
+    )
+    body_timeout_s: float = field(
+        default=15.0,
+        metadata={
+            "help": "a request body must keep arriving: each window of this many seconds must bring "
+            "--body-min-rate x the window in bytes (or the rest of the body), else the request is cut with 408 "
+            "and its buffer freed"
+        },
+    )
+    body_min_rate: int = field(
+        default=8192,
+        metadata={"help": "the slowest a request body may arrive, in bytes per second (see --body-timeout-s)"},
+    )
+    max_connections: int = field(
+        default=2048,
+        metadata={
+            "help": "open HTTP connections (or requests in flight) at most: a request beyond them is answered 503 "
+            "at once (uvicorn's limit_concurrency)"
+        },
+    )
     cache_salt_from_api_key: bool = field(
         default=False,
         metadata={
-            "help": "give each caller's API key its own prefix cache: the request's cache salt is derived from the key "
-            "(and its own cache_salt, if any), so callers with different keys never share cached blocks, and "
-            "usage.prompt_tokens_details.cached_tokens counts only their own"
+            "help": "always give each caller's API key its own prefix cache (the request's cache salt is derived from "
+            "the key, and its own cache_salt after it). Without this flag or --share-prefix-cache-across-keys the "
+            "gateway does so whenever keys are in force (its --api-key, or the scheduler's --api-keys), so that "
+            "cached_tokens and latency never tell a caller about another tenant's prompts"
+        },
+    )
+    share_prefix_cache_across_keys: bool = field(
+        default=False,
+        metadata={
+            "help": "let callers with different API keys share cached prompt blocks even where keys are in force "
+            "(the operator's explicit choice: cached_tokens then says whether another tenant sent a prompt)"
         },
     )
     scheduler_tls_ca: str = field(
@@ -193,6 +243,13 @@ class GatewayConfig:
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+
+    @property
+    def tenant_salt_forced(self) -> bool | None:
+        """True / False when a flag decides whether keys share the prefix cache; None: the keys in force do."""
+        if self.cache_salt_from_api_key:
+            return True
+        return False if self.share_prefix_cache_across_keys else None
 
     @property
     def model_id(self) -> str:
@@ -240,6 +297,17 @@ class GatewayConfig:
             (self.max_prompts >= 1, "--max-prompts", ">= 1"),
             (self.max_parallel_per_request >= 1, "--max-parallel-per-request", ">= 1"),
             (self.max_request_bytes >= 1024, "--max-request-bytes", ">= 1024"),
+            (self.max_stream_buffer_bytes >= 65536, "--max-stream-buffer-bytes", ">= 65536"),
+            (self.default_max_tokens >= 0, "--default-max-tokens", ">= 0 (0 = up to the context)"),
+            (
+                not (self.cache_salt_from_api_key and self.share_prefix_cache_across_keys),
+                "--share-prefix-cache-across-keys",
+                "left out with --cache-salt-from-api-key",
+            ),
+            (self.header_timeout_s > 0, "--header-timeout-s", "> 0"),
+            (self.body_timeout_s > 0, "--body-timeout-s", "> 0"),
+            (self.body_min_rate >= 0, "--body-min-rate", ">= 0"),
+            (self.max_connections >= 1, "--max-connections", ">= 1"),
             pair_check(self.scheduler_tls_cert, self.scheduler_tls_key, "--scheduler-tls-cert", "--scheduler-tls-key"),
             (
                 not self.scheduler_tls_cert or bool(self.scheduler_tls_ca),

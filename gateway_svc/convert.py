@@ -55,6 +55,10 @@ def shutting_down(why: str) -> OpenAIError:
     return OpenAIError(503, why, "service_unavailable_error", None, "shutting_down")
 
 
+def slow_reader(why: str) -> OpenAIError:
+    return OpenAIError(503, why, "service_unavailable_error", None, "stream_buffer_full")
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
@@ -73,6 +77,7 @@ class RequestRules:
     max_n: int = 16
     max_prompts: int = 1024  # prompts of one /v1/completions batch
     cache_salt_from_api_key: bool = False  # each API key its own prefix cache (tenant_salt)
+    chat_default_max_tokens: int = 0  # a chat's output when it sets no limit, at most (0: up to the context)
 
 
 def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:
@@ -175,12 +180,14 @@ def chat_samples(
     constraint: dict[str, Any] | None = None,
 ) -> list[Sample]:
     """Without max_tokens / max_completion_tokens the answer may run up to the
-    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does;
-    the operator caps that with the scheduler's --default-max-tokens."""
+    model's context (serving.v1's unset max_tokens), as OpenAI's chat API does,
+    within the gateway's --default-max-tokens (and the scheduler's) when set."""
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    prompts = [{"prompt": _utf8_prompt(prompt)}]
+    prompts: list[dict[str, Any]] = [{"prompt": _utf8_prompt(prompt)}]
+    if body.output_limit is None and rules.chat_default_max_tokens:
+        prompts[0]["default_max_tokens"] = rules.chat_default_max_tokens
     samples = _samples(prompts, body, body.output_limit, response_id, rules, logprobs, api_key, constraint)
     return [dataclasses.replace(s, logprobs=body.logprobs) for s in samples]
 
@@ -503,8 +510,22 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 
+# serving.v1 fields the scheduler names (its refusals read "FIELD: why") under another
+# OpenAI name; the others the requests share (max_tokens, stop, ...) keep theirs.
+_OPENAI_PARAM = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs", "token_ids": "tokens"}
+_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields) | {"tokens"}
+
+
+def refused_param(details: str) -> str | None:
+    """The request field a scheduler's refusal names, as the OpenAI request calls it."""
+    field = details.split(":", 1)[0] if ":" in details else ""
+    param = _OPENAI_PARAM.get(field, field)
+    return param if param in _REQUEST_FIELDS else None
+
+
 def grpc_error(code: grpc.StatusCode, details: str | None) -> OpenAIError:
     status, type_ = _GRPC_TO_HTTP.get(code, (500, "internal_error"))
     # The scheduler's messages are written for clients (never a stack trace): pass them on.
     message = details or f"scheduler returned {code.name}"
-    return OpenAIError(status, message, type_, None, code.name.lower())
+    param = refused_param(message) if status == 400 else None
+    return OpenAIError(status, message, type_, param, code.name.lower())

@@ -8,6 +8,13 @@ of a thousand prompts takes a share of the scheduler's queue and batch, and
 other requests interleave with it. `cancel()` cancels every call that is still
 running and starts no more (a disconnect, an error in a sibling, or the end of
 the response), and wakes whoever is waiting on the stream.
+
+The queue is bounded by the bytes of its unread messages (the gateway's
+--max-stream-buffer-bytes): a client that reads its stream slower than the
+scheduler writes it would otherwise make the gateway hold its whole answer. Past
+the bound the generation ends with SlowReader: its calls are cancelled (the
+scheduler frees their blocks), the unread output is dropped, and the client's
+stream ends with an error event saying why.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import grpc
 import structlog
 
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.convert import Results, Sample, error_body, grpc_error, shutting_down
+from gateway_svc.convert import Results, Sample, error_body, grpc_error, shutting_down, slow_reader
 from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 
@@ -40,10 +47,17 @@ class ShuttingDown(Exception):
     """The gateway is stopping and the drain timeout has passed: the generation ends now."""
 
 
+class SlowReader(Exception):
+    """The client read its stream too slowly: the unread output passed the bound."""
+
+
 class Generation:
-    def __init__(self, client: Scheduler, samples: list[Sample], api_key: str | None, window: int = 0):
-        """window: calls at once (0: all of them)."""
+    def __init__(
+        self, client: Scheduler, samples: list[Sample], api_key: str | None, window: int = 0, max_unread: int = 0
+    ):
+        """window: calls at once (0: all of them); max_unread: bytes of unread messages at most (0: no bound)."""
         self._client, self._api_key = client, api_key
+        self._max_unread, self._unread = max_unread, 0
         self._unstarted = deque(samples)
         self._calls: dict[int, GenerateCall] = {}
         self._queue: asyncio.Queue[tuple[int, _Item]] = asyncio.Queue()
@@ -65,6 +79,10 @@ class Generation:
     async def _read(self, index: int, call: GenerateCall) -> None:
         try:
             async for message in call:
+                self._unread += message.ByteSize()
+                if self._max_unread and self._unread > self._max_unread:
+                    self._cut_slow_reader()
+                    return
                 self._queue.put_nowait((index, message))
             self._queue.put_nowait((index, _DONE))
         except Exception as exc:  # AioRpcError mostly; anything else must not leave the reader hanging
@@ -72,8 +90,20 @@ class Generation:
             return
         self._start_next()  # its place in the window goes to the next prompt
 
+    def _cut_slow_reader(self) -> None:
+        while not self._queue.empty():  # what the client never read goes now, not when it reads
+            self._queue.get_nowait()
+        self.cancel(
+            SlowReader(
+                f"the client read this stream too slowly: more than {self._max_unread} bytes of output were waiting "
+                "for it (--max-stream-buffer-bytes); the generation was stopped"
+            )
+        )
+
     async def _next(self) -> tuple[int, serving_pb2.GenerateResponse | None]:
         index, item = await self._queue.get()
+        if isinstance(item, serving_pb2.GenerateResponse):
+            self._unread -= item.ByteSize()
         if isinstance(item, BaseException):
             # One failed choice fails the request: stop its siblings so they free their blocks.
             self.cancel()
@@ -129,6 +159,9 @@ async def guarded(events: AsyncIterator[str], error_event: Callable[[dict[str, A
         return
     except ShuttingDown as exc:  # the drain timeout passed: end cleanly, the client knows why
         yield error_event(shutting_down(str(exc)).body())
+    except SlowReader as exc:  # its calls are cancelled already; this event is all it still gets
+        log.info("slow reader cut", error=str(exc))
+        yield error_event(slow_reader(str(exc)).body())
     except Exception as exc:  # a bug of ours: tell the client, keep the trace in our log
         log.exception("stream failed", error=repr(exc))
         yield error_event(error_body("internal error", "internal_error"))

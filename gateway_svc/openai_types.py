@@ -28,7 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 INT32_MAX = 2**31 - 1  # what the engine takes for counts and token ids (max_tokens, min_tokens, top_k)
 UINT64_MAX = 2**64 - 1
@@ -51,8 +60,15 @@ def _utf8(value: str) -> str:
     return value
 
 
+def _not_bool(value: Any) -> Any:
+    """JSON's true and false are not numbers (pydantic would take them as 1 and 0)."""
+    if isinstance(value, bool):
+        raise ValueError("must be an integer, not true or false")
+    return value
+
+
 Text = Annotated[str, AfterValidator(_utf8)]
-Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Int32 = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=INT32_MAX)]
 TokenId = Int32  # the scheduler checks them against the vocabulary
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -295,6 +311,17 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    # The published schema says what the route checks across fields: max_tokens 0 only with echo.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}}},
+                {"required": ["echo"], "properties": {"echo": {"const": True}}},
+            ]
+        },
+    )
+
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     # 0 only with echo: the prompt scored, nothing generated. Unset: OpenAI's 16 (convert.py).
@@ -374,7 +401,14 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = STRICT
+    # The published schema says what _tool_turns checks: a tool message names the call it answers.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+            "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+        },
+    )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[dict[str, Any]] | None = None

@@ -11,6 +11,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from gateway_svc.bodies import body_schemas
+
 GATEWAY_VERSION = "0.1.0"
 
 
@@ -34,6 +36,8 @@ def _error(description: str) -> dict[str, Any]:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("invalid request: `param` names the field"),
     401: _error("missing or wrong API key (--api-key)"),
+    408: _error("the request body arrived too slowly (--body-timeout-s, --body-min-rate)"),
+    413: _error("the request body is larger than --max-request-bytes"),
     404: _error("the model named in the request is not served here (code model_not_found)"),
     429: _error("the scheduler's queue is full"),
     503: _error("no scheduler or worker can take the request"),
@@ -59,11 +63,13 @@ HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {503: {"description": "the s
 
 def publish_openapi(app: FastAPI) -> None:
     """Serve FastAPI's document with the gateway's real error status: request
-    validation answers 400 (app.py maps it), so FastAPI's 422 entries go."""
+    validation answers 400 (app.py maps it), so FastAPI's 422 entries go; and the
+    request bodies the routes parse themselves (bodies.JsonBody) as their schemas."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(body_schemas())
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)

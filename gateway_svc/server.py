@@ -24,6 +24,7 @@ import uvicorn
 from gateway_svc.app import create_app
 from gateway_svc.config import GatewayConfig
 from gateway_svc.generation import LiveGenerations
+from gateway_svc.http_protocol import head_deadline_protocol
 from gateway_svc.scheduler_pool import open_scheduler_client
 from svc_common.ready_file import write_ready_file
 
@@ -77,6 +78,8 @@ class GatewayServer:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=int(self.config.drain_timeout_s + _SHUTDOWN_MARGIN_S),
+                http=head_deadline_protocol(self.config.header_timeout_s),
+                limit_concurrency=self.config.max_connections,
             )
             self._server = uvicorn.Server(uv_config)
             self._server.should_exit = self._stop_requested
@@ -105,7 +108,7 @@ class GatewayServer:
             model=self.config.model_id,
             api_key=bool(self.config.api_key),
             scheduler_tls=bool(self.config.scheduler_tls_ca),
-            cache_salt_from_api_key=self.config.cache_salt_from_api_key,
+            tenant_salt=self.config.tenant_salt_forced,
         )
         self.ready.set()
 

@@ -14,12 +14,13 @@ vLLM's default add_special_tokens=false for them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
-from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict
 
+from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.convert import bad_request, chat_prompt
 from gateway_svc.openai_types import STRICT, ChatMessage, ChatRendering, Text, TokenId
@@ -31,6 +32,17 @@ ModelCheck = Callable[[str | None], None]
 
 
 class TokenizeRequest(ChatRendering):
+    # The published schema says what _text checks: exactly one of a non-empty prompt or messages.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string", "minLength": 1}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}}},
+            ]
+        },
+    )
+
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -45,13 +57,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+# Module globals: the routes' annotations name them (a string annotation sees no locals).
+TOKENIZE_BODY, DETOKENIZE_BODY = JsonBody(TokenizeRequest), JsonBody(DetokenizeRequest)
+
+
 def tokenize_router(
     client: Scheduler, template: ChatTemplate | None, forwarded_key: ForwardedKey, served: ModelCheck
 ) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/tokenize", responses=ERROR_RESPONSES)
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    @router.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=TOKENIZE_BODY.openapi_extra)
+    async def tokenize(body: Annotated[TokenizeRequest, Depends(TOKENIZE_BODY)], request: Request) -> dict[str, Any]:
         served(body.model)
         prompt, add_special_tokens = _text(body, template)
         reply = await client.tokenize(prompt, add_special_tokens, body.return_token_strs, forwarded_key(request))
@@ -63,8 +79,10 @@ def tokenize_router(
             "token_strs": list(reply.token_strs) if body.return_token_strs else None,
         }
 
-    @router.post("/detokenize", responses=ERROR_RESPONSES)
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    @router.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=DETOKENIZE_BODY.openapi_extra)
+    async def detokenize(
+        body: Annotated[DetokenizeRequest, Depends(DETOKENIZE_BODY)], request: Request
+    ) -> dict[str, str]:
         served(body.model)
         try:
             reply = await client.detokenize(body.tokens, forwarded_key(request))

@@ -28,6 +28,7 @@ from scheduler_svc.planning.validation import (
     check_request_id,
     check_sampling,
     check_sampling_token_ids,
+    default_output_limit,
     output_limit,
 )
 from scheduler_svc.request import Request, SamplingOptions, TokenLogprob
@@ -65,7 +66,9 @@ def request_from_proto(
     RequestRejected naming the field. With n > 1, returns a prefill-only parent whose
     children are the n samples."""
     requested = msg.max_tokens if msg.HasField("max_tokens") else None
-    max_tokens = output_limit(requested, len(prompt_ids), engine.max_model_len, default_max_tokens)
+    asked_default = msg.default_max_tokens if msg.HasField("default_max_tokens") else None
+    default = default_output_limit(default_max_tokens, asked_default)
+    max_tokens = output_limit(requested, len(prompt_ids), engine.max_model_len, default)
     sampling = _sampling_from_proto(msg, max_tokens)
     check_sampling_token_ids(sampling, engine.tokenizer.vocab_size)
     n = msg.n if msg.HasField("n") else 1

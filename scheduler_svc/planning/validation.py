@@ -34,6 +34,16 @@ class RequestRejected(ValueError):
         self.message = message
 
 
+def default_output_limit(server_default: int, request_default: int | None) -> int:
+    """The cap on an unset max_tokens: the scheduler's --default-max-tokens and the
+    request's own default_max_tokens (a gateway's), the smaller of those set (0: none)."""
+    if request_default is None:
+        return server_default
+    if request_default < 1:
+        raise RequestRejected("default_max_tokens", f"must be >= 1 when set, got {request_default}")
+    return min(server_default, request_default) if server_default > 0 else request_default
+
+
 def output_limit(requested: int | None, prompt_tokens: int, max_model_len: int, default: int = 0) -> int:
     """The context rule (vLLM's, and so the gateway's): prompt + max_tokens must fit
     in max_model_len, or the request is refused naming the maximum context length;

@@ -78,9 +78,17 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
             with self.lock:
                 self.active -= 1
 
-    def _generate(self, request, context, metadata):
+    def ModelInfo(self, request, context):
+        """Past the key check (as the real scheduler's), no model to describe."""
+        self._check_key(context, dict(context.invocation_metadata()))
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the fake scheduler describes no model")
+
+    def _check_key(self, context, metadata):
         if self.required_key and metadata.get("authorization") != f"Bearer {self.required_key}":
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this scheduler wants an API key")
+
+    def _generate(self, request, context, metadata):
+        self._check_key(context, metadata)
         if self.abort and self.abort_after is None:
             context.abort(*self.abort)
         completed = False

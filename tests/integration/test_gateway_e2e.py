@@ -301,7 +301,8 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400_naming_it(oai, grpc_cl
     for max_tokens in (fits + 1, 2**31 - 1):
         with pytest.raises(openai.BadRequestError, match=f"maximum context length is {MAX_MODEL_LEN} tokens") as err:
             oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=stream)
-        assert err.value.body["param"] is None and err.value.code == "invalid_argument"
+        # The scheduler's refusal names the field, and so does the gateway's error (issue 35 item 10).
+        assert err.value.body["param"] == "max_tokens" and err.value.code == "invalid_argument"
         with pytest.raises(openai.BadRequestError, match="maximum context length"):
             oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=stream)
 

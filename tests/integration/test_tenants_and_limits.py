@@ -13,12 +13,9 @@ two tenants' API keys, the HTTP gateway deriving each key's cache salt):
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 import string
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import serving_pb2, serving_pb2_grpc
 from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.probe import Prober
 from tests.helpers.procs import Cluster, free_port
 
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
@@ -103,55 +101,6 @@ def test_models_answers_only_callers_the_scheduler_takes(cell):
 
 
 # ---- limits at the edge, and no blocking (item 4) --------------------------------------------
-PROBE = """
-import json, sys, time, httpx
-url, key, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-body = {"prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
-with httpx.Client(base_url=url, headers={"Authorization": "Bearer " + key}, timeout=120) as client:
-    while True:
-        last = time.monotonic()
-        with client.stream("POST", "/v1/completions", json=body) as reply:
-            for line in reply.iter_lines():
-                if line.startswith("data: "):
-                    now = time.monotonic()
-                    print(now, now - last, flush=True)
-                    last = now
-"""
-
-
-class Prober:
-    """Back-to-back short streamed completions through the gateway, from a process of
-    their own (the test's own work must not delay what they measure): the longest wait
-    for any event (the first token after sending, or the next token) in a window of
-    time (time.monotonic, one clock for every process)."""
-
-    def __init__(self, cell: Cluster):
-        args = [sys.executable, "-c", PROBE, cell.gateway_url, KEY_A, json.dumps(prompt(3, 8))]
-        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        self.waits: list[tuple[float, float]] = []  # (when, how long it had waited)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            when, wait = map(float, line.split())
-            self.waits.append((when, wait))
-
-    def longest_wait(self, start: float, end: float) -> float:
-        waits = [wait for when, wait in self.waits if start <= when <= end]
-        assert waits, "the probe saw no event in the window"
-        return max(waits)
-
-    def __enter__(self) -> Prober:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._proc.kill()
-        self._proc.wait(WAIT_S)
-        self._reader.join(WAIT_S)
-
-
 def raw_http(cell: Cluster, head: bytes, body_part: bytes, timeout_s: float = 10.0) -> bytes:
     """Send a request's head and the first part of its body, then read what comes back
     (without sending the rest): the gateway must answer from the head alone."""
@@ -216,7 +165,7 @@ def test_huge_inputs_are_refused_or_tokenized_off_the_loop_while_other_streams_f
 
     huge = "x" * (60 * MB)
     big = "The quick brown fox jumps over the lazy dog. " * (BIG_PROMPT_CHARS // 45)
-    with Prober(cell) as prober:
+    with Prober(cell.gateway_url, KEY_A, prompt(3, 8)) as prober:
         time.sleep(3.0)  # started, and a calm window of 2 s
         calm_end = time.monotonic()
         calm = prober.longest_wait(calm_end - 2.0, calm_end)

@@ -1,16 +1,21 @@
-"""The gateway's edge rules (issue 29) against the in-process fake scheduler: the
-body limit (413 before reading), prompts per request, a request's calls admitted
-piecewise, vLLM's `priority` passed on, and the cache salt derived from the
-caller's API key."""
+"""The gateway's edge rules (issues 29 and 35) against the in-process fake scheduler:
+the body limit (413 before reading), prompts per request, a request's calls admitted
+piecewise, vLLM's `priority` passed on, the cache salt derived from the caller's API
+key unless the operator shares the cache, bodies nested too deep refused naming the
+field, the scheduler's refusals naming theirs, and the published schema refusing
+what the routes refuse."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
+import jsonschema
 import pytest
 
-from gateway_svc.convert import tenant_salt
+from gateway_svc.bodies import MAX_NESTING
+from gateway_svc.convert import grpc_error, tenant_salt
 from tests.helpers.fake_scheduler import WAIT_S, assert_openai_error, chat_model_dir, running_gateway, sse_payloads
 
 
@@ -82,3 +87,112 @@ def test_the_cache_salt_comes_from_the_callers_key(fake_scheduler, model_dir):
     assert anonymous == "s"  # no key: the request's own salt
     # No salt one key's caller can choose is another key's: each starts with its own digest.
     assert not tenant_salt("key-a", "x").startswith(tenant_salt("key-b", None) + "/")
+
+
+@pytest.mark.parametrize(
+    ("required_key", "config", "salted"),
+    [
+        ("key-a", {}, True),  # keys in force at the scheduler: salted by default (issue 35 item 3)
+        (None, {"api_key": "key-a"}, True),  # the gateway's own key
+        (None, {}, False),  # no keys anywhere: one tenant, whatever key the client sends
+        ("key-a", {"share_prefix_cache_across_keys": True}, False),  # the operator's explicit choice
+    ],
+)
+def test_keys_in_force_give_each_key_its_own_cache_by_default(fake_scheduler, model_dir, required_key, config, salted):
+    fake_scheduler.required_key = required_key
+    with gateway(fake_scheduler, model_dir, **config) as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        body = {"prompt": "x", "cache_salt": "s"}
+        reply = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-a"})
+        assert reply.status_code == 200, reply.text
+    [request] = fake_scheduler.requests
+    assert request.cache_salt == (tenant_salt("key-a", "s") if salted else "s")
+
+
+def nested_schema(levels: int) -> str:
+    """A JSON schema of `levels` objects one in the other, as text (json.dumps recurses)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+@pytest.mark.parametrize("levels", [100, 10_000])
+def test_a_deeply_nested_schema_is_a_400_naming_the_field(fake_scheduler, model_dir, levels):
+    """Issue 35 item 7: on dd5cf58 a 100-level schema was a 500 (the scheduler's
+    RecursionError), 10,000 levels the body parser's."""
+    with gateway(fake_scheduler, model_dir) as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        for field, value in (
+            ("response_format", '{"type": "json_schema", "json_schema": {"name": "n", "schema": %s}}'),
+            ("structured_outputs", '{"json": %s}'),
+            ("guided_json", "%s"),
+        ):
+            body = f'{{"prompt": "x", "{field}": {value % nested_schema(levels)}}}'
+            reply = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+            error = assert_openai_error(reply, 400)
+            assert "nest" in error["message"], error
+            if levels < 400:  # the parser's own limit (about 1,000 levels) names no field
+                assert error["param"] == field and f"more than {MAX_NESTING} deep" in error["message"], error
+    assert not fake_scheduler.requests
+
+
+def test_the_schedulers_refusals_name_the_field_as_the_request_does():
+    """Issue 35 item 10: the README says `param` names the field; on dd5cf58 it was null."""
+    refusal = lambda details: grpc_error(grpc.StatusCode.INVALID_ARGUMENT, details)
+    assert refusal("max_tokens: must be > 0").param == "max_tokens"
+    assert refusal("prompt_token_ids: id 900 is not in the vocabulary").param == "prompt"
+    assert refusal("token_ids: id 900 is not in the vocabulary").param == "tokens"
+    assert refusal("prompt: 5000 characters; at most 100 can fit").param == "prompt"
+    assert refusal("request_id: too long").param is None  # the gateway's own field, not the caller's
+    assert grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue: full").param is None
+
+
+def test_the_published_schema_refuses_what_the_routes_refuse(fake_scheduler, model_dir):
+    """Issue 35 item 10: Schemathesis found schema-valid bodies refused and a refused-by-schema
+    body taken. Each case here is checked both ways: the document and the route agree."""
+    tool_turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}
+    cases = [
+        ("/v1/completions", "CompletionRequest", {"prompt": "x", "max_tokens": 0}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "x", "max_tokens": 0, "echo": True}, True),
+        ("/v1/chat/completions", "ChatCompletionRequest", tool_turn, False),
+        ("/tokenize", "TokenizeRequest", {}, False),
+        ("/tokenize", "TokenizeRequest", {"prompt": ""}, False),
+        ("/tokenize", "TokenizeRequest", {"prompt": "x"}, True),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [False]}, False),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [1]}, True),
+    ]
+    with gateway(fake_scheduler, model_dir) as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        document = http.get("/openapi.json").json()
+        for route, model, body, valid in cases:
+            schema = {"$ref": f"#/components/schemas/{model}", "components": document["components"]}
+            assert jsonschema.Draft202012Validator(schema).is_valid(body) is valid, (route, body)
+            reply = http.post(route, json=body)
+            # Refused with 400 exactly when the schema refuses it (the fake scheduler does not tokenize).
+            assert (reply.status_code != 400) is valid, (route, body, reply.text)
+
+
+def test_a_chat_without_a_limit_is_capped_by_the_gateways_default(fake_scheduler, model_dir):
+    """Issue 35 item 9: a chat request without max_tokens ran to the whole context."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with gateway(fake_scheduler, model_dir, default_max_tokens=7) as url, httpx.Client(base_url=url) as http:
+        for body in (chat, {**chat, "max_tokens": 3}, {**chat, "max_completion_tokens": 2}):
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    unset, max_tokens, max_completion, completion = fake_scheduler.requests
+    assert unset.default_max_tokens == 7 and not unset.HasField("max_tokens")
+    assert max_tokens.max_tokens == 3 and not max_tokens.HasField("default_max_tokens")
+    assert max_completion.max_tokens == 2 and not max_completion.HasField("default_max_tokens")
+    assert completion.max_tokens == 16 and not completion.HasField("default_max_tokens")  # OpenAI's 16 there
+    fake_scheduler.reset()
+    with gateway(fake_scheduler, model_dir, default_max_tokens=0) as url, httpx.Client(base_url=url) as http:
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert not fake_scheduler.requests[0].HasField("default_max_tokens")  # 0: up to the context
+
+
+def test_the_key_is_checked_from_the_head_as_bearer_or_x_api_key(fake_scheduler, model_dir):
+    """The edge guard answers 401 before reading a body (issue 35 item 6), and takes the key
+    as Anthropic's clients send it too; the scheduler gets it as a Bearer key either way."""
+    with gateway(fake_scheduler, model_dir, api_key="k1") as url, httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        for headers in ({"Authorization": "Bearer k1"}, {"x-api-key": "k1"}):
+            assert http.post("/v1/completions", json={"prompt": "x"}, headers=headers).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer k2"}, {"x-api-key": "k2"}, {"Authorization": "Basic k1"}):
+            error = assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+        assert http.get("/health").status_code == 200 and http.get("/openapi.json").status_code == 200
+    assert [m.get("authorization") for m in fake_scheduler.metadata] == ["Bearer k1", "Bearer k1"]
