@@ -28,6 +28,7 @@ from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
+from gateway_svc.embeddings import embeddings_router
 from gateway_svc.generation import ClientGone, Generation, LiveGenerations, ShuttingDown
 from gateway_svc.limits import BodyLimit
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
@@ -105,6 +106,8 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": "unavailable", "detail": f"scheduler {client.target}: {why}"}, status_code=503)
 
     app.include_router(tokenize_router(client, template, _forwarded_key, served), dependencies=[Depends(require_key)])
+    embeddings = embeddings_router(client, config.model_id, _forwarded_key, served, config.max_prompts)
+    app.include_router(embeddings, dependencies=[Depends(require_key)])
     # An oversized body is refused before anything reads it (413), inside the metrics' count.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))

@@ -29,8 +29,8 @@ from worker_svc.models import DecoderModel
 from worker_svc.runner.batch import ForwardBatch, HostBatch, check_references, plan_batch
 from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
 from worker_svc.runner.last_samples import LastSamples
-from worker_svc.runner.pooling import pool_rows
 from worker_svc.runner.late_masks import LateMasks
+from worker_svc.runner.pooling import pool_rows
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams

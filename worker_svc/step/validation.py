@@ -13,7 +13,6 @@ import numpy.typing as npt
 from worker_svc.step.errors import InvalidStep, row_field
 from worker_svc.step.input import IntArray, RowExtras, SeqColumns, StepInput, TokenMasks
 
-
 _MAX_POOLING = 2  # worker.v1 Pooling: NONE, LAST, SUM
 
 
