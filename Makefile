@@ -95,6 +95,7 @@ TP ?= 1## ranks each worker's model is split over (tensor parallelism; gloo on C
 METRICS_PORT ?= 0## the scheduler's Prometheus port (also on the gateway's /metrics); 0: a free one
 DRAIN_TIMEOUT ?= 30## seconds requests in flight may still run after Ctrl-C / SIGTERM
 WORKER_ARGS ?=## more worker flags, e.g. WORKER_ARGS='--kv-dtype int8'
+RUNNER ?= generate## the scheduler's --runner: generate, or pooling (embeddings: /v1/embeddings, /v1/score, /v1/rerank)
 SCHEDULER_ARGS ?=## more scheduler flags, e.g. SCHEDULER_ARGS='--max-model-len 4096'
 GATEWAY_ARGS ?=## more gateway flags, e.g. GATEWAY_ARGS='--served-model-name smollm2'
 
@@ -107,7 +108,7 @@ serve: setup model ## workers + scheduler + HTTP gateway in the foreground, supe
 	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
 	    --drain-timeout-s $(DRAIN_TIMEOUT) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
-	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
+	    --scheduler-args "--runner $(RUNNER) $(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
 # processes on $(HOST)): WORKERS workers, the scheduler on $(SCHEDULER_PORT), the
@@ -124,7 +125,7 @@ cluster: setup model ## the same topology in the background (pid files and logs 
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
-	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
+	    --scheduler-args "--runner $(RUNNER) $(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
 cluster-status: ## what `make cluster` runs; exits 1 if a service is dead
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) status

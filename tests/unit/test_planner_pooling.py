@@ -147,3 +147,11 @@ def test_a_checkpoints_pooling_config(tmp_path):
     config.write_text('{"pooling_mode_cls_token": true}')
     with pytest.raises(ValueError, match=r"pooling modes \['cls_token'\] are not served"):
         model_pooling(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv,pooling", [([], False), (["--runner", "pooling"], True), (["--task", "embed"], True)])
+def test_runner_flag_and_vllms_task_alias(argv, pooling):
+    from scheduler_svc.config import SchedulerConfig
+    from svc_common.cli import parse_config
+
+    assert parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER", "", argv).pooling_runner is pooling
