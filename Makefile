@@ -102,6 +102,7 @@ TP ?= 1## ranks each worker's model is split over (tensor parallelism; gloo on C
 METRICS_PORT ?= 0## the scheduler's Prometheus port (also on the gateway's /metrics); 0: a free one
 DRAIN_TIMEOUT ?= 30## seconds requests in flight may still run after Ctrl-C / SIGTERM
 WORKER_ARGS ?=## more worker flags, e.g. WORKER_ARGS='--kv-dtype int8'
+RUNNER ?= generate## the scheduler's --runner: generate, or pooling (embeddings: /v1/embeddings, /v1/score, /v1/rerank)
 SCHEDULER_ARGS ?=## more scheduler flags, e.g. SCHEDULER_ARGS='--max-model-len 4096'
 GATEWAY_ARGS ?=## more gateway flags, e.g. GATEWAY_ARGS='--served-model-name smollm2'
 
@@ -114,7 +115,7 @@ serve: setup $(SERVED_MODEL) ## workers + scheduler + HTTP gateway in the foregr
 	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
 	    --drain-timeout-s $(DRAIN_TIMEOUT) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
-	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
+	    --scheduler-args "--runner $(RUNNER) $(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
 # processes on $(HOST)): WORKERS workers on $(WORKER_PORT), +1, ..., the scheduler on $(SCHEDULER_PORT), the
@@ -131,7 +132,7 @@ cluster: setup $(SERVED_MODEL) ## the same topology in the background (pid files
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) --worker-port $(WORKER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
-	    --scheduler-args "$(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
+	    --scheduler-args "--runner $(RUNNER) $(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
 
 cluster-status: ## what `make cluster` runs; exits 1 if a service is dead
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) status

@@ -30,6 +30,7 @@ from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
 from gateway_svc.convert import OpenAIError, ResponseShape, Sample
+from gateway_svc.embeddings import embeddings_router
 from gateway_svc.generation import (
     ClientGone,
     Generation,
@@ -138,6 +139,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     app.include_router(responses_router(run_chat, parsers, store, config.model_id, served))
     app.include_router(messages_router(run_chat, prompt_tokens, parsers, served))
+    app.include_router(embeddings_router(client, config.model_id, forwarded_key, served, config.max_prompts))
     # The caller's key, the body's size and pace are checked before anything reads or parses
     # the body (401, 413, 408), inside the metrics' count.
     app.add_middleware(

@@ -43,6 +43,10 @@ class Scheduler(Protocol):
 
     async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse: ...
 
+    async def embed(
+        self, prompt: str | list[int], dimensions: int | None, api_key: str | None
+    ) -> serving_pb2.EmbedResponse: ...
+
     async def check_health(self, api_key: str | None = None) -> tuple[bool, str]: ...
 
     async def close(self) -> None: ...
@@ -103,6 +107,19 @@ class SchedulerClient:
     async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse:
         reply: serving_pb2.ModelInfoResponse = await self._stub.ModelInfo(
             serving_pb2.ModelInfoRequest(), metadata=_auth_metadata(api_key), timeout=self._health_timeout
+        )
+        return reply
+
+    async def embed(
+        self, prompt: str | list[int], dimensions: int | None, api_key: str | None
+    ) -> serving_pb2.EmbedResponse:
+        request = serving_pb2.EmbedRequest(dimensions=dimensions)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.extend(prompt)
+        reply: serving_pb2.EmbedResponse = await self._stub.Embed(
+            request, metadata=_auth_metadata(api_key), timeout=self._request_timeout
         )
         return reply
 

@@ -124,6 +124,11 @@ class SchedulerPool:
     async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse:
         return await self._any(lambda c: c.model_info(api_key))
 
+    async def embed(
+        self, prompt: str | list[int], dimensions: int | None, api_key: str | None
+    ) -> serving_pb2.EmbedResponse:
+        return await self._any(lambda c: c.embed(prompt, dimensions, api_key))
+
     async def _any(self, call: Callable[[SchedulerClient], Awaitable[T]]) -> T:
         """`call` on a healthy scheduler; UNAVAILABLE moves on to the next (marking it down)."""
         members = sorted(self._members.values(), key=lambda m: (not m.healthy, m.in_flight))

@@ -18,6 +18,7 @@ from scheduler_svc.engine.errors import StartupError, WorkerUnavailable
 from scheduler_svc.observability.exposition import start_metrics_server
 from scheduler_svc.observability.metrics import METRICS, engine_hooks
 from scheduler_svc.observability.stats import stats_fields
+from scheduler_svc.planning.pooling import model_pooling
 from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
@@ -32,6 +33,8 @@ FINAL_FLUSH_S = 2.0
 
 async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
+    # --runner pooling: the checkpoint's pooling config read (and refused if not served) before anything starts.
+    pooling = model_pooling(config.model) if config.pooling_runner else None
     api_keys, admin_keys = config.client_keys, config.admin_key_set
     credentials = server_credentials(config.tls_cert, config.tls_key)
     engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))
@@ -64,6 +67,7 @@ async def serve(config: SchedulerConfig) -> None:
         extra_stats=lambda: stats_fields(engine, METRICS),
         max_request_mb=config.max_request_mb,
         max_prompt_chars=config.max_prompt_chars,
+        pooling=pooling,
     )
     # admin.v1 (AddWorker, DrainWorker, ListWorkers, SubscribeKvEvents) on its own listener, with
     # the admin keys and the client API's TLS; --admin-port -1: none.

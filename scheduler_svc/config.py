@@ -70,6 +70,16 @@ class SchedulerConfig:
     port: int = field(default=50051, metadata={"help": "port to bind; 0 lets the OS pick"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory (tokenizer and generation config)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory; default: --model"})
+    runner: str = field(
+        default="generate",
+        metadata={
+            "help": "generate: completions (serving.v1 Generate); pooling (or embed, vLLM's --task embed): "
+            "the model serves embeddings only (serving.v1 Embed), pooled as its sentence-transformers config "
+            "says, else the last token, normalised",
+            "choices": ("generate", "pooling", "embed"),
+            "aliases": ("--task",),
+        },
+    )
     max_num_batched_tokens: int = field(
         default=DEFAULT_STEP_TOKENS,
         metadata={"help": "token budget of one step (left at its default on a CPU worker: see --step-target-ms)"},
@@ -349,6 +359,10 @@ class SchedulerConfig:
         if self.admin_port != 0:
             return self.admin_port
         return self.port + 1 if self.port else 0
+
+    @property
+    def pooling_runner(self) -> bool:
+        return self.runner in ("pooling", "embed")
 
     @property
     def tokenizer_dir(self) -> str:

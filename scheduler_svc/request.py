@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+from numpy.typing import NDArray
+
 if TYPE_CHECKING:  # the type only: kv/ and planning/ read requests without loading the grammar engine
     from scheduler_svc.structured.matcher import GrammarMatcher
 
@@ -46,6 +49,22 @@ class TokenLogprob:
     token_id: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+
+
+class PoolingKind(enum.StrEnum):
+    LAST = "last"  # the last prompt token's hidden state (a causal LM's summary of the prompt)
+    MEAN = "mean"  # the mean over every prompt token's
+
+
+@dataclass(slots=True, frozen=True)
+class PoolingOptions:
+    """A pooling request (--runner pooling): which reduction of the prompt's hidden
+    states (the last layer, after the final norm), then the first `dimensions` of
+    it (Matryoshka; None: all), then L2-normalised or not."""
+
+    kind: PoolingKind = PoolingKind.LAST
+    normalize: bool = True
+    dimensions: int | None = None
 
 
 class FinishReason(enum.StrEnum):
@@ -91,6 +110,10 @@ class Request:
     children: list[Request] = field(default_factory=list, repr=False)
     sample_index: int = 0
     no_speculation: bool = False  # the client opted out of speculative decoding
+    # A pooling request: prefill-only (sampling.max_tokens 0), it ends with its prompt's
+    # embedding; mean pooling sums the chunks' hidden states here as they come back.
+    pooling: PoolingOptions | None = None
+    pooled_sum: NDArray[np.float64] | None = field(default=None, repr=False)
     # Content hashes of this request's full blocks, filled lazily by the
     # KVCacheManager so a long prompt is hashed once, not on every admission try.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -123,8 +146,11 @@ class Request:
     def max_cache_hit_tokens(self) -> int:
         """Known tokens that may be read from the prefix cache instead of computed: all
         but the last (its logits are needed), and with prompt logprobs still missing
-        only the positions already scored (the cache holds KV, not logits)."""
+        only the positions already scored (the cache holds KV, not logits); none for
+        mean pooling."""
         limit = self.num_tokens - 1
+        if self.pooling is not None and self.pooling.kind is PoolingKind.MEAN:
+            return 0  # the cache holds KV, not the hidden states the mean needs
         if self.needs_prompt_logprobs:
             limit = min(limit, len(self.prompt_logprobs))
         return limit

@@ -35,7 +35,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
 _PER_ROW = ("start_pos", "num_tokens", "table_lens", "flags", "temperature", "top_p", "top_k", "seeds")
 # Per-row columns added since: absent (a scheduler that predates them) means 0 on every row.
-_LATER_PER_ROW = ("min_p", "num_drafts")
+_LATER_PER_ROW = ("min_p", "num_drafts", "pooling")
 _KNOWN_FLAGS = sum(worker_pb2.SeqFlag.values())  # the bits are distinct powers of two
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
@@ -91,6 +91,7 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         masks=masks_from_proto("seqs.masks", c.masks) if c.HasField("masks") else None,
         draft_masks=masks_from_proto("seqs.draft_masks", c.draft_masks) if c.HasField("draft_masks") else None,
         late_mask_rows=np.flatnonzero(mask_follows),
+        pooling=np.array(c.pooling, np.int64),
     )
     copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
@@ -173,7 +174,7 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         sample_ms=t.get("sample_ms", 0.0),
         total_ms=t.get("total_ms", 0.0),
     )
-    return worker_pb2.StepResponse(
+    reply = worker_pb2.StepResponse(
         step_id=out.step_id,
         sampled=sampled,
         timings=timings,
@@ -181,6 +182,12 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         num_tokens=out.num_tokens,
         prompt_logprobs=prompt_logprobs,
     )
+    if out.pooled is not None:
+        values = out.pooled.values
+        reply.pooled.seq_ids.extend(out.pooled.seq_ids.tolist())
+        reply.pooled.hidden_size = values.shape[1]
+        reply.pooled.values = values.astype("<f4", copy=False).tobytes()
+    return reply
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -20,6 +20,7 @@ from scheduler_svc.api.auth import api_key_interceptor
 from scheduler_svc.api.serving import ExtraStats, SchedulerServicer
 from scheduler_svc.api.status import abort
 from scheduler_svc.engine.engine import Engine
+from scheduler_svc.request import PoolingOptions
 from svc_common.grpc_options import server_options
 
 log = structlog.get_logger(__name__)
@@ -71,14 +72,16 @@ async def start_server(
     extra_stats: ExtraStats = dict,
     max_request_mb: int | None = None,
     max_prompt_chars: int = 0,
+    pooling: PoolingOptions | None = None,
 ) -> tuple[SchedulerServer, int]:
     """max_request_mb: the largest request message, refused by gRPC unparsed (None: max_message_mb);
-    max_prompt_chars: the longest text prompt (0: what fits the context)."""
+    max_prompt_chars: the longest text prompt (0: what fits the context); pooling: --runner
+    pooling's model pooling (None: the generate runner)."""
     interceptors: list[grpc.aio.ServerInterceptor] = [api_key_interceptor(api_keys)] if api_keys else []
     interceptors.append(ParseErrorInterceptor())  # after auth: an unauthenticated payload is never parsed
     options = server_options(max_message_mb, max_receive_mb=max_request_mb)
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    servicer = SchedulerServicer(engine, default_max_tokens, extra_stats, max_prompt_chars)
+    servicer = SchedulerServicer(engine, default_max_tokens, extra_stats, max_prompt_chars, pooling)
     serving_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

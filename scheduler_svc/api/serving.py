@@ -12,6 +12,8 @@ import grpc
 import structlog
 
 from proto import serving_pb2, serving_pb2_grpc
+from scheduler_svc.api.embed import embed_request, run_embed
+from scheduler_svc.api.prompt import prompt_from_proto
 from scheduler_svc.api.status import DOMAIN_ERRORS, abort, abort_with
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.pinning import PinLedger, pin_on_core
@@ -24,39 +26,19 @@ from scheduler_svc.planning.validation import (
     check_in_vocab,
     check_num_samples,
     check_prompt_chars,
-    check_prompt_ids,
     check_request_id,
     check_sampling,
     check_sampling_token_ids,
     default_output_limit,
     output_limit,
 )
-from scheduler_svc.request import Request, SamplingOptions, TokenLogprob
+from scheduler_svc.request import PoolingOptions, Request, SamplingOptions, TokenLogprob
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected
 from scheduler_svc.text.tokenizer import ModelTokenizer
 from svc_common.peer_auth import bearer_token
 
 log = structlog.get_logger(__name__)
-
-
-async def prompt_from_proto(
-    msg: serving_pb2.GenerateRequest | serving_pb2.PinPrefixRequest, engine: Engine, max_chars: int
-) -> list[int]:
-    """Token ids of a message with `prompt` / `prompt_token_ids` (exactly one). A text
-    longer than `max_chars` is refused unread; a long one is tokenized off the event loop."""
-    has_text, has_ids = bool(msg.prompt), bool(msg.prompt_token_ids)
-    if has_text == has_ids:
-        raise RequestRejected("prompt", "give exactly one of prompt (non-empty text) and prompt_token_ids")
-    if has_ids:
-        prompt_ids = list(msg.prompt_token_ids)
-        check_prompt_ids(prompt_ids, engine.tokenizer.vocab_size)
-        return prompt_ids
-    check_prompt_chars(len(msg.prompt), max_chars)
-    prompt_ids = await engine.tokenizer.encode_async(msg.prompt)
-    if not prompt_ids:
-        raise RequestRejected("prompt", "the prompt encodes to no tokens")
-    return prompt_ids
 
 
 def request_from_proto(
@@ -230,10 +212,17 @@ ExtraStats = Callable[[], dict[str, Any]]
 
 class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     def __init__(
-        self, engine: Engine, default_max_tokens: int, extra_stats: ExtraStats = dict, max_prompt_chars: int = 0
+        self,
+        engine: Engine,
+        default_max_tokens: int,
+        extra_stats: ExtraStats = dict,
+        max_prompt_chars: int = 0,
+        pooling: PoolingOptions | None = None,
     ):
-        """max_prompt_chars: the longest text prompt; 0 = what can fit the context."""
+        """max_prompt_chars: the longest text prompt; 0 = what can fit the context. pooling:
+        --runner pooling's model pooling (Embed served, Generate refused); None: the reverse."""
         self.engine = engine
+        self.pooling = pooling
         self.default_max_tokens = default_max_tokens
         self.extra_stats = extra_stats
         self.max_prompt_chars = max_prompt_chars or engine.max_model_len * engine.tokenizer.longest_token_chars
@@ -247,6 +236,10 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        if self.pooling is not None:
+            await abort(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "this scheduler serves embeddings (--runner pooling)"
+            )
         try:
             check_request_id(request.request_id)
             prompt_ids = await prompt_from_proto(request, self.engine, self.max_prompt_chars)
@@ -277,6 +270,24 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
         finally:
             # Runs on normal end, client cancel and deadline alike: a request whose
             # client is gone is aborted and its blocks freed within one step.
+            self.engine.requests.release(req.request_id)
+
+    async def Embed(
+        self, request: serving_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.EmbedResponse:
+        if self.pooling is None:
+            await abort(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "this scheduler generates: start it with --runner pooling"
+            )
+        try:
+            req = await embed_request(request, self.engine, self.pooling, self.max_prompt_chars)
+        except DOMAIN_ERRORS as exc:
+            await abort_with(context, exc)
+        try:
+            return await run_embed(self.engine, req)
+        except DOMAIN_ERRORS as exc:
+            await abort_with(context, exc)
+        finally:
             self.engine.requests.release(req.request_id)
 
     async def Stats(
@@ -370,4 +381,5 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             model=cores[0].info.model_name if cores else "",
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.tokenizer.vocab_size,
+            runner="generate" if self.pooling is None else "pooling",
         )

@@ -37,6 +37,7 @@ class StreamEvent:
     # Set when the stream ends with an error instead (a domain error: api/status.py gives its code).
     error: Exception | None = None
     index: int = 0  # which of a request's n samples
+    embedding: list[float] | None = None  # a pooling request's, on its finished event
 
     def absorb(self, later: StreamEvent) -> None:
         """Append a later event of the same sample, so one message carries both
@@ -155,6 +156,7 @@ class RequestStream:
             self.timing.finish(str(reason or FinishReason.STOP))
         event = self._tokens_event(text, update, progress)
         event.finished, event.finish_reason = True, str(reason or FinishReason.STOP)
+        event.embedding = update.embedding
         event.usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
         self._put(event)
         self.closed = True

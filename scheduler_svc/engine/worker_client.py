@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from numpy.typing import NDArray
 
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine.errors import WorkerCallFailed
-from scheduler_svc.planning.plan import Alternatives, PlanMasks, ScheduledSeq, StepPlan, StepSamples
+from scheduler_svc.planning.plan import Alternatives, PlanMasks, RowPooling, ScheduledSeq, StepPlan, StepSamples
 from svc_common.grpc_options import DEFAULT_MAX_MESSAGE_MB, channel_options
 from svc_common.peer_auth import bearer_metadata
 
@@ -25,6 +26,12 @@ _TRANSIENT = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+
+_POOLING = {
+    RowPooling.NONE: worker_pb2.POOLING_NONE,
+    RowPooling.LAST: worker_pb2.POOLING_LAST,
+    RowPooling.SUM: worker_pb2.POOLING_SUM,
+}
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class WorkerInfo:
     kv_layout: str = "paged"
     max_batch: int = 0
     max_num_seqs: int = 0  # the worker's --max-num-seqs (0: an older worker that does not say)
+    hidden_size: int = 0  # a pooling row's vector length (0: an older worker that does not say)
 
     def batch_problem(self, max_num_seqs: int) -> str | None:
         """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
@@ -119,6 +127,8 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     )
     if any(s.num_drafts for s in seqs):
         columns.num_drafts.extend([s.num_drafts for s in seqs])
+    if any(s.pooling for s in seqs):
+        columns.pooling.extend([_POOLING[s.pooling] for s in seqs])
     for row, s in enumerate(seqs):
         if _has_extras(s):
             _fill_extras(columns.extras[row], s)
@@ -206,9 +216,24 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
                 end += count
     prompt = {p.seq_id: _prompt_rows(p) for p in reply.prompt_logprobs}
     samples = StepSamples(
-        seq_ids, list(c.token_ids), list(c.logprobs), top, prompt, list(c.num_accepted), list(c.draft_logprobs)
+        seq_ids,
+        list(c.token_ids),
+        list(c.logprobs),
+        top,
+        prompt,
+        list(c.num_accepted),
+        list(c.draft_logprobs),
+        _pooled(reply.pooled),
     )
     return StepResult(samples, reply.instance_id, reply.timings.forward_ms)
+
+
+def _pooled(p: worker_pb2.PooledColumns) -> dict[int, NDArray[np.float32]]:
+    """seq_id -> its vector, read straight from the bytes."""
+    if not p.seq_ids:
+        return {}
+    values = np.frombuffer(p.values, dtype="<f4").astype(np.float32).reshape(len(p.seq_ids), p.hidden_size)
+    return dict(zip(p.seq_ids, values))
 
 
 def _prompt_rows(p: worker_pb2.PromptLogprobs) -> list[tuple[float, Alternatives]]:
@@ -235,6 +260,7 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         kv_layout=reply.kv_layout or "paged",
         max_batch=reply.max_batch,
         max_num_seqs=reply.max_num_seqs,
+        hidden_size=reply.hidden_size,
     )
 
 

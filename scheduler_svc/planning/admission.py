@@ -37,7 +37,7 @@ class Admission:
         capacity, blocks, size = self.kv.max_request_tokens, self.kv.pool.num_blocks, self.kv.block_size
         layout = f"{blocks} blocks x {size}" if capacity == blocks * size else f"one slot of {size} per request"
         check_prompt_fits(request.num_prompt_tokens, self.config.max_model_len, capacity, layout)
-        check_sampling(request.sampling)
+        check_sampling(request.sampling, prefill_only=request.pooling is not None)
         if request.grammar is not None:
             check_constrained(request.sampling)
 

@@ -6,6 +6,7 @@ the planner."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,14 @@ from scheduler_svc.request import FinishReason, Request, SamplingOptions, TokenL
 
 if TYPE_CHECKING:
     from scheduler_svc.structured.matcher import GrammarMatcher
+
+
+class RowPooling(enum.IntEnum):
+    """What a row of a pooling request asks the worker for (worker.v1 Pooling)."""
+
+    NONE = 0
+    LAST = 1  # the chunk's last position's hidden state
+    SUM = 2  # the sum of the chunk's hidden states
 
 
 @dataclass(slots=True)
@@ -51,6 +60,7 @@ class ScheduledSeq:
     # (row i: after the input and i drafts; the last is the sampled position's), computed
     # when planned (speculation.constrained_drafts); None: unconstrained or no drafts.
     position_masks: NDArray[np.int32] | None = None
+    pooling: RowPooling = RowPooling.NONE  # a pooling request's chunk (planning/pooling.py)
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +128,7 @@ class StepSamples:
     # and the accepted drafts' logprobs, row after row.
     num_accepted: list[int] = field(default_factory=list)
     draft_logprobs: list[float] = field(default_factory=list)
+    pooled: dict[int, NDArray[np.float32]] = field(default_factory=dict)  # seq_id -> a pooling row's vector
     rows: dict[int, int] = field(init=False, repr=False)  # seq_id -> row
 
     def __post_init__(self) -> None:
@@ -154,6 +165,7 @@ class RequestUpdate:
     # The request ended with this error instead (its grammar refused the token: TokenRejected,
     # or hit a limit: GrammarFailed); the token is not in its outputs.
     error: Exception | None = None
+    embedding: list[float] | None = None  # a pooling request's, when it finishes
 
 
 def prompt_total(request: Request) -> int:

@@ -71,6 +71,7 @@ from scheduler_svc.planning.plan import (
     StepSamples,
     prompt_total,
 )
+from scheduler_svc.planning.pooling import row_pooling
 from scheduler_svc.planning.preemption import Preemption
 from scheduler_svc.planning.queues import QueueFull, RequestQueues
 from scheduler_svc.planning.results import StepResults, check_samples
@@ -269,6 +270,7 @@ class Planner:
                 token_from_previous_step=from_previous,
                 prompt_logprob_targets=_prompt_logprob_targets(request, start, end),
                 num_drafts=len(drafts),
+                pooling=row_pooling(request, end),
             )
             if sample:
                 self._add_sample_inputs(scheduled, request)

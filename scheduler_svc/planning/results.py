@@ -9,7 +9,16 @@ from collections.abc import Callable
 
 from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.planning.hooks import advance_grammar
-from scheduler_svc.planning.plan import Alternatives, RequestUpdate, ScheduledSeq, StepPlan, StepSamples, prompt_total
+from scheduler_svc.planning.plan import (
+    Alternatives,
+    RequestUpdate,
+    RowPooling,
+    ScheduledSeq,
+    StepPlan,
+    StepSamples,
+    prompt_total,
+)
+from scheduler_svc.planning.pooling import add_chunk, embedding
 from scheduler_svc.planning.queues import RequestQueues
 from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.request import FinishReason, Request, TokenLogprob
@@ -23,6 +32,8 @@ def check_samples(plan: StepPlan, live: list[tuple[Request, ScheduledSeq]], samp
         raise ValueError(f"step {plan.step_id}: no sampled token for seq_ids {missing}")
     if missing := [s.seq_id for _, s in live if s.prompt_logprob_targets and s.seq_id not in samples.prompt]:
         raise ValueError(f"step {plan.step_id}: no prompt logprobs for seq_ids {missing}")
+    if missing := [s.seq_id for _, s in live if s.pooling and s.seq_id not in samples.pooled]:
+        raise ValueError(f"step {plan.step_id}: no pooled hidden states for seq_ids {missing}")
 
 
 def _record_prompt_logprobs(request: Request, seq: ScheduledSeq, scored: list[tuple[float, Alternatives]]) -> None:
@@ -70,6 +81,8 @@ class StepResults:
         if request.prefill_only and computed == request.num_tokens:
             self._fork(request)
             return RequestUpdate(request.request_id, forked=True)
+        if request.pooling is not None:
+            return self._apply_pooled(request, seq, samples, computed)
         if not seq.sample:
             progress = None
             if not request.output_token_ids:
@@ -104,6 +117,26 @@ class StepResults:
             prefill_progress=progress,
             finished=reason is not None,
             finish_reason=reason,
+        )
+
+    def _apply_pooled(self, request: Request, seq: ScheduledSeq, samples: StepSamples, computed: int) -> RequestUpdate:
+        """A pooling request's chunk: its sum added up (mean pooling), and once the
+        prompt is computed the request ends with its embedding, freeing its blocks
+        (the full ones stay in the prefix cache)."""
+        vector = samples.pooled.get(seq.seq_id)
+        if seq.pooling is RowPooling.SUM and vector is not None:
+            add_chunk(request, seq.start_pos, vector)
+        progress = (computed, request.num_prompt_tokens)
+        if computed < request.num_tokens:
+            return RequestUpdate(request.request_id, prefill_progress=progress)
+        result = embedding(request, vector)
+        self.finish(request.request_id, FinishReason.STOP)
+        return RequestUpdate(
+            request.request_id,
+            prefill_progress=progress,
+            finished=True,
+            finish_reason=FinishReason.STOP,
+            embedding=result,
         )
 
     def _end_on_grammar_error(self, request: Request, error: Exception) -> RequestUpdate:

@@ -63,8 +63,9 @@ def output_limit(requested: int | None, prompt_tokens: int, max_model_len: int, 
     return requested
 
 
-def check_sampling(s: SamplingOptions) -> None:
-    if s.max_tokens < 1 and not (s.max_tokens == 0 and s.prompt_logprobs is not None):
+def check_sampling(s: SamplingOptions, prefill_only: bool = False) -> None:
+    """prefill_only: a pooling request, which generates nothing (max_tokens 0)."""
+    if s.max_tokens < 1 and not (s.max_tokens == 0 and (s.prompt_logprobs is not None or prefill_only)):
         raise RequestRejected(
             "max_tokens", f"must be > 0 (or 0 with prompt_logprobs: score the prompt only), got {s.max_tokens}"
         )

@@ -30,6 +30,7 @@ from worker_svc.runner.batch import ForwardBatch, HostBatch, check_references, p
 from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
 from worker_svc.runner.last_samples import LastSamples
 from worker_svc.runner.late_masks import LateMasks
+from worker_svc.runner.pooling import pool_rows
 from worker_svc.runner.upload import InputUploader, upload_batch
 from worker_svc.sampling.packed import HostPairs, Packed, TokenSampler
 from worker_svc.sampling.params import LogprobIndices, SamplingParams
@@ -197,6 +198,7 @@ class ModelRunner:
             samples = _sampled_rows(seq_ids, pairs, packed, params, return_logits, logits, *drafted)
             if prompt is not None:
                 prompt_logprobs = prompt.unpack(pairs, packed.layout)
+        pooled = pool_rows(step.seqs, host.order, hidden)
         t3 = time.perf_counter()
         timings = {
             "prepare_ms": (t1 - t0) * 1e3,
@@ -204,7 +206,7 @@ class ModelRunner:
             "sample_ms": (t3 - t2) * 1e3,
             "total_ms": (t3 - t0) * 1e3,
         }
-        return StepOutput(step.step_id, samples, len(step.seqs.token_ids), timings, prompt_logprobs)
+        return StepOutput(step.step_id, samples, len(step.seqs.token_ids), timings, prompt_logprobs, pooled)
 
     def _token_masks(self, step: StepInput) -> Callable[[], TokenMasks] | None:
         """The step's masks for the sampler: those it carries, and those of its

@@ -26,6 +26,7 @@ class _Row(NamedTuple):
     seed: int
     seeded: bool
     min_p: float
+    pooling: int
 
 
 class StepBuilder:
@@ -56,6 +57,7 @@ class StepBuilder:
         return_logits: bool = False,
         from_previous: bool = False,
         extras: RowExtras | None = None,
+        pooling: int = 0,
     ) -> StepBuilder:
         """One sequence; `slot_mapping` defaults to where `block_table` puts its tokens."""
         if slot_mapping is None:
@@ -80,6 +82,7 @@ class StepBuilder:
                 0 if seed is None else seed,
                 seed is not None,
                 min_p,
+                pooling,
             )
         )
         self._tokens.extend(token_ids)
@@ -117,5 +120,6 @@ class StepBuilder:
             slot_mapping=np.array(self._slots, np.int64),
             block_tables=np.array(self._tables, np.int64),
             extras=dict(self._extras),
+            pooling=np.array(c["pooling"], np.int64),
         )
         return StepInput(step_id, copy_pairs, seqs, previous_step_id)

@@ -126,6 +126,8 @@ class SeqColumns:
     # The inner positions' masks of the drafting rows in `masks` (their last position's):
     # each such row num_drafts times, ascending, in position order (worker.v1 draft_masks).
     draft_masks: TokenMasks | None = None
+    # Pooling: [S] a POOLING_* value per row (0: none); empty: no row pools.
+    pooling: IntArray = field(default_factory=_no_rows)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -134,6 +136,11 @@ class SeqColumns:
     def drafts(self) -> IntArray:
         """[S] drafts per row, 0 on every row when the step carries none."""
         return self.num_drafts if len(self.num_drafts) else np.zeros(len(self.seq_ids), dtype=np.int64)
+
+    @property
+    def pooled_rows(self) -> IntArray:
+        """The rows that return pooled hidden states, in step order."""
+        return np.flatnonzero(self.pooling) if len(self.pooling) else _no_rows()
 
     @property
     def context_lens(self) -> IntArray:

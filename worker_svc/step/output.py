@@ -44,6 +44,14 @@ class PromptLogprobsOut:
     top_logprobs: npt.NDArray[np.float32]  # [targets * top_n]
 
 
+@dataclass(frozen=True, slots=True)
+class PooledRows:
+    """The pooling rows' reduced hidden states (runner/pooling.py), in step row order."""
+
+    seq_ids: UIntArray  # [P]
+    values: npt.NDArray[np.float32]  # [P, hidden]
+
+
 @dataclass(slots=True)
 class StepOutput:
     step_id: int
@@ -51,3 +59,4 @@ class StepOutput:
     num_tokens: int
     timings_ms: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[PromptLogprobsOut] = field(default_factory=list)
+    pooled: PooledRows | None = None

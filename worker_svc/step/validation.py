@@ -13,6 +13,8 @@ import numpy.typing as npt
 from worker_svc.step.errors import InvalidStep, row_field
 from worker_svc.step.input import IntArray, RowExtras, SeqColumns, StepInput, TokenMasks
 
+_MAX_POOLING = 2  # worker.v1 Pooling: NONE, LAST, SUM
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -116,6 +118,8 @@ def _validate_seqs(seqs: SeqColumns, previous_step_id: int | None, limits: Limit
             "SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP needs exactly one (placeholder) token and the step's previous_step_id",
         )
     _validate_drafts(seqs)
+    if len(seqs.pooling):
+        _validate_pooling(seqs)
     if seqs.masks is not None or seqs.late_mask_rows.size:
         _validate_mask_rows(seqs, limits.vocab_size)
     if seqs.masks is not None or seqs.draft_masks is not None:
@@ -226,6 +230,18 @@ def _validate_logit_processing(field_name: str, e: RowExtras, vocab_size: int) -
         raise InvalidStep(f"{field_name}.penalties", "need finite presence and frequency, repetition > 0")
     _check_ids(f"{field_name}.penalties.output_token_ids", p.output_token_ids, vocab_size)
     _check_ids(f"{field_name}.penalties.prompt_token_ids", p.prompt_token_ids, vocab_size)
+
+
+def _validate_pooling(seqs: SeqColumns) -> None:
+    """A pooling row names a known reduction of its own chunk: its input is in
+    token_ids (not the previous step's sample) and it verifies no drafts."""
+    pooling = seqs.pooling
+    if (i := _first((pooling < 0) | (pooling > _MAX_POOLING))) is not None:
+        raise InvalidStep(row_field("pooling", i), f"unknown pooling {pooling[i]}")
+    if (i := _first((pooling != 0) & (seqs.from_previous | (seqs.drafts > 0)))) is not None:
+        raise InvalidStep(
+            row_field("pooling", i), "a pooling row takes neither SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP nor drafts"
+        )
 
 
 def _validate_prompt_logprobs(row: int, e: RowExtras, num_tokens: int, vocab_size: int) -> None:
