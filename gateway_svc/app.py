@@ -23,14 +23,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from gateway_svc import convert, structured
+from gateway_svc import convert, errors, structured
 from gateway_svc.anthropic.routes import MessagesAnswer, messages_router
 from gateway_svc.auth import forwarded_key
 from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
-from gateway_svc.convert import OpenAIError, ResponseShape, Sample
+from gateway_svc.convert import ResponseShape, Sample
 from gateway_svc.embeddings import embeddings_router
+from gateway_svc.errors import OpenAIError
 from gateway_svc.generation import (
     ClientGone,
     Generation,
@@ -125,7 +126,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         if model_id != config.model_id:
-            raise convert.model_not_found(model_id)
+            raise errors.model_not_found(model_id)
         return await model_card(request)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
@@ -176,7 +177,7 @@ def _model_checker(model_id: str) -> Callable[[str | None], None]:
 
     def served(model: str | None) -> None:
         if model and model != model_id:
-            raise convert.model_not_found(model)
+            raise errors.model_not_found(model)
 
     return served
 
@@ -226,7 +227,7 @@ async def _generate(
     except grpc.aio.AioRpcError as err:
         generation.cancel()
         live.discard(generation)
-        error = convert.grpc_error(err.code(), err.details())
+        error = errors.grpc_error(err.code(), err.details())
         log.info("scheduler error", code=err.code().name, status=error.status, details=err.details())
         raise structured.renamed_error(error, constraint_field) from None
     except BaseException:
@@ -340,17 +341,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def rpc_error(_: Request, err: grpc.aio.AioRpcError) -> JSONResponse:
-        mapped = convert.grpc_error(err.code(), err.details())
+        mapped = errors.grpc_error(err.code(), err.details())
         log.info("scheduler error", code=err.code().name, status=mapped.status, details=err.details())
         return _error_response(mapped)
 
     @app.exception_handler(ShuttingDown)
     async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
-        return _error_response(convert.shutting_down(str(err)))
+        return _error_response(errors.shutting_down(str(err)))
 
     @app.exception_handler(SlowReader)
     async def slow_reader(_: Request, err: SlowReader) -> JSONResponse:
-        return _error_response(convert.slow_reader(str(err)))
+        return _error_response(errors.slow_reader(str(err)))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:
@@ -361,19 +362,19 @@ def _add_error_handlers(app: FastAPI) -> None:
         # No route (404) or not this method (405): still OpenAI's shape, saying what was asked.
         type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         message = f"{err.detail}: {request.method} {request.url.path}"
-        return JSONResponse(convert.error_body(message, type_), status_code=err.status_code, headers=err.headers)
+        return JSONResponse(errors.error_body(message, type_), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         log.exception("internal error", error=repr(err))
-        return JSONResponse(convert.error_body("internal error", "internal_error"), status_code=500)
+        return JSONResponse(errors.error_body("internal error", "internal_error"), status_code=500)
 
 
 def _validation_to_openai(err: RequestValidationError) -> OpenAIError:
     """Pydantic's first error as one readable message; `param` is the field's dotted path."""
     first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
-        return convert.bad_request(_json_error(first, err.body))
+        return errors.bad_request(_json_error(first, err.body))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
     loc = [
@@ -384,7 +385,7 @@ def _validation_to_openai(err: RequestValidationError) -> OpenAIError:
         message = "unrecognized request argument (this server does not support it)"
     else:
         message = str(first.get("msg")).removeprefix("Value error, ")
-    return convert.bad_request(f"{param}: {message}" if param else message, param)
+    return errors.bad_request(f"{param}: {message}" if param else message, param)
 
 
 def _json_error(error: Any, body: Any) -> str:

@@ -9,7 +9,7 @@ import hmac
 from starlette.requests import Request
 from starlette.types import Scope
 
-from gateway_svc.convert import OpenAIError
+from gateway_svc.errors import OpenAIError
 
 UNAUTHORIZED = 401
 

@@ -3,8 +3,9 @@
 * requests: an OpenAI body becomes one `GenerateRequest` per choice (n samples
   of each prompt of the batch), each a `Sample` with its choice index;
 * responses: serving.v1 `GenerateResponse` messages become OpenAI JSON bodies
-  and stream chunks (`ResponseShape`), with `usage` summed over the choices;
-* errors: gRPC status codes become OpenAI error JSON and an HTTP status.
+  and stream chunks (`ResponseShape`), with `usage` summed over the choices.
+
+Errors in OpenAI's shape, and from gRPC status codes, are in errors.py.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from pydantic import ValidationError
 
 from gateway_svc.chat_output import ChatOutput, ChatStream
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
+from gateway_svc.errors import bad_request
 from gateway_svc.openai_types import (
     UINT64_MAX,
     ChatCompletionRequest,
@@ -34,37 +35,6 @@ from proto import serving_pb2
 
 # /v1/completions' max_tokens when the body leaves it unset (OpenAI's and vLLM's default there).
 COMPLETION_MAX_TOKENS = 16
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
-
-
-def shutting_down(why: str) -> OpenAIError:
-    return OpenAIError(503, why, "service_unavailable_error", None, "shutting_down")
-
-
-def slow_reader(why: str) -> OpenAIError:
-    return OpenAIError(503, why, "service_unavailable_error", None, "stream_buffer_full")
-
-
-def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 # ---------------------------------------------------------------- requests
@@ -494,39 +464,3 @@ def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     return {
         "content": [{**token(e.token, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
     }
-
-
-# ---------------------------------------------------------------- errors
-
-# gRPC status -> (HTTP status, OpenAI error type). Anything else is a 500.
-_GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),  # e.g. chat on a --runner pooling scheduler
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-
-
-# serving.v1 fields the scheduler names (its refusals read "FIELD: why") under another
-# OpenAI name; the others the requests share (max_tokens, stop, ...) keep theirs.
-_OPENAI_PARAM = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs", "token_ids": "tokens"}
-_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields) | {"tokens"}
-
-
-def refused_param(details: str) -> str | None:
-    """The request field a scheduler's refusal names, as the OpenAI request calls it."""
-    field = details.split(":", 1)[0] if ":" in details else ""
-    param = _OPENAI_PARAM.get(field, field)
-    return param if param in _REQUEST_FIELDS else None
-
-
-def grpc_error(code: grpc.StatusCode, details: str | None) -> OpenAIError:
-    status, type_ = _GRPC_TO_HTTP.get(code, (500, "internal_error"))
-    # The scheduler's messages are written for clients (never a stack trace): pass them on.
-    message = details or f"scheduler returned {code.name}"
-    param = refused_param(message) if status == 400 else None
-    return OpenAIError(status, message, type_, param, code.name.lower())

@@ -26,7 +26,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from gateway_svc.convert import bad_request
+from gateway_svc.errors import bad_request
 from gateway_svc.openai_types import STRICT, Text, TokenId
 from gateway_svc.openapi import ERROR_RESPONSES
 from gateway_svc.scheduler_client import Scheduler

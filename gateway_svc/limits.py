@@ -27,7 +27,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway_svc.auth import invalid_key, key_matches, scope_key
-from gateway_svc.convert import error_body
+from gateway_svc.errors import error_body
 
 TOO_LARGE = 413
 TOO_SLOW = 408

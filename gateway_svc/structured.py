@@ -26,7 +26,7 @@ from typing import Any
 
 from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
-from gateway_svc.convert import OpenAIError, bad_request
+from gateway_svc.errors import OpenAIError, bad_request
 from gateway_svc.forced_tools import ForcedCalls, required_schema
 from gateway_svc.openai_types import ChatCompletionRequest, OutputConstraint, SamplingFields
 from gateway_svc.reasoning import START_TAG, ReasoningParser, reasoning_parser

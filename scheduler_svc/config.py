@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
+from scheduler_svc.speculative.flags import SPECULATIVE_CONFIG_KEYS, speculative_options
 from scheduler_svc.speculative.ngram import NgramConfig
 from scheduler_svc.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
 from scheduler_svc.structured.limits import DEFAULT_MAX_CHARS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_RULES, GrammarLimits
 from scheduler_svc.structured.sandbox import DEFAULT_MEMORY_MB
-from svc_common.cli import flag_name
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
 from svc_common.targets import Target, parse_targets, targets_check
 from svc_common.tls import file_checks, pair_check
+from svc_common.zmq_endpoints import ZMQ_ENDPOINTS, zmq_bind_is_local, zmq_binds, zmq_endpoint_ok
 
 log = structlog.get_logger(__name__)
 
@@ -32,16 +31,6 @@ DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
 _NGRAM = NgramConfig()  # the speculative flags' defaults
-# --speculative-method's values (vLLM's names of the methods built here).
-SPECULATIVE_METHODS = ("ngram",)
-# vLLM's --speculative-config keys -> the fields of the flags they stand for.
-SPECULATIVE_CONFIG_KEYS = {
-    "method": "speculative_method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_min": "ngram_min",
-    "prompt_lookup_max": "ngram_max",
-    "disable_by_batch_size": "speculative_disable_by_batch_size",
-}
 
 
 @dataclass
@@ -391,8 +380,8 @@ class SchedulerConfig:
             ),
             (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
             (self.kv_events_buffer_steps >= 1, "--kv-events-buffer-steps", ">= 1"),
-            (_zmq_endpoint_ok(self.kv_events_zmq), "--kv-events-zmq", _ZMQ_ENDPOINTS),
-            (_zmq_endpoint_ok(self.kv_events_zmq_replay), "--kv-events-zmq-replay", _ZMQ_ENDPOINTS),
+            (zmq_endpoint_ok(self.kv_events_zmq), "--kv-events-zmq", ZMQ_ENDPOINTS),
+            (zmq_endpoint_ok(self.kv_events_zmq_replay), "--kv-events-zmq-replay", ZMQ_ENDPOINTS),
             (
                 not self.kv_events_zmq_replay or bool(self.kv_events_zmq),
                 "--kv-events-zmq-replay",
@@ -513,56 +502,13 @@ class SchedulerConfig:
         ]
 
     def speculative(self) -> NgramConfig | None:
-        """The drafts' options, from the flags or --speculative-config; None: off. A ValueError
-        names the flag or key at fault (the values' ranges: NgramConfig.problems, via the planner)."""
-        options = {name: getattr(self, name) for name in SPECULATIVE_CONFIG_KEYS.values()}
-        if self.speculative_config:
-            options = self._speculative_config_options()
-        method = options.pop("speculative_method")
-        if not method:
-            return None
-        if method not in SPECULATIVE_METHODS:
-            flag = "--speculative-config: method" if self.speculative_config else "--speculative-method"
-            raise ValueError(
-                f"{flag}: unknown method {method!r} (this scheduler has: {', '.join(SPECULATIVE_METHODS)})"
-            )
-        config = NgramConfig(
-            options["num_speculative_tokens"],
-            options["ngram_min"],
-            options["ngram_max"],
-            options["speculative_disable_by_batch_size"],
-        )
-        if self.speculative_config and (problems := config.problems()):
-            for key, name in SPECULATIVE_CONFIG_KEYS.items():  # name the JSON's keys, not the flags
-                problems = [p.replace(flag_name(name), key) for p in problems]
-            raise ValueError(f"--speculative-config: {'; '.join(problems)}")
-        return config
-
-    def _speculative_config_options(self) -> dict[str, Any]:
-        """--speculative-config's JSON as the flags' fields; keys left out take the flags' defaults."""
-        try:
-            given = json.loads(self.speculative_config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config: not JSON ({exc})") from None
-        if not isinstance(given, dict):
-            raise ValueError('--speculative-config: must be a JSON object, e.g. {"method": "ngram"}')
-        if unknown := sorted(given.keys() - SPECULATIVE_CONFIG_KEYS.keys()):
-            raise ValueError(
-                f"--speculative-config: unknown key(s) {', '.join(unknown)} "
-                f"(known: {', '.join(SPECULATIVE_CONFIG_KEYS)})"
-            )
-        if not isinstance(given.get("method"), str) or not given["method"]:
-            raise ValueError('--speculative-config: method must be given, a string (e.g. "ngram")')
-        for key, value in given.items():
-            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
+        """The drafts' options, from the flags or --speculative-config; None: off (speculative/flags.py)."""
         defaults = SchedulerConfig()
-        beside = [flag_name(n) for n in SPECULATIVE_CONFIG_KEYS.values() if getattr(self, n) != getattr(defaults, n)]
-        if beside:
-            raise ValueError(f"--speculative-config: not with {', '.join(beside)} (give those options in the JSON)")
-        options = {name: getattr(defaults, name) for name in SPECULATIVE_CONFIG_KEYS.values()}
-        options.update({SPECULATIVE_CONFIG_KEYS[key]: value for key, value in given.items()})
-        return options
+        return speculative_options(
+            {name: getattr(self, name) for name in SPECULATIVE_CONFIG_KEYS.values()},
+            {name: getattr(defaults, name) for name in SPECULATIVE_CONFIG_KEYS.values()},
+            self.speculative_config,
+        )
 
     def planner_config(self, max_model_len: int, block_size: int, max_num_seqs: int) -> PlannerConfig:
         """The planner's options for a worker holding `max_model_len` tokens per request in
@@ -581,34 +527,3 @@ class SchedulerConfig:
             constrained_ahead=self.constrained_ahead,
             scheduling_policy=self.scheduling_policy,
         )
-
-
-_ZMQ_ENDPOINTS = "'', tcp://HOST:PORT (HOST may be *), ipc://PATH or inproc://NAME"
-_ZMQ_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
-
-
-def zmq_binds(endpoint: str) -> bool:
-    """A KV-event endpoint the scheduler binds (subscribers connect to it): a wildcard or loopback
-    host, ipc:// or inproc://. Any other host is a proxy it connects to (vLLM's rule, loopback added)."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
-    return host in _ZMQ_WILDCARDS or is_loopback(host)
-
-
-def zmq_bind_is_local(endpoint: str) -> bool:
-    """Only this machine can subscribe: a loopback host, ipc:// (file permissions) or inproc://."""
-    return endpoint.startswith(("ipc://", "inproc://")) or is_loopback(
-        endpoint.removeprefix("tcp://").rpartition(":")[0]
-    )
-
-
-def _zmq_endpoint_ok(endpoint: str) -> bool:
-    """'' (off) or an endpoint whose port (tcp) or name can be offset per worker rank."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not endpoint:
-        return True
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        return bool(host and colon and port.isdigit() and 0 < int(port) <= 65535)
-    return bool(sep and rest) and scheme in ("ipc", "inproc")

@@ -18,7 +18,8 @@ from fastapi.responses import Response
 
 from gateway_svc import structured
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.convert import OpenAIError, Results, Sample
+from gateway_svc.convert import Results, Sample
+from gateway_svc.errors import OpenAIError
 from gateway_svc.generation import Generation, answer_steps, guarded
 from gateway_svc.openai_types import ChatCompletionRequest
 from gateway_svc.openapi import ERROR_RESPONSES, GENERATION_RESPONSES

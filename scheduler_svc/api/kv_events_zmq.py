@@ -39,10 +39,10 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from scheduler_svc.config import zmq_binds
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub, WorkerKvEvents
 from scheduler_svc.kv.events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from svc_common.peer_auth import Credentials
+from svc_common.zmq_endpoints import zmq_binds
 
 log = structlog.get_logger(__name__)
 

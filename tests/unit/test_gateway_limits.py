@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 
 from gateway_svc.bodies import MAX_NESTING
-from gateway_svc.convert import grpc_error, tenant_salt
+from gateway_svc.convert import tenant_salt
+from gateway_svc.errors import grpc_error
 from tests.helpers.fake_scheduler import WAIT_S, assert_openai_error, chat_model_dir, running_gateway, sse_payloads
 
 
