@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+SOURCES = (
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "linear_cpu.cpp",
+    CSRC / "elementwise_cpu.cpp",
+    CSRC / "moe_cpu.cpp",
+)
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.
 CFLAGS = (
