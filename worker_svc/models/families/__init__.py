@@ -1,5 +1,5 @@
 """One module per family; importing this package registers them all (registry.py)."""
 
-from worker_svc.models.families import gemma, granite, llama, mistral, olmo2, phi3, qwen
+from worker_svc.models.families import gemma, granite, llama, mistral, moe, olmo2, phi3, qwen
 
-__all__ = ["gemma", "granite", "llama", "mistral", "olmo2", "phi3", "qwen"]
+__all__ = ["gemma", "granite", "llama", "mistral", "moe", "olmo2", "phi3", "qwen"]
