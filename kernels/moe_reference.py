@@ -56,7 +56,7 @@ def fused_moe(
         tokens, slots = torch.where(topk_ids == e)
         if tokens.numel() == 0:
             continue
-        gate, up = F.linear(x[tokens], w_gate_up[e]).split([inter, inter], dim=-1)
+        gate, up = F.linear(x[tokens], w_gate_up[e]).chunk(2, dim=-1)
         y = F.linear(activate(gate, activation) * up, w_down[e])
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
     return out.to(x.dtype)
