@@ -53,17 +53,24 @@ def _activate(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _row_block(sorted_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's row block: its expert, its rows of the sorted pairs, their
+    pair indices and which are real (not padding)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    return expert, rows, pair, pair < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    expert, rows, pair, valid = _row_block(sorted_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     token = pair // top_k
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert * 2 * inter * hidden
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -87,12 +94,8 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_pairs, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, rows, pair, valid = _row_block(sorted_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert * hidden * inter
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
