@@ -36,6 +36,7 @@ SOURCES = (
     CSRC / "linear_cpu.cpp",
     CSRC / "elementwise_cpu.cpp",
     CSRC / "quant_linear_cpu.cpp",
+    CSRC / "moe_cpu.cpp",
 )
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.

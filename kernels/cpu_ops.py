@@ -8,7 +8,9 @@ kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
   ``add_rms_norm`` and ``rope_write_kv`` (an unquantized cache; a quantized one takes
   the reference's write, which quantizes);
 * and, outside the reference's op set, the linear layers the CPU decoder streams its
-  weights through (linear_cpu.cpp): ``pack_linear`` once at load, ``linear`` per call.
+  weights through (linear_cpu.cpp): ``pack_linear`` once at load, ``linear`` per call;
+  and the mixture-of-experts op over the selected experts only (moe_cpu.cpp):
+  ``pack_experts`` once at load, ``fused_moe`` (kernels/moe_reference.py's) per call.
 
 A drop-in for kernels.reference wherever the worker picks an op module (like
 kernels.triton on CUDA); write_kv and copy_blocks are the reference's. Where the
@@ -32,7 +34,9 @@ __all__ = [
     "contiguous_decode_attention",
     "contiguous_prefill_attention",
     "copy_blocks",
+    "fused_moe",
     "linear",
+    "pack_experts",
     "pack_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -227,4 +231,29 @@ def linear(x: Tensor, packed: Tensor, out_features: int, in_features: int, activ
     if x.stride(-1) != 1:
         x = x.contiguous()
     y: Tensor = torch.ops.pagedserve_cpu.linear(x, packed, out_features, in_features, activation)
+    return y
+
+
+def pack_experts(weights: Tensor, gated: bool) -> Tensor:
+    """Every expert's [N, K] weight of `weights` [E, N, K] packed as `pack_linear`
+    does: [E, packed] (gated: each expert's [gate; up] rows)."""
+    return torch.stack([pack_linear(w, gated) for w in weights])
+
+
+def fused_moe(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: str = "silu",
+    intermediate_size: int | None = None,
+) -> Tensor:
+    """moe_reference.fused_moe over `pack_experts` weights (w_gate_up gated), computing
+    only the selected experts; intermediate_size is required (the packed rows do not
+    say it)."""
+    assert intermediate_size is not None, "the packed experts need intermediate_size"
+    y: Tensor = torch.ops.pagedserve_cpu.fused_moe(
+        x, topk_ids, topk_weights, w_gate_up, w_down, intermediate_size, activation
+    )
     return y

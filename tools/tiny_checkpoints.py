@@ -309,6 +309,34 @@ DENSE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     ),
 }
 
+# Mixture of experts: 8 (4) experts, top-2, routers drawn at WEIGHT_STD like every
+# weight, so router logits spread over units and tokens pick different experts.
+MOE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
+    # Layer 1 of 3 dense (mlp_only_layers), top-k weights not renormalised.
+    "qwen3_moe": lambda ids: _dense(
+        "Qwen3MoeConfig",
+        ids,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # A window of 16 on every layer: below the tests' longer prompts.
+    "mixtral": lambda ids: _dense(
+        "MixtralConfig",
+        ids,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
 FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     "llama": lambda ids: _llama(ids, num_kv_heads=2, llama3_rope=True),
     "llama_mqa": lambda ids: _llama(ids, num_kv_heads=1, llama3_rope=False),
@@ -318,6 +346,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
     "gemma3": lambda ids: _gemma3(ids, num_kv_heads=2),
     "gemma3_mqa": lambda ids: _gemma3(ids, num_kv_heads=1),
     **DENSE_FAMILIES,
+    **MOE_FAMILIES,
 }
 
 

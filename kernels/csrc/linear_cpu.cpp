@@ -50,6 +50,7 @@
 #endif
 
 #include "cpu_vec.h"
+#include "linear_cpu.h"
 
 namespace {
 
@@ -382,6 +383,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 }
 
 }  // namespace
+
+at::Tensor pagedserve_cpu::linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                                         int64_t in_features, c10::string_view activation) {
+  return ::linear(x, packed, out_features, in_features, activation);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("pack_linear(Tensor weight, bool gated) -> Tensor");

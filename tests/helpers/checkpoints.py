@@ -17,3 +17,8 @@ def tiny_checkpoint(family: str) -> Path:
     from tools.tiny_checkpoints import ensure_checkpoint
 
     return ensure_checkpoint(family)
+
+
+# Mixture of experts (tools/tiny_checkpoints.py: MOE_FAMILIES), tested by
+# tests/integration/test_moe_families.py and the chunked-prefill test.
+MOE_FAMILIES = ("qwen3_moe", "mixtral")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers.checkpoints import DENSE_FAMILIES, TINY_FAMILIES, tiny_checkpoint
+from tests.helpers.checkpoints import DENSE_FAMILIES, MOE_FAMILIES, TINY_FAMILIES, tiny_checkpoint
 from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
 from worker_svc.worker import Worker
@@ -51,7 +51,7 @@ def run_sequence(worker: Worker, prompt: list[int], chunk: int, table: list[int]
     return logits, tokens
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES + DENSE_FAMILIES)
+@pytest.mark.parametrize("family", TINY_FAMILIES + DENSE_FAMILIES + MOE_FAMILIES)
 def test_chunked_equals_one_shot_prefill(family):
     worker = Worker(WorkerConfig(model=str(tiny_checkpoint(family)), dtype="float32", num_blocks=64, num_threads=2))
     prompt = [random.Random(1).randrange(4, worker.info.vocab_size) for _ in range(PROMPT_LEN)]

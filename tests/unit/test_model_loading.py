@@ -62,7 +62,7 @@ def test_a_bias_the_config_does_not_declare_is_refused(tmp_path):
         ("mistral", {"quantization_config": {"quant_method": "awq"}}, "quantization_config (quant_method 'awq')"),
         ("llama", {"hidden_act": "relu"}, "hidden_act 'relu'"),
         ("llama", {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "rope_type 'proportional'"),
-        ("llama", {"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
+        ("llama", {"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
         ("mistral", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary"),
     ],
 )

@@ -28,6 +28,7 @@ from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.gguf import is_gguf, read_gguf
 from worker_svc.models.layers import rms_norm
 from worker_svc.models.linear import Projection, Weight, dense, place
+from worker_svc.models.moe import SparseMoe, load_sparse_moe
 from worker_svc.models.projections import gated_projection, projection, tied_head
 from worker_svc.models.rope import rope_cos_sin
 from worker_svc.models.spec import ModelSpec, load_spec
@@ -70,14 +71,15 @@ class LayerOps(Protocol):
 class LayerWeights:
     qkv: Projection  # q, k, v projections fused: one matmul
     o: Projection
-    gate_up: Projection  # act(gate) * up: the gate and up projections fused with the activation
-    down: Projection
+    gate_up: Projection | None  # act(gate) * up: the gate and up projections fused with the activation
+    down: Projection | None  # (both None in a mixture-of-experts layer: `moe`)
     attn_norm: torch.Tensor | None  # before attention (None: OLMo 2 norms only after)
     mlp_norm: torch.Tensor | None  # before the MLP
     post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms, OLMo 2 post-norms
     post_mlp_norm: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: Projection | None = None  # a sparse mixture-of-experts block in place of the MLP
 
 
 # Where each family's layer norms sit (spec.norms), by checkpoint name: before
@@ -169,6 +171,9 @@ class DecoderModel:
         def take(name: str) -> Weight:
             return place(tensors.pop(name), device, dtype)
 
+        def take_dense(name: str) -> torch.Tensor:  # experts: no GGUF MoE is read, so tensors
+            return dense(take(name), dtype)
+
         def bias(names: list[str], present: bool) -> torch.Tensor | None:
             return torch.cat([dense(take(n), dtype) for n in names]) if present else None
 
@@ -184,21 +189,30 @@ class DecoderModel:
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
-            gate_up_bias = bias([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
+            moe: SparseMoe | None = None
+            gate_up: Projection | None = None
+            if spec.moe is not None and spec.moe.sparse_layers[i]:
+                moe = load_sparse_moe(
+                    spec.moe, mlp, lambda name: dense(take(name), dtype), spec.activation, cpu_linears
+                )
+            else:
+                gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
+                gate_up_bias = bias([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
+                gate_up = gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears)
             pre_attn, pre_mlp, post_attn, post_mlp = NORM_NAMES[spec.norms]
             layers.append(
                 LayerWeights(
                     qkv=linear(attn, ["q_proj", "k_proj", "v_proj"], spec.qkv_bias),
                     o=linear(attn, ["o_proj"], spec.o_bias),
-                    gate_up=gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears),
-                    down=linear(mlp, ["down_proj"], spec.mlp_bias),
+                    gate_up=gate_up,
+                    down=None if moe else linear(mlp, ["down_proj"], spec.mlp_bias),
                     attn_norm=norm(pre_attn and p + pre_attn + ".weight"),
                     mlp_norm=norm(pre_mlp and p + pre_mlp + ".weight"),
                     post_attn_norm=norm(post_attn and p + post_attn + ".weight"),
                     post_mlp_norm=norm(post_mlp and p + post_mlp + ".weight"),
                     q_norm=norm(attn + "q_norm.weight" if spec.qk_norm else None),
                     k_norm=norm(attn + "k_norm.weight" if spec.qk_norm else None),
+                    moe=moe,
                 )
             )
         embed_weight = take("model.embed_tokens.weight")
@@ -251,8 +265,15 @@ class DecoderModel:
         attn = attention(i, q, k, v, cos, sin, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
         attn = self._block_output(w.o(attn), w.post_attn_norm)
         x, residual = self._add_norm(attn, residual, w.mlp_norm)
-        mlp = self._block_output(w.down(w.gate_up(x)), w.post_mlp_norm)
+        mlp = self._block_output(self._mlp(w, x), w.post_mlp_norm)
         return mlp, residual
+
+    @staticmethod
+    def _mlp(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if w.moe is not None:
+            return w.moe(x)
+        assert w.gate_up is not None and w.down is not None
+        return w.down(w.gate_up(x))
 
     def _add_norm(
         self, delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None

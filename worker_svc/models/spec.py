@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.families import family_of
+from worker_svc.models.moe import MoeSpec
 from worker_svc.models.registry import Family
 from worker_svc.models.rope import RopeTable, rope_table
 
@@ -54,6 +55,7 @@ class ModelSpec:
     residual_scale: float = 1.0  # Granite: residual_multiplier on each block's output
     logits_divisor: float = 1.0  # Granite: logits_scaling
     final_softcap: float = 0.0  # Gemma 2: logits = cap * tanh(logits / cap)
+    moe: MoeSpec | None = None  # sparse mixture-of-experts blocks (models/moe.py)
 
     @property
     def sliding_window(self) -> int:

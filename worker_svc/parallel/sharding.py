@@ -5,7 +5,9 @@ computing its heads and its MLP columns. Row-parallel (input columns split):
 o and down projections, whose partial outputs the ranks sum (one all-reduce
 each, layers.py). The output projection is split by vocabulary (the rank's
 logits slice, gathered on rank 0 for sampling). Norms, the embedding and
-everything else are replicated.
+everything else are replicated. A mixture-of-experts block splits each expert as
+a dense MLP (its width), keeps the router whole, and sums its output (one
+all-reduce).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from worker_svc.models import DecoderModel
 from worker_svc.models.errors import UnsupportedModel
+from worker_svc.models.moe import MoeSpec
 from worker_svc.models.spec import ModelSpec
 from worker_svc.models.weights import Tensors
 from worker_svc.parallel.layers import RowParallel, VocabParallelHead
@@ -36,7 +39,10 @@ def load_rank_model(model_dir: str, dtype: torch.dtype, group: TensorParallelGro
     )
     for layer in model.layers:
         layer.o = RowParallel(layer.o, group)
-        layer.down = RowParallel(layer.down, group)
+        if layer.down is not None:
+            layer.down = RowParallel(layer.down, group)
+        if layer.moe is not None:  # each rank's experts give a partial sum over their columns
+            layer.moe = RowParallel(layer.moe, group)
     model.lm_head = VocabParallelHead(model.lm_head, group, model.spec.vocab_size)
     return model
 
@@ -71,9 +77,12 @@ def shard_checkpoint(spec: ModelSpec, tensors: Tensors, layout: RankLayout) -> t
                 if f"{name}.{kind}" in tensors:
                     tensors[f"{name}.{kind}"] = tensors[f"{name}.{kind}"][rows]
         for name, columns in ((attn + "o_proj", q), (ffn + "down_proj", mlp)):
+            if name + ".weight" not in tensors:  # a mixture-of-experts layer's (_shard_experts)
+                continue
             tensors[name + ".weight"] = tensors[name + ".weight"][:, columns].contiguous()
             if name + ".bias" in tensors and layout.rank != 0:
                 tensors[name + ".bias"] = torch.zeros_like(tensors[name + ".bias"])
+    moe = _shard_experts(spec, tensors, layout)
     tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors
     head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
     tensors["lm_head.weight"] = _vocab_slice(head, layout.vocab_rows)
@@ -83,8 +92,29 @@ def shard_checkpoint(spec: ModelSpec, tensors: Tensors, layout: RankLayout) -> t
         num_kv_heads=len(layout.kv_heads),
         intermediate_size=len(layout.mlp_columns),
         tie_word_embeddings=False,
+        moe=moe,
     )
     return local, tensors
+
+
+def _shard_experts(spec: ModelSpec, tensors: Tensors, layout: RankLayout) -> MoeSpec | None:
+    """Each expert split as a dense MLP is (its gate/up rows, its down columns) over
+    the expert's own width; the router is replicated. The rank's MoeSpec."""
+    if spec.moe is None:
+        return None
+    width = spec.moe.intermediate_size
+    if width % layout.size:
+        raise UnsupportedModel(
+            f"{spec.model_type}: --tensor-parallel-size {layout.size} does not divide the experts' width {width}"
+        )
+    columns = _rows(dataclasses.replace(layout, intermediate_size=width).mlp_columns, 1)
+    for i, sparse in enumerate(spec.moe.sparse_layers):
+        for e in range(spec.moe.num_experts if sparse else 0):
+            expert = f"model.layers.{i}.mlp.experts.{e}."
+            for name in ("gate_proj", "up_proj"):
+                tensors[expert + name + ".weight"] = tensors[expert + name + ".weight"][columns]
+            tensors[expert + "down_proj.weight"] = tensors[expert + "down_proj.weight"][:, columns].contiguous()
+    return dataclasses.replace(spec.moe, intermediate_size=width // layout.size)
 
 
 def _rows(units: range, width: int) -> slice:

@@ -1,10 +1,10 @@
 """One module per family; importing this package registers them all (registry.py)."""
 
 from worker_svc.models.errors import UnsupportedModel
-from worker_svc.models.families import gemma, granite, llama, mistral, olmo2, phi3, qwen
+from worker_svc.models.families import gemma, granite, llama, mistral, moe, olmo2, phi3, qwen
 from worker_svc.models.registry import FAMILIES, Family
 
-__all__ = ["gemma", "granite", "llama", "mistral", "olmo2", "phi3", "qwen", "family_of", "listing"]
+__all__ = ["gemma", "granite", "llama", "mistral", "moe", "olmo2", "phi3", "qwen", "family_of", "listing"]
 
 
 def family_of(model_type: str) -> Family:

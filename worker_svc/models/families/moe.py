@@ -1,0 +1,78 @@
+"""Mixture-of-experts families: sparse MoE blocks in place of (some) MLPs
+(models/moe.py), attention as Llama's.
+
+* Qwen3-MoE: q/k norms per head (as Qwen3), top-k of the softmax, renormalised
+  when norm_topk_prob; layer i is sparse unless it is in mlp_only_layers or
+  (i + 1) % decoder_sparse_step != 0 (those keep a dense MLP of intermediate_size);
+  sliding_window on every layer when use_sliding_window. No shared experts
+  (Qwen2-MoE's are not served: its model_type is refused).
+* Mixtral: top-k of the softmax, always renormalised, every layer sparse; experts'
+  w1/w3/w2 are the gate/up/down projections (renamed here to those names); a
+  sliding window on every layer where the config sets one.
+
+router_aux_loss_coef, output_router_logits and router_jitter_noise only act in
+training: inference math does not read them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from worker_svc.models.families.mistral import every_layer_window
+from worker_svc.models.moe import MoeSpec
+from worker_svc.models.registry import Family, Shapes, register
+
+
+def _qwen3_moe(cfg: PretrainedConfig) -> dict[str, Any]:
+    bias = bool(getattr(cfg, "attention_bias", False))
+    dense = set(cfg.mlp_only_layers)
+    sparse = tuple(
+        i not in dense and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0
+        for i in range(cfg.num_hidden_layers)
+    )
+    moe = MoeSpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, sparse)
+    return {"qk_norm": "head", "qkv_bias": bias, "o_bias": bias, "moe": moe, **every_layer_window(cfg)}
+
+
+def _mixtral(cfg: PretrainedConfig) -> dict[str, Any]:
+    sparse = (True,) * cfg.num_hidden_layers
+    moe = MoeSpec(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, sparse)
+    return {"moe": moe, **every_layer_window(cfg)}
+
+
+# Mixtral's names -> the canonical MoE names: block_sparse_moe.gate and experts.E.w1/w3/w2.
+_MIXTRAL_NAME = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.weight")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_names(spec: Shapes, tensors: MutableMapping[str, torch.Tensor]) -> None:
+    for name in [n for n in tensors if _MIXTRAL_NAME.fullmatch(n)]:
+        match = _MIXTRAL_NAME.fullmatch(name)
+        assert match is not None
+        prefix, part, w = match.groups()
+        part = part if w is None else part.removesuffix(w) + _MIXTRAL_PROJ[w]
+        tensors[f"{prefix}mlp.{part}.weight"] = tensors.pop(name)
+
+
+register(
+    Family(
+        "qwen3_moe",
+        "Qwen/Qwen3-30B-A3B-Instruct-2507, Qwen3-235B-A22B",
+        switches=_qwen3_moe,
+        honours=frozenset({"sliding_window", "use_sliding_window", "attention_bias"}),
+    )
+)
+register(
+    Family(
+        "mixtral",
+        "mistralai/Mixtral-8x7B-Instruct-v0.1, Mixtral-8x22B-Instruct-v0.1",
+        switches=_mixtral,
+        honours=frozenset({"sliding_window"}),
+        canonical=_mixtral_names,
+    )
+)
