@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from bench.harness.machine import announce, peak_rss_mb, rss_mb
 from bench.harness.results import markdown_table, write_result
-from bench.harness.services import REPO
+from bench.harness.services import REPO, run_in_tree
 
 DTYPES = ("float32", "bfloat16")
 
@@ -57,19 +55,15 @@ def child(model_dir: str, loader: str, dtype_name: str) -> None:
             tensors.update(load_file(path))
         to_canonical(spec, tensors)
         model = DecoderModel.from_tensors(spec, tensors, dtype, cpu)
-    print(json.dumps({"peak": peak_rss_mb(pid) - base, "final": rss_mb(pid) - base, "layers": len(model.layers)}))
+    print(
+        "RSS", json.dumps({"peak": peak_rss_mb(pid) - base, "final": rss_mb(pid) - base, "layers": len(model.layers)})
+    )
 
 
 def measure(model_dir: str, loader: str, dtype_name: str) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.model_load", "--child", loader, dtype_name, "--model", model_dir],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    """The load in a fresh process (its peak RSS is the load's alone)."""
+    argv = ["-m", "bench.model_load", "--child", loader, dtype_name, "--model", model_dir]
+    result: dict[str, float] = run_in_tree(REPO, argv, "RSS")
     return result
 
 

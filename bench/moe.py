@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from bench.cpu.worker_step import STEPS, blocks_needed, measure
 from bench.harness.results import fmt, markdown_table, write_result
+from bench.harness.services import REPO
 from svc_common.cpu_features import read_cpu_features
 from worker_svc.config import WorkerConfig
 from worker_svc.worker import Worker
@@ -87,23 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     isa = read_cpu_features().describe()
     emit(section="machine", cpu=isa, torch=torch.__version__, threads=1)
     num_blocks = max(blocks_needed(STEPS[s]) for s in DECODES)
-    with tempfile.TemporaryDirectory() as root:
-        workers = {
-            kind: Worker(
-                WorkerConfig(model=str(build(kind, Path(root))), dtype="bfloat16", num_blocks=num_blocks, num_threads=1)
-            )
-            for kind in ("moe", "dense")
-        }
-        active = {kind: active_params(w) for kind, w in workers.items()}
-        rows = []
-        for step in DECODES:
-            ms = measure(workers, STEPS[step], args.rounds)
-            tok_s = {kind: STEPS[step].seqs / v * 1e3 for kind, v in ms.items()}
-            ratio = tok_s["moe"] / tok_s["dense"]
-            emit(section="step", step=step, ms=ms, tok_s=tok_s, moe_over_dense=ratio)
-            rows.append(
-                [step, fmt(ms["moe"]), fmt(ms["dense"]), fmt(tok_s["moe"]), fmt(tok_s["dense"]), f"{ratio:.2f}x"]
-            )
+    root = REPO / ".cache" / "bench_moe"  # the two tiny checkpoints, rebuilt each run
+    workers = {
+        kind: Worker(WorkerConfig(model=str(build(kind, root)), dtype="bfloat16", num_blocks=num_blocks, num_threads=1))
+        for kind in ("moe", "dense")
+    }
+    active = {kind: active_params(w) for kind, w in workers.items()}
+    rows = []
+    for step in DECODES:
+        ms = measure(workers, STEPS[step], args.rounds)
+        tok_s = {kind: STEPS[step].seqs / v * 1e3 for kind, v in ms.items()}
+        ratio = tok_s["moe"] / tok_s["dense"]
+        emit(section="step", step=step, ms=ms, tok_s=tok_s, moe_over_dense=ratio)
+        rows.append([step, fmt(ms["moe"]), fmt(ms["dense"]), fmt(tok_s["moe"]), fmt(tok_s["dense"]), f"{ratio:.2f}x"])
     emit(section="active", mlp_params=active)
     if args.out:
         header = ["step", "MoE ms", "dense ms", "MoE tok/s", "dense tok/s", "MoE / dense tok/s"]

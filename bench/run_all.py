@@ -97,6 +97,16 @@ BENCHMARKS = [
         "issue 35 §1: a cold grammar compile in the sandbox vs in-process",
         plot=False,
     ),
+    Benchmark("model_load", (), "issue 37: peak RSS while loading vs the checkpoint's size", plot=False),
+    Benchmark(
+        "moe",
+        ("--rounds", "5", "--out", "moe"),
+        "issue 37: MoE decode vs dense with equal active parameters",
+        plot=False,
+    ),
+    Benchmark(
+        "embeddings", ("--batches", "1", "64"), "issue 39: embeddings/s at batch 1 and 64 vs transformers", plot=False
+    ),
     Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),

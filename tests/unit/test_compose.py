@@ -343,6 +343,8 @@ SLIM_IMAGES = {
             "prometheus_client": "prometheus_client",
             "tokenizers": "tokenizers",  # prefix routing over several schedulers
             "httpx": "httpx",  # /metrics scrapes the schedulers' endpoints
+            "numpy": "numpy",  # /v1/embeddings' base64 vectors
+            "h11": "h11",  # the request-head deadline (http_protocol.py)
         },
     ),
 }
@@ -397,6 +399,7 @@ def test_worker_image_installs_everything_its_code_imports():
         "safetensors": "safetensors",
         "tokenizers": "tokenizers",
         "numpy": "numpy",
+        "gguf": "gguf",  # --model FILE.gguf
     }
     imports = third_party_imports(["worker_svc", "kernels", "svc_common", "proto"])
     # torch comes from its own index in the Dockerfile; triton with the CUDA torch (GPU builds only).

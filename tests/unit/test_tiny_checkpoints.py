@@ -26,6 +26,8 @@ EXPECTED = {  # family -> (model_type, kv heads, tied embeddings)
     "gemma2": ("gemma2", 2, True),
     "olmo2": ("olmo2", 2, False),
     "granite": ("granite", 2, False),
+    "qwen3_moe": ("qwen3_moe", 2, False),
+    "mixtral": ("mixtral", 2, False),
 }
 
 

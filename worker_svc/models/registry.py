@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from worker_svc.models.moe import MoeSpec
+
 
 class Shapes(Protocol):
     """What a canonical step needs of the ModelSpec (spec.py, which imports the
@@ -33,6 +35,8 @@ class Shapes(Protocol):
     def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+    @property
+    def moe(self) -> MoeSpec | None: ...
 
 
 def _no_switches(cfg: PretrainedConfig) -> dict[str, Any]:

@@ -16,7 +16,6 @@ training: inference math does not read them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -45,18 +44,19 @@ def _mixtral(cfg: PretrainedConfig) -> dict[str, Any]:
     return {"moe": moe, **every_layer_window(cfg)}
 
 
-# Mixtral's names -> the canonical MoE names: block_sparse_moe.gate and experts.E.w1/w3/w2.
-_MIXTRAL_NAME = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.weight")
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
 def _mixtral_names(spec: Shapes, tensors: MutableMapping[str, torch.Tensor]) -> None:
-    for name in [n for n in tensors if _MIXTRAL_NAME.fullmatch(n)]:
-        match = _MIXTRAL_NAME.fullmatch(name)
-        assert match is not None
-        prefix, part, w = match.groups()
-        part = part if w is None else part.removesuffix(w) + _MIXTRAL_PROJ[w]
-        tensors[f"{prefix}mlp.{part}.weight"] = tensors.pop(name)
+    """Mixtral's block_sparse_moe.gate and experts.E.w1/w3/w2 -> the canonical MoE names,
+    for the experts the config declares (another expert keeps its name, and is refused by it)."""
+    assert spec.moe is not None
+    for i in range(spec.num_layers):
+        old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+        if old + "gate.weight" in tensors:
+            tensors[new + "gate.weight"] = tensors.pop(old + "gate.weight")
+        for e in range(spec.moe.num_experts):
+            for w, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                name = f"{old}experts.{e}.{w}.weight"
+                if name in tensors:
+                    tensors[f"{new}experts.{e}.{proj}.weight"] = tensors.pop(name)
 
 
 register(
