@@ -171,11 +171,11 @@ class DecoderModel:
         def take(name: str) -> Weight:
             return place(tensors.pop(name), device, dtype)
 
-        def take_dense(name: str) -> torch.Tensor:  # experts: no GGUF MoE is read, so tensors
+        def take_dense(name: str) -> torch.Tensor:  # biases, experts: tensors even in a GGUF file
             return dense(take(name), dtype)
 
         def bias(names: list[str], present: bool) -> torch.Tensor | None:
-            return torch.cat([dense(take(n), dtype) for n in names]) if present else None
+            return torch.cat([take_dense(n) for n in names]) if present else None
 
         def norm(name: str | None) -> torch.Tensor | None:
             # Norm weights stay fp32: they multiply fp32 activations in rms_norm.
@@ -192,9 +192,7 @@ class DecoderModel:
             moe: SparseMoe | None = None
             gate_up: Projection | None = None
             if spec.moe is not None and spec.moe.sparse_layers[i]:
-                moe = load_sparse_moe(
-                    spec.moe, mlp, lambda name: dense(take(name), dtype), spec.activation, cpu_linears
-                )
+                moe = load_sparse_moe(spec.moe, mlp, take_dense, spec.activation, cpu_linears)
             else:
                 gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
                 gate_up_bias = bias([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
