@@ -83,8 +83,12 @@ SERVED_MODEL := $(if $(filter $(MODEL_DIR) $(MODEL_DIR)/,$(MODEL)),model)
 $(MODEL_DIR)/config.json: | setup
 	$(PY) -m tools.prepare_default_model --out $(MODEL_DIR)
 
-test: setup setup-test model ## the test suite (~12 min on 2 cores; slow cases excluded)
-	$(PY) -m pytest -q
+# Files run on TEST_JOBS processes (pytest-xdist): a file's tests stay on one process, so
+# its module-scoped services start once; most of a test's time is its services' start-up
+# and round trips, which leave a core idle in a serial run.
+TEST_JOBS ?= 2
+test: setup setup-test model ## the test suite (~15 min on 2 cores; slow cases excluded)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-slow: setup setup-test model ## the slow cases only (fuzzer, long runs)
 	$(PY) -m pytest -q -m slow

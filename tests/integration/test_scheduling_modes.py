@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import TINY_FAMILIES, tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.sweeps import sweep
 from tools.processes import Cluster
 
 MODES = {"async": [], "sync": ["--no-async-scheduling"]}
@@ -80,14 +81,14 @@ def _check_crowded_forks(client: SchedulerClient, ref) -> None:
     assert client.stats().preemptions > before, "samples that outgrow the pool must preempt each other"
 
 
-# Every family in the default (async) mode; the other mode for llama and gemma3 (sliding
-# windows) in `make test`, for the rest in `make test-slow` (the mode is the scheduler's,
-# the family the worker's: they meet in few places).
-FAMILY_MODES = [
-    pytest.param(f, m, marks=[pytest.mark.slow] if m == "sync" and f not in ("llama", "gemma3") else [])
-    for m in MODES
-    for f in TINY_FAMILIES
-]
+# The mode is the scheduler's, the family the worker's: they meet in few places, and every
+# family meets transformers in process in `make test` (test_chunked_prefill.py). `make test`
+# keeps llama and gemma3 (sliding windows) in the default (async) mode and qwen3_mqa (one KV
+# head, q/k norms) in the other; the other families and modes are `make test-slow`'s.
+FAMILY_MODES = sweep(
+    [(f, m) for m in MODES for f in TINY_FAMILIES],
+    keep=[("llama", "async"), ("gemma3", "async"), ("qwen3_mqa", "sync")],
+)
 
 
 @pytest.mark.parametrize(("family", "mode"), FAMILY_MODES)
@@ -96,7 +97,7 @@ def test_every_family_is_token_exact_in_both_modes(family, mode):
     _check(cluster, family, expect_preemption=True)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", sweep(MODES, keep=["async"]))  # sync: one worker above
 def test_two_workers_in_both_modes(mode):
     cluster = Cluster(
         tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "64"], SCHEDULER + MODES[mode], num_workers=2

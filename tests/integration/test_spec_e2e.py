@@ -24,6 +24,7 @@ from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import SPEC_FLAGS, assert_pool_clean, hf_greedy, load_model, wait_idle
 from tests.helpers.logprob_reference import reference_greedy
 from tests.helpers.procs import Cluster, free_port
+from tests.helpers.sweeps import sweep
 
 MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 # Small steps and pool: drafts compete with prefill chunks for the budget, and requests wait.
@@ -41,7 +42,7 @@ def spec_totals(metrics_url: str) -> dict[str, float]:
     return totals
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", sweep(MODES, keep=["async"]))  # sync: make test-slow
 def test_tiny_model_tokens_are_exact_with_speculation(mode):
     """A random model rarely agrees with a lookup, so most drafts are rejected: the
     rejection paths (trim, no indexing of rejected positions) under load."""
