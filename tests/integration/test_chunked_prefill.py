@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import DENSE_FAMILIES, MOE_FAMILIES, TINY_FAMILIES, tiny_checkpoint
-from tests.helpers.worker_steps import Seq, sampled, step_input
+from tests.helpers.worker_steps import chunked_greedy
 from worker_svc.config import WorkerConfig
 from worker_svc.worker import Worker
 
@@ -18,37 +18,8 @@ CHUNKS = (1, 7, 16, 100)
 DECODE_STEPS = 3
 
 
-def slots(table: list[int], start: int, end: int) -> list[int]:
-    return [table[p // 16] * 16 + p % 16 for p in range(start, end)]
-
-
 def run_sequence(worker: Worker, prompt: list[int], chunk: int, table: list[int], seq_id: int):
-    """Prefill in `chunk`-token steps, then greedy decodes: (logits, tokens)."""
-    logits, tokens, pos, step_id = [], [], 0, seq_id * 1000
-    while pos < len(prompt):
-        end = min(pos + chunk, len(prompt))
-        sample = end == len(prompt)
-        out = worker.step(
-            step_input(
-                step_id,
-                [],
-                [Seq(seq_id, prompt[pos:end], pos, table, slots(table, pos, end), sample, return_logits=sample)],
-            )
-        )
-        step_id, pos = step_id + 1, end
-    for _ in range(DECODE_STEPS):
-        token = sampled(out)[0]
-        logits.append(token.logits)
-        tokens.append(token.token_id)
-        out = worker.step(
-            step_input(
-                step_id,
-                [],
-                [Seq(seq_id, [token.token_id], pos, table, slots(table, pos, pos + 1), True, return_logits=True)],
-            )
-        )
-        step_id, pos = step_id + 1, pos + 1
-    return logits, tokens
+    return chunked_greedy(worker, prompt, chunk, table, seq_id, DECODE_STEPS)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES + DENSE_FAMILIES + MOE_FAMILIES)
