@@ -14,7 +14,10 @@ per GPU) and renders gpu_check.md from everything recorded for that GPU.
    run under the interpreter. Packages the GPU machine lacks come from
    `make gpu-wheels` (run beforehand where pip works; see install_carried).
 1. tests: the kernel, KV-quantization, CUDA-graph, sampler (CUDA vs CPU, the
-   fused race), prefill-routing, device and memory tests, compiled on CUDA.
+   fused race), prefill-routing, device and memory tests, compiled on CUDA; the
+   MoE grouped GEMM and the soft-capped attention against their references, and
+   tiny Qwen2 / Gemma 2 / Qwen2-MoE workers on the GPU token-exact with
+   transformers.
 2. sanitizer: `compute-sanitizer --tool memcheck` over a small script (a KV
    write with slots -1, a split decode forced to many partitions, a quantized
    write and decode, a mixed prefill, the fused sampler), if the tool is there.
@@ -67,6 +70,9 @@ TEST_FILES = [
     "tests/unit/test_fused_ops.py",
     "tests/unit/test_kv_chunk_invariance.py",
     "tests/unit/test_contiguous_cache.py",
+    "tests/unit/test_moe_kernels.py",
+    "tests/unit/test_softcap_attention.py",
+    "tests/unit/test_families_on_device.py",
 ]
 OUTPUT_TAIL = 4000
 PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")

@@ -79,6 +79,7 @@ def _attend(
     scale: float,
     sliding_window: int,
     scales: KVScales | None,
+    softcap: float,
 ) -> Tensor:
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -92,6 +93,7 @@ def _attend(
         _int32(context_lens),
         float(scale),
         int(sliding_window),
+        float(softcap),
         *_scale_args(scales),
     )
     return out
@@ -107,14 +109,15 @@ def paged_decode_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """reference.paged_decode_attention, reading the blocks in place."""
     if not _kernel_takes(query):
         return reference.paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
-            scales=scales,
+            scales=scales, softcap=softcap,
         )  # fmt: skip
-    return _attend(query, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, scales)
+    return _attend(query, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, scales, softcap)
 
 
 def paged_prefill_attention(
@@ -128,14 +131,17 @@ def paged_prefill_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """reference.paged_prefill_attention, reading the blocks in place."""
     if not _kernel_takes(query):
         return reference.paged_prefill_attention(
             query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window,
-            scales=scales,
+            scales=scales, softcap=softcap,
         )  # fmt: skip
-    return _attend(query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window, scales)
+    return _attend(
+        query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, sliding_window, scales, softcap
+    )
 
 
 def contiguous_decode_attention(
@@ -148,14 +154,15 @@ def contiguous_decode_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """reference.contiguous_decode_attention: each slot is one block of max_seq_len tokens."""
     return paged_decode_attention(
         query, k_cache, v_cache, slots[:, None], context_lens, scale, sliding_window,
-        scales=scales,
+        scales=scales, softcap=softcap,
     ) if _kernel_takes(query) else reference.contiguous_decode_attention(
         query, k_cache, v_cache, slots, context_lens, scale, sliding_window,
-        scales=scales,
+        scales=scales, softcap=softcap,
     )  # fmt: skip
 
 
@@ -170,14 +177,15 @@ def contiguous_prefill_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """reference.contiguous_prefill_attention: each slot is one block of max_seq_len tokens."""
     return paged_prefill_attention(
         query, k_cache, v_cache, slots[:, None], cu_query_lens, context_lens, scale, sliding_window,
-        scales=scales,
+        scales=scales, softcap=softcap,
     ) if _kernel_takes(query) else reference.contiguous_prefill_attention(
         query, k_cache, v_cache, slots, cu_query_lens, context_lens, scale, sliding_window,
-        scales=scales,
+        scales=scales, softcap=softcap,
     )  # fmt: skip
 
 

@@ -165,6 +165,7 @@ def paged_prefill_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context.
 
@@ -172,11 +173,13 @@ def paged_prefill_attention(
     valid block id); cu_query_lens [S + 1]; context_lens [S] (cached + new tokens).
     A token at position p sees positions j <= p, and with a sliding window W > 0
     only j > p - W. Returns [T, q_heads, d] in query's dtype. A quantized cache is
-    read through its `scales`.
+    read through its `scales`. softcap > 0 (Gemma 2's attn_logit_softcapping) caps
+    the scaled scores, softcap * tanh(scores / softcap), before the mask and the
+    softmax; 0 leaves them as they are.
     """
     tables = _used_blocks(block_tables, context_lens, k_cache.shape[2])
     keys, values = _read_kv(lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, scales)
-    return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
+    return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window, softcap)
 
 
 def _used_blocks(block_tables: Tensor, context_lens: Tensor, block_size: int) -> Tensor:
@@ -196,6 +199,7 @@ def _varlen_attention(
     context_lens: Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float,
 ) -> Tensor:
     """Causal attention of varlen query rows over per-sequence K/V [S, kv_heads, K, d]
     whose position j is key j (K >= every context length; keys past a sequence's
@@ -225,9 +229,7 @@ def _varlen_attention(
     is_padding = rows[None, :] >= query_lens[:, None]
     mask |= is_padding[:, :, None] & (key_pos == 0)[None, None, :]
 
-    out = F.scaled_dot_product_attention(
-        padded, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != keys.shape[1]
-    )
+    out = _masked_attention(padded, keys, values, mask[:, None], scale, softcap)
     return out.transpose(1, 2)[seq_of_token, row_of_token]
 
 
@@ -241,17 +243,24 @@ def paged_decode_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
     query [S, q_heads, d] -> [S, q_heads, d]."""
     tables = _used_blocks(block_tables, context_lens, k_cache.shape[2])
     keys, values = _read_kv(lambda t: gather_context(t, tables), k_cache, v_cache, query.dtype, scales)
-    return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
+    return _decode_attention(query, keys, values, context_lens, scale, sliding_window, softcap)
 
 
 def _decode_attention(
-    query: Tensor, keys: Tensor, values: Tensor, context_lens: Tensor, scale: float, sliding_window: int
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
 ) -> Tensor:
     """The decode case of _varlen_attention (one query row per sequence, at
     position context_len - 1) without its padding: decode steps are most of a
@@ -261,15 +270,25 @@ def _decode_attention(
     mask = key_pos[None, :] <= last
     if sliding_window > 0:
         mask &= key_pos[None, :] > last - sliding_window
-    out = F.scaled_dot_product_attention(
-        query[:, :, None],
-        keys,
-        values,
-        attn_mask=mask[:, None, None],
-        scale=scale,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
-    return out[:, :, 0]
+    return _masked_attention(query[:, :, None], keys, values, mask[:, None, None], scale, softcap)[:, :, 0]
+
+
+def _masked_attention(
+    query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float
+) -> Tensor:
+    """query [S, heads, Q, d] over keys/values [S, kv_heads, K, d] where `mask`
+    (broadcast to [S, heads, Q, K]) allows. SDPA has no soft-cap, so a capped layer
+    runs transformers' eager math instead (Gemma 2): scores in the query's dtype,
+    scaled, capped, masked, softmax in fp32, rounded back to the query's dtype."""
+    gqa = query.shape[1] != keys.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, -torch.inf)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values)
 
 
 def copy_blocks(
@@ -305,13 +324,14 @@ def contiguous_prefill_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: sequence s owns slot
     slots[s] ([S] ints in [0, max_batch)) and its context is that slot's first
     context_lens[s] positions. Same query/varlen conventions, same result."""
     length = int(context_lens.max()) if context_lens.numel() else 0
     keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, scales)
-    return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window)
+    return _varlen_attention(query, keys, values, cu_query_lens, context_lens, scale, sliding_window, softcap)
 
 
 def contiguous_decode_attention(
@@ -324,11 +344,12 @@ def contiguous_decode_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence over the contiguous layout. query [S, q_heads, d]."""
     length = int(context_lens.max()) if context_lens.numel() else 0
     keys, values = _read_kv(lambda t: read_slots(t, slots, length), k_cache, v_cache, query.dtype, scales)
-    return _decode_attention(query, keys, values, context_lens, scale, sliding_window)
+    return _decode_attention(query, keys, values, context_lens, scale, sliding_window, softcap)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-VERSION = "1"
+VERSION = "2"
 MARKER = ".tiny_checkpoint_version"
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny_checkpoints"
 
@@ -292,8 +292,10 @@ DENSE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
         query_pre_attn_scalar=24,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         hidden_activation="gelu_pytorch_tanh",
-        attn_logit_softcapping=None,
-        final_logit_softcapping=3.0,  # well inside the logits' range, so the cap bites
+        # Both caps well inside their ranges (scores spread over several units here,
+        # real Gemma 2 caps at 50 / 30 over wider ones), so both bite.
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
         tie_word_embeddings=True,
     ),
     "olmo2": lambda ids: _dense("Olmo2Config", ids, attention_bias=True),
@@ -323,6 +325,24 @@ MOE_FAMILIES: dict[str, Callable[[dict[str, Any]], object]] = {
         norm_topk_prob=False,
         mlp_only_layers=[1],
         decoder_sparse_step=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # A shared expert (48 wide, sigmoid-gated) beside 8 routed ones (32 wide) in every
+    # sparse layer; decoder_sparse_step 2 makes layers 1 and 3 of 4 sparse, 0 and 2
+    # dense (64 wide); q/k/v biases (qkv_bias); top-k weights not renormalised.
+    "qwen2_moe": lambda ids: _dense(
+        "Qwen2MoeConfig",
+        ids,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        intermediate_size=64,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
+        qkv_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # A window of 16 on every layer: below the tests' longer prompts.

@@ -105,4 +105,11 @@ inline vfloat vexp_neg(vfloat x) {
   return p * two_n;
 }
 
+// tanh on every lane through exp(-2|x|), which cannot overflow: sign(x) (1 - e) / (1 + e).
+inline vfloat vtanh(vfloat x) {
+  const vfloat e = vexp_neg(x > 0 ? -2.0f * x : 2.0f * x);
+  const vfloat t = (1.0f - e) / (1.0f + e);
+  return x > 0 ? t : -t;
+}
+
 }  // namespace pagedserve_cpu

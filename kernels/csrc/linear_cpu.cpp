@@ -212,9 +212,7 @@ inline vfloat activate(vfloat g, vfloat u, Act act) {
     return g * sigmoid * u;
   }
   const vfloat y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
-  const vfloat e = vexp_neg(y > 0 ? -2.0f * y : 2.0f * y);               // exp(-2|y|)
-  const vfloat t = (1.0f - e) / (1.0f + e);
-  return 0.5f * g * (1.0f + (y > 0 ? t : -t)) * u;
+  return 0.5f * g * (1.0f + vtanh(y)) * u;
 }
 
 struct Problem {

@@ -3,7 +3,9 @@
 // One op, pagedserve_cpu::paged_attention, covers decode (one query row per
 // sequence: cu_query_lens = None) and prefill with context (varlen rows), every
 // cache dtype (fp32 / bf16 / fp16, and fp8 e4m3 / int8 with per-token-per-head
-// scales and zero points), GQA/MQA and sliding windows. Its semantics are those of
+// scales and zero points), GQA/MQA, sliding windows and Gemma 2's score soft-cap
+// (softcap > 0: scores = softcap * tanh(scores / softcap) before the mask and the
+// softmax). Its semantics are those of
 // kernels/reference.py (paged_prefill_attention / paged_decode_attention), the
 // test oracle: K/V are dequantized to fp32 and rounded to the query's dtype, as
 // the reference's `.to(query.dtype)` does, then attended in fp32 with an online
@@ -150,6 +152,7 @@ struct Args {
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
   int sliding_window;
+  float softcap;  // 0: scores are not capped
 };
 
 // n tokens of one block and KV head, [n][d] in the cache, into fp32 dst [n][d].
@@ -173,11 +176,11 @@ struct WorkItem {
 constexpr int kMaxHeadDim = 512;
 
 // Attention of one query vector (head g of row r) over keys [lo, hi) of the block in
-// kb / vb: scores, the online-softmax update of (m, l), and the running output o.
-// D > 0: head_dim as a compile-time constant, so q and o stay in registers.
+// kb / vb: scores (capped where cap > 0), the online-softmax update of (m, l), and the
+// running output o. D > 0: head_dim as a compile-time constant, so q and o stay in registers.
 template <int D>
 inline void attend_block(const float* __restrict__ q_in, const float* __restrict__ kb,
-                         const float* __restrict__ vb, int d, int lo, int hi, float* __restrict__ scores,
+                         const float* __restrict__ vb, int d, int lo, int hi, float cap, float* __restrict__ scores,
                          float& m, float& l, float* __restrict__ o_io) {
   constexpr int kLocal = D > 0 ? D : kMaxHeadDim;
   float q[kLocal], o[kLocal];
@@ -190,6 +193,13 @@ inline void attend_block(const float* __restrict__ q_in, const float* __restrict
     for (int i = 0; i < d; ++i) dot += q[i] * k[i];
     scores[j] = dot;
     block_max = std::max(block_max, dot);
+  }
+  if (cap > 0.0f) {  // a pass of its own: the uncapped dot-product loop stays as it was
+    block_max = kNegBig;
+    for (int j = lo; j < hi; ++j) {
+      scores[j] = cap * std::tanh(scores[j] / cap);
+      block_max = std::max(block_max, scores[j]);
+    }
   }
   const float m_new = std::max(m, block_max);
   const float correction = exp_neg(m - m_new);
@@ -302,7 +312,7 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
       if (lo >= hi) continue;
       for (int g = 0; g < group; ++g) {
         const int qi = (h * rows + r) * group + g;
-        attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, scores, m[qi], l[qi], acc + qi * d);
+        attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, a.softcap, scores, m[qi], l[qi], acc + qi * d);
       }
     }
   });
@@ -337,7 +347,7 @@ struct LaneTile {
 
 template <int D>
 inline void lanes_chunk(const float* __restrict__ qt, const float* __restrict__ kb, const float* __restrict__ vb,
-                        int jc, int nj, int j0, vint pos, int window, vfloat& m, vfloat& l,
+                        int jc, int nj, int j0, vint pos, int window, float cap, vfloat& m, vfloat& l,
                         float* __restrict__ acc, int lanes_used, float* __restrict__ pbuf) {
   // Scores of keys jc .. jc + kLanes of the block (rows past nj are masked below).
   vfloat s[kLanes];
@@ -346,6 +356,8 @@ inline void lanes_chunk(const float* __restrict__ qt, const float* __restrict__ 
     const vfloat q = vload(qt + i * kLanes);
     for (int j = 0; j < kLanes; ++j) s[j] += q * kb[(jc + j) * D + i];
   }
+  if (cap > 0.0f)
+    for (int j = 0; j < kLanes; ++j) s[j] = cap * vtanh(s[j] / cap);
   vfloat cmax = m;
   vint valid[kLanes];
   for (int j = 0; j < kLanes; ++j) {
@@ -441,7 +453,7 @@ void attend_item_lanes(const Args& a, const WorkItem& w, std::vector<float>& scr
       const int used = std::min(kLanes, lanes - lg * kLanes);
       for (int jc = 0; jc < n; jc += kLanes)
         lanes_chunk<D>(qt + at * D * kLanes, kb, vb, jc, std::min(kLanes, n - jc), j0, pos[lg], a.sliding_window,
-                       mv, lv, acc + at * kLanes * D, used, pbuf);
+                       a.softcap, mv, lv, acc + at * kLanes * D, used, pbuf);
       vstore(m + at * kLanes, mv);
       vstore(l + at * kLanes, lv);
     }
@@ -535,7 +547,7 @@ const int8_t* optional_i8(const std::optional<at::Tensor>& t, const at::Tensor& 
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const std::optional<at::Tensor>& cu_query_lens,
-                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                            const std::optional<at::Tensor>& k_zero, const std::optional<at::Tensor>& v_zero) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, heads, head_dim], head_dim contiguous");
@@ -586,6 +598,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   a.block_size = static_cast<int>(k_cache.size(2));
   a.scale = static_cast<float>(scale);
   a.sliding_window = static_cast<int>(sliding_window);
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: off), got ", softcap);
+  a.softcap = static_cast<float>(softcap);
   // Every position a row attends must have its block in the table.
   const int64_t table_width = block_tables.size(1);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -612,8 +626,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor? cu_query_lens, "
-      "Tensor context_lens, float scale, int sliding_window, Tensor? k_scale, Tensor? v_scale, Tensor? k_zero, "
-      "Tensor? v_zero) -> Tensor");
+      "Tensor context_lens, float scale, int sliding_window, float softcap, Tensor? k_scale, Tensor? v_scale, "
+      "Tensor? k_zero, Tensor? v_zero) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

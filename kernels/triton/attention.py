@@ -49,6 +49,7 @@ def _launch_attention(
     scales: KVScales | None = None,
     num_splits: int = 1,
     min_split_tokens: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -58,6 +59,7 @@ def _launch_attention(
     num_seqs = block_tables.shape[0]
     assert not decode or num_tokens == num_seqs, "decode takes one query token per sequence"
     assert num_splits >= 1 and (decode or num_splits == 1), f"num_splits {num_splits} (> 1 is for decode)"
+    assert softcap >= 0.0, f"softcap {softcap} (0: off)"
     scales = checked_scales(k_cache, v_cache, scales)
     if scales is not None:
         scale_ptrs, scale_strides = scale_pointers(scales), scales.k_scale.stride()
@@ -79,6 +81,7 @@ def _launch_attention(
         launch.device_capability(query.device),
         split=split,
         min_split_tokens=min_split_tokens,
+        softcap=softcap > 0,
     )
     # Decode: a program per (sequence, kv head[, partition]). Prefill: flat query
     # tiles (see _find_seq), an upper bound on their number that needs no device sync.
@@ -104,7 +107,8 @@ def _launch_attention(
         part_out,
         part_max,
         part_sum,
-        scale * LOG2E,
+        scale / softcap if softcap else scale * LOG2E,
+        softcap * LOG2E,
         sliding_window,
         num_seqs,
         num_splits,
@@ -142,13 +146,15 @@ def paged_prefill_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context.
 
     query [T, q_heads, d]; block_tables [S, max_blocks]; cu_query_lens [S + 1];
     context_lens [S] (cached + new tokens). A token at position p sees positions
     j <= p, and with a sliding window W > 0 only j > p - W. Returns [T, q_heads, d]
-    in query's dtype. A quantized cache is read through its `scales`."""
+    in query's dtype. A quantized cache is read through its `scales`; softcap > 0
+    caps the scores as reference.paged_prefill_attention does."""
     return _launch_attention(
         query,
         k_cache,
@@ -160,6 +166,7 @@ def paged_prefill_attention(
         sliding_window,
         decode=False,
         scales=scales,
+        softcap=softcap,
     )
 
 
@@ -173,6 +180,7 @@ def paged_decode_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context_lens[s] tokens).
 
@@ -195,6 +203,7 @@ def paged_decode_attention(
         num_splits=num_splits,
         scales=scales,
         min_split_tokens=launch.MIN_SPLIT_TOKENS,
+        softcap=softcap,
     )
 
 
@@ -210,6 +219,7 @@ def split_kv_decode_attention(
     num_splits: int,
     scales: KVScales | None = None,
     min_split_tokens: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """paged_decode_attention with each sequence's visible context cut into
     num_splits partitions of whole KV tiles, one program each, merged by a second
@@ -230,6 +240,7 @@ def split_kv_decode_attention(
         scales=scales,
         num_splits=num_splits,
         min_split_tokens=min_split_tokens,
+        softcap=softcap,
     )
 
 
@@ -244,6 +255,7 @@ def contiguous_prefill_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """reference.contiguous_prefill_attention: a contiguous cache [max_batch, kv_heads,
     max_seq_len, d] is a paged one whose blocks are max_seq_len long, one per
@@ -260,6 +272,7 @@ def contiguous_prefill_attention(
         sliding_window,
         decode=False,
         scales=scales,
+        softcap=softcap,
     )
 
 
@@ -273,6 +286,7 @@ def contiguous_decode_attention(
     sliding_window: int = 0,
     *,
     scales: KVScales | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """reference.contiguous_decode_attention (see contiguous_prefill_attention);
     split-KV as paged_decode_attention chooses it (a slot is max_seq_len long)."""
@@ -286,4 +300,5 @@ def contiguous_decode_attention(
         scale,
         sliding_window,
         scales=scales,
+        softcap=softcap,
     )

@@ -48,7 +48,8 @@ def paged_attention_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,  # split-KV partials, written only when SPLIT
-    qk_scale,  # scale * log2(e): the softmax runs in base 2
+    qk_scale,  # scale * log2(e): the softmax runs in base 2; SOFTCAP: scale / softcap
+    cap_scale,  # SOFTCAP: softcap * log2(e), the capped scores' factor (else unused)
     sliding_window,
     num_seqs,
     num_splits,  # SPLIT: partitions of each sequence's context (program axis 2)
@@ -75,6 +76,7 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
     DECODE: tl.constexpr,  # one query token per sequence: program 0 axis is the sequence
     SLIDING: tl.constexpr,  # sliding_window > 0
+    SOFTCAP: tl.constexpr,  # scores capped: softcap * tanh(scores / softcap) (Gemma 2)
     COMPUTE: tl.constexpr,  # dtype of the tl.dot inputs (accumulation is fp32)
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,  # cache: 0 = unquantized, 1 = FP8 e4m3, 2 = INT8 (kernels/quant.py)
@@ -162,6 +164,8 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + (dims * stride_cd)[None, :], mask=load_ok, other=0.0)
         k = from_cache(k, k_scale_ptr, k_zero_ptr, scale_off, kv_ok, COMPUTE, QUANT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # tanh(x) = 2 * sigmoid(2x) - 1
+            s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * cap_scale
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)

@@ -101,6 +101,7 @@ def attention_launch(
     interpret: bool = INTERPRET,
     split: bool = False,
     min_split_tokens: int = 0,
+    softcap: bool = False,
 ) -> tuple[dict[str, object], dict[str, int]]:
     """The compile-time parameters of paged_attention_kernel for one launch shape,
     and its launch options (warps, stages). `min_split_tokens` (split only): the
@@ -121,6 +122,7 @@ def attention_launch(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DECODE=decode,
         SLIDING=sliding,
+        SOFTCAP=softcap,
         COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # no TF32 for fp32 models
         QUANT=quant.quant_code(cache_dtype),

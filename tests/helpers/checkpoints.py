@@ -21,4 +21,4 @@ def tiny_checkpoint(family: str) -> Path:
 
 # Mixture of experts (tools/tiny_checkpoints.py: MOE_FAMILIES), tested by
 # tests/integration/test_moe_families.py and the chunked-prefill test.
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")

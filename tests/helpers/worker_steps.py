@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from worker_svc.sampling.sampler import Sampler
 from worker_svc.step.builder import StepBuilder
 from worker_svc.step.input import Penalties, RowExtras, SamplingColumns, StepInput
 from worker_svc.step.output import StepOutput
+
+if TYPE_CHECKING:
+    from worker_svc.worker import Worker
 
 
 @dataclass(frozen=True)
@@ -136,3 +140,31 @@ def sampled(out: StepOutput) -> list[SampledToken]:
         token.logits, token.top_token_ids, token.top_logprobs = rows.logits.get(i), ids, logprobs
         tokens.append(token)
     return tokens
+
+
+def chunked_greedy(
+    worker: Worker, prompt: Sequence[int], chunk: int, table: Sequence[int], seq_id: int, decode_steps: int
+) -> tuple[list[torch.Tensor | None], list[int]]:
+    """One sequence through `worker` (16-token blocks `table`): its prompt prefilled in
+    `chunk`-token steps, then `decode_steps` greedy decodes: (each sample's logits, tokens)."""
+
+    def slots(start: int, end: int) -> list[int]:
+        return [table[p // 16] * 16 + p % 16 for p in range(start, end)]
+
+    logits: list[torch.Tensor | None] = []
+    tokens: list[int] = []
+    pos, step_id = 0, seq_id * 1000
+    while pos < len(prompt):
+        end = min(pos + chunk, len(prompt))
+        sample = end == len(prompt)
+        rows = [Seq(seq_id, prompt[pos:end], pos, table, slots(pos, end), sample, return_logits=sample)]
+        out = worker.step(step_input(step_id, [], rows))
+        step_id, pos = step_id + 1, end
+    for _ in range(decode_steps):
+        token = sampled(out)[0]
+        logits.append(token.logits)
+        tokens.append(token.token_id)
+        rows = [Seq(seq_id, [token.token_id], pos, table, slots(pos, pos + 1), True, return_logits=True)]
+        out = worker.step(step_input(step_id, [], rows))
+        step_id, pos = step_id + 1, pos + 1
+    return logits, tokens

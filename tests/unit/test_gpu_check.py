@@ -62,3 +62,13 @@ def test_the_report_names_the_gpu_and_every_step(tmp_path, monkeypatch):
     assert text.startswith("# make gpu-check on NVIDIA H100 80GB HBM3")
     assert "| tests | pass | 61 | 120 passed |" in text and "| sanitizer | **FAIL** | 30 |" in text
     assert "## sanitizer" in text and "invalid read" in text
+
+
+def test_every_test_file_it_runs_exists_and_collects():
+    """The tests step runs these on the GPU; here (no GPU) they must at least exist and
+    import, so a renamed or broken file is not found first on a lent machine."""
+    assert all((REPO / f).is_file() for f in gpu_check.TEST_FILES)
+    assert {"tests/unit/test_moe_kernels.py", "tests/unit/test_families_on_device.py"} <= set(gpu_check.TEST_FILES)
+    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *gpu_check.TEST_FILES]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -55,14 +55,15 @@ def test_a_bias_the_config_does_not_declare_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("family", "config", "named"),
     [
-        ("gemma2", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ("mistral", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ("llama", {"sliding_window": 8}, "sliding_window=8"),
         ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
         ("qwen2", {"embedding_multiplier": 2.0}, "embedding_multiplier=2.0"),
         ("mistral", {"quantization_config": {"quant_method": "awq"}}, "quantization_config (quant_method 'awq')"),
         ("llama", {"hidden_act": "relu"}, "hidden_act 'relu'"),
         ("llama", {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "rope_type 'proportional'"),
-        ("llama", {"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
+        ("llama", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
+        ("mistral", {"qkv_bias": True}, "qkv_bias=True"),
         ("mistral", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary"),
     ],
 )
@@ -110,7 +111,7 @@ def test_every_registered_family_has_examples_and_lists_itself():
 
 
 def test_a_refused_model_exits_with_one_line_not_a_traceback(tmp_path):
-    ckpt = copy_checkpoint("gemma2", tmp_path / "m", {"attn_logit_softcapping": 50.0})
+    ckpt = copy_checkpoint("mistral", tmp_path / "m", {"attn_logit_softcapping": 50.0})
     run = subprocess.run(
         [sys.executable, "-m", "worker_svc", "--model", str(ckpt), "--port", "0", "--log-format", "json"],
         cwd=REPO,

@@ -1,7 +1,7 @@
 """The mixture-of-experts op (kernels/moe_reference.py, the oracle) and its kernels:
 the C++ CPU op (kernels/cpu_ops.py, moe_cpu.cpp) and the Triton grouped GEMM
-(kernels/triton/moe.py, under TRITON_INTERPRET=1 here), for fp32 and bf16, top-1
-and top-2, experts left without tokens, and a batch of none."""
+(kernels/triton/moe.py, compiled on CUDA, under TRITON_INTERPRET=1 without a GPU),
+for fp32 and bf16, top-1 and top-2, experts left without tokens, and a batch of none."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels import cpu_ops, moe_reference
 
@@ -103,6 +104,8 @@ def test_triton_fused_moe_matches_reference(tokens, top_k, dtype, activation):
 
     x, ids, weights, w_gate_up, w_down = problem(tokens, top_k, dtype, seed=tokens)
     expected = moe_reference.fused_moe(x, ids, weights, w_gate_up, w_down, activation)
-    out = triton_moe.fused_moe(x, ids, weights, w_gate_up, w_down, activation, intermediate_size=INTER)
+    device = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+    on_device = (t.to(device) for t in (x, ids, weights, w_gate_up, w_down))
+    out = triton_moe.fused_moe(*on_device, activation, intermediate_size=INTER).cpu()
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=ATOL[dtype])

@@ -1,9 +1,9 @@
 """The mixture-of-experts families at load: their specs (which layers are sparse,
 renormalised top-k, windows), each MoE block equal to transformers' own on the same
 hidden states (torch reference and C++ kernel), tensor parallelism's expert split
-summing back to the whole block, and what is refused by name (an expert tensor the
-config does not declare, a tensor-parallel size that does not divide the experts,
-Qwen2-MoE's shared experts)."""
+summing back to the whole block (Qwen2-MoE's shared expert included), and what is
+refused by name (an expert tensor the config does not declare, a tensor-parallel
+size that does not divide the experts)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ def test_specs_name_the_sparse_layers_and_the_routing():
     mixtral = load_spec(tiny_checkpoint("mixtral"))
     assert mixtral.moe is not None and mixtral.moe.renormalize
     assert mixtral.moe.sparse_layers == (True, True) and mixtral.layer_windows == (16, 16)
+    qwen2 = load_spec(tiny_checkpoint("qwen2_moe"))
+    assert qwen2.moe is not None and qwen2.moe.shared_intermediate_size == 48
+    assert qwen2.moe.sparse_layers == (False, True, False, True)  # decoder_sparse_step=2
+    assert not qwen2.moe.renormalize and qwen2.qkv_bias and not qwen2.o_bias
 
 
 def test_decoder_sparse_step_leaves_the_other_layers_dense(tmp_path):
@@ -52,15 +56,16 @@ def hf_block(family: str, layer: int):
 
 
 @pytest.mark.parametrize("cpu_kernel", [False, True], ids=["torch", "cpp"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_each_moe_block_equals_transformers(family, cpu_kernel):
+@pytest.mark.parametrize(("family", "layer"), [("qwen3_moe", 0), ("qwen2_moe", 1), ("mixtral", 0)])
+def test_each_moe_block_equals_transformers(family, layer, cpu_kernel):
     if cpu_kernel and not cpu_ops.available():
         pytest.skip("the C++ CPU kernel could not be built here")
-    ours = DecoderModel.load(tiny_checkpoint(family), torch.float32, CPU, cpu_linears=cpu_kernel).layers[0].moe
+    ours = DecoderModel.load(tiny_checkpoint(family), torch.float32, CPU, cpu_linears=cpu_kernel).layers[layer].moe
     assert ours is not None and ours.kernel == ("cpu" if cpu_kernel else "torch")
+    assert (ours.shared is not None) == (family == "qwen2_moe")
     x = torch.randn(1, 37, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = hf_block(family, 0)(x)
+        want = hf_block(family, layer)(x)
         if isinstance(want, tuple):
             want = want[0]
         got = ours(x[0])
@@ -71,9 +76,10 @@ def test_each_moe_block_equals_transformers(family, cpu_kernel):
     assert len(ids.unique()) > ours.spec.num_experts // 2  # the router spreads tokens over the experts
 
 
-def test_tensor_parallel_experts_sum_to_the_whole_block():
-    path = tiny_checkpoint("qwen3_moe")
-    whole = DecoderModel.load(path, torch.float32, CPU).layers[2].moe
+@pytest.mark.parametrize(("family", "layer"), [("qwen3_moe", 2), ("qwen2_moe", 3)])
+def test_tensor_parallel_experts_sum_to_the_whole_block(family, layer):
+    path = tiny_checkpoint(family)
+    whole = DecoderModel.load(path, torch.float32, CPU).layers[layer].moe
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
     parts = []
     for rank in range(2):
@@ -83,7 +89,8 @@ def test_tensor_parallel_experts_sum_to_the_whole_block():
         layout = RankLayout(rank, 2, spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size)
         local, tensors = shard_checkpoint(spec, tensors, layout)
         assert local.moe is not None and local.moe.intermediate_size == 16
-        part = DecoderModel.from_tensors(local, tensors, torch.float32, CPU).layers[2].moe
+        assert local.moe.shared_intermediate_size == (24 if family == "qwen2_moe" else 0)
+        part = DecoderModel.from_tensors(local, tensors, torch.float32, CPU).layers[layer].moe
         assert part is not None
         parts.append(part(x))
     assert whole is not None
@@ -108,10 +115,9 @@ def test_an_expert_the_config_does_not_declare_is_refused_by_name(tmp_path):
         DecoderModel.load(ckpt, torch.float32, CPU)
 
 
-def test_qwen2_moe_shared_experts_are_refused_by_model_type(tmp_path):
-    ckpt = tmp_path / "m"
-    shutil.copytree(tiny_checkpoint("qwen3_moe"), ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_moe"}))
-    with pytest.raises(UnsupportedModel, match="'qwen2_moe' is not supported"):
-        load_spec(ckpt)
+def test_a_shared_expert_tensor_parallelism_cannot_split_is_refused():
+    spec = load_spec(tiny_checkpoint("qwen2_moe"))  # routed experts 32 wide, the shared one 48
+    tensors = CheckpointTensors.open(Path(tiny_checkpoint("qwen2_moe")))
+    layout = RankLayout(0, 32, 32, 32, 32, spec.vocab_size)
+    with pytest.raises(UnsupportedModel, match="does not divide the shared expert's width 48"):
+        shard_checkpoint(spec, tensors, layout)

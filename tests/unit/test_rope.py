@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, Phi3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from kernels.reference import apply_rope
 from tests.helpers.checkpoints import tiny_checkpoint
 from tools.tiny_checkpoints import LONGROPE
+from worker_svc.models import load_spec
 from worker_svc.models.rope import partial_rotary_permutation, rope_cos_sin, rope_table
 
 HEAD_DIM = 16
@@ -86,3 +87,19 @@ def test_permuted_partial_rotary_gives_transformers_scores(rotary_dim):
         torch.einsum("thd,shd->hts", ours_q, ours_k), torch.einsum("thd,shd->hts", their_q, their_k), rtol=0, atol=1e-5
     )
     assert torch.equal(ours_q[..., order.argsort()][..., rotary_dim:], q[..., rotary_dim:])  # untouched
+
+
+def test_a_longrope_model_is_served_only_up_to_its_original_context():
+    """Past original_max_position_embeddings transformers switches the whole sequence
+    to the long factors (a 140-token prompt's first 100 positions differ from the
+    100-token prompt's), which a paged cache filled with the short ones cannot follow:
+    max_model_len stops at the original context (docs/design.md, RoPE)."""
+    path = tiny_checkpoint("phi3")
+    config = AutoConfig.from_pretrained(path)
+    assert load_spec(path).max_model_len == config.original_max_position_embeddings == 128
+    assert config.max_position_embeddings > 128
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(4, 700, (1, 140), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        short, long = model(ids[:, :100]).logits, model(ids).logits[:, :100]
+    assert not torch.allclose(short, long, atol=1e-3)

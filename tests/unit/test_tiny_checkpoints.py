@@ -27,6 +27,7 @@ EXPECTED = {  # family -> (model_type, kv heads, tied embeddings)
     "olmo2": ("olmo2", 2, False),
     "granite": ("granite", 2, False),
     "qwen3_moe": ("qwen3_moe", 2, False),
+    "qwen2_moe": ("qwen2_moe", 2, False),
     "mixtral": ("mixtral", 2, False),
 }
 

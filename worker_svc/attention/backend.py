@@ -66,7 +66,8 @@ class AddRmsNorm(Protocol):
 class DecodeAttention(Protocol):
     """One query row per sequence, query [S, q_heads, d], over its context: the
     blocks of its row of block_tables [S, W] (paged), or its slot, slots [S]
-    (contiguous)."""
+    (contiguous). softcap > 0 caps the scaled scores, softcap * tanh(s / softcap),
+    before the mask and the softmax (Gemma 2); 0: uncapped."""
 
     def __call__(
         self,
@@ -80,6 +81,7 @@ class DecodeAttention(Protocol):
         /,
         *,
         scales: Scales,
+        softcap: float = 0.0,
     ) -> Tensor: ...
 
 
@@ -100,6 +102,7 @@ class PrefillAttention(Protocol):
         /,
         *,
         scales: Scales,
+        softcap: float = 0.0,
     ) -> Tensor: ...
 
 

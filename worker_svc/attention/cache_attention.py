@@ -15,11 +15,19 @@ from worker_svc.attention.prefill_route import fresh_prefill_attention, sdpa_tak
 class CacheAttention:
     """models.decoder.Attention over `cache` for the step described by `metadata`."""
 
-    def __init__(self, cache: KVCachePool, metadata: AttentionMetadata, scale: float, route: str = "paged"):
+    def __init__(
+        self,
+        cache: KVCachePool,
+        metadata: AttentionMetadata,
+        scale: float,
+        route: str = "paged",
+        softcap: float = 0.0,
+    ):
         self.cache = cache
         self.metadata = metadata
         self.scale = scale
         self.route = route
+        self.softcap = softcap  # the model's score soft-cap (Gemma 2), 0: none
 
     def __call__(
         self,
@@ -51,8 +59,9 @@ class CacheAttention:
         window: int,
     ) -> torch.Tensor:
         if kind == "decode":
-            return self.cache.decode(layer, q, group, self.scale, window)
+            return self.cache.decode(layer, q, group, self.scale, window, self.softcap)
         longest = max(group.query_lens)
-        if kind == "fresh" and self.route == "sdpa" and sdpa_takes(self.cache.dtype, q.dtype, window, longest):
+        fresh_sdpa = self.route == "sdpa" and sdpa_takes(self.cache.dtype, q.dtype, window, longest, self.softcap)
+        if kind == "fresh" and fresh_sdpa:
             return fresh_prefill_attention(q, k, v, group.cu_query_lens, group.query_lens, self.scale)
-        return self.cache.prefill(layer, q, group, self.scale, window)
+        return self.cache.prefill(layer, q, group, self.scale, window, self.softcap)

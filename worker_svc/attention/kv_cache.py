@@ -87,13 +87,26 @@ class KVCachePool(Protocol):
         ...
 
     def decode(
-        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
+        self,
+        layer: int,
+        query: torch.Tensor,
+        group: AttentionGroup,
+        scale: float,
+        sliding_window: int,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Attention of one query row per sequence of `group` [S, q_heads, d] over its context."""
+        """Attention of one query row per sequence of `group` [S, q_heads, d] over its
+        context; softcap > 0 caps the scores (backend.DecodeAttention)."""
         ...
 
     def prefill(
-        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, sliding_window: int
+        self,
+        layer: int,
+        query: torch.Tensor,
+        group: AttentionGroup,
+        scale: float,
+        sliding_window: int,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of `group`'s chunks [T, q_heads, d] over their contexts."""
         ...
@@ -203,17 +216,21 @@ class _KVTensors:
         scales = self.layer_scales(layer)
         return self.ops.rope_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, scales=scales)
 
-    def decode(self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int) -> torch.Tensor:
+    def decode(
+        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int, softcap: float = 0.0
+    ) -> torch.Tensor:
         k_cache, v_cache = self.layer(layer)
         index, scales = self._index(group), self.layer_scales(layer)
-        return self._decode_op(query, k_cache, v_cache, index, group.context_lens, scale, window, scales=scales)
+        return self._decode_op(
+            query, k_cache, v_cache, index, group.context_lens, scale, window, scales=scales, softcap=softcap
+        )
 
     def prefill(
-        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int
+        self, layer: int, query: torch.Tensor, group: AttentionGroup, scale: float, window: int, softcap: float = 0.0
     ) -> torch.Tensor:
         k_cache, v_cache = self.layer(layer)
         index, lens, scales = self._index(group), (group.cu_query_lens, group.context_lens), self.layer_scales(layer)
-        return self._prefill_op(query, k_cache, v_cache, index, *lens, scale, window, scales=scales)
+        return self._prefill_op(query, k_cache, v_cache, index, *lens, scale, window, scales=scales, softcap=softcap)
 
     # What differs between the layouts: the ops that read them, and what a sequence's
     # table says (its blocks, or its slot).

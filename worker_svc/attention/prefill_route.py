@@ -33,12 +33,15 @@ def prefill_route(choice: str, device: torch.device, backend: str) -> str:
     return choice
 
 
-def sdpa_takes(cache_dtype: torch.dtype, query_dtype: torch.dtype, window: int, longest_chunk: int) -> bool:
+def sdpa_takes(
+    cache_dtype: torch.dtype, query_dtype: torch.dtype, window: int, longest_chunk: int, softcap: float = 0.0
+) -> bool:
     """Whether SDPA over fresh chunks' own K/V equals the paged op, which reads them
     back from the cache: only when the cache stores them as they are (same dtype;
-    a quantized or narrower cache changes them) and the layer's sliding window
-    hides nothing inside the chunk (none, or at least as long as the chunk)."""
-    return cache_dtype == query_dtype and (window == 0 or longest_chunk <= window)
+    a quantized or narrower cache changes them), the layer's sliding window hides
+    nothing inside the chunk (none, or at least as long as the chunk) and its scores
+    are not soft-capped (neither SDPA nor flash varlen caps them)."""
+    return cache_dtype == query_dtype and (window == 0 or longest_chunk <= window) and not softcap
 
 
 # A varlen call: (query, key, value, cu_seq_lens, max_len, scale) -> out, causal.

@@ -1,5 +1,7 @@
-"""Sparse mixture-of-experts blocks (Qwen3-MoE, Mixtral): a router and the experts,
-run as one op per backend (kernels/moe_reference.py's fused_moe signature).
+"""Sparse mixture-of-experts blocks (Qwen3-MoE, Mixtral, Qwen2-MoE): a router and the
+experts, run as one op per backend (kernels/moe_reference.py's fused_moe signature),
+and where the family has one (Qwen2-MoE) a shared expert every token takes: a dense
+gated MLP scaled by sigmoid(shared_expert_gate x), added to the routed experts' sum.
 
 The router is a plain linear to num_experts logits, multiplied as transformers does
 (F.linear in the model's dtype): a top-k choice must not flip on a different
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops, moe_reference
-from worker_svc.models.linear import cpu_kernel_takes
+from worker_svc.models.linear import Projection, cpu_kernel_takes
+from worker_svc.models.projections import gated_projection, projection
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,21 @@ class MoeSpec:
     intermediate_size: int  # each expert's
     renormalize: bool  # the top-k weights rescaled to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: a MoE block (else the dense MLP)
+    shared_intermediate_size: int = 0  # the shared expert's width (Qwen2-MoE); 0: none
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """sigmoid(x @ gate.T) * down(act(x @ w_gate.T) * (x @ w_up.T)): every token's.
+    Under tensor parallelism `mlp` is this rank's columns (a partial sum, as the
+    routed experts' is) and the scalar gate is whole, so the ranks' sum is exact."""
+
+    mlp_in: Projection  # gate and up with the activation, fused
+    mlp_out: Projection  # down
+    gate: torch.Tensor  # [1, hidden]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.gate)) * self.mlp_out(self.mlp_in(x))
 
 
 MoeOp = Callable[..., torch.Tensor]
@@ -55,9 +73,11 @@ class SparseMoe:
         w_down: torch.Tensor,
         activation: str,
         cpu_kernel: bool,
+        shared: SharedExpert | None = None,
     ):
         self.spec = spec
         self.router = router
+        self.shared = shared
         self.activation = activation
         self.op, self.kernel = _backend(w_gate_up, cpu_kernel)
         if self.kernel == "cpu":  # one copy: the packed one replaces the plain weights
@@ -66,9 +86,10 @@ class SparseMoe:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = moe_reference.select_experts(F.linear(x, self.router), self.spec.top_k, self.spec.renormalize)
-        return self.op(
+        routed = self.op(
             x, ids, weights, self.w_gate_up, self.w_down, self.activation, intermediate_size=self.spec.intermediate_size
         )
+        return routed if self.shared is None else routed + self.shared(x)
 
 
 def load_sparse_moe(
@@ -78,4 +99,14 @@ def load_sparse_moe(
     experts = [f"{prefix}experts.{e}." for e in range(spec.num_experts)]
     gate_up = torch.stack([torch.cat([take(e + "gate_proj.weight"), take(e + "up_proj.weight")]) for e in experts])
     down = torch.stack([take(e + "down_proj.weight") for e in experts])
-    return SparseMoe(spec, take(prefix + "gate.weight"), gate_up, down, activation, cpu_kernel)
+    shared = None
+    if spec.shared_intermediate_size:
+        mlp = prefix + "shared_expert."
+        shared = SharedExpert(
+            gated_projection(
+                take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight"), None, activation, cpu_kernel
+            ),
+            projection([take(mlp + "down_proj.weight")], None, cpu_kernel),
+            take(prefix + "shared_expert_gate.weight"),
+        )
+    return SparseMoe(spec, take(prefix + "gate.weight"), gate_up, down, activation, cpu_kernel, shared)

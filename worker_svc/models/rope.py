@@ -5,9 +5,10 @@ A table holds the inverse frequencies of the rotated dimensions and the factor
 that scales cos/sin (yarn's and longrope's attention factor). Longrope is served
 with its short factors up to original_max_position_embeddings (`max_len`, which
 caps max_model_len): once a sequence passes that length transformers drops its
-cache and recomputes the whole sequence with the long factors, which a paged
-cache would have to re-rotate in place; that is not done, so longer sequences are
-not served rather than served differently.
+cache and recomputes the whole sequence with the long factors (every layer's keys
+change, not just their rotation), which needs a per-sequence table choice and a
+recompute that the scheduler would drive (docs/design.md); that is not built, so
+longer sequences are not served rather than served differently.
 
 Partial rotary (Phi-3's partial_rotary_factor): only the first `rotary_dim` dims
 of a head rotate, pairing dim i with i + rotary_dim / 2. The checkpoint's q/k

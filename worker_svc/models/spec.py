@@ -55,6 +55,7 @@ class ModelSpec:
     residual_scale: float = 1.0  # Granite: residual_multiplier on each block's output
     logits_divisor: float = 1.0  # Granite: logits_scaling
     final_softcap: float = 0.0  # Gemma 2: logits = cap * tanh(logits / cap)
+    attn_softcap: float = 0.0  # Gemma 2: attention scores = cap * tanh(scores / cap), in every backend's op
     moe: MoeSpec | None = None  # sparse mixture-of-experts blocks (models/moe.py)
 
     @property
@@ -66,6 +67,7 @@ class ModelSpec:
 # family that does not read one (its `honours`) refuses any other value.
 NEUTRAL: dict[str, Any] = {
     "attention_bias": False,
+    "qkv_bias": False,
     "mlp_bias": False,
     "sliding_window": None,
     "use_sliding_window": False,

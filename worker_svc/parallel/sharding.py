@@ -6,8 +6,9 @@ o and down projections, whose partial outputs the ranks sum (one all-reduce
 each, layers.py). The output projection is split by vocabulary (the rank's
 logits slice, gathered on rank 0 for sampling). Norms, the embedding and
 everything else are replicated. A mixture-of-experts block splits each expert as
-a dense MLP (its width), keeps the router whole, and sums its output (one
-all-reduce).
+a dense MLP (its width), and a shared expert (Qwen2-MoE) as the dense MLP it is,
+keeps the router and the shared expert's scalar gate whole, and sums its output
+(one all-reduce).
 """
 
 from __future__ import annotations
@@ -99,22 +100,34 @@ def shard_checkpoint(spec: ModelSpec, tensors: Tensors, layout: RankLayout) -> t
 
 def _shard_experts(spec: ModelSpec, tensors: Tensors, layout: RankLayout) -> MoeSpec | None:
     """Each expert split as a dense MLP is (its gate/up rows, its down columns) over
-    the expert's own width; the router is replicated. The rank's MoeSpec."""
+    the expert's own width, the shared expert over its own; the router and the
+    shared expert's gate are replicated. The rank's MoeSpec."""
     if spec.moe is None:
         return None
-    width = spec.moe.intermediate_size
-    if width % layout.size:
-        raise UnsupportedModel(
-            f"{spec.model_type}: --tensor-parallel-size {layout.size} does not divide the experts' width {width}"
-        )
+    moe = spec.moe
+    width, shared = moe.intermediate_size, moe.shared_intermediate_size
+    for what, size in (("experts' width", width), ("shared expert's width", shared)):
+        if size % layout.size:
+            raise UnsupportedModel(
+                f"{spec.model_type}: --tensor-parallel-size {layout.size} does not divide the {what} {size}"
+            )
+    for i, sparse in enumerate(moe.sparse_layers):
+        experts = [f"model.layers.{i}.mlp.experts.{e}." for e in range(moe.num_experts if sparse else 0)]
+        for expert in experts:
+            _shard_mlp(tensors, expert, layout, width)
+        if sparse and shared:
+            _shard_mlp(tensors, f"model.layers.{i}.mlp.shared_expert.", layout, shared)
+    return dataclasses.replace(
+        moe, intermediate_size=width // layout.size, shared_intermediate_size=shared // layout.size
+    )
+
+
+def _shard_mlp(tensors: Tensors, prefix: str, layout: RankLayout, width: int) -> None:
+    """The rank's gate/up rows and down columns of the gated MLP at `prefix`, `width` wide."""
     columns = _rows(dataclasses.replace(layout, intermediate_size=width).mlp_columns, 1)
-    for i, sparse in enumerate(spec.moe.sparse_layers):
-        for e in range(spec.moe.num_experts if sparse else 0):
-            expert = f"model.layers.{i}.mlp.experts.{e}."
-            for name in ("gate_proj", "up_proj"):
-                tensors[expert + name + ".weight"] = tensors[expert + name + ".weight"][columns]
-            tensors[expert + "down_proj.weight"] = tensors[expert + "down_proj.weight"][:, columns].contiguous()
-    return dataclasses.replace(spec.moe, intermediate_size=width // layout.size)
+    for name in ("gate_proj", "up_proj"):
+        tensors[prefix + name + ".weight"] = tensors[prefix + name + ".weight"][columns]
+    tensors[prefix + "down_proj.weight"] = tensors[prefix + "down_proj.weight"][:, columns].contiguous()
 
 
 def _rows(units: range, width: int) -> slice:

@@ -76,7 +76,10 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The eager forward: hidden states [T, hidden] of the batch's rows. Sync-free
         on CUDA with the Triton backend, so cuda_graphs can capture it."""
-        attention = CacheAttention(self.cache, batch.attention, self.model.spec.attention_scale, self.prefill_route)
+        spec = self.model.spec
+        attention = CacheAttention(
+            self.cache, batch.attention, spec.attention_scale, self.prefill_route, spec.attn_softcap
+        )
         return self.model.forward(batch.input_ids, batch.positions, attention)
 
     def _prepare(
