@@ -12,6 +12,7 @@ overwrites it; between plans every tier-2 block is free, cached or not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.kv.block import BlockHash, KVBlock
@@ -47,10 +48,7 @@ class OffloadPool:
         block_size: int,
         medium: str,
         eviction_policy: str = "lru",
-        events: list[KVCacheEvent] | None = None,
     ) -> None:
-        """events: where BlockStored/BlockRemoved (with `medium`) go, in order with
-        the first tier's (its pool's list); None records nothing."""
         if num_blocks < 1:
             raise ValueError(f"an offload pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -59,7 +57,9 @@ class OffloadPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = make_free_queue(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
-        self.events = events
+        # Told of each BlockStored/BlockRemoved (with `medium`); kv/tiers.py records them
+        # in order with the first tier's.
+        self.on_event: Callable[[KVCacheEvent], None] | None = None
         self.blocks_reclaimed = 0  # cached tier-2 blocks whose hash a new copy dropped (monotonic)
 
     @property
@@ -69,6 +69,10 @@ class OffloadPool:
     @property
     def num_held_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
+
+    def free_block_ids(self) -> list[int]:
+        """Free queue in eviction order (next to be overwritten first)."""
+        return [block.block_id for block in self.free_queue]
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         block = self.cached.get(block_hash)
@@ -146,8 +150,8 @@ class OffloadPool:
         return problems
 
     def _record(self, event: KVCacheEvent) -> None:
-        if self.events is not None:
-            self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
 
 
 class SingleTier:

@@ -28,6 +28,7 @@ from dataclasses import replace
 from scheduler_svc.kv.block import KVBlock
 from scheduler_svc.kv.block_manager import KVCacheManager, KVCacheUsage, LeakError
 from scheduler_svc.kv.block_pool import BlockPool
+from scheduler_svc.kv.events import KVCacheEvent
 from scheduler_svc.kv.offload import NO_TRANSFERS, OffloadPool, TierCopy, TierTransfers
 from scheduler_svc.request import Request
 
@@ -50,6 +51,7 @@ class TieredKVCacheManager(KVCacheManager):
         super().__init__(pool, extra_keys=extra_keys, max_pinned_blocks=max_pinned_blocks)
         self.offload = offload
         pool.on_evict = self._copy_down
+        offload.on_event = self._record_event
         self._offloads: list[TierCopy] = []
         self._onloads: list[TierCopy] = []
         self._offload_hashes: list[bytes] = []
@@ -69,6 +71,10 @@ class TieredKVCacheManager(KVCacheManager):
         if dst is not None:
             self._offloads.append((block.block_id, dst))
             self._offload_hashes.append(block.block_hash)
+
+    def _record_event(self, event: KVCacheEvent) -> None:
+        if self.pool.record_events:
+            self.pool.events.append(event)
 
     # ---- prefix lookup over both tiers ------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -101,13 +107,15 @@ class TieredKVCacheManager(KVCacheManager):
         if needed + len(below) > self.pool.num_free_blocks - leaving:
             return None
         above = [b for b in hits if b >= 0]
-        # Held first: allocating the onload targets may evict, and must not evict these.
+        # Held first: allocating the onload targets may evict (and copy down), and must
+        # neither evict these tier-1 hits nor copy into these tier-2 sources.
         self.pool.touch(above)
+        for index in below:
+            self.offload.hold(-1 - hits[index])
         targets = self.pool.allocate(len(below))
         hashes = self._block_hashes(request, len(hits))
         for index, dst in zip(below, targets):
             src = -1 - hits[index]
-            self.offload.hold(src)
             parent = hashes[index - 1] if index else None
             tokens = request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
             self.pool.cache_full_blocks([dst], [hashes[index]], parent, tokens)
