@@ -16,8 +16,9 @@ ZmqEventPublisher), for KV-aware routers written for vLLM (`--kv-events-zmq`):
   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium],
   ["BlockRemoved", block_hashes, medium] or ["AllBlocksCleared"].
   Hashes are bytes (msgpack bin, our 32-byte sha256 digests); lora_id is nil,
-  medium "GPU" (the block pool) or the second tier's "CPU"/"DISK". (Recent vLLM releases encode each event as a map with a
-  `type` key instead; the batch stays an array.)
+  medium "GPU" (the block pool) or the second tier's "CPU"/"DISK". (Recent vLLM
+  releases encode each event as a map with a `type` key instead; the batch
+  stays an array.)
 * with `--kv-events-zmq-replay`, a ROUTER socket per worker (same offsets):
   a request [b"", start seq (8 bytes big-endian)] is answered with every
   buffered batch from that seq on, [b"", seq, payload] each, then

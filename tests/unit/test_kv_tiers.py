@@ -6,7 +6,6 @@ import pytest
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.block_pool import BlockPool
-from scheduler_svc.kv.events import BlockRemoved, BlockStored
 from scheduler_svc.kv.offload import OffloadPool, TierTransfers
 from scheduler_svc.kv.tiers import TieredKVCacheManager, tier2_handle
 from scheduler_svc.request import Request
@@ -107,11 +106,14 @@ def test_events_say_the_medium():
     b = req("b", B)
     prefill(kv, b)
     kinds = [(type(e).__name__, e.block_hashes, e.medium) for e in kv.take_events()]  # type: ignore[union-attr]
-    assert kinds == [
-        ("BlockStored", (a.block_hashes[1],), "DISK"),  # copied down as tier 1 reclaims it
-        ("BlockRemoved", (a.block_hashes[1],), "GPU"),
-        ("BlockStored", tuple(b.block_hashes[:2]), "GPU"),
-    ]
+    assert (
+        kinds
+        == [
+            ("BlockStored", (a.block_hashes[1],), "DISK"),  # copied down as tier 1 reclaims it
+            ("BlockRemoved", (a.block_hashes[1],), "GPU"),
+            ("BlockStored", tuple(b.block_hashes[:2]), "GPU"),
+        ]
+    )
 
 
 def test_a_lost_step_forgets_what_its_copies_were_to_fill():
@@ -146,7 +148,7 @@ def test_tier2_is_lru_and_a_present_hash_costs_no_copy():
         kv.free(r)
         kv.transfers_applied(kv.take_transfers())
     # Each request takes both tier-1 blocks, evicting the one before: a, b, c went down in turn.
-    first = req("a", [t for t in range(5)])
+    first = req("a", list(range(5)))
     assert kv.get_computed_blocks(first) == ([], 0)  # a's copy was the LRU one, overwritten by c's
     second = req("b", [10 + t for t in range(5)])
     hits, _ = kv.get_computed_blocks(second)
