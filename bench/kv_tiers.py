@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import time
 
 from bench.harness.load import random_token_ids
 from bench.harness.machine import announce, describe, load_average
 from bench.harness.results import markdown_table, mean, progress, pyplot, save_plot, write_result
-from bench.harness.services import DEFAULT_MODEL, Cluster, require_model, worker_info
+from bench.harness.services import DEFAULT_MODEL, REPO, Cluster, require_model, worker_info
 from scheduler_svc.client import SchedulerClient
 
 NAME = "kv_tiers"
@@ -75,9 +74,11 @@ def main() -> None:
     base = ["--dtype", "float32", "--num-blocks", str(tier1)]
     ttft: dict[str, list[float]] = {"tier2": [], "recompute": []}
     same = total = 0
+    # The worker maps its pool's files there and unlinks them at once: nothing stays behind.
+    offload_dir = REPO / ".cache" / "kv_tiers-offload"
+    offload_dir.mkdir(parents=True, exist_ok=True)
     with (
-        tempfile.TemporaryDirectory(prefix="kv-offload-") as offload_dir,
-        Cluster(model, [*base, "--kv-offload-blocks", str(tier2), "--kv-offload-dir", offload_dir]) as tiered,
+        Cluster(model, [*base, "--kv-offload-blocks", str(tier2), "--kv-offload-dir", str(offload_dir)]) as tiered,
         Cluster(model, base) as plain,
         SchedulerClient(tiered.address) as with_tier,
         SchedulerClient(plain.address) as without,
@@ -142,7 +143,7 @@ def main() -> None:
         f"round-robin, {USER_TOKENS}-token user messages, {ANSWER_TOKENS}-token greedy answers. First tier "
         f"{tier1} blocks ({args.tier1_conversations} conversations: the working set is "
         f"{args.conversations / args.tier1_conversations:.0f}x it); second tier {tier2} blocks "
-        f"({mib(tier2):.0f} MiB), file-backed under a temporary directory. Scaled down from the issue's 64 x 2k "
+        f"({mib(tier2):.0f} MiB), file-backed under .cache/. Scaled down from the issue's 64 x 2k "
         f"tokens over a tier for 16 to run in minutes on 2 shared cores. 1-minute load average {load_before:.1f} "
         f"before, {load_average():.1f} after. Run time {time.perf_counter() - started:.0f} s.\n\n"
         f"Command: `python -m bench.kv_tiers --conversations {args.conversations} --context-tokens "
