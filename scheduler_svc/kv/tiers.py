@@ -58,6 +58,7 @@ class TieredKVCacheManager(KVCacheManager):
         self._onload_hashes: list[bytes] = []
         # Transfers sent and not yet known done, oldest first: forgotten if their step is lost.
         self._unconfirmed: deque[TierTransfers] = deque()
+        # Tier-2 hits of the last allocate_slots: admission records the lookup right after it.
         self._last_tier2_hits = 0
         # Monotonic counters (the metrics): blocks copied each way, tokens found in tier 2.
         self.blocks_offloaded = 0
