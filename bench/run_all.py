@@ -99,6 +99,11 @@ BENCHMARKS = [
     ),
     Benchmark("model_load", (), "issue 37: peak RSS while loading vs the checkpoint's size", plot=False),
     Benchmark(
+        "kv_tiers",
+        ("--conversations", "8", "--context-tokens", "256", "--tier1-conversations", "2"),
+        "issue 41: a second KV tier vs recompute, multi-turn chat 4x the first tier",
+    ),
+    Benchmark(
         "moe",
         ("--rounds", "5", "--out", "moe"),
         "issue 37: MoE decode vs dense with equal active parameters",

@@ -50,6 +50,21 @@ class WorkerConfig:
             "choices": ("paged", "contiguous"),
         },
     )
+    kv_offload_gb: float = field(
+        default=0.0,
+        metadata={
+            "help": "a second KV tier under the prefix cache, this many GB: cached blocks the pool evicts are copied there and back up on a prefix hit; pinned host memory on CUDA, a file-backed pool under --kv-offload-dir on a CPU (0 = none)"
+        },
+    )
+    kv_offload_dir: str = field(
+        default="",
+        metadata={
+            "help": "directory for the file-backed second KV tier (required with --kv-offload-gb on a CPU, whose first tier is already host memory; on CUDA, set to put the tier on disk instead of pinned memory)"
+        },
+    )
+    kv_offload_blocks: int = field(
+        default=0, metadata={"help": "second KV tier size in blocks (overrides --kv-offload-gb; tests, benchmarks)"}
+    )
     max_batch: int = field(
         default=0,
         metadata={"help": "contiguous layout: slots (sequences at once); 0 = as many as fit in --kv-cache-memory-mb"},
@@ -157,6 +172,9 @@ class WorkerConfig:
             (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
             (self.num_blocks >= 0, "--num-blocks", ">= 0"),
             (self.max_batch >= 0, "--max-batch", ">= 0"),
+            (self.kv_offload_gb >= 0, "--kv-offload-gb", ">= 0"),
+            (self.kv_offload_blocks >= 0, "--kv-offload-blocks", ">= 0"),
+            *self._offload_checks(),
             (self.kv_cache_memory_mb >= 0, "--kv-cache-memory-mb", ">= 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization", "in (0, 1]"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", ">= 1"),
@@ -186,6 +204,23 @@ class WorkerConfig:
         for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
+
+    def _offload_checks(self) -> list[tuple[bool, str, str]]:
+        if not (self.kv_offload_gb or self.kv_offload_blocks):
+            return []
+        return [
+            (self.kv_layout == "paged", "--kv-offload-gb", "used with --kv-layout paged (a tier holds blocks)"),
+            (
+                bool(self.kv_offload_dir) or self.device != "cpu",
+                "--kv-offload-dir",
+                "set with --kv-offload-gb on a CPU worker (its first tier is already host memory)",
+            ),
+            (
+                not self.kv_offload_dir or Path(self.kv_offload_dir).is_dir(),
+                "--kv-offload-dir",
+                f"an existing directory ({self.kv_offload_dir!r} is not)",
+            ),
+        ]
 
     def _tensor_parallel_check(self) -> tuple[bool, str, str]:
         """The model's heads and MLP width must split over the ranks (read from its config.json)."""

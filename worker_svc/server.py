@@ -22,7 +22,16 @@ from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
-from worker_svc.step.input import BoolArray, Penalties, RowExtras, SamplingColumns, SeqColumns, StepInput, TokenMasks
+from worker_svc.step.input import (
+    BoolArray,
+    Penalties,
+    RowExtras,
+    SamplingColumns,
+    SeqColumns,
+    StepInput,
+    TierCopies,
+    TokenMasks,
+)
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import check_columns, check_mask_shape
 from worker_svc.worker import Worker
@@ -100,7 +109,11 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         if req.HasField("previous_step_masks")
         else None
     )
-    return StepInput(req.step_id, copies, seqs, previous, late)
+    tiers = TierCopies(
+        np.array([(c.src, c.dst) for c in req.offloads], dtype=np.int64).reshape(-1, 2),
+        np.array([(c.src, c.dst) for c in req.onloads], dtype=np.int64).reshape(-1, 2),
+    )
+    return StepInput(req.step_id, copies, seqs, previous, late, tiers)
 
 
 def masks_from_proto(field_name: str, m: worker_pb2.TokenMasks) -> TokenMasks:
@@ -173,6 +186,8 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
         forward_ms=t.get("forward_ms", 0.0),
         sample_ms=t.get("sample_ms", 0.0),
         total_ms=t.get("total_ms", 0.0),
+        offload_ms=t.get("offload_ms", 0.0),
+        onload_ms=t.get("onload_ms", 0.0),
     )
     reply = worker_pb2.StepResponse(
         step_id=out.step_id,

@@ -21,6 +21,7 @@ from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_cache_class
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
+from worker_svc.kv_offload import OffloadPool
 from worker_svc.models import DecoderModel, load_spec
 from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
 from worker_svc.models.families import listing
@@ -177,6 +178,8 @@ class WorkerInfo:
     kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
     max_num_seqs: int = 0  # --max-num-seqs: the largest decode batch sized for (the scheduler's default)
     hidden_size: int = 0  # a pooling row's vector length
+    num_offload_blocks: int = 0  # the second KV tier's blocks (--kv-offload-gb); 0: none
+    offload_medium: str = ""  # where it lives: "CPU" (pinned host memory) or "DISK" (file-backed)
 
 
 class Worker:
@@ -267,11 +270,13 @@ class Worker:
             graphs_width = table_width if graph_backend is not None else None
             num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, memory, baseline, scratch, max_len, graphs_width)
         self.cache = make_cache(num_ids)
+        self.offload = self._offload_pool(config, self.cache.tensors, self.cache.block_bytes)
+        num_offload = self.offload.num_blocks if self.offload is not None else 0
         sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
             self.model, self.cache, SamplingRank(sampler, parallel) if parallel else sampler, route
         )
-        self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout)
+        self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout, num_offload)
         self.info = WorkerInfo(
             model_name=Path(config.model).resolve().name,
             model_type=spec.model_type,
@@ -299,6 +304,8 @@ class Worker:
             kv_bytes_per_block_per_rank=self.cache.block_bytes,
             max_num_seqs=config.max_num_seqs,
             hidden_size=self.model.spec.hidden_size,
+            num_offload_blocks=num_offload,
+            offload_medium=self.offload.medium if self.offload is not None else "",
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.
@@ -310,6 +317,20 @@ class Worker:
         self._last_step: tuple[int, bool] | None = None  # (step id, succeeded) of the step run last
         if parallel is not None and parallel.rank == 0:
             parallel.wait_ready()  # every rank holds its shard and its part of the cache
+
+    def _offload_pool(
+        self, config: WorkerConfig, tensors: tuple[torch.Tensor, ...], block_bytes: int
+    ) -> OffloadPool | None:
+        """The second KV tier, --kv-offload-blocks or as many blocks as --kv-offload-gb
+        holds (tensor-parallel ranks take the smallest count); None without one."""
+        blocks = config.kv_offload_blocks or OffloadPool.blocks_for(config.kv_offload_gb, block_bytes)
+        if self.parallel is not None and (config.kv_offload_blocks or config.kv_offload_gb):
+            blocks = self.parallel.min_over_ranks(blocks)
+        if not blocks:
+            if config.kv_offload_gb:
+                raise ValueError(f"--kv-offload-gb {config.kv_offload_gb} holds no block of {block_bytes} bytes")
+            return None
+        return OffloadPool(tensors, blocks, config.kv_offload_dir)
 
     @property
     def graphs_enabled(self) -> bool:
@@ -399,7 +420,11 @@ class Worker:
         if self._thread_plan is not None:
             _use_threads(self._thread_plan, step)
         try:
-            return self.runner.execute(step)
+            moved = self.offload.run(step.tiers) if self.offload is not None and len(step.tiers) else None
+            out = self.runner.execute(step)
+            if moved:
+                out.timings_ms.update(moved)
+            return out
         except Exception as exc:
             kind = classify_failure(exc)
             if kind == DEVICE_LOST:

@@ -32,7 +32,7 @@ from scheduler_svc.engine.errors import WorkerAdminError
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.engine.worker_status import WorkerStatus
-from scheduler_svc.kv.events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from scheduler_svc.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from svc_common.addresses import host_port_problem
 from svc_common.grpc_options import server_options
 
@@ -99,14 +99,14 @@ def kv_event_to_proto(event: KVCacheEvent) -> admin_pb2.KvCacheEvent:
             block_hashes=event.block_hashes,
             token_ids=event.token_ids,
             block_size=event.block_size,
-            medium=MEDIUM,
+            medium=event.medium,
         )
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
         return admin_pb2.KvCacheEvent(block_stored=stored)
     if isinstance(event, BlockRemoved):
         return admin_pb2.KvCacheEvent(
-            block_removed=admin_pb2.BlockRemoved(block_hashes=event.block_hashes, medium=MEDIUM)
+            block_removed=admin_pb2.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
         )
     assert isinstance(event, AllBlocksCleared)
     return admin_pb2.KvCacheEvent(all_blocks_cleared=admin_pb2.AllBlocksCleared())

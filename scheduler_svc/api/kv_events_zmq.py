@@ -16,8 +16,9 @@ ZmqEventPublisher), for KV-aware routers written for vLLM (`--kv-events-zmq`):
   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium],
   ["BlockRemoved", block_hashes, medium] or ["AllBlocksCleared"].
   Hashes are bytes (msgpack bin, our 32-byte sha256 digests); lora_id is nil,
-  medium "GPU". (Recent vLLM releases encode each event as a map with a
-  `type` key instead; the batch stays an array.)
+  medium "GPU" (the block pool) or the second tier's "CPU"/"DISK". (Recent vLLM
+  releases encode each event as a map with a `type` key instead; the batch
+  stays an array.)
 * with `--kv-events-zmq-replay`, a ROUTER socket per worker (same offsets):
   a request [b"", start seq (8 bytes big-endian)] is answered with every
   buffered batch from that seq on, [b"", seq, payload] each, then
@@ -40,7 +41,7 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub, WorkerKvEvents
-from scheduler_svc.kv.events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from scheduler_svc.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from svc_common.peer_auth import Credentials
 from svc_common.zmq_endpoints import zmq_binds
 
@@ -59,10 +60,10 @@ def event_to_wire(event: KVCacheEvent) -> list[Any]:
             list(event.token_ids),
             event.block_size,
             None,  # lora_id
-            MEDIUM,
+            event.medium,
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), MEDIUM]
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
     assert isinstance(event, AllBlocksCleared)
     return ["AllBlocksCleared"]
 

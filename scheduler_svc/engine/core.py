@@ -324,6 +324,8 @@ class EngineCore:
         self._publish_kv_events()
         self.counters.steps_run += 1
         self.counters.tokens_computed += plan.num_tokens
+        self.counters.offload_ms += result.offload_ms
+        self.counters.onload_ms += result.onload_ms
         self.counters.last_step_ms = (time.perf_counter() - started) * 1e3
         if step_log.is_enabled_for(logging.DEBUG):  # its request id list costs a 256-sequence step ~0.1 ms
             step_log.debug(

@@ -20,3 +20,5 @@ class CoreCounters:
     audit_failures: int = 0
     finished_cached_prompt_tokens: int = 0  # prompt tokens of finished requests found in the prefix cache at admission
     last_step_ms: float = 0.0
+    offload_ms: float = 0.0  # the worker's time copying blocks down to its second KV tier (Step timings)
+    onload_ms: float = 0.0  # and up

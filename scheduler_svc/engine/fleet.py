@@ -35,7 +35,9 @@ from scheduler_svc.engine.worker_trust import untrusted_worker
 from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.kv.offload import OffloadPool
 from scheduler_svc.kv.slot_manager import SlotManager
+from scheduler_svc.kv.tiers import TieredKVCacheManager
 from scheduler_svc.planning.planner import Planner
 from scheduler_svc.structured.grammars import Grammars
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -350,11 +352,12 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
             eviction_policy=config.eviction_policy,
             record_events=True,
         )
-        kv = KVCacheManager(
-            pool,
-            extra_keys=extra_keys,
-            max_pinned_blocks=None if config.max_pinned_blocks < 0 else config.max_pinned_blocks,
-        )
+        max_pinned = None if config.max_pinned_blocks < 0 else config.max_pinned_blocks
+        if info.num_offload_blocks and config.prefix_caching:  # a second tier under the prefix cache
+            offload = OffloadPool(info.num_offload_blocks, info.block_size, info.offload_medium, config.eviction_policy)
+            kv = TieredKVCacheManager(pool, offload, extra_keys=extra_keys, max_pinned_blocks=max_pinned)
+        else:
+            kv = KVCacheManager(pool, extra_keys=extra_keys, max_pinned_blocks=max_pinned)
     # Unset: the worker's own --max-num-seqs (batch_problem refused one larger than it).
     max_num_seqs = config.max_num_seqs or info.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     return Planner(config.planner_config(max_len, info.block_size, max_num_seqs), kv)

@@ -54,6 +54,8 @@ class WorkerInfo:
     max_batch: int = 0
     max_num_seqs: int = 0  # the worker's --max-num-seqs (0: an older worker that does not say)
     hidden_size: int = 0  # a pooling row's vector length (0: an older worker that does not say)
+    num_offload_blocks: int = 0  # its second KV tier (kv/tiers.py); 0: none
+    offload_medium: str = ""  # "CPU" | "DISK": where that tier lives (the medium of its KV events)
 
     def batch_problem(self, max_num_seqs: int) -> str | None:
         """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
@@ -70,7 +72,8 @@ class WorkerInfo:
         """Why `other` cannot serve beside (or, same_pool, in place of) this worker:
         every worker serves the same model, vocabulary and block size; a worker that
         comes back must bring a pool of the same size too. None if it can."""
-        fields = ("model_name", "vocab_size", "block_size") + (("num_blocks",) if same_pool else ())
+        pool = ("num_blocks", "num_offload_blocks")
+        fields = ("model_name", "vocab_size", "block_size") + (pool if same_pool else ())
         if all(getattr(self, f) == getattr(other, f) for f in fields):
             return None
         return (
@@ -90,6 +93,8 @@ class StepResult:
     samples: StepSamples
     instance_id: str  # the worker instance that ran the step
     forward_ms: float
+    offload_ms: float = 0.0  # copying blocks down to the second KV tier
+    onload_ms: float = 0.0  # and up
 
 
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
@@ -142,6 +147,9 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     )
     if plan.previous_masks is not None:
         request.previous_step_masks.CopyFrom(masks_to_proto(plan.previous_masks))
+    if plan.transfers:
+        request.offloads.extend(worker_pb2.TierCopy(src=s, dst=d) for s, d in plan.transfers.offloads)
+        request.onloads.extend(worker_pb2.TierCopy(src=s, dst=d) for s, d in plan.transfers.onloads)
     return request
 
 
@@ -225,7 +233,8 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
         list(c.draft_logprobs),
         _pooled(reply.pooled),
     )
-    return StepResult(samples, reply.instance_id, reply.timings.forward_ms)
+    t = reply.timings
+    return StepResult(samples, reply.instance_id, t.forward_ms, t.offload_ms, t.onload_ms)
 
 
 def _pooled(p: worker_pb2.PooledColumns) -> dict[int, NDArray[np.float32]]:
@@ -261,6 +270,8 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         max_batch=reply.max_batch,
         max_num_seqs=reply.max_num_seqs,
         hidden_size=reply.hidden_size,
+        num_offload_blocks=reply.num_offload_blocks,
+        offload_medium=reply.offload_medium,
     )
 
 

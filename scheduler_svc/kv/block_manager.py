@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from scheduler_svc.kv.block import BlockHash
 from scheduler_svc.kv.block_pool import BlockPool, hash_block_tokens, hash_extra_keys
 from scheduler_svc.kv.events import KVCacheEvent
+from scheduler_svc.kv.offload import SingleTier
 from scheduler_svc.request import Request
 
 
@@ -42,6 +43,13 @@ class KVCacheUsage:
     blocks_allocated: int = 0  # total blocks taken from the free queue (monotonic)
     blocks_freed: int = 0  # total blocks returned to it (monotonic)
     eviction_events: int = 0  # allocations that reclaimed cached blocks (blocks_reclaimed counts the blocks)
+    # The second tier (kv/tiers.py; all 0 without one):
+    offload_blocks: int = 0  # its size
+    offload_cached_blocks: int = 0  # holding a copy (in its index)
+    offload_blocks_reclaimed: int = 0  # copies a newer copy overwrote (monotonic)
+    blocks_offloaded: int = 0  # copied down (monotonic)
+    blocks_onloaded: int = 0  # copied up (monotonic)
+    tier2_hit_tokens: int = 0  # of prefix_hit_tokens, found in tier 2
 
     @property
     def fragmentation(self) -> float:
@@ -57,7 +65,7 @@ class KVCacheUsage:
         return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
-class KVCacheManager:
+class KVCacheManager(SingleTier):
     def __init__(
         self,
         pool: BlockPool,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 
@@ -90,6 +90,9 @@ class BlockPool:
         # KV events (kv/events.py): every change of the index, in order, until take_events().
         self.record_events = record_events
         self.events: list[KVCacheEvent] = []
+        # Told of each cached block allocate() reclaims, before its hash is dropped and
+        # the block reused: a second KV tier (kv/tiers.py) copies it down instead of losing it.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     # ---- counters -------------------------------------------------------
     @property
@@ -127,6 +130,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._drop_hash(block)
                 self.num_cached_free_blocks -= 1
             block.ref_cnt, block.shared = 1, False
@@ -240,6 +245,18 @@ class BlockPool:
         if self.record_events:
             self.events.append(AllBlocksCleared())
         return dropped
+
+    def uncache(self, block_id: int) -> None:
+        """Drop one block's index entry, used or free: its KV never arrived (the
+        step that was to copy it up from the second tier was lost)."""
+        block = self._block(block_id)
+        if block.block_hash is None:
+            return
+        if block.ref_cnt == 0:
+            self.num_cached_free_blocks -= 1
+        if self.record_events:
+            self.events.append(BlockRemoved((block.block_hash,)))
+        self._drop_hash(block)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The index changes since the last call, oldest first."""

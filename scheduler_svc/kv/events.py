@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from scheduler_svc.kv.block import BlockHash
 
 # vLLM's name for the KV tier in the accelerator's memory, the one its prefix
-# index covers; here: the worker's block pool, whatever its device.
+# index covers; here: the worker's block pool, whatever its device. The second
+# tier (kv/offload.py) says "CPU" (pinned host memory) or "DISK" (a file-backed pool).
 MEDIUM = "GPU"
 
 
@@ -24,8 +25,9 @@ class BlockStored:
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None  # the block before the first one; None: a sequence's first block
-    token_ids: tuple[int, ...]  # block_size tokens per hash
+    token_ids: tuple[int, ...]  # block_size tokens per hash; () for a second-tier copy (vLLM's offloading does so)
     block_size: int
+    medium: str = MEDIUM  # the tier the blocks entered
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,7 @@ class BlockRemoved:
     """Blocks left the index (evicted: their memory was reused)."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: str = MEDIUM  # the tier the blocks left
 
 
 @dataclass(frozen=True, slots=True)

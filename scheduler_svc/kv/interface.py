@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from scheduler_svc.kv.block_manager import KVCacheUsage
     from scheduler_svc.kv.events import KVCacheEvent
+    from scheduler_svc.kv.offload import TierTransfers
     from scheduler_svc.request import Request
 
 
@@ -90,6 +91,16 @@ class KVManager(Protocol):
 
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies decided since the last call (copy-on-write)."""
+
+    # ---- a second tier (kv/tiers.py; kv/offload.SingleTier without one) ----
+    def take_transfers(self) -> TierTransfers:
+        """Copies between the tiers decided since the last call, for the next plan."""
+
+    def transfers_applied(self, transfers: TierTransfers) -> None:
+        """The step carrying `transfers` came back."""
+
+    def transfers_lost(self) -> None:
+        """The steps in flight were lost: forget what their copies were to fill."""
 
     # ---- views ------------------------------------------------------------
     def block_table(self, request_id: str) -> list[int]:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from scheduler_svc.kv.block_manager import KVCacheUsage, LeakError
 from scheduler_svc.kv.block_pool import DoubleFreeError
 from scheduler_svc.kv.events import KVCacheEvent
+from scheduler_svc.kv.offload import SingleTier
 from scheduler_svc.request import Request
 
 
@@ -89,7 +90,7 @@ class SlotPool:
         return slot
 
 
-class SlotManager:
+class SlotManager(SingleTier):
     """The KVManager of a contiguous worker (see the module docstring)."""
 
     def __init__(self, num_slots: int, slot_len: int, extra_keys: tuple[object, ...] = ()) -> None:

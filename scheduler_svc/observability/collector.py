@@ -44,6 +44,10 @@ class EngineCollector(Collector):
                 counters[name] = CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=["worker"])
             return counters[name]
 
+        by_direction = {
+            name: CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=["worker", "direction"])
+            for name in ("pagedserve_kv_offload_bytes", "pagedserve_kv_offload_seconds")
+        }
         info = InfoMetricFamily("pagedserve_worker", METRIC_NAMES["pagedserve_worker_info"], labels=["worker"])
         for core in cores:
             w = [core.info.address]
@@ -69,6 +73,16 @@ class EngineCollector(Collector):
             counter("pagedserve_prefix_cache_query_tokens").add_metric(w, u.prefix_query_tokens)
             counter("pagedserve_prefix_cache_hit_tokens").add_metric(w, u.prefix_hit_tokens)
             gauge("pagedserve_prefix_cache_hit_ratio").add_metric(w, u.prefix_hit_rate)
+            gauge("pagedserve_kv_offload_capacity_blocks").add_metric(w, u.offload_blocks)
+            gauge("pagedserve_kv_offload_cached_blocks").add_metric(w, u.offload_cached_blocks)
+            counter("pagedserve_kv_offload_hit_tokens").add_metric(w, u.tier2_hit_tokens)
+            per_block = core.info.kv_bytes_per_block
+            for direction, moved, ms in (
+                ("offload", u.blocks_offloaded, c.offload_ms),
+                ("onload", u.blocks_onloaded, c.onload_ms),
+            ):
+                by_direction["pagedserve_kv_offload_bytes"].add_metric(w + [direction], moved * per_block)
+                by_direction["pagedserve_kv_offload_seconds"].add_metric(w + [direction], ms / 1e3)
             gauge("pagedserve_requests_running").add_metric(w, core.planner.num_running)
             gauge("pagedserve_requests_waiting").add_metric(w, core.planner.num_waiting)
             counter("pagedserve_preemptions").add_metric(w, core.planner.num_preemptions)
@@ -100,6 +114,7 @@ class EngineCollector(Collector):
             )
         yield from gauges.values()
         yield from counters.values()
+        yield from by_direction.values()
         yield info
         yield from vllm_families(cores)
 

@@ -34,6 +34,13 @@ METRIC_NAMES = {
     "pagedserve_prefix_cache_query_tokens_total": "prompt tokens those lookups covered",
     "pagedserve_prefix_cache_hit_tokens_total": "prompt tokens found cached",
     "pagedserve_prefix_cache_hit_ratio": "hit tokens / query tokens since start",
+    # the second KV tier (--kv-offload-gb; 0 without one)
+    "pagedserve_kv_offload_capacity_blocks": "blocks of the worker's second KV tier",
+    "pagedserve_kv_offload_cached_blocks": "second-tier blocks holding a copy of an evicted cached block",
+    "pagedserve_kv_offload_hit_tokens_total": "prompt tokens found in the second tier (copied up, not computed); "
+    "tier 1's hits are pagedserve_prefix_cache_hit_tokens_total minus these",
+    "pagedserve_kv_offload_bytes_total": "bytes copied between the tiers, by direction (offload: down, onload: up)",
+    "pagedserve_kv_offload_seconds_total": "the worker's time copying between the tiers, by direction",
     # scheduling
     "pagedserve_requests_running": "requests running (holding blocks)",
     "pagedserve_requests_waiting": "requests queued",

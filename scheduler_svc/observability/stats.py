@@ -90,4 +90,11 @@ def stats_fields(engine: Engine, metrics: SchedulerMetrics | None = None) -> dic
         e2e_ms_p95=ms("e2e", 0.95),
         kv_bytes_per_token=max((w["kv_bytes_per_token"] for w in workers), default=0),
         workers=tuple(workers),
+        offload_blocks_total=sum(u.offload_blocks for u in usages),
+        offload_blocks_cached=sum(u.offload_cached_blocks for u in usages),
+        offload_hit_tokens=sum(u.tier2_hit_tokens for u in usages),
+        blocks_offloaded=sum(u.blocks_offloaded for u in usages),
+        blocks_onloaded=sum(u.blocks_onloaded for u in usages),
+        offload_seconds=sum(core.counters.offload_ms for core in engine.cores) / 1e3,
+        onload_seconds=sum(core.counters.onload_ms for core in engine.cores) / 1e3,
     )

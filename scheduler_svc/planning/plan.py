@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
+from scheduler_svc.kv.offload import NO_TRANSFERS, TierTransfers
 from scheduler_svc.request import FinishReason, Request, SamplingOptions, TokenLogprob
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class StepPlan:
     masks: PlanMasks | None = None  # set by the engine before sending: the masks of rows whose input is known
     # Set by the engine: the late masks of step previous_step_id (its mask_follows rows), taken along.
     previous_masks: PlanMasks | None = None
+    transfers: TierTransfers = NO_TRANSFERS  # copies between the KV tiers (kv/tiers.py), done first
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +108,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.copies
+        return not self.seqs and not self.copies and not self.transfers
 
 
 Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first

@@ -248,6 +248,7 @@ class Planner:
             step_id=self._next_step_id,
             preempted=preempted,
             copies=self.kv.take_copies(),
+            transfers=self.kv.take_transfers(),
             previous_step_id=previous,
             deferred=budget.deferred,
         )
@@ -310,6 +311,7 @@ class Planner:
         Finished requests are retired and their blocks freed here, so the next
         schedule() can hand those blocks to new requests.
         """
+        self.kv.transfers_applied(plan.transfers)
         if not plan.seqs:
             return []  # an empty plan was never in flight
         requests = self._in_flight.oldest(plan)
@@ -333,6 +335,7 @@ class Planner:
             self.kv.free(request)
             self._queues.to_front(request)
         self.running.clear()
+        self.kv.transfers_lost()
         if reset_prefix_cache:
             self.kv.reset_prefix_cache()
 

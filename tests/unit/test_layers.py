@@ -40,11 +40,12 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "models": set(),
     "attention": set(),
     "allocator": set(),
+    "kv_offload": {"step"},  # the second KV tier: copies the step names, between the cache's tensors and its own
     "sampling": {"step"},
     "runner": {"step", "attention", "sampling", "models"},
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
-    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config"},
+    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "kv_offload"},
     "server": {"step", "config", "worker"},
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }

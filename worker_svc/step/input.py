@@ -170,6 +170,23 @@ class SeqColumns:
         return cls(np.zeros(0, np.uint64), ints, ints, ints, flags, flags, flags, sampling, ints, ints, ints)
 
 
+def _no_pairs() -> IntArray:
+    return np.zeros((0, 2), dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class TierCopies:
+    """A step's copies between the KV tiers (worker.v1 StepRequest.offloads/onloads),
+    whole blocks in every layer, run before anything else in the step: offloads,
+    then onloads (worker_svc/kv_offload.py)."""
+
+    offloads: IntArray = field(default_factory=_no_pairs)  # [N, 2] (tier-1 block, tier-2 block)
+    onloads: IntArray = field(default_factory=_no_pairs)  # [M, 2] (tier-2 block, tier-1 block)
+
+    def __len__(self) -> int:
+        return len(self.offloads) + len(self.onloads)
+
+
 @dataclass(frozen=True, slots=True)
 class StepInput:
     step_id: int
@@ -179,6 +196,7 @@ class StepInput:
     previous_step_id: int | None = None
     # The late masks of that step (its SEQ_FLAG_MASK_FOLLOWS rows), riding along with this one.
     previous_step_masks: TokenMasks | None = None
+    tiers: TierCopies = field(default_factory=TierCopies)  # done first of all
 
 
 def ranges(starts: IntArray, lens: IntArray) -> IntArray:

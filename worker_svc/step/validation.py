@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from worker_svc.step.errors import InvalidStep, row_field
-from worker_svc.step.input import IntArray, RowExtras, SeqColumns, StepInput, TokenMasks
+from worker_svc.step.input import IntArray, RowExtras, SeqColumns, StepInput, TierCopies, TokenMasks
 
 _MAX_POOLING = 2  # worker.v1 Pooling: NONE, LAST, SUM
 
@@ -23,6 +23,7 @@ class Limits:
     block_size: int  # tokens per id: a contiguous slot holds max_seq_len
     max_model_len: int
     kv_layout: str = "paged"  # contiguous: a block table is exactly [slot]
+    num_offload_blocks: int = 0  # the second tier's ids (--kv-offload-gb); 0: none
 
 
 def check_columns(
@@ -50,9 +51,10 @@ def check_columns(
 
 
 def validate(step: StepInput, limits: Limits) -> None:
-    if not len(step.seqs) and not len(step.copies):
-        raise InvalidStep("seqs", "a step needs at least one sequence or block copy")
+    if not len(step.seqs) and not len(step.copies) and not len(step.tiers):
+        raise InvalidStep("seqs", "a step needs at least one sequence, block copy or tier copy")
     _validate_copies(step.copies, limits)
+    _validate_tier_copies(step.tiers, limits)
     if len(step.seqs):
         _validate_seqs(step.seqs, step.previous_step_id, limits)
 
@@ -71,6 +73,23 @@ def _validate_copies(copies: IntArray, limits: Limits) -> None:
         raise InvalidStep(f"copies[{i}].dst", f"block {dst[i]} is copied onto twice or onto itself")
     if np.isin(dst, src).any():
         raise InvalidStep("copies", "a block is both a copy source and a copy destination")
+
+
+def _validate_tier_copies(tiers: TierCopies, limits: Limits) -> None:
+    if not len(tiers):  # most steps
+        return
+    if not limits.num_offload_blocks:
+        raise InvalidStep("offloads" if len(tiers.offloads) else "onloads", "this worker has no second KV tier")
+    tier1, tier2 = limits.num_blocks, limits.num_offload_blocks
+    for name, pairs, limits_by_end in (
+        ("offloads", tiers.offloads, (tier1, tier2)),
+        ("onloads", tiers.onloads, (tier2, tier1)),
+    ):
+        for column, (end, limit) in enumerate(zip(("src", "dst"), limits_by_end)):
+            if (i := _first((pairs[:, column] < 0) | (pairs[:, column] >= limit))) is not None:
+                raise InvalidStep(f"{name}[{i}].{end}", f"block {pairs[i, column]} outside [0, {limit})")
+        if len(np.unique(pairs[:, 1])) != len(pairs):
+            raise InvalidStep(f"{name}", "a block is copied onto twice")
 
 
 def _first(mask: npt.NDArray[np.bool_] | IntArray) -> int | None:

@@ -1,0 +1,117 @@
+"""The second KV tier through real processes: a worker with a file-backed offload
+pool (--kv-offload-dir) under a block pool too small for the working set, so
+conversations' contexts are evicted, copied down, and copied back up on their
+next turn. Greedy tokens equal transformers' (fp32) when served from tier 2,
+with chunked prefill and preemption, and after the worker restarts (its tier 2
+is gone: recomputed, never stale). The scheduler's audit of both tiers, run
+whenever it goes idle, must never fail."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from scheduler_svc.client import SchedulerClient
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.cluster import hf_greedy, load_model, wait_idle
+from tests.helpers.procs import Cluster
+from tests.helpers.recorder import wait_for
+
+MODEL = tiny_checkpoint("llama")
+rng = random.Random(41)
+# Six conversations of three full 16-token blocks of context each: 18 blocks, over a
+# 12-block first tier. Each turn adds two tokens of its own.
+CONTEXTS = [[rng.randrange(4, 700) for _ in range(48)] for _ in range(6)]
+TURNS = [[[rng.randrange(4, 700) for _ in range(2)] for _ in CONTEXTS] for _ in range(2)]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_model(MODEL)
+
+
+def tiered(tmp_path, num_blocks: int, scheduler_args: tuple[str, ...] = ()) -> Cluster:
+    worker = ["--dtype", "float32", "--num-blocks", str(num_blocks), "--kv-offload-blocks", "64"]
+    return Cluster(MODEL, [*worker, "--kv-offload-dir", str(tmp_path)], ["--health-interval-s", "0.2", *scheduler_args])
+
+
+def turn(client: SchedulerClient, index: int, concurrent: bool = False, max_tokens: int = MAX_TOKENS):
+    prompts = [context + TURNS[index][i] for i, context in enumerate(CONTEXTS)]
+
+    def one(ids):
+        return client.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, timeout=120)
+
+    if not concurrent:
+        return prompts, [one(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return prompts, list(pool.map(one, prompts))
+
+
+def assert_exact(reference, prompts, results, max_tokens: int = MAX_TOKENS) -> None:
+    for ids, got in zip(prompts, results):
+        assert got.token_ids == hf_greedy(reference, ids, max_tokens)
+
+
+def assert_clean(cluster: Cluster) -> None:
+    """Idle past a health interval (0.2 s), the scheduler has audited both tiers."""
+    time.sleep(1.0)
+    assert cluster.scheduler is not None
+    log = cluster.scheduler.log_path.read_text(errors="replace")
+    for sign in ("Traceback", "engine audit failed", "worker rejected step"):
+        assert sign not in log, log[-4000:]
+
+
+def test_second_turns_are_served_from_tier_two_exactly(tmp_path, reference):
+    with tiered(tmp_path, num_blocks=12) as cluster, SchedulerClient(cluster.address) as client:
+        first_prompts, first = turn(client, 0)
+        spilled = wait_idle(client)
+        prompts, second = turn(client, 1)
+        stats = wait_idle(client)
+        assert_clean(cluster)
+    assert_exact(reference, first_prompts, first)
+    assert_exact(reference, prompts, second)
+    assert [r.cached_prompt_tokens for r in first] == [0] * 6
+    assert [r.cached_prompt_tokens for r in second] == [48] * 6
+    # Turn 1: conversations 3, 4, 5 each evicted an earlier one's three cached blocks.
+    assert (spilled.blocks_offloaded, spilled.offload_blocks_cached, spilled.blocks_onloaded) == (9, 9, 0)
+    # Turn 2: each conversation evicts the one three behind it, so every context comes from tier 2.
+    assert (stats.offload_hit_tokens, stats.blocks_onloaded) == (6 * 48, 6 * 3)
+    assert stats.blocks_offloaded == 18  # the other nine went down during turn 2; no block twice
+    assert stats.offload_blocks_total == 64 and stats.blocks_used == 0
+    assert stats.offload_seconds > 0 and stats.onload_seconds > 0
+
+
+def test_tier_two_with_chunked_prefill_and_preemption_stays_exact(tmp_path, reference):
+    # Prompts of 50 tokens prefilled 16 at a time; two requests of four blocks fit the
+    # nine, and both reach a fifth block at once (position 64): one is preempted.
+    chunked = ("--max-num-batched-tokens", "32", "--chunk-size", "16")
+    with tiered(tmp_path, num_blocks=9, scheduler_args=chunked) as cluster, SchedulerClient(cluster.address) as client:
+        turn(client, 0)
+        wait_idle(client)
+        prompts, second = turn(client, 1, concurrent=True, max_tokens=20)
+        stats = wait_idle(client)
+        assert_clean(cluster)
+    assert_exact(reference, prompts, second, max_tokens=20)
+    assert stats.preemptions > 0 and stats.offload_hit_tokens > 0
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+
+
+def test_a_restarted_worker_lost_its_tier_two_so_contexts_are_recomputed(tmp_path, reference):
+    with tiered(tmp_path, num_blocks=12) as cluster, SchedulerClient(cluster.address) as client:
+        turn(client, 0)
+        assert wait_idle(client).offload_blocks_cached > 0
+        cluster.workers[0].kill()
+        cluster.workers[0].restart()
+        assert cluster.scheduler is not None
+        log_path = cluster.scheduler.log_path
+        wait_for(lambda: "worker restarted: prefix cache reset" in log_path.read_text(), 30, "the restart")
+        prompts, second = turn(client, 1)
+        stats = wait_idle(client)
+        assert_clean(cluster)
+    assert_exact(reference, prompts, second)
+    assert [r.cached_prompt_tokens for r in second] == [0] * 6  # neither tier survived the restart
+    assert stats.offload_blocks_cached > 0  # the new instance's tier 2 fills again
