@@ -20,3 +20,4 @@ class CoreCounters:
     audit_failures: int = 0
     finished_cached_prompt_tokens: int = 0  # prompt tokens of finished requests found in the prefix cache at admission
     last_step_ms: float = 0.0
+    adapter_load_ms: float = 0.0  # LoRA adapter loads onto this worker, all together

@@ -364,4 +364,5 @@ def _scratch_copy(request: Request) -> Request:
         seq_id=request.seq_id,
         prompt_token_ids=list(request.all_token_ids),
         cache_salt=request.cache_salt,
+        lora=request.lora,
     )

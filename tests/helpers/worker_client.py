@@ -46,6 +46,7 @@ class Seq:
     mask: list[int] | None = None
     mask_follows: bool = False
     num_drafts: int = 0  # the last num_drafts of token_ids are drafts (speculative decoding)
+    lora_slot: int = 0  # the adapter slot the row runs through (SeqColumns.lora_slots; 0: the base)
 
     @property
     def flags(self) -> int:
@@ -187,6 +188,7 @@ def seqs_of(request: worker_pb2.StepRequest) -> list[Seq]:
                 prompt_logprob_targets=list(extras.prompt_logprob_targets),
                 prompt_top_logprobs=extras.prompt_top_logprobs,
                 num_drafts=c.num_drafts[row] if c.num_drafts else 0,
+                lora_slot=c.lora_slots[row] if c.lora_slots else 0,
             )
         )
     return seqs
