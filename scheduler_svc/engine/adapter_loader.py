@@ -7,6 +7,7 @@ that the worker refuses, ends the requests waiting for it with the reason."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -15,7 +16,7 @@ from scheduler_svc.engine.errors import WorkerCallFailed
 from scheduler_svc.engine.worker_client import WorkerClient
 from scheduler_svc.lora.errors import LoraRejected
 from scheduler_svc.lora.registry import LoraRegistry
-from scheduler_svc.lora.slots import AdapterSlots
+from scheduler_svc.lora.slots import AdapterSlots, Placement
 from scheduler_svc.planning.planner import Planner
 from scheduler_svc.request import LoraRef, Request
 
@@ -47,7 +48,10 @@ class AdapterLoader:
 
     def wants_load(self, planner: Planner) -> bool:
         """Some waiting request's adapter can get a slot now (drain the pipeline to load it)."""
-        return bool(self.wanted(planner)) and self.slots.place(_busy(planner.running)) is not None
+        return bool(self.wanted(planner)) and self._place(planner) is not None
+
+    def _place(self, planner: Planner) -> Placement | None:
+        return self.slots.place(_adapters(planner.running), _adapters(planner.waiting))
 
     async def load(self, planner: Planner, client: WorkerClient) -> LoadRound:
         """Load what waiting requests need, oldest first, while slots can be had. Raises
@@ -57,7 +61,7 @@ class AdapterLoader:
         if not wanted:
             self.slots.reopen()
         for ref in wanted:
-            placement = self.slots.place(_busy(planner.running))
+            placement = self._place(planner)
             if placement is None:
                 break  # every slot in use: the least recently used adapter is closing
             try:
@@ -88,8 +92,8 @@ class AdapterLoader:
         return result
 
 
-def _busy(running: list[Request]) -> set[LoraRef]:
-    return {r.lora for r in running if r.lora is not None}
+def _adapters(requests: Iterable[Request]) -> set[LoraRef]:
+    return {r.lora for r in requests if r.lora is not None}
 
 
 def waiting_for(planner: Planner, ref: LoraRef) -> list[Request]:

@@ -3,10 +3,11 @@ one adapter, least recently used first. Pure bookkeeping: the engine loads an ad
 through the worker (engine/adapter_loader.py) and records it here; the planner admits
 a request only once its adapter is resident, and writes the slot in its rows.
 
-An adapter is evicted only when no running request uses it. When every slot is in use
-and a request waits for another adapter, the least recently used resident adapter is
-*closing*: it admits no new request, so its slot frees once its running ones end and
-the waiting adapter gets it (no adapter keeps a slot forever under steady traffic)."""
+An adapter is evicted only when no running request uses it and no waiting request is
+about to. When every slot is in use and a request waits for another adapter, the least
+recently used adapter with running requests is *closing*: it admits no new request, so
+its slot frees once its running ones end and the waiting adapter gets it (no adapter
+keeps a slot forever under steady traffic)."""
 
 from __future__ import annotations
 
@@ -51,19 +52,21 @@ class AdapterSlots:
         if ref is not None:
             self._held.move_to_end(ref)
 
-    def place(self, busy: Collection[LoraRef]) -> Placement | None:
+    def place(self, running: Collection[LoraRef], waiting: Collection[LoraRef] = ()) -> Placement | None:
         """Where a new adapter goes: a free slot, else the slot of the least recently
-        used adapter no running request uses; None if every slot is busy (then the
-        least recently used adapter starts closing)."""
+        used adapter that no running request uses and no waiting request is about to
+        (a closing adapter's waiting requests wait for it to come back); None if there
+        is none, and then the least recently used adapter with running requests starts
+        closing, so that its slot frees once they end."""
         taken = set(self._held.values())
         free = next((s for s in range(1, self.num_slots + 1) if s not in taken), None)
         if free is not None:
             return Placement(free, None)
-        victim = next((ref for ref in self._held if ref not in busy), None)
-        if victim is not None:
-            return Placement(self._held[victim], victim)
-        if self.closing is None and self._held:
-            self.closing = next(iter(self._held))
+        for ref in self._held:
+            if ref not in running and (ref not in waiting or ref == self.closing):
+                return Placement(self._held[ref], ref)
+        if self.closing is None:
+            self.closing = next((ref for ref in self._held if ref in running), None)
         return None
 
     def loaded(self, ref: LoraRef, placement: Placement) -> None:

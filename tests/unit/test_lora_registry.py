@@ -96,24 +96,27 @@ def test_missing_or_unreadable_files_are_refused_by_name(tmp_path):
         registry.register("x", str(path))
 
 
-def test_slots_are_an_lru_that_spares_busy_adapters_and_closes_one_when_all_are_busy():
+def test_slots_are_an_lru_that_spares_adapters_in_use_and_closes_one_when_all_are():
     a, b, c = (LoraRef(n, n) for n in "abc")
     slots = AdapterSlots(2)
     assert slots.admits(None) and not slots.admits(a) and slots.slot(None) == 0
-    slots.loaded(a, slots.place(busy=set()) or Placement(0, None))
-    slots.loaded(b, slots.place(busy=set()) or Placement(0, None))
+    slots.loaded(a, slots.place(running=set()) or Placement(0, None))
+    slots.loaded(b, slots.place(running=set()) or Placement(0, None))
     assert (slots.slot(a), slots.slot(b)) == (1, 2) and slots.resident == [a, b]
     slots.touch(a)  # a used after b: b is the least recently used
-    assert slots.place(busy={a}) == Placement(2, b)
-    assert slots.place(busy={b}) == Placement(1, a)
-    # Every slot busy: nothing to place, and the least recently used (b) stops taking requests.
-    assert slots.place(busy={a, b}) is None
+    assert slots.place(running={a}) == Placement(2, b)
+    assert slots.place(running={b}) == Placement(1, a)
+    # Just loaded for a waiting request: not evicted before it runs, and nothing closes.
+    assert slots.place(running=set(), waiting={a, b}) is None and slots.closing is None
+    # Every slot in use: nothing to place, and the least recently used running adapter (b) closes.
+    assert slots.place(running={a, b}) is None
     assert slots.closing == b and not slots.admits(b) and slots.admits(a)
-    placement = slots.place(busy={a})  # b's requests ended
+    # Its running requests ended; those waiting for it wait for it to come back.
+    placement = slots.place(running={a}, waiting={b})
     assert placement == Placement(2, b)
     slots.loaded(c, placement)
     assert slots.resident == [a, c] and slots.closing is None and (slots.loads, slots.evictions) == (3, 1)
-    assert slots.place(busy={a, c}) is None and slots.closing == a
+    assert slots.place(running={a, c}) is None and slots.closing == a
     slots.reopen()  # nobody waits any more
     assert slots.admits(a)
     slots.clear()  # the worker restarted
