@@ -41,10 +41,11 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "attention": set(),
     "allocator": set(),
     "sampling": {"step"},
-    "runner": {"step", "attention", "sampling", "models"},
+    "lora": {"step", "models"},
+    "runner": {"step", "attention", "sampling", "models", "lora"},
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
-    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config"},
+    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "lora"},
     "server": {"step", "config", "worker"},
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }
