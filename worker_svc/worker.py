@@ -456,6 +456,7 @@ class Worker:
         between steps: under the step lock."""
         if self.lora is None:
             raise AdapterRefused("slot", "this worker runs without --enable-lora")
+        self.lora.check_slot(slot)
         config_bytes, weight_bytes = read_files(source)
         adapter = read_adapter(name, config_bytes, weight_bytes, self.lora.spec, self.lora.max_rank)
         with self._step_done:

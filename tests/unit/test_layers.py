@@ -46,7 +46,7 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
     "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "lora"},
-    "server": {"step", "config", "worker"},
+    "server": {"step", "config", "worker", "lora"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }
 

@@ -98,7 +98,7 @@ class LoraSlots:
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """`adapter` into `slot`, replacing what it held."""
-        self._check_slot(slot)
+        self.check_slot(slot)
         missing = sorted(key for key in adapter.weights if (key[0], _group_of(key[1])) not in self.stacks)
         if missing:  # a projection the model built without the hook: a mixture-of-experts MLP
             layer, module = missing[0]
@@ -111,12 +111,12 @@ class LoraSlots:
         self.names[slot] = adapter.name
 
     def unload(self, slot: int) -> None:
-        self._check_slot(slot)
+        self.check_slot(slot)
         for stack in self.stacks.values():
             stack.clear(slot)
         self.names.pop(slot, None)
 
-    def _check_slot(self, slot: int) -> None:
+    def check_slot(self, slot: int) -> None:
         if not 1 <= slot <= self.max_loras:
             raise AdapterRefused("slot", f"{slot}: must be 1..{self.max_loras} (--max-loras; 0 is the base model)")
 
