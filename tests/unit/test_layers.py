@@ -42,11 +42,12 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "attention": set(),
     "allocator": set(),
     "sampling": {"step"},
-    "runner": {"step", "attention", "sampling", "models"},
+    "lora": {"step", "models"},
+    "runner": {"step", "attention", "sampling", "models", "lora"},
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
-    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config"},
-    "server": {"step", "config", "worker"},
+    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "lora"},
+    "server": {"step", "config", "worker", "lora"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }
 
