@@ -99,6 +99,12 @@ BENCHMARKS = [
     ),
     Benchmark("model_load", (), "issue 37: peak RSS while loading vs the checkpoint's size", plot=False),
     Benchmark(
+        "lora",
+        ("--repeats", "2"),
+        "issue 40: tok/s with 0, 1, 4, 16 distinct LoRA adapters at 1 and 32 streams, adapter load time",
+        plot=False,
+    ),
+    Benchmark(
         "moe",
         ("--rounds", "5", "--out", "moe"),
         "issue 37: MoE decode vs dense with equal active parameters",

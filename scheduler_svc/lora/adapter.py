@@ -35,7 +35,7 @@ class AdapterFiles:
 
 @dataclass(frozen=True, slots=True)
 class AdapterSummary:
-    rank: int  # the largest rank of any module (r, rank_pattern, the tensors)
+    rank: int  # r, or more if a lora_A tensor says so
     target_modules: tuple[str, ...]
 
 
@@ -97,6 +97,11 @@ def _config(raw: bytes) -> dict[str, Any]:
         ("use_dora", bool(config.get("use_dora")), "DoRA adapters are not served"),
         ("bias", config.get("bias", "none") != "none", "only bias 'none' is served (the adapter trains biases)"),
         ("modules_to_save", bool(config.get("modules_to_save")), "fully trained modules are not served"),
+        ("rank_pattern", bool(config.get("rank_pattern")), "per-module ranks are not served"),
+        ("alpha_pattern", bool(config.get("alpha_pattern")), "per-module scalings are not served"),
+        ("fan_in_fan_out", bool(config.get("fan_in_fan_out")), "transposed (Conv1D) weights are not served"),
+        ("lora_bias", bool(config.get("lora_bias")), "LoRA biases are not served"),
+        ("target_parameters", bool(config.get("target_parameters")), "LoRA on raw parameters is not served"),
     )
     for field, refused, why in refusals:
         if refused:
@@ -106,12 +111,9 @@ def _config(raw: bytes) -> dict[str, Any]:
 
 def _config_rank(config: dict[str, Any]) -> int:
     r = config.get("r")
-    pattern = config.get("rank_pattern") or {}
-    ranks = [r, *pattern.values()] if isinstance(pattern, dict) else [None]
-    valid = [x for x in ranks if isinstance(x, int) and not isinstance(x, bool) and x >= 1]
-    if len(valid) != len(ranks):
-        raise LoraRejected("r", f"ranks must be integers >= 1, got r={r!r} rank_pattern={pattern!r}")
-    return max(valid)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise LoraRejected("r", f"must be an integer >= 1, got {r!r}")
+    return r
 
 
 def _tensor_rank(raw: bytes) -> int:

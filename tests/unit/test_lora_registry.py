@@ -62,9 +62,10 @@ def test_bytes_beyond_max_cpu_loras_are_read_again_and_must_not_have_changed(tmp
         ({"modules_to_save": ["lm_head"]}, 4, "modules_to_save: fully trained modules are not served"),
         ({"peft_type": "IA3"}, 4, "peft_type: only LORA adapters are served"),
         ({}, 16, "r: rank 16 is more than --max-lora-rank 8"),
-        ({"rank_pattern": {"q_proj": 32}}, 4, "r: rank 32 is more than --max-lora-rank 8"),
+        ({"rank_pattern": {"q_proj": 2}}, 4, "rank_pattern: per-module ranks are not served"),
+        ({"fan_in_fan_out": True}, 4, "fan_in_fan_out: transposed (Conv1D) weights are not served"),
         ({"r": 4}, 12, "r: rank 12 is more than --max-lora-rank 8"),  # the tensors say more than r
-        ({"r": 0}, 4, "r: ranks must be integers >= 1"),
+        ({"r": 0}, 4, "r: must be an integer >= 1"),
         ({"target_modules": []}, 4, "target_modules: must name the modules"),
     ],
 )
