@@ -56,7 +56,7 @@ from gateway_svc.responses.routes import ResponsesAnswer, responses_router
 from gateway_svc.responses.store import ResponseStore
 from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tenancy import Tenancy
-from gateway_svc.tokenize import max_model_len, tokenize_router
+from gateway_svc.tokenize import model_info, tokenize_router
 
 log = structlog.get_logger("gateway")
 
@@ -123,15 +123,17 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         )
 
     async def model_card(request: Request) -> dict[str, Any]:
+        """The base's card (with max_model_len when the scheduler can say); the adapters' names learnt."""
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        return card | await max_model_len(client, forwarded_key(request))
+        info = await model_info(client, forwarded_key(request))
+        if info is None:
+            return card
+        lora.learnt(info)
+        return card | {"max_model_len": info.max_model_len}
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
-        card = await model_card(request)  # answers as Generate would, or without max_model_len if it cannot say
-        if "max_model_len" in card:
-            await lora.refresh(client, forwarded_key(request))
-        return {"object": "list", "data": [card, *lora.cards(started)]}
+        return {"object": "list", "data": [await model_card(request), *lora.cards(started)]}
 
     @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(model_id: str, request: Request) -> dict[str, Any]:

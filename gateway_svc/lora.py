@@ -5,8 +5,8 @@ lists the adapters with the base as `parent`; /v1/load_lora_adapter and
 caller's key, which admin.v1 checks against its admin keys (a client key is refused).
 
 The adapter names come from the scheduler's ModelInfo, fetched again when a request
-names a model this gateway does not know (at most once a second), when /v1/models is
-asked, and after this gateway loads or unloads one."""
+names a model this gateway does not know (at most once a second), with /v1/models'
+ModelInfo, and after this gateway loads or unloads one."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from gateway_svc import errors
 from gateway_svc.auth import forwarded_key
 from gateway_svc.openapi import ERROR_RESPONSES
 from gateway_svc.scheduler_client import Scheduler
-from proto import admin_pb2, admin_pb2_grpc
+from proto import admin_pb2, admin_pb2_grpc, serving_pb2
 
 _REFRESH_MIN_S = 1.0
 
@@ -63,7 +63,9 @@ class LoraModels:
                 await self.refresh(client, api_key)
 
     async def refresh(self, client: Scheduler, api_key: str | None) -> None:
-        info = await client.model_info(api_key)
+        self.learnt(await client.model_info(api_key))
+
+    def learnt(self, info: serving_pb2.ModelInfoResponse) -> None:
         self.adapters = {a.name: a.path for a in info.lora_adapters}
         self._fetched_at = time.monotonic()
 
