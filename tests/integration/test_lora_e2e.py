@@ -51,7 +51,7 @@ def cluster(model_dir):
     port = free_port()
     cluster = Cluster(
         model_dir,
-        ["--dtype", "float32", "--num-blocks", "20", *LORA],
+        ["--dtype", "float32", "--num-blocks", "12", *LORA],
         [*SCHEDULER, *LORA, "--lora-modules", *modules, "--metrics-port", str(port)],
     )
     cluster.metrics_url = f"http://127.0.0.1:{port}/metrics"
