@@ -109,6 +109,14 @@ WORKER_ARGS ?=## more worker flags, e.g. WORKER_ARGS='--kv-dtype int8'
 RUNNER ?= generate## the scheduler's --runner: generate, or pooling (embeddings: /v1/embeddings, /v1/score, /v1/rerank)
 SCHEDULER_ARGS ?=## more scheduler flags, e.g. SCHEDULER_ARGS='--max-model-len 4096'
 GATEWAY_ARGS ?=## more gateway flags, e.g. GATEWAY_ARGS='--served-model-name smollm2'
+LORA_MODULES ?=## LoRA adapters to serve, 'NAME=PATH ...' (PEFT directories): select one with the request's model
+MAX_LORAS ?= 4## with LORA_MODULES: adapters resident per worker at once
+MAX_LORA_RANK ?= 16## with LORA_MODULES: the largest adapter rank
+# LORA_MODULES set: the workers and the scheduler get --enable-lora and the slots, the scheduler the
+# adapters, the gateway the scheduler's admin.v1 (its port + 1) for /v1/load_lora_adapter.
+LORA_FLAGS = $(if $(strip $(LORA_MODULES)),--enable-lora --max-loras $(MAX_LORAS) --max-lora-rank $(MAX_LORA_RANK))
+LORA_SCHEDULER_FLAGS = $(if $(strip $(LORA_MODULES)),$(LORA_FLAGS) --lora-modules $(LORA_MODULES))
+LORA_GATEWAY_FLAGS = $(if $(strip $(LORA_MODULES)),--scheduler-admin 127.0.0.1:$(shell echo $$(($(SCHEDULER_PORT) + 1))))
 
 # The whole system in the foreground (tools/local_cluster.py): WORKERS workers on
 # WORKER_PORT, +1, ..., the scheduler on SCHEDULER_PORT and the HTTP gateway on
@@ -118,8 +126,9 @@ serve: setup $(SERVED_MODEL) ## workers + scheduler + HTTP gateway in the foregr
 	exec $(PY) -m tools.local_cluster --model $(MODEL) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
 	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
 	    --drain-timeout-s $(DRAIN_TIMEOUT) \
-	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
-	    --scheduler-args "--runner $(RUNNER) $(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(LORA_FLAGS) $(WORKER_ARGS)" \
+	    --scheduler-args "--runner $(RUNNER) $(LORA_SCHEDULER_FLAGS) $(SCHEDULER_ARGS)" \
+	    --gateway-args "$(LORA_GATEWAY_FLAGS) $(GATEWAY_ARGS)"
 
 # The same topology in the background (what docker-compose.yml runs, as plain
 # processes on $(HOST)): WORKERS workers on $(WORKER_PORT), +1, ..., the scheduler on $(SCHEDULER_PORT), the
@@ -135,8 +144,9 @@ cluster: setup $(SERVED_MODEL) ## the same topology in the background (pid files
 	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL) --workers $(WORKERS) \
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) --worker-port $(WORKER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
-	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(WORKER_ARGS)" \
-	    --scheduler-args "--runner $(RUNNER) $(SCHEDULER_ARGS)" --gateway-args "$(GATEWAY_ARGS)"
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(LORA_FLAGS) $(WORKER_ARGS)" \
+	    --scheduler-args "--runner $(RUNNER) $(LORA_SCHEDULER_FLAGS) $(SCHEDULER_ARGS)" \
+	    --gateway-args "$(LORA_GATEWAY_FLAGS) $(GATEWAY_ARGS)"
 
 cluster-status: ## what `make cluster` runs; exits 1 if a service is dead
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.cluster_ctl --run-dir $(RUN_DIR) status

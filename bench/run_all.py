@@ -104,6 +104,12 @@ BENCHMARKS = [
         "issue 41: a second KV tier vs recompute, multi-turn chat 4x the first tier",
     ),
     Benchmark(
+        "lora",
+        ("--repeats", "2"),
+        "issue 40: tok/s with 0, 1, 4, 16 distinct LoRA adapters at 1 and 32 streams, adapter load time",
+        plot=False,
+    ),
+    Benchmark(
         "moe",
         ("--rounds", "5", "--out", "moe"),
         "issue 37: MoE decode vs dense with equal active parameters",

@@ -42,6 +42,7 @@ from gateway_svc.generation import (
     prompt_token_counts,
 )
 from gateway_svc.limits import EdgeGuard
+from gateway_svc.lora import LoraModels, lora_admin_router
 from gateway_svc.metrics import SchedulerMetrics, install_metrics
 from gateway_svc.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway_svc.openapi import (
@@ -55,7 +56,7 @@ from gateway_svc.responses.routes import ResponsesAnswer, responses_router
 from gateway_svc.responses.store import ResponseStore
 from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tenancy import Tenancy
-from gateway_svc.tokenize import max_model_len, tokenize_router
+from gateway_svc.tokenize import model_info, tokenize_router
 
 log = structlog.get_logger("gateway")
 
@@ -72,18 +73,23 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     if config.model_dir and template is None:
         log.warning("no chat template: /v1/chat/completions will answer 400", model_dir=config.model_dir)
     started = int(time.time())
-    served = _model_checker(config.model_id)
+    # `model`: the base (--model-name) or one of the scheduler's LoRA adapters; embeddings: the base only.
+    lora = LoraModels(config.model_id)
+    served = lora.served
     parsers = config.parsers()
     live = LiveGenerations()
     app.state.live = live  # the server drains them on shutdown (server.py)
-    rules = convert.RequestRules(config.max_n, config.max_prompts, chat_default_max_tokens=config.default_max_tokens)
+    rules = convert.RequestRules(
+        config.max_n, config.max_prompts, chat_default_max_tokens=config.default_max_tokens, base_model=config.model_id
+    )
     tenancy = Tenancy(client, config.tenant_salt_forced, bool(config.api_key))
     bounds = config.max_parallel_per_request, config.max_stream_buffer_bytes
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=COMPLETION_BODY.openapi_extra)
     async def completions(body: Annotated[CompletionRequest, Depends(COMPLETION_BODY)], request: Request) -> Response:
+        await lora.learn(client, body.model, forwarded_key(request))
         served(body.model)
-        shape = ResponseShape("completion", config.model_id)
+        shape = ResponseShape("completion", body.model or config.model_id)
         constraint, field = structured.constraint_fields(body, parsers)
         salted = replace(rules, cache_salt_from_api_key=await tenancy.isolates())
         samples = convert.completion_samples(body, shape.id, salted, forwarded_key(request), constraint)
@@ -110,24 +116,30 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     async def chat_completions(
         body: Annotated[ChatCompletionRequest, Depends(CHAT_BODY)], request: Request
     ) -> Response:
+        await lora.learn(client, body.model, forwarded_key(request))
         served(body.model)
         return await run_chat(
-            body, request, ResponseShape("chat", config.model_id, structured.chat_reading(body, parsers))
+            body, request, ResponseShape("chat", body.model or config.model_id, structured.chat_reading(body, parsers))
         )
 
     async def model_card(request: Request) -> dict[str, Any]:
+        """The base's card (with max_model_len when the scheduler can say); the adapters' names learnt."""
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        return card | await max_model_len(client, forwarded_key(request))
+        info = await model_info(client, forwarded_key(request))
+        if info is None:
+            return card
+        lora.learnt(info)
+        return card | {"max_model_len": info.max_model_len}
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [await model_card(request)]}
+        return {"object": "list", "data": [await model_card(request), *lora.cards(started)]}
 
     @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(model_id: str, request: Request) -> dict[str, Any]:
-        if model_id != config.model_id:
-            raise errors.model_not_found(model_id)
-        return await model_card(request)
+        await lora.learn(client, model_id, forwarded_key(request))
+        lora.served(model_id)
+        return await model_card(request) if model_id == config.model_id else lora.card(model_id, started)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -140,7 +152,10 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     app.include_router(responses_router(run_chat, parsers, store, config.model_id, served))
     app.include_router(messages_router(run_chat, prompt_tokens, parsers, served))
-    app.include_router(embeddings_router(client, config.model_id, forwarded_key, served, config.max_prompts))
+    base_only = _model_checker(config.model_id)
+    app.include_router(embeddings_router(client, config.model_id, forwarded_key, base_only, config.max_prompts))
+    if config.scheduler_admin:
+        app.include_router(lora_admin_router(lora, client, config.scheduler_admin, config.admin_credentials()))
     # The caller's key, the body's size and pace are checked before anything reads or parses
     # the body (401, 413, 408), inside the metrics' count.
     app.add_middleware(

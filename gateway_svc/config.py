@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from gateway_svc.chat_template import CONTENT_FORMATS, ChatTemplate
 from gateway_svc.structured import Parsers
 from svc_common.addresses import host_port_problem
 from svc_common.defaults import DEFAULT_MODEL
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.targets import targets_check
-from svc_common.tls import file_checks, pair_check
+from svc_common.tls import channel_credentials, file_checks, pair_check
 
 # How the gateway picks one of several schedulers (gateway_svc/prefix_routing.py).
 SCHEDULER_ROUTING = ("prefix", "least-loaded", "random")
@@ -240,9 +242,21 @@ class GatewayConfig:
         metadata={"help": "PEM client certificate to present to the schedulers (with --scheduler-tls-key); optional"},
     )
     scheduler_tls_key: str = field(default="", metadata={"help": "PEM private key for --scheduler-tls-cert"})
+    scheduler_admin: str = field(
+        default="",
+        metadata={
+            "help": "the scheduler's admin.v1 address, HOST:PORT (its --admin-port): serves vLLM's "
+            "/v1/load_lora_adapter and /v1/unload_lora_adapter, the caller's key sent as the admin key that "
+            "admin.v1 checks (a client key is refused there); unset: no such routes"
+        },
+    )
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+
+    def admin_credentials(self) -> grpc.ChannelCredentials | None:
+        """--scheduler-admin's TLS: the schedulers' (admin.v1 listens with the client API's TLS)."""
+        return channel_credentials(self.scheduler_tls_ca, self.scheduler_tls_cert, self.scheduler_tls_key)
 
     @property
     def tenant_salt_forced(self) -> bool | None:
@@ -264,6 +278,11 @@ class GatewayConfig:
     def validate(self) -> None:
         checks = [
             (host_port_problem(self.scheduler) is None, "--scheduler", "HOST:PORT"),
+            (
+                not self.scheduler_admin or host_port_problem(self.scheduler_admin) is None,
+                "--scheduler-admin",
+                "HOST:PORT",
+            ),
             targets_check(self.schedulers, "--schedulers") if self.schedulers else (True, "", ""),
             (self.routing_prefix_tokens >= 1, "--routing-prefix-tokens", ">= 1"),
             (self.routing_load_factor >= 1.0, "--routing-load-factor", ">= 1"),

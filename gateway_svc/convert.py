@@ -47,6 +47,7 @@ class RequestRules:
     max_n: int = 16
     max_prompts: int = 1024  # prompts of one /v1/completions batch
     cache_salt_from_api_key: bool = False  # each API key its own prefix cache (tenant_salt)
+    base_model: str = ""  # a request naming another (served) model runs through that LoRA adapter
     chat_default_max_tokens: int = 0  # a chat's output when it sets no limit, at most (0: up to the context)
 
 
@@ -203,6 +204,7 @@ def _samples(
         "cache_salt": salt,
         "priority": body.priority,
         "no_speculation": body.no_speculation,
+        "lora_adapter": body.model if rules.base_model and body.model not in (None, rules.base_model) else None,
     }
     params = {k: v for k, v in params.items() if v is not None}  # unset = the scheduler's default
     samples = []

@@ -51,6 +51,9 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),  # e.g. chat on a --runner pooling scheduler
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    # admin.v1 (the LoRA admin routes): vLLM answers an adapter loaded twice with a 400.
+    grpc.StatusCode.ALREADY_EXISTS: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
 }
 
 

@@ -33,6 +33,8 @@ TOO_LARGE = 413
 TOO_SLOW = 408
 # Open without a key: probes, Prometheus and the API description carry no tenant data.
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+# Not a client's key but an admin's, which the scheduler's admin.v1 checks (gateway_svc/lora.py).
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class _Refused(Exception):
@@ -75,7 +77,11 @@ class EdgeGuard:
         await self.app(scope, _replay(body, receive), send)
 
     def _check_head(self, scope: Scope) -> None:
-        if self.api_key and scope["path"] not in PUBLIC_PATHS and not key_matches(scope_key(scope), self.api_key):
+        if (
+            self.api_key
+            and scope["path"] not in PUBLIC_PATHS | ADMIN_PATHS
+            and not key_matches(scope_key(scope), self.api_key)
+        ):
             error = invalid_key()
             raise _Refused(error.status, json.dumps(error.body()).encode())
         declared = _content_length(scope)

@@ -1,5 +1,5 @@
 """vLLM's /tokenize and /detokenize, with the scheduler's tokenizer (serving.v1
-Tokenize / Detokenize), and the model's max_model_len for /v1/models.
+Tokenize / Detokenize), and the scheduler's ModelInfo for /v1/models.
 
     POST /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
                    or {model?, messages, add_generation_prompt=true, add_special_tokens=false, ...}
@@ -27,6 +27,7 @@ from gateway_svc.errors import bad_request
 from gateway_svc.openai_types import STRICT, ChatMessage, ChatRendering, Text, TokenId
 from gateway_svc.openapi import ERROR_RESPONSES
 from gateway_svc.scheduler_client import Scheduler
+from proto import serving_pb2
 
 ForwardedKey = Callable[[Request], str | None]
 ModelCheck = Callable[[str | None], None]
@@ -114,14 +115,13 @@ def _text(body: TokenizeRequest, template: ChatTemplate | None) -> tuple[str, bo
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-async def max_model_len(client: Scheduler, api_key: str | None) -> dict[str, int]:
-    """{"max_model_len": N} from the scheduler, or {} when it cannot say (down,
-    or an older scheduler): /v1/models answers either way, but only to a caller
-    the scheduler takes (its API keys)."""
+async def model_info(client: Scheduler, api_key: str | None) -> serving_pb2.ModelInfoResponse | None:
+    """The scheduler's ModelInfo, or None when it cannot say (down, or an older
+    scheduler): /v1/models answers either way, but only to a caller the scheduler
+    takes (its API keys)."""
     try:
-        info = await client.model_info(api_key)
+        return await client.model_info(api_key)
     except grpc.aio.AioRpcError as err:
         if err.code() in _REFUSALS:
             raise
-        return {}
-    return {"max_model_len": info.max_model_len}
+        return None

@@ -37,6 +37,7 @@ SOURCES = (
     CSRC / "elementwise_cpu.cpp",
     CSRC / "quant_linear_cpu.cpp",
     CSRC / "moe_cpu.cpp",
+    CSRC / "lora_cpu.cpp",
 )
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.

@@ -10,7 +10,9 @@ kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
 * and, outside the reference's op set, the linear layers the CPU decoder streams its
   weights through (linear_cpu.cpp): ``pack_linear`` once at load, ``linear`` per call;
   and the mixture-of-experts op over the selected experts only (moe_cpu.cpp):
-  ``pack_experts`` once at load, ``fused_moe`` (kernels/moe_reference.py's) per call.
+  ``pack_experts`` once at load, ``fused_moe`` (kernels/moe_reference.py's) per call;
+  and the batched LoRA op, grouped by adapter slot (lora_cpu.cpp): ``lora``
+  (kernels/lora_reference.py's).
 
 A drop-in for kernels.reference wherever the worker picks an op module (like
 kernels.triton on CUDA); write_kv and copy_blocks are the reference's. Where the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import cpu_build, reference
+from kernels import cpu_build, lora_reference, reference
 from kernels.quant import KVScales
 from kernels.reference import copy_blocks, write_kv
 
@@ -36,6 +38,7 @@ __all__ = [
     "copy_blocks",
     "fused_moe",
     "linear",
+    "lora",
     "pack_experts",
     "pack_linear",
     "paged_decode_attention",
@@ -264,4 +267,12 @@ def fused_moe(
     y: Tensor = torch.ops.pagedserve_cpu.fused_moe(
         x, topk_ids, topk_weights, w_gate_up, w_down, intermediate_size, activation
     )
+    return y
+
+
+def lora(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
+    """lora_reference.lora, grouped by slot in C++ (fp32 or bf16; the reference elsewhere)."""
+    if x.device.type != "cpu" or x.dtype not in LINEAR_DTYPES or not available():
+        return lora_reference.lora(x, a, b, slots)
+    y: Tensor = torch.ops.pagedserve_cpu.lora(x, a, b, slots)
     return y

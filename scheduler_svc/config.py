@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
+from scheduler_svc.lora.flags import LoraFlags
 from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
 from scheduler_svc.speculative.flags import SPECULATIVE_CONFIG_KEYS, speculative_options
@@ -34,7 +35,7 @@ _NGRAM = NgramConfig()  # the speculative flags' defaults
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(LoraFlags):
     workers: str = field(
         default="127.0.0.1:50061",
         metadata={
@@ -427,7 +428,7 @@ class SchedulerConfig:
                 }
             ),
         ]
-        for ok, flag, valid in checks + self._credential_checks():
+        for ok, flag, valid in checks + self.lora_checks() + self._credential_checks():
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
         if self.chunk_size > self.max_num_batched_tokens >= 1:  # one request's chunk never outgrows a step

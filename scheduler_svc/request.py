@@ -67,6 +67,16 @@ class PoolingOptions:
     dimensions: int | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class LoraRef:
+    """The LoRA adapter a request runs through. The digest of its files is part of its
+    identity: a name registered again with other weights is another adapter, so it
+    never reuses the old one's worker slot or cached KV."""
+
+    name: str
+    digest: str
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -89,6 +99,7 @@ class Request:
     # Separates prefix-cache namespaces (e.g. per tenant): equal prompts with
     # different salts never share blocks.
     cache_salt: str | None = None
+    lora: LoraRef | None = None  # None: the base model alone
     # --scheduling-policy priority: lower values are admitted first and preempted last.
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

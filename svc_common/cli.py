@@ -74,6 +74,8 @@ def build_parser(cls: type[Any], prefix: str, description: str) -> argparse.Argu
                 type=_converter(hints[f.name]),
                 choices=choices,
                 help=help_text + f" [default: {default}]",
+                # A list flag (vLLM's --lora-modules A=x B=y) is one space-separated string field.
+                nargs=f.metadata.get("nargs"),
             )
     return parser
 
@@ -85,6 +87,8 @@ def parse_config(cls: type[T], prefix: str, description: str, argv: list[str] | 
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # T is a dataclass: every caller passes one
         value = getattr(args, f.name)
+        if isinstance(value, list):
+            value = " ".join(value)
         env = os.environ.get(env_name(prefix, f.name))
         if value is None and env is not None:
             try:

@@ -158,6 +158,19 @@ class WorkerConfig:
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
+    enable_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "as vLLM's flag: serve LoRA adapters (PEFT) beside the base model, loaded into --max-loras slots by the scheduler (worker.v1 LoadAdapter); every step row names its slot"
+        },
+    )
+    max_loras: int = field(
+        default=1, metadata={"help": "with --enable-lora: adapter slots, i.e. adapters resident at once"}
+    )
+    max_lora_rank: int = field(
+        default=16,
+        metadata={"help": "with --enable-lora: the largest adapter rank r served (every slot is padded to it)"},
+    )
     list_architectures: bool = field(
         default=False,
         metadata={"help": "print the model types (config.json model_type) this worker serves, with examples, and exit"},
@@ -186,6 +199,13 @@ class WorkerConfig:
             (self.device == "cpu" or self.device.startswith("cuda"), "--device", "cpu, cuda or cuda:N"),
             (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
             (self.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1"),
+            (self.max_loras >= 1, "--max-loras", ">= 1"),
+            (self.max_lora_rank >= 1, "--max-lora-rank", ">= 1"),
+            (
+                not self.enable_lora or self.tensor_parallel_size == 1,
+                "--enable-lora",
+                "used with --tensor-parallel-size 1 (adapters are not split over ranks yet)",
+            ),
             self._tensor_parallel_check(),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),

@@ -4,9 +4,11 @@ plain data."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -21,6 +23,7 @@ from svc_common.peer_auth import peer_interceptors
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import server_credentials
 from worker_svc.config import WorkerConfig
+from worker_svc.lora import AdapterRefused
 from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import (
     BoolArray,
@@ -44,7 +47,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
 _PER_ROW = ("start_pos", "num_tokens", "table_lens", "flags", "temperature", "top_p", "top_k", "seeds")
 # Per-row columns added since: absent (a scheduler that predates them) means 0 on every row.
-_LATER_PER_ROW = ("min_p", "num_drafts", "pooling")
+_LATER_PER_ROW = ("min_p", "num_drafts", "pooling", "lora_slots")
 _KNOWN_FLAGS = sum(worker_pb2.SeqFlag.values())  # the bits are distinct powers of two
 _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
@@ -101,6 +104,7 @@ def step_from_proto(req: worker_pb2.StepRequest) -> StepInput:
         draft_masks=masks_from_proto("seqs.draft_masks", c.draft_masks) if c.HasField("draft_masks") else None,
         late_mask_rows=np.flatnonzero(mask_follows),
         pooling=np.array(c.pooling, np.int64),
+        lora_slots=np.array(c.lora_slots, np.int64),
     )
     copies = np.array([(copy.src, copy.dst) for copy in req.copies], dtype=np.int64).reshape(-1, 2)
     previous = req.previous_step_id if req.HasField("previous_step_id") else None
@@ -218,6 +222,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.warning("step masks rejected", step_id=request.step_id, error=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.StepMasksResponse()
+
+    def LoadAdapter(
+        self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.LoadAdapterResponse:
+        start = time.perf_counter()
+        source = request.WhichOneof("source")
+        try:
+            if source is None:
+                raise AdapterRefused("source", "set path (a PEFT adapter directory) or files")
+            files = dict(request.files.files) if source == "files" else Path(request.path)
+            adapter = self.worker.load_adapter(request.slot, request.name, files)
+        except AdapterRefused as exc:
+            log.warning("adapter refused", slot=request.slot, adapter=request.name, error=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"adapter {request.name!r}: {exc}")
+        load_ms = (time.perf_counter() - start) * 1e3
+        log.info("adapter loaded", slot=request.slot, adapter=request.name, rank=adapter.rank, ms=round(load_ms, 1))
+        return worker_pb2.LoadAdapterResponse(rank=adapter.rank, target_modules=adapter.target_modules, load_ms=load_ms)
+
+    def UnloadAdapter(
+        self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.UnloadAdapterResponse:
+        try:
+            self.worker.unload_adapter(request.slot)
+        except AdapterRefused as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("adapter unloaded", slot=request.slot)
+        return worker_pb2.UnloadAdapterResponse()
 
     def Info(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(**dataclasses.asdict(self.worker.info))

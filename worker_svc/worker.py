@@ -22,6 +22,7 @@ from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_ca
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_offload import OffloadPool
+from worker_svc.lora import AdapterRefused, LoraAdapter, LoraSlots, check_step_slots, lora_op, read_adapter, read_files
 from worker_svc.models import DecoderModel, load_spec
 from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
 from worker_svc.models.families import listing
@@ -180,6 +181,8 @@ class WorkerInfo:
     hidden_size: int = 0  # a pooling row's vector length
     num_offload_blocks: int = 0  # the second KV tier's blocks (--kv-offload-gb); 0: none
     offload_medium: str = ""  # where it lives: "CPU" (pinned host memory) or "DISK" (file-backed)
+    max_loras: int = 0  # --enable-lora: adapter slots 1..max_loras (0: LoRA off)
+    max_lora_rank: int = 0
 
 
 class Worker:
@@ -222,11 +225,22 @@ class Worker:
         # forward of the reference ops (and, on CUDA, no graphs).
         layer_ops = reference if eager else backend.ops
         self.cpu_linears = not eager and self.device.type == "cpu" and backend.name == "cpu"
+        self.lora: LoraSlots | None = None
+        if config.enable_lora:
+            op = lora_op(self.device, self.cpu_linears)
+            self.lora = LoraSlots(
+                load_spec(config.model), config.max_loras, config.max_lora_rank, dtype, self.device, op
+            )
         if parallel:  # this rank's heads, MLP columns and vocabulary slice
             self.model = load_rank_model(config.model, dtype, parallel)
         else:
             self.model = DecoderModel.load(
-                config.model, dtype, self.device, ops=layer_ops, cpu_linears=self.cpu_linears
+                config.model,
+                dtype,
+                self.device,
+                ops=layer_ops,
+                cpu_linears=self.cpu_linears,
+                hook=self.lora.adapt if self.lora else None,
             )
         spec = self.model.spec  # this rank's head counts
         ranks = parallel.size if parallel else 1
@@ -266,7 +280,7 @@ class Worker:
         num_ids = config.max_batch if contiguous else config.num_blocks
         if not num_ids:
             # Profiled over a one-block scratch cache before the pool exists (runner/memory.py).
-            scratch = lambda: ModelRunner(self.model, make_cache(1), Sampler(0), route)
+            scratch = lambda: ModelRunner(self.model, make_cache(1), Sampler(0), route, self.lora)
             graphs_width = table_width if graph_backend is not None else None
             num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, memory, baseline, scratch, max_len, graphs_width)
         self.cache = make_cache(num_ids)
@@ -274,7 +288,7 @@ class Worker:
         num_offload = self.offload.num_blocks if self.offload is not None else 0
         sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
-            self.model, self.cache, SamplingRank(sampler, parallel) if parallel else sampler, route
+            self.model, self.cache, SamplingRank(sampler, parallel) if parallel else sampler, route, self.lora
         )
         self.limits = Limits(spec.vocab_size, num_ids, tokens_per_id, max_len, config.kv_layout, num_offload)
         self.info = WorkerInfo(
@@ -306,6 +320,8 @@ class Worker:
             hidden_size=self.model.spec.hidden_size,
             num_offload_blocks=num_offload,
             offload_medium=self.offload.medium if self.offload is not None else "",
+            max_loras=self.lora.max_loras if self.lora else 0,
+            max_lora_rank=self.lora.max_rank if self.lora else 0,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.
@@ -399,6 +415,7 @@ class Worker:
         with self._step_done:
             if step.previous_step_id is not None:
                 self._await_previous(step.previous_step_id)
+            check_step_slots(step.seqs, self.lora)  # under the lock: no load or unload meanwhile
             ok = False
             try:
                 if self.parallel is not None:
@@ -457,6 +474,25 @@ class Worker:
         log.error("worker failed: the device cannot run steps any more, going down", reason=reason, fatal=True)
         for callback in self._failure_callbacks:
             callback()
+
+    def load_adapter(self, slot: int, name: str, source: Path | dict[str, bytes]) -> LoraAdapter:
+        """A PEFT adapter (a directory, or its files) into `slot`, replacing what it held.
+        Read and checked first (AdapterRefused naming the field or tensor), then written
+        between steps: under the step lock."""
+        if self.lora is None:
+            raise AdapterRefused("slot", "this worker runs without --enable-lora")
+        self.lora.check_slot(slot)
+        config_bytes, weight_bytes = read_files(source)
+        adapter = read_adapter(name, config_bytes, weight_bytes, self.lora.spec, self.lora.max_rank)
+        with self._step_done:
+            self.lora.load(slot, adapter)
+        return adapter
+
+    def unload_adapter(self, slot: int) -> None:
+        if self.lora is None:
+            raise AdapterRefused("slot", "this worker runs without --enable-lora")
+        with self._step_done:
+            self.lora.unload(slot)
 
     def deliver_masks(self, step_id: int, masks: TokenMasks, field_name: str = "step_masks.masks") -> None:
         """The late masks of step `step_id`, from a StepMasks call or riding along with the next

@@ -26,6 +26,8 @@ def new_id(prefix: str) -> str:
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     system = body.system_text
     chat: dict[str, Any] = {"messages": ([{"role": "system", "content": system}] if system else []) + _messages(body)}
+    if body.model:  # the base, or a LoRA adapter the request runs through
+        chat["model"] = body.model
     if body.tools:
         chat["tools"] = [_function(t) for t in body.tools]
     choice = body.tool_choice

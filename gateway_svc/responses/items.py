@@ -38,6 +38,8 @@ def chat_request(body: ResponsesRequest, items: list[Item]) -> ChatCompletionReq
     """The chat request that answers `body` over the whole conversation `items`."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + chat_messages(items)
     chat: dict[str, Any] = {"messages": messages, "stream": body.stream, "ignore_eos": body.ignore_eos}
+    if body.model:  # the base, or a LoRA adapter the request runs through
+        chat["model"] = body.model
     if body.tools:
         chat["tools"] = [
             {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in body.tools

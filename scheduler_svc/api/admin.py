@@ -33,6 +33,8 @@ from scheduler_svc.engine.kv_events import KvEventBatch, KvEventHub
 from scheduler_svc.engine.router import WorkerState
 from scheduler_svc.engine.worker_status import WorkerStatus
 from scheduler_svc.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from scheduler_svc.lora.errors import LoraAdapterExists, LoraAdapterNotFound, LoraDisabled, LoraRejected
+from scheduler_svc.lora.registry import LoraRegistry
 from svc_common.addresses import host_port_problem
 from svc_common.grpc_options import server_options
 
@@ -52,6 +54,7 @@ class AdminEngine(Protocol):
     """What the engine provides to the admin service (scheduler_svc.engine.fleet.Fleet implements it)."""
 
     kv_events: KvEventHub  # every worker's prefix-index changes
+    lora: LoraRegistry | None  # --enable-lora: the adapters requests may name
 
     @property
     def routing(self) -> str:
@@ -160,12 +163,38 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await abort(context, grpc.StatusCode.INTERNAL, "list workers failed (see the scheduler log)")
         return admin_pb2.ListWorkersResponse(workers=[status_to_proto(s) for s in workers], routing=self.engine.routing)
 
+    async def LoadLoraAdapter(
+        self, request: admin_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.LoadLoraAdapterResponse:
+        registry = await _lora(self.engine, context)
+        try:
+            adapter = registry.register(request.lora_name, request.lora_path)
+        except (LoraRejected, LoraAdapterExists) as exc:
+            await abort_with(context, exc)
+        return admin_pb2.LoadLoraAdapterResponse(lora_name=adapter.name, rank=adapter.rank)
+
+    async def UnloadLoraAdapter(
+        self, request: admin_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UnloadLoraAdapterResponse:
+        registry = await _lora(self.engine, context)
+        try:
+            registry.unregister(request.lora_name)
+        except LoraAdapterNotFound as exc:
+            await abort_with(context, exc)
+        return admin_pb2.UnloadLoraAdapterResponse()
+
     async def SubscribeKvEvents(
         self, request: admin_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.KvEventBatch]:
         log.info("kv events subscriber", peer=context.peer(), resume=len(request.last_seq))
         async for batch in self.engine.kv_events.subscribe(dict(request.last_seq)):
             yield kv_batch_to_proto(batch)
+
+
+async def _lora(engine: AdminEngine, context: grpc.aio.ServicerContext) -> LoraRegistry:
+    if engine.lora is None:
+        await abort_with(context, LoraDisabled("the scheduler runs without --enable-lora"))
+    return engine.lora
 
 
 async def _require_address(address: str, context: grpc.aio.ServicerContext) -> None:

@@ -19,6 +19,7 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.pinning import PinLedger, pin_on_core
 from scheduler_svc.engine.stats import EngineStats, engine_stats
 from scheduler_svc.engine.streams import StreamEvent, coalesce
+from scheduler_svc.lora.errors import LoraRejected
 from scheduler_svc.planning.validation import (
     SEED_SPACE,
     RequestRejected,
@@ -32,7 +33,7 @@ from scheduler_svc.planning.validation import (
     default_output_limit,
     output_limit,
 )
-from scheduler_svc.request import PoolingOptions, Request, SamplingOptions, TokenLogprob
+from scheduler_svc.request import LoraRef, PoolingOptions, Request, SamplingOptions, TokenLogprob
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -57,6 +58,7 @@ def request_from_proto(
     check_num_samples(n, len(prompt_ids), sampling)
     request_id = msg.request_id or uuid.uuid4().hex
     eos, salt, priority = engine.tokenizer.eos_token_ids, msg.cache_salt or None, msg.priority
+    lora = _lora_from_proto(msg.lora_adapter, engine)
     if n == 1:
         return Request(
             request_id,
@@ -67,6 +69,7 @@ def request_from_proto(
             cache_salt=salt,
             no_speculation=msg.no_speculation,
             priority=priority,
+            lora=lora,
         )
     children = [
         Request(
@@ -79,6 +82,7 @@ def request_from_proto(
             cache_salt=salt,
             no_speculation=msg.no_speculation,
             priority=priority,
+            lora=lora,
         )
         for i in range(n)
     ]
@@ -92,7 +96,20 @@ def request_from_proto(
         eos_token_ids=eos,
         cache_salt=salt,
         priority=priority,
+        lora=lora,
     )
+
+
+def _lora_from_proto(name: str, engine: Engine) -> LoraRef | None:
+    """The request's adapter (empty: the base model); RequestRejected naming lora_adapter."""
+    if not name:
+        return None
+    if engine.fleet.lora is None:
+        raise RequestRejected("lora_adapter", "this scheduler serves no LoRA adapters (start it with --enable-lora)")
+    try:
+        return engine.fleet.lora.resolve(name)
+    except LoraRejected as exc:
+        raise RequestRejected(exc.field, exc.message) from None
 
 
 def constraint_from_proto(msg: serving_pb2.GenerateRequest) -> Constraint | None:
@@ -382,4 +399,10 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.tokenizer.vocab_size,
             runner="generate" if self.pooling is None else "pooling",
+            lora_adapters=[
+                serving_pb2.LoraAdapterInfo(name=a.name, path=a.path, rank=a.rank)
+                for a in sorted(lora.adapters.values(), key=lambda a: a.name)
+            ]
+            if (lora := self.engine.fleet.lora) is not None
+            else [],
         )

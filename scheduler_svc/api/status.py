@@ -18,6 +18,7 @@ from scheduler_svc.engine.errors import (
     WorkerUntrusted,
 )
 from scheduler_svc.kv.block_manager import PinLimitExceeded
+from scheduler_svc.lora.errors import LoraAdapterExists, LoraAdapterNotFound, LoraDisabled, LoraRejected
 from scheduler_svc.planning.queues import QueueFull
 from scheduler_svc.planning.validation import RequestRejected
 from scheduler_svc.structured.errors import ConstraintRejected, GrammarFailed, TokenRejected
@@ -38,6 +39,10 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (WorkerIncompatible, grpc.StatusCode.FAILED_PRECONDITION),
     (WorkerUntrusted, grpc.StatusCode.PERMISSION_DENIED),  # no internal token for an address not configured
     (LastWorker, grpc.StatusCode.FAILED_PRECONDITION),
+    (LoraRejected, grpc.StatusCode.INVALID_ARGUMENT),  # an adapter we cannot serve, named by field
+    (LoraAdapterExists, grpc.StatusCode.ALREADY_EXISTS),
+    (LoraAdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (LoraDisabled, grpc.StatusCode.FAILED_PRECONDITION),
     (SchedulerBug, grpc.StatusCode.INTERNAL),  # a stream ended by the scheduler's own fault
 )
 # What a servicer catches and turns into a status; anything else is a bug (INTERNAL).

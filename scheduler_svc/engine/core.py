@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import structlog
 
 from scheduler_svc.engine import masks
+from scheduler_svc.engine.adapter_loader import AdapterLoader, waiting_for
 from scheduler_svc.engine.counters import CoreCounters
 from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed, WorkerUnavailable
 from scheduler_svc.engine.kv_events import WorkerKvEvents
@@ -90,6 +91,7 @@ class EngineCore:
         self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
         self.grammars: Grammars | None = None  # the fleet's grammar engine (structured outputs)
         self.step_budget: SpeedBudget | None = None  # a CPU worker's budget, sized from its speed (the fleet's)
+        self.adapters: AdapterLoader | None = None  # --enable-lora: this worker's adapter slots (the fleet's)
         # Where this worker's prefix-index changes go, a batch per step (the Engine sets its hub's stream).
         self.kv_events = WorkerKvEvents(info.address)
         self.streams: dict[str, RequestStream] = {}
@@ -197,7 +199,7 @@ class EngineCore:
                 await self._recover()
             elif not self.planner.has_work():
                 await self._idle()
-            else:
+            elif self.adapters is None or await self._load_adapters():
                 plan = self.planner.schedule()
                 if plan.is_empty:
                     # Nothing fits right now (e.g. blocks held by ending requests): wait for a change.
@@ -242,6 +244,8 @@ class EngineCore:
     async def _plan_ahead(self, in_flight: deque[SentStep]) -> None:
         """With one step in flight, plan and send the next (async scheduling)."""
         if self.options.async_scheduling and self.planner.can_plan_ahead and self.planner.has_work():
+            if self.adapters is not None and self.adapters.wants_load(self.planner):
+                return  # let the pipeline drain: an adapter is loaded only with no step in flight
             ahead = self.planner.schedule()
             if not ahead.is_empty:
                 in_flight.append(await self._send(ahead, after=in_flight[-1]))
@@ -297,6 +301,9 @@ class EngineCore:
         except WorkerCallFailed as err:
             if err.transient:
                 self._lose(f"step failed: {err}", step_id=plan.step_id)
+            elif await self._restarted():  # a restarted worker refuses rows naming the adapter slots it lost
+                self.planner.requeue_all(reset_prefix_cache=True)
+                self._lose(f"restarted: step refused: {err}", step_id=plan.step_id)
             else:
                 step_log.error("worker rejected step", code=err.reason, details=err.details)
                 self._fail_plan(plan, err)
@@ -416,6 +423,35 @@ class EngineCore:
             if stream:
                 stream.fail(SchedulerBug(f"worker rejected a step: {err.details}"))
 
+    # ---- LoRA adapters ------------------------------------------------------
+    async def _load_adapters(self) -> bool:
+        """Load the adapters waiting requests need (nothing is in flight here); end the
+        requests of an adapter that cannot be loaded. False if the worker was lost."""
+        assert self.adapters is not None
+        try:
+            done = await self.adapters.load(self.planner, self.client)
+        except WorkerCallFailed as err:
+            self._lose(f"adapter load failed: {err}")
+            return False
+        self.counters.adapter_load_ms += sum(done.load_ms)
+        for ref, error in done.refused:
+            for request in waiting_for(self.planner, ref):
+                self.planner.finish(request.request_id, FinishReason.ABORT)
+                for request_id in [request.request_id] + [c.request_id for c in request.children]:
+                    if request_id in self.streams:
+                        self._fail_request(request_id, error)
+        return True
+
+    async def _restarted(self) -> bool:
+        """With adapters, whether a worker that refused a step is a new instance."""
+        if self.adapters is None:
+            return False
+        try:
+            info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
+        except WorkerCallFailed:
+            return False
+        return info.instance_id != self.info.instance_id
+
     # ---- idle: health watch and audit -------------------------------------
     async def _idle(self) -> None:
         if await self._wait_for_wakeup(self.options.health_interval_s):
@@ -495,6 +531,8 @@ class EngineCore:
             return False
         if info.instance_id != self.info.instance_id:
             dropped = self.planner.kv.reset_prefix_cache()
+            if self.adapters is not None:
+                self.adapters.slots.clear()
             self.counters.worker_restarts += 1
             log.warning(
                 "worker restarted: prefix cache reset",

@@ -22,3 +22,4 @@ class CoreCounters:
     last_step_ms: float = 0.0
     offload_ms: float = 0.0  # the worker's time copying blocks down to its second KV tier (Step timings)
     onload_ms: float = 0.0  # and up
+    adapter_load_ms: float = 0.0  # LoRA adapter loads onto this worker, all together

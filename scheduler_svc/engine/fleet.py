@@ -7,12 +7,14 @@ what each worker's state is. Requests themselves are engine/flow.py's business."
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import OrderedDict
 
 import structlog
 
 from scheduler_svc.config import DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+from scheduler_svc.engine.adapter_loader import AdapterLoader
 from scheduler_svc.engine.core import CoreOptions, EngineCore, Handover
 from scheduler_svc.engine.discovery import first_workers
 from scheduler_svc.engine.errors import (
@@ -38,6 +40,9 @@ from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.kv.offload import OffloadPool
 from scheduler_svc.kv.slot_manager import SlotManager
 from scheduler_svc.kv.tiers import TieredKVCacheManager
+from scheduler_svc.lora.errors import LoraAdapterExists, LoraRejected
+from scheduler_svc.lora.registry import LoraRegistry
+from scheduler_svc.lora.slots import AdapterSlots
 from scheduler_svc.planning.planner import Planner
 from scheduler_svc.structured.grammars import Grammars
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -64,6 +69,7 @@ class Fleet:
         router: Router,
         hooks: EngineHooks[EngineCore] = EngineHooks(),
         resolver: Resolver = resolve_dns,
+        lora: LoraRegistry | None = None,
     ) -> None:
         self.cores = cores  # in the order the workers were added
         self.resolver = resolver  # what dns:/// names in --workers resolve to (a trusted worker's address)
@@ -91,9 +97,12 @@ class Fleet:
         self._drains: dict[str, asyncio.Task[WorkerStatus]] = {}
         self._adding: set[str] = set()
         self._removed: OrderedDict[str, tuple[WorkerStatus, float]] = OrderedDict()  # address -> (record, when)
+        # --enable-lora: the adapters requests may name; each core loads them into its worker's slots.
+        self.lora = lora
         for core in cores:
             core.kv_events = self.kv_events.worker(core.info.address)
             core.grammars = self.grammars
+            self._attach_lora(core)
 
     @classmethod
     async def connect(
@@ -126,7 +135,7 @@ class Fleet:
             )
         first = workers[0][1]
         for _, info in workers:
-            if problem := (first.mismatch(info) or info.batch_problem(config.max_num_seqs)):
+            if problem := (first.mismatch(info) or _capacity_problem(info, config)):
                 raise StartupError(problem)
         if tokenizer.vocab_size > first.vocab_size:
             raise StartupError(f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's {first.vocab_size}")
@@ -134,7 +143,7 @@ class Fleet:
         cores = [EngineCore(c, info, _planner(config, info), tokenizer, options, hooks=hooks) for c, info in workers]
         for core in cores:
             _size_steps(core, config)
-        return cls(cores, tokenizer, config, router, hooks, resolver)
+        return cls(cores, tokenizer, config, router, hooks, resolver, _lora_registry(config, first))
 
     def on_lost_worker(self, handover: Handover) -> None:
         """What a core that lost its worker calls to move its requests elsewhere."""
@@ -173,6 +182,10 @@ class Fleet:
             requests_routed=routed.routed if routed else 0,
         )
 
+    def _attach_lora(self, core: EngineCore) -> None:
+        if self.lora is not None and core.planner.adapters is not None:
+            core.adapters = AdapterLoader(self.lora, core.planner.adapters)
+
     def _find(self, address: str) -> EngineCore | None:
         return next((c for c in self.cores if c.info.address == address), None)
 
@@ -209,6 +222,7 @@ class Fleet:
             _size_steps(core, self.config)
             core.kv_events = self.kv_events.worker(address)
             core.grammars = self.grammars
+            self._attach_lora(core)
             self.cores.append(core)
             self._removed.pop(address, None)  # a worker again: a drain is a new drain
             core.start()
@@ -221,7 +235,7 @@ class Fleet:
 
     def _check_new_worker(self, info: WorkerInfo) -> Planner:
         """The new worker's planner, if it serves what the others serve; else WorkerIncompatible."""
-        if problem := (self.reference.mismatch(info) or info.batch_problem(self.config.max_num_seqs)):
+        if problem := (self.reference.mismatch(info) or _capacity_problem(info, self.config)):
             raise WorkerIncompatible(problem)
         planner = _planner(self.config, info)
         if planner.max_len < self.max_model_len:
@@ -316,6 +330,27 @@ class Fleet:
         self.grammars.close()
 
 
+def _capacity_problem(info: WorkerInfo, config: SchedulerConfig) -> str | None:
+    """Why this scheduler's batch or adapters do not fit the worker; None if they do."""
+    lora = info.lora_problem(config.max_lora_rank) if config.enable_lora else None
+    return info.batch_problem(config.max_num_seqs) or lora
+
+
+def _lora_registry(config: SchedulerConfig, info: WorkerInfo) -> LoraRegistry | None:
+    """--enable-lora: the registry, with the adapters of --lora-modules read and checked."""
+    if not config.enable_lora:
+        return None
+    # A request's `model` names the base model or an adapter: an adapter may not take the base's names.
+    reserved = frozenset({info.model_name, os.path.basename(os.path.normpath(config.model))})
+    registry = LoraRegistry(config.max_lora_rank, config.cpu_loras, reserved)
+    for name, path in config.lora_module_paths:
+        try:
+            registry.register(name, path)
+        except (LoraRejected, LoraAdapterExists) as exc:
+            raise StartupError(f"--lora-modules {name}={path}: {exc}") from None
+    return registry
+
+
 def _core_options(config: SchedulerConfig) -> CoreOptions:
     return CoreOptions(
         worker_timeout_s=config.worker_timeout_s,
@@ -360,7 +395,9 @@ def _planner(config: SchedulerConfig, info: WorkerInfo) -> Planner:
             kv = KVCacheManager(pool, extra_keys=extra_keys, max_pinned_blocks=max_pinned)
     # Unset: the worker's own --max-num-seqs (batch_problem refused one larger than it).
     max_num_seqs = config.max_num_seqs or info.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    return Planner(config.planner_config(max_len, info.block_size, max_num_seqs), kv)
+    # --enable-lora: the worker's slots, as many as both allow (_capacity_problem refused a worker with none).
+    adapters = AdapterSlots(min(config.max_loras, info.max_loras)) if config.enable_lora else None
+    return Planner(config.planner_config(max_len, info.block_size, max_num_seqs), kv, adapters)
 
 
 async def _first_info(client: WorkerClient, timeout_s: float) -> WorkerInfo:

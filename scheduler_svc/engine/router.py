@@ -32,7 +32,11 @@ Prefix-aware policy (`PrefixRouter`)
    block counts). Ties -- and misses -- go to the least loaded worker: fewest
    running + waiting sequences, then most free blocks, then most free blocks
    that hold no cached prefix (so misses spread over idle workers instead of
-   evicting one worker's cached prompts), then candidate order.
+   evicting one worker's cached prompts), then candidate order. A miss of a
+   LoRA request goes to the least loaded worker that holds its adapter resident
+   (no load, no eviction), unless the load guard (5) says it is overloaded.
+   Its hits need no such rule: its blocks are salted by its adapter, so only a
+   worker that ran it can hold them.
 5. Load guard: a shared prefix must not pin all traffic on one worker. If the
    prefix winner has more than `balance_abs_threshold` sequences more than the
    least loaded worker *and* more than `balance_rel_threshold` times as many,
@@ -51,13 +55,13 @@ import enum
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler_svc.config import ROUTING_POLICIES
 from scheduler_svc.kv.interface import KVManager
-from scheduler_svc.request import Request
+from scheduler_svc.request import LoraRef, Request
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
@@ -83,6 +87,10 @@ class Candidate:
     num_running: int = 0
     num_waiting: int = 0
     state: WorkerState = WorkerState.SERVING
+    adapters: Collection[LoraRef] = ()  # the LoRA adapters resident on the worker
+
+    def holds(self, request: Request) -> bool:
+        return request.lora is not None and request.lora in self.adapters
 
     @property
     def accepting(self) -> bool:
@@ -120,6 +128,7 @@ class Candidate:
             num_running=planner.num_running,
             num_waiting=planner.num_waiting,
             state=state,
+            adapters=planner.adapters.resident if planner.adapters is not None else (),
         )
 
 
@@ -128,6 +137,7 @@ class RouteReason(enum.StrEnum):
     AFFINITY = "affinity"  # a recently routed request with the same prefix went there
     LOAD = "load"  # no usable prefix: least loaded
     BALANCE = "balance"  # the prefix winner was overloaded: least loaded instead
+    ADAPTER = "adapter"  # no usable prefix: the least loaded worker holding the request's LoRA adapter
     ROUND_ROBIN = "round-robin"
 
 
@@ -257,13 +267,16 @@ class PrefixRouter(_BaseRouter):
         expected = {c.address: max(cached[c.address], affinity.get(c.address, 0)) for c in eligible}
         best_tokens = max(expected.values())
         least = self._least_loaded(eligible)
+        # A miss goes where its adapter is resident (no load, no eviction), unless that worker is overloaded.
+        holder = self._least_loaded(holders) if (holders := [c for c in eligible if c.holds(request)]) else least
+        miss = (holder, RouteReason.ADAPTER) if holder is not least and not self._overloaded(holder, least) else None
         if best_tokens > 0 and best_tokens >= self.min_prefix_fraction * request.num_prompt_tokens:
             chosen = self._least_loaded([c for c in eligible if expected[c.address] == best_tokens])
             reason = RouteReason.PREFIX if cached[chosen.address] == best_tokens else RouteReason.AFFINITY
             if chosen is not least and self._overloaded(chosen, least):
                 chosen, reason = least, RouteReason.BALANCE
         else:
-            chosen, reason = least, RouteReason.LOAD
+            chosen, reason = miss or (least, RouteReason.LOAD)
         self._remember(hashes, chosen.address, now)
         return self._record(
             request, RoutingDecision(chosen.address, reason, cached[chosen.address], expected[chosen.address])
@@ -364,4 +377,5 @@ def _scratch_copy(request: Request) -> Request:
         seq_id=request.seq_id,
         prompt_token_ids=list(request.all_token_ids),
         cache_salt=request.cache_salt,
+        lora=request.lora,
     )

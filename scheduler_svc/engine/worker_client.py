@@ -3,6 +3,7 @@ converts worker.v1 protos to and from the planner's data classes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -56,6 +57,8 @@ class WorkerInfo:
     hidden_size: int = 0  # a pooling row's vector length (0: an older worker that does not say)
     num_offload_blocks: int = 0  # its second KV tier (kv/tiers.py); 0: none
     offload_medium: str = ""  # "CPU" | "DISK": where that tier lives (the medium of its KV events)
+    max_loras: int = 0  # LoRA adapter slots (0: the worker runs without --enable-lora)
+    max_lora_rank: int = 0
 
     def batch_problem(self, max_num_seqs: int) -> str | None:
         """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
@@ -66,6 +69,16 @@ class WorkerInfo:
             f"--max-num-seqs {max_num_seqs} is more than worker {self.address} was started for "
             f"(its --max-num-seqs {self.max_num_seqs}: memory and decode graphs are sized for that): give the "
             f"worker the same value, or leave the scheduler's unset to take the worker's"
+        )
+
+    def lora_problem(self, max_lora_rank: int) -> str | None:
+        """Why a scheduler serving adapters up to rank `max_lora_rank` (--enable-lora)
+        cannot use this worker; None if it can."""
+        if self.max_loras and self.max_lora_rank >= max_lora_rank:
+            return None
+        return (
+            f"worker {self.address} has {self.max_loras} LoRA slots of rank up to {self.max_lora_rank}: start it "
+            f"with --enable-lora and --max-lora-rank {max_lora_rank} or more, as the scheduler"
         )
 
     def mismatch(self, other: WorkerInfo, same_pool: bool = False) -> str | None:
@@ -132,6 +145,8 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     )
     if any(s.num_drafts for s in seqs):
         columns.num_drafts.extend([s.num_drafts for s in seqs])
+    if any(s.lora_slot for s in seqs):
+        columns.lora_slots.extend([s.lora_slot for s in seqs])
     if any(s.pooling for s in seqs):
         columns.pooling.extend([_POOLING[s.pooling] for s in seqs])
     for row, s in enumerate(seqs):
@@ -272,6 +287,8 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         hidden_size=reply.hidden_size,
         num_offload_blocks=reply.num_offload_blocks,
         offload_medium=reply.offload_medium,
+        max_loras=reply.max_loras,
+        max_lora_rank=reply.max_lora_rank,
     )
 
 
@@ -319,6 +336,16 @@ class WorkerClient:
         request = worker_pb2.StepMasksRequest(step_id=step_id, masks=masks_to_proto(masks))
         try:
             await self.stub.StepMasks(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise self._failure(err) from None
+
+    async def load_adapter(self, slot: int, name: str, files: Mapping[str, bytes], timeout_s: float) -> None:
+        """Place an adapter's files in a slot (never while a step runs: the core calls this
+        with nothing in flight). Raises WorkerCallFailed (not transient: the worker refused
+        the adapter, naming why)."""
+        request = worker_pb2.LoadAdapterRequest(slot=slot, name=name, files=worker_pb2.LoraAdapterFiles(files=files))
+        try:
+            await self.stub.LoadAdapter(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
 

@@ -391,7 +391,9 @@ class KVCacheManager(SingleTier):
         if len(hashes) < num_blocks:
             # The salt goes into every block's key; chaining alone would suffice,
             # but this keeps each key self-describing at no real cost.
-            extra = hash_extra_keys(self.extra_keys + (request.cache_salt,))
+            # An adapter changes every layer's K and V: its blocks never meet the base's or another adapter's.
+            lora = () if request.lora is None else (request.lora.name, request.lora.digest)
+            extra = hash_extra_keys(self.extra_keys + (request.cache_salt,) + lora)
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_blocks):
                 parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra)

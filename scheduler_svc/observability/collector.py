@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from scheduler_svc.engine.stats import spec_counters
 from scheduler_svc.observability.accounting import core_metrics
+from scheduler_svc.observability.lora_metrics import lora_families
 from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class EngineCollector(Collector):
         yield from by_direction.values()
         yield info
         yield from vllm_families(cores)
+        if any(core.planner.adapters is not None for core in cores):  # --enable-lora
+            yield from lora_families(cores)
 
 
 def vllm_families(cores: list[EngineCore]) -> list[Metric]:

@@ -90,3 +90,15 @@ VLLM_METRIC_NAMES = {
     "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
 }
+
+# Served only with --enable-lora (observability/lora_metrics.py); the vLLM one per worker,
+# the adapters running and waiting in comma-separated labels.
+LORA_METRIC_NAMES = {
+    "pagedserve_lora_requests_running": "running requests per LoRA adapter",
+    "pagedserve_lora_requests_waiting": "queued requests per LoRA adapter (waiting for a slot included)",
+    "pagedserve_lora_adapter_resident": "1 for each adapter resident in one of the worker's slots",
+    "pagedserve_lora_adapter_loads_total": "adapters loaded into the worker's slots",
+    "pagedserve_lora_adapter_evictions_total": "adapters evicted from a slot for another",
+    "pagedserve_lora_adapter_load_seconds_total": "time spent loading adapters onto the worker (the RPC included)",
+    "vllm:lora_requests_info": "Running stats on lora requests.",
+}

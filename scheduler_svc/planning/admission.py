@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.lora.slots import AdapterSlots
 from scheduler_svc.planning.budget import StepBudget
 from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.queues import RequestQueues
@@ -22,10 +23,13 @@ from scheduler_svc.request import Request, RequestStatus
 
 
 class Admission:
-    def __init__(self, config: PlannerConfig, kv: KVManager, queues: RequestQueues) -> None:
+    def __init__(
+        self, config: PlannerConfig, kv: KVManager, queues: RequestQueues, adapters: AdapterSlots | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
         self.queues = queues
+        self.adapters = adapters  # the worker's LoRA slots: a request starts once its adapter is resident
         self.resumed_tokens = 0  # tokens of preempted requests found in the prefix index on readmission
         self.recomputed_tokens = 0  # tokens of preempted requests computed again
 
@@ -40,13 +44,19 @@ class Admission:
         check_sampling(request.sampling, prefill_only=request.pooling is not None)
         if request.grammar is not None:
             check_constrained(request.sampling)
+        if request.lora is not None and self.adapters is None:
+            raise RequestRejected(
+                "lora_adapter", "this scheduler serves no LoRA adapters (start it with --enable-lora)"
+            )
 
     def admit_waiting(self, budget: StepBudget) -> None:
         """Admission in policy order; stops at the first request whose chunk does not
         fit, so a big request at the head is not starved by smaller ones behind it."""
         queues = self.queues
         while queues.waiting and budget.has_room() and len(queues.running) < self.config.max_num_seqs:
-            request = queues.next_waiting()
+            request = queues.next_waiting(self._ready)
+            if request is None:
+                return
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             want = min(
                 request.num_tokens - num_hit_tokens, self.config.chunk_limit(self.kv.free_fraction), budget.tokens_left
@@ -67,3 +77,8 @@ class Admission:
             request.status = RequestStatus.RUNNING
             queues.running.append(request)
             budget.add(request, want)
+            if self.adapters is not None:
+                self.adapters.touch(request.lora)
+
+    def _ready(self, request: Request) -> bool:
+        return request.lora is None or (self.adapters is not None and self.adapters.admits(request.lora))

@@ -62,6 +62,7 @@ class ScheduledSeq:
     # when planned (speculation.constrained_drafts); None: unconstrained or no drafts.
     position_masks: NDArray[np.int32] | None = None
     pooling: RowPooling = RowPooling.NONE  # a pooling request's chunk (planning/pooling.py)
+    lora_slot: int = 0  # the worker's adapter slot its tokens run through (0: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,7 @@ from collections import deque
 
 from scheduler_svc.kv.block_manager import LeakError
 from scheduler_svc.kv.interface import KVManager
+from scheduler_svc.lora.slots import AdapterSlots
 from scheduler_svc.planning.admission import Admission
 from scheduler_svc.planning.budget import StepBudget
 from scheduler_svc.planning.config import PlannerConfig
@@ -104,9 +105,13 @@ def _prompt_logprob_targets(request: Request, start: int, end: int) -> list[int]
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, kv_cache_manager: KVManager) -> None:
+    def __init__(
+        self, config: PlannerConfig, kv_cache_manager: KVManager, adapters: AdapterSlots | None = None
+    ) -> None:
         """kv_cache_manager: the worker's KV memory as the KVManager protocol
-        (scheduler_svc/kv/interface.py): paged blocks or contiguous slots."""
+        (scheduler_svc/kv/interface.py): paged blocks or contiguous slots. adapters: the
+        worker's LoRA slots (--enable-lora): a request naming an adapter waits until the
+        engine has loaded it, and its rows carry its slot."""
         self.config = config.validate()
         if config.block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {config.block_size} != KV cache block size {kv_cache_manager.block_size}")
@@ -116,7 +121,8 @@ class Planner:
         self.drafter = Drafter(config.speculative) if config.speculative is not None else None
         self._queues = RequestQueues(config.scheduling_policy, config.max_waiting)
         self._in_flight = InFlight()
-        self._admission = Admission(config, self.kv, self._queues)
+        self.adapters = adapters
+        self._admission = Admission(config, self.kv, self._queues, adapters)
         self._preemption = Preemption(self.kv, self._queues)
         self._drafts = DraftHooks(self.drafter, self.kv, self._in_flight, self.max_len)
         self._results = StepResults(self.kv, self._queues, self.drafter, self.max_len, self.finish)
@@ -272,6 +278,7 @@ class Planner:
                 prompt_logprob_targets=_prompt_logprob_targets(request, start, end),
                 num_drafts=len(drafts),
                 pooling=row_pooling(request, end),
+                lora_slot=self.adapters.slot(request.lora) if self.adapters is not None else 0,
             )
             if sample:
                 self._add_sample_inputs(scheduled, request)

@@ -7,7 +7,7 @@ until its prompt is computed, then take over its blocks."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from scheduler_svc.kv.interface import KVManager
 from scheduler_svc.request import FinishReason, Request, RequestStatus
@@ -90,13 +90,15 @@ class RequestQueues:
             self.running.append(child)
 
     # ---- the scheduling policy: who goes first, who gives way ---------------
-    def next_waiting(self) -> Request:
-        """The waiting request admitted next: the queue's head (fcfs: arrival order, a
-        preempted request back at the front), or the most urgent (priority: lowest value,
-        then earliest arrival)."""
+    def next_waiting(self, ready: Callable[[Request], bool]) -> Request | None:
+        """The waiting request admitted next among those `ready` (a LoRA request waits
+        for its adapter's slot without holding up the others): the first in the queue
+        (fcfs: arrival order, a preempted request back at the front), or the most urgent
+        (priority: lowest value, then earliest arrival)."""
+        candidates = (r for r in self.waiting if ready(r))
         if self.policy == "priority":
-            return min(self.waiting, key=_urgency)
-        return self.waiting[0]
+            return min(candidates, key=_urgency, default=None)
+        return next(candidates, None)
 
     def victim(self, spared: Iterable[str]) -> Request:
         """The running request to preempt, among those not spared (scheduled this step):

@@ -22,3 +22,10 @@ def tiny_checkpoint(family: str) -> Path:
 # Mixture of experts (tools/tiny_checkpoints.py: MOE_FAMILIES), tested by
 # tests/integration/test_moe_families.py and the chunked-prefill test.
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def tiny_adapter(family: str, adapter: str) -> Path:
+    """A PEFT LoRA adapter (tools/tiny_adapters.py: ADAPTERS) for the tiny `family`."""
+    from tools.tiny_adapters import ensure_adapter
+
+    return ensure_adapter(family, adapter)

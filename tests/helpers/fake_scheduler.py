@@ -64,6 +64,7 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
         self.required_key: str | None = None
         self.active = 0  # Generate calls running now, and the most there were at once
         self.max_active = 0
+        self.lora_adapters = None
 
     def Generate(self, request, context):
         metadata = dict(context.invocation_metadata())
@@ -79,8 +80,11 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
                 self.active -= 1
 
     def ModelInfo(self, request, context):
-        """Past the key check (as the real scheduler's), no model to describe."""
+        """Past the key check (as the real scheduler's), no model to describe, unless a test
+        gave it LoRA adapters (`lora_adapters`: () -> their LoraAdapterInfo)."""
         self._check_key(context, dict(context.invocation_metadata()))
+        if self.lora_adapters is not None:
+            return serving_pb2.ModelInfoResponse(model=MODEL_NAME, max_model_len=64, lora_adapters=self.lora_adapters())
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "the fake scheduler describes no model")
 
     def _check_key(self, context, metadata):

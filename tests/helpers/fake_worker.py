@@ -18,6 +18,11 @@ token already generated four times is skipped. What a position sees is what the 
 ids and bias the row carries, and the generated ids its penalties count (the
 step's, its input when it comes from the previous step, and the drafts before
 the position).
+
+LoRA: `load_adapter(slot, name)` puts an adapter in a slot; a row naming a slot
+(`lora_slot`) samples the model's token shifted by its adapter's name, and may read
+only KV written under the same adapter (a block shared across adapters, or between
+an adapter and the base, fails an assertion).
 """
 
 from __future__ import annotations
@@ -52,10 +57,24 @@ class FakeWorker:
         # The last step's samples, for decodes that take their input from it (overlapped scheduling).
         self.last_step_id: int | None = None
         self.last_sampled: dict[int, tuple[int, float]] = {}
+        self.adapters: dict[int, str] = {}  # LoRA slot -> the adapter loaded there
+        self.kv_adapter: dict[int, str] = {}  # KV slot -> the adapter it was written under ("": the base)
+
+    def load_adapter(self, slot: int, name: str) -> None:
+        assert slot >= 1, "slot 0 is the base model"
+        self.adapters[slot] = name
+
+    def adapter(self, seq) -> str:
+        """The adapter a row runs through ("": the base); its slot must hold one."""
+        slot = getattr(seq, "lora_slot", 0)
+        assert slot == 0 or slot in self.adapters, f"seq {seq.seq_id}: lora slot {slot} holds no adapter"
+        return self.adapters[slot] if slot else ""
 
     def restart(self) -> None:
         """Lose the whole cache, as a restarted worker would."""
         self.slots.clear()
+        self.adapters.clear()
+        self.kv_adapter.clear()
         self.last_step_id, self.last_sampled = None, {}
 
     def next_token(self, context: list[int]) -> int:
@@ -73,6 +92,9 @@ class FakeWorker:
                 entry = self.slots.get(src * self.block_size + offset)
                 if entry is not None:
                     self.slots[dst * self.block_size + offset] = entry
+                    self.kv_adapter[dst * self.block_size + offset] = self.kv_adapter.get(
+                        src * self.block_size + offset, ""
+                    )
         seq_ids = [seq.seq_id for seq in plan.seqs]
         assert len(seq_ids) == len(set(seq_ids)), f"step {plan.step_id}: a seq scheduled twice"
         for seq in plan.seqs:
@@ -82,10 +104,14 @@ class FakeWorker:
         written_now = set(written)
         assert len(written) == len(written_now), f"step {plan.step_id}: a slot written twice"
         # No sequence may read (as cached context) a slot that this step writes.
-        contexts = [self._read(seq.block_table, seq.start_pos, written_now) + inputs[seq.seq_id] for seq in plan.seqs]
+        contexts = [
+            self._read(seq.block_table, seq.start_pos, written_now, self.adapter(seq)) + inputs[seq.seq_id]
+            for seq in plan.seqs
+        ]
         for seq in plan.seqs:
             for i, slot in enumerate(seq.slot_mapping):
                 self.slots[slot] = (seq.start_pos + i, inputs[seq.seq_id][i])
+                self.kv_adapter[slot] = self.adapter(seq)
         sampled, accepted, draft_logprobs = {}, {}, {}
         for seq, context in zip(plan.seqs, contexts):
             if seq.sample:
@@ -117,6 +143,8 @@ class FakeWorker:
     def sample(self, seq: ScheduledSeq, context: list[int], generated: list[int]) -> int:
         """The token after `context` under the row's options (the module doc)."""
         token = self.next_token(context)
+        if adapter := self.adapter(seq):
+            token = (token + 1 + sum(adapter.encode()) % (self.vocab_size - 1)) % self.vocab_size
         if not self.options:
             return token
         o = seq.sampling
@@ -167,14 +195,16 @@ class FakeWorker:
         expected = [seq.block_table[p // bs] * bs + p % bs for p in range(seq.start_pos, end)]
         assert list(seq.slot_mapping) == expected, f"seq {seq.seq_id}: slot_mapping does not match block_table"
 
-    def _read(self, block_table: list[int], num_tokens: int, written_now: set[int]) -> list[int]:
-        """Tokens at positions [0, num_tokens) as stored in the cache."""
+    def _read(self, block_table: list[int], num_tokens: int, written_now: set[int], adapter: str = "") -> list[int]:
+        """Tokens at positions [0, num_tokens) as stored in the cache (written under `adapter`)."""
         bs, context = self.block_size, []
         for pos in range(num_tokens):
             slot = block_table[pos // bs] * bs + pos % bs
             assert slot not in written_now, f"position {pos}: slot {slot} is overwritten in this same step"
             entry = self.slots.get(slot)
             assert entry is not None and entry[0] == pos, f"position {pos}: cache holds {entry}"
+            written_under = self.kv_adapter.get(slot, "")
+            assert written_under == adapter, f"position {pos}: KV of adapter {written_under!r} read under {adapter!r}"
             context.append(entry[1])
         return context
 

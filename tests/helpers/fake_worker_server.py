@@ -16,9 +16,18 @@ from tests.helpers.worker_client import seqs_of, step_response
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
-        self, num_blocks: int, vocab_size: int, block_size: int = 16, max_model_len: int = 4096, max_num_seqs: int = 0
+        self,
+        num_blocks: int,
+        vocab_size: int,
+        block_size: int = 16,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ):
         self.fake = FakeWorker(num_blocks, block_size, vocab_size)
+        self.adapter_loads: list[tuple[int, str]] = []  # (slot, name), in order
+        self.refuse_adapters: dict[str, str] = {}  # adapter name -> the INVALID_ARGUMENT details it gets
         self.info = worker_pb2.InfoResponse(
             model_name="fake",
             model_type="llama",
@@ -35,10 +44,20 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             device="cpu",
             instance_id=uuid.uuid4().hex,
             max_num_seqs=max_num_seqs,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
 
     async def Info(self, request, context):
         return self.info
+
+    async def LoadAdapter(self, request, context):
+        self.adapter_loads.append((request.slot, request.name))
+        refusal = self.refuse_adapters.get(request.name)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        self.fake.load_adapter(request.slot, request.name)
+        return worker_pb2.LoadAdapterResponse(rank=8, target_modules=["q_proj"])
 
     async def Step(self, request, context):
         previous = request.previous_step_id if request.HasField("previous_step_id") else None

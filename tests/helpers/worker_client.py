@@ -46,6 +46,7 @@ class Seq:
     mask: list[int] | None = None
     mask_follows: bool = False
     num_drafts: int = 0  # the last num_drafts of token_ids are drafts (speculative decoding)
+    lora_slot: int = 0  # the adapter slot the row runs through (0: the base model)
 
     @property
     def flags(self) -> int:
@@ -134,6 +135,8 @@ def step_request(
         columns.masks.CopyFrom(token_masks([row for row, _ in masked], [mask for _, mask in masked]))
     if any(s.num_drafts for s in seqs):
         columns.num_drafts.extend(s.num_drafts for s in seqs)
+    if any(s.lora_slot for s in seqs):
+        columns.lora_slots.extend(s.lora_slot for s in seqs)
     return worker_pb2.StepRequest(
         step_id=step_id,
         copies=[worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in copies],
@@ -187,6 +190,7 @@ def seqs_of(request: worker_pb2.StepRequest) -> list[Seq]:
                 prompt_logprob_targets=list(extras.prompt_logprob_targets),
                 prompt_top_logprobs=extras.prompt_top_logprobs,
                 num_drafts=c.num_drafts[row] if c.num_drafts else 0,
+                lora_slot=c.lora_slots[row] if c.lora_slots else 0,
             )
         )
     return seqs

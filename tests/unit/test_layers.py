@@ -20,13 +20,14 @@ ALLOWED: dict[str, set[str]] = {
     "speculative": set(),
     "structured": {"text"},
     "kv": {"request"},
-    "planning": {"request", "kv", "structured", "speculative"},
-    "config": {"request", "kv", "planning", "speculative", "structured"},  # the grammar limits' defaults
-    "engine": {"request", "kv", "planning", "text", "structured", "config"},
-    "api": {"request", "kv", "planning", "text", "structured", "config", "engine"},
-    "observability": {"request", "kv", "planning", "engine"},
+    "lora": {"request"},  # the adapter registry and each worker's slots: pure bookkeeping, no torch
+    "planning": {"request", "kv", "structured", "speculative", "lora"},
+    "config": {"request", "kv", "planning", "speculative", "structured", "lora"},  # the grammar limits' defaults
+    "engine": {"request", "kv", "planning", "text", "structured", "config", "lora"},
+    "api": {"request", "kv", "planning", "text", "structured", "config", "engine", "lora"},
+    "observability": {"request", "kv", "planning", "engine", "lora"},
     "client": set(),
-    "__main__": {"request", "kv", "planning", "text", "structured", "config", "engine", "api", "observability"},
+    "__main__": {"request", "kv", "planning", "text", "structured", "config", "engine", "api", "observability", "lora"},
 }
 
 # What each part of worker_svc may import from worker_svc. `step` (the step's
@@ -42,11 +43,12 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "allocator": set(),
     "kv_offload": {"step"},  # the second KV tier: copies the step names, between the cache's tensors and its own
     "sampling": {"step"},
-    "runner": {"step", "attention", "sampling", "models"},
+    "lora": {"step", "models"},
+    "runner": {"step", "attention", "sampling", "models", "lora"},
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
-    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "kv_offload"},
-    "server": {"step", "config", "worker"},
+    "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "kv_offload", "lora"},
+    "server": {"step", "config", "worker", "lora"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }
 

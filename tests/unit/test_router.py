@@ -292,6 +292,7 @@ def test_candidate_from_core_duck_types_an_engine_core():
     class Planner:
         num_running, num_waiting = 2, 3
         kv = KVCacheManager(BlockPool(8, BS))
+        adapters = None  # no --enable-lora
 
     class Info:
         address = "h:9"

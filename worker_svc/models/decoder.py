@@ -27,7 +27,7 @@ from kernels.gguf_quant import QuantizedWeight
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.gguf import is_gguf, read_gguf
 from worker_svc.models.layers import rms_norm
-from worker_svc.models.linear import Projection, Weight, dense, place
+from worker_svc.models.linear import Gated, Projection, Weight, dense, place
 from worker_svc.models.moe import SparseMoe, load_sparse_moe
 from worker_svc.models.projections import gated_projection, projection, tied_head
 from worker_svc.models.rope import rope_cos_sin
@@ -51,6 +51,12 @@ class Attention(Protocol):
         sin: torch.Tensor,
         window: int,
     ) -> torch.Tensor: ...
+
+
+# The projection hook (LoRA, worker_svc/lora/slots.py): (layer, group, projection) ->
+# the projection the layer calls instead, for the groups qkv, o, gate_up (before the
+# activation) and down.
+ProjectionHook = Callable[[int, str, Projection], Projection]
 
 
 class AddRmsNorm(Protocol):
@@ -134,11 +140,13 @@ class DecoderModel:
         transform: Callable[[ModelSpec, Tensors], tuple[ModelSpec, Tensors]] | None = None,
         ops: LayerOps = reference,
         cpu_linears: bool = False,
+        hook: ProjectionHook | None = None,
     ) -> DecoderModel:
         """`transform`: applied to the checkpoint before it reaches the device (a
         tensor-parallel rank keeps its slice, worker_svc/parallel/sharding.py).
         `ops`: the fused element-wise ops (an attention backend's). `cpu_linears`: pack
-        the weights for the C++ linear kernels on the CPU (models/linear.py)."""
+        the weights for the C++ linear kernels on the CPU (models/linear.py). `hook`:
+        wraps the decoder's projections (ProjectionHook)."""
         spec = load_spec(model_dir)
         if is_gguf(model_dir):
             if transform is not None:
@@ -146,12 +154,12 @@ class DecoderModel:
             weights = read_gguf(model_dir, spec)
             if "lm_head.weight" not in weights:  # llama.cpp's files leave a tied head out
                 spec = dataclasses.replace(spec, tie_word_embeddings=True)
-            return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears)
+            return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears, hook)
         tensors: Tensors = CheckpointTensors.open(Path(model_dir))
         to_canonical(spec, tensors)
         if transform is not None:
             spec, tensors = transform(spec, tensors)
-        return cls.from_tensors(spec, cast(Weights, tensors), dtype, device, ops, cpu_linears)
+        return cls.from_tensors(spec, cast(Weights, tensors), dtype, device, ops, cpu_linears, hook)
 
     @classmethod
     def from_tensors(
@@ -162,6 +170,7 @@ class DecoderModel:
         device: torch.device,
         ops: LayerOps = reference,
         cpu_linears: bool = False,
+        hook: ProjectionHook | None = None,
     ) -> DecoderModel:
         """The model over `tensors` (Llama's names, to_canonical; tensors, or a GGUF
         file's quantized blocks: models/linear.py), each taken once: one left over is
@@ -181,9 +190,10 @@ class DecoderModel:
             # Norm weights stay fp32: they multiply fp32 activations in rms_norm.
             return None if name is None else (dense(tensors.pop(name), torch.float32) + spec.norm_offset).to(device)
 
-        def linear(prefix: str, names: list[str], biased: bool) -> Projection:
+        def linear(layer: int, group: str, prefix: str, names: list[str], biased: bool) -> Projection:
             weights = [take(prefix + n + ".weight") for n in names]
-            return projection(weights, bias([prefix + n + ".bias" for n in names], biased), cpu_linears)
+            proj = projection(weights, bias([prefix + n + ".bias" for n in names], biased), cpu_linears)
+            return proj if hook is None else hook(layer, group, proj)
 
         layers = []
         for i in range(spec.num_layers):
@@ -196,14 +206,18 @@ class DecoderModel:
             else:
                 gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
                 gate_up_bias = bias([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
-                gate_up = gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears)
+                if hook is None:
+                    gate_up = gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears)
+                else:  # the hook's sum comes before the activation: no fused gated kernel
+                    fused = projection([gate, up], gate_up_bias, cpu_linears)
+                    gate_up = Gated(hook(i, "gate_up", fused), spec.activation)
             pre_attn, pre_mlp, post_attn, post_mlp = NORM_NAMES[spec.norms]
             layers.append(
                 LayerWeights(
-                    qkv=linear(attn, ["q_proj", "k_proj", "v_proj"], spec.qkv_bias),
-                    o=linear(attn, ["o_proj"], spec.o_bias),
+                    qkv=linear(i, "qkv", attn, ["q_proj", "k_proj", "v_proj"], spec.qkv_bias),
+                    o=linear(i, "o", attn, ["o_proj"], spec.o_bias),
                     gate_up=gate_up,
-                    down=None if moe else linear(mlp, ["down_proj"], spec.mlp_bias),
+                    down=None if moe else linear(i, "down", mlp, ["down_proj"], spec.mlp_bias),
                     attn_norm=norm(pre_attn and p + pre_attn + ".weight"),
                     mlp_norm=norm(pre_mlp and p + pre_mlp + ".weight"),
                     post_attn_norm=norm(post_attn and p + post_attn + ".weight"),

@@ -90,6 +90,13 @@ def rope_cos_sin(
     return cos.to(dtype), sin.to(dtype)
 
 
+def partial_rotary_rows(head_dim: int, rotary_dim: int, heads: int) -> torch.Tensor:
+    """The row order of a q or k projection of `heads` heads under partial rotary:
+    partial_rotary_permutation within each head (its weights, and a LoRA B's rows)."""
+    order = partial_rotary_permutation(head_dim, rotary_dim)
+    return (order[None, :] + head_dim * torch.arange(heads)[:, None]).flatten()
+
+
 def partial_rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """Row order within one head that puts rotary pair (i, i + rotary_dim/2) at
     (i, i + head_dim/2) and the pass-through dims after each half's rotary ones."""

@@ -22,7 +22,7 @@ import torch
 
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.families import family_of
-from worker_svc.models.rope import partial_rotary_permutation
+from worker_svc.models.rope import partial_rotary_rows
 
 if TYPE_CHECKING:
     from worker_svc.models.linear import Weight
@@ -145,10 +145,9 @@ def to_canonical(spec: ModelSpec, tensors: Tensors) -> None:
         canonical(spec, tensors)
     if not spec.rotary_dim:
         return
-    order = partial_rotary_permutation(spec.head_dim, spec.rotary_dim)
     for i in range(spec.num_layers):
         for proj, heads in (("q_proj", spec.num_q_heads), ("k_proj", spec.num_kv_heads)):
-            rows = (order[None, :] + spec.head_dim * torch.arange(heads)[:, None]).flatten()
+            rows = partial_rotary_rows(spec.head_dim, spec.rotary_dim, heads)
             for kind in ("weight", "bias"):
                 name = f"model.layers.{i}.self_attn.{proj}.{kind}"
                 if name in tensors:

@@ -45,6 +45,7 @@ class HostBatch:
     input_ids: IntArray  # [T]
     positions: IntArray  # [T]
     slot_mapping: IntArray  # [T]
+    lora_slots: IntArray  # [T] each token's adapter slot (0: the base model)
     decode: HostGroup | None
     fresh: HostGroup | None  # prefill chunks starting at position 0 (only with split_fresh)
     prefill: HostGroup | None  # the other prefill chunks
@@ -75,6 +76,7 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
+    lora_slots: torch.Tensor  # [T] int64
     attention: AttentionMetadata
     sample_rows: torch.Tensor  # [N] row in [T] of the last token of each sampling sequence
     copy_src: torch.Tensor | None = None  # [C] int64
@@ -128,6 +130,7 @@ def plan_batch(step: StepInput, split_fresh: bool = False, ref_sources: IntArray
         input_ids=seqs.token_ids[rows],
         positions=seqs.positions[rows],
         slot_mapping=seqs.slot_mapping[rows],
+        lora_slots=np.repeat(seqs.adapter_slots[order], lens),
         decode=_group(seqs, groups[0]),
         fresh=_group(seqs, groups[1]),
         prefill=_group(seqs, groups[2]),
@@ -179,5 +182,6 @@ def pad_decode(host: HostBatch, size: int, table_width: int) -> HostBatch:
         input_ids=np.concatenate([host.input_ids, np.zeros(pad, dtype=np.int64)]),
         positions=np.concatenate([host.positions, np.zeros(pad, dtype=np.int64)]),
         slot_mapping=np.concatenate([host.slot_mapping, np.full(pad, -1, dtype=np.int64)]),
+        lora_slots=np.concatenate([host.lora_slots, np.zeros(pad, dtype=np.int64)]),
         decode=decode,
     )

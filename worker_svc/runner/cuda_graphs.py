@@ -165,6 +165,7 @@ def padding_batch(size: int, table_width: int) -> HostBatch:
         input_ids=empty,
         positions=empty,
         slot_mapping=empty,
+        lora_slots=empty,
         decode=HostGroup(np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32)),
         fresh=None,
         prefill=None,
@@ -190,6 +191,7 @@ def _buffer_words(max_num_seqs: int, table_width: int) -> int:
     rows = np.zeros(max_num_seqs, dtype=np.int64)
     entries = max_num_seqs * table_width
     shapes: list[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = [
+        rows,
         rows,
         rows,
         rows,

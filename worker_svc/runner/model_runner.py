@@ -25,6 +25,7 @@ import torch
 
 from worker_svc.attention.cache_attention import CacheAttention
 from worker_svc.attention.kv_cache import KVCachePool
+from worker_svc.lora import LoraSlots
 from worker_svc.models import DecoderModel
 from worker_svc.runner.batch import ForwardBatch, HostBatch, check_references, plan_batch
 from worker_svc.runner.cuda_graphs import DecodeGraphs, GraphBackend
@@ -44,8 +45,17 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, cache: KVCachePool, sampler: TokenSampler, prefill_route: str = "paged"):
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCachePool,
+        sampler: TokenSampler,
+        prefill_route: str = "paged",
+        lora: LoraSlots | None = None,
+    ):
+        """`lora`: the adapter slots the model's projections were built with (its hook)."""
         self.model = model
+        self.lora = lora
         self.cache = cache
         self.sampler = sampler
         self.prefill_route = prefill_route  # prefill_route.prefill_route: "paged" | "sdpa"
@@ -80,6 +90,8 @@ class ModelRunner:
         attention = CacheAttention(
             self.cache, batch.attention, spec.attention_scale, self.prefill_route, spec.attn_softcap
         )
+        if self.lora is not None:  # read by the adapted projections (in a captured graph: this buffer)
+            self.lora.token_slots = batch.lora_slots
         return self.model.forward(batch.input_ids, batch.positions, attention)
 
     def _prepare(

@@ -90,14 +90,19 @@ def upload_batch(
     same copy (the sampler's logprob indices, a table's changed entries), handed
     back as ForwardBatch.extra."""
     groups = [host.decode, host.fresh, host.prefill]
-    arrays: list[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = [host.input_ids, host.positions, host.slot_mapping]
+    arrays: list[npt.NDArray[np.int32] | npt.NDArray[np.int64]] = [
+        host.input_ids,
+        host.positions,
+        host.slot_mapping,
+        host.lora_slots,
+    ]
     for kind, g in zip(("decode", "fresh", "prefill"), groups):
         if g is not None:
             sent_tables = [] if kind == "decode" and decode_tables is not None else [g.block_tables]
             arrays += [*sent_tables, g.context_lens, g.cu_query_lens]
     arrays += [host.sample_rows, host.ref_rows, host.ref_sources, host.copies, *extra]
     tensors = iter(uploader.upload(arrays, into))
-    input_ids, positions, slot_mapping = next(tensors), next(tensors), next(tensors)
+    input_ids, positions, slot_mapping, lora_slots = (next(tensors) for _ in range(4))
 
     def group(kind: str, g: HostGroup | None) -> AttentionGroup | None:
         if g is None:
@@ -113,6 +118,7 @@ def upload_batch(
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions,
+        lora_slots=lora_slots,
         attention=AttentionMetadata(slot_mapping, decode, fresh, prefill),
         sample_rows=sample_rows,
         copy_src=copies[0] if copies.numel() else None,

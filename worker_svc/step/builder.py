@@ -27,6 +27,7 @@ class _Row(NamedTuple):
     seeded: bool
     min_p: float
     pooling: int
+    lora_slot: int
 
 
 class StepBuilder:
@@ -58,6 +59,7 @@ class StepBuilder:
         from_previous: bool = False,
         extras: RowExtras | None = None,
         pooling: int = 0,
+        lora_slot: int = 0,
     ) -> StepBuilder:
         """One sequence; `slot_mapping` defaults to where `block_table` puts its tokens."""
         if slot_mapping is None:
@@ -83,6 +85,7 @@ class StepBuilder:
                 seed is not None,
                 min_p,
                 pooling,
+                lora_slot,
             )
         )
         self._tokens.extend(token_ids)
@@ -121,5 +124,6 @@ class StepBuilder:
             block_tables=np.array(self._tables, np.int64),
             extras=dict(self._extras),
             pooling=np.array(c["pooling"], np.int64),
+            lora_slots=np.array(c["lora_slot"], np.int64),
         )
         return StepInput(step_id, copy_pairs, seqs, previous_step_id)

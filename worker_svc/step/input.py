@@ -128,6 +128,8 @@ class SeqColumns:
     draft_masks: TokenMasks | None = None
     # Pooling: [S] a POOLING_* value per row (0: none); empty: no row pools.
     pooling: IntArray = field(default_factory=_no_rows)
+    # LoRA: [S] the adapter slot of each row (0: the base model); empty: every row's is 0.
+    lora_slots: IntArray = field(default_factory=_no_rows)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -136,6 +138,11 @@ class SeqColumns:
     def drafts(self) -> IntArray:
         """[S] drafts per row, 0 on every row when the step carries none."""
         return self.num_drafts if len(self.num_drafts) else np.zeros(len(self.seq_ids), dtype=np.int64)
+
+    @property
+    def adapter_slots(self) -> IntArray:
+        """[S] each row's adapter slot, 0 on every row when the step names none."""
+        return self.lora_slots if len(self.lora_slots) else np.zeros(len(self.seq_ids), dtype=np.int64)
 
     @property
     def pooled_rows(self) -> IntArray:
