@@ -67,6 +67,7 @@ TEST_FILES = [
     "tests/unit/test_fused_ops.py",
     "tests/unit/test_kv_chunk_invariance.py",
     "tests/unit/test_contiguous_cache.py",
+    "tests/unit/test_lora_kernels.py",
 ]
 OUTPUT_TAIL = 4000
 PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")
