@@ -105,7 +105,7 @@ def test_tensor_parallel_worker_matches_peft_merged_adapters():
     args = ["--model", str(tiny_checkpoint(family)), "--dtype", "float32", "--num-blocks", "32"]
     lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16", "--tensor-parallel-size", "2"]
     adapters = {1: "r8_all_rslora", 2: "r2_mlp", 3: "r16_ko_down"}
-    with ServiceProcess("worker_svc", [*args, *lora]).start() as proc, grpc.insecure_channel(proc.address) as ch:
+    with ServiceProcess("worker_svc", [*args, *lora]) as proc, grpc.insecure_channel(proc.address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
         assert stub.Info(worker_pb2.InfoRequest()).tensor_parallel_size == 2
         for slot, name in adapters.items():
