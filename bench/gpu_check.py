@@ -73,6 +73,7 @@ TEST_FILES = [
     "tests/unit/test_moe_kernels.py",
     "tests/unit/test_softcap_attention.py",
     "tests/unit/test_families_on_device.py",
+    "tests/unit/test_lora_kernels.py",
 ]
 OUTPUT_TAIL = 4000
 PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")

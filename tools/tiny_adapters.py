@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import os
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
 
-from tools.tiny_checkpoints import DEFAULT_ROOT, ensure_checkpoint
+from tools.tiny_checkpoints import DEFAULT_ROOT, build_once, ensure_checkpoint
 
 VERSION = "1"
 MARKER = ".tiny_adapter_version"
@@ -111,31 +108,18 @@ def _is_current(path: Path) -> bool:
 def ensure_adapter(family: str, adapter: str, root: Path | None = None) -> Path:
     """Return the adapter `adapter` (a key of ADAPTERS) for the tiny `family`, built once.
 
-    Concurrency-safe as ensure_checkpoint is: a lock, then a rename of a finished dir.
+    Concurrency-safe as ensure_checkpoint is (build_once).
     """
     spec = ADAPTERS[adapter]
     root = Path(root or os.environ.get("PAGEDSERVE_TINY_CKPT_DIR") or DEFAULT_ROOT)
     base_dir = ensure_checkpoint(family, root)
-    parent = root / "adapters" / family
-    target = parent / adapter
-    if _is_current(target):
-        return target
-    parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f".{adapter}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_current(target):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{adapter}.", dir=parent))
-            try:
-                tmp.chmod(0o755)
-                # crc32, not hash(): the same adapter on every run and every process.
-                build_adapter(base_dir, tmp, spec, seed=zlib.crc32(f"{family}/{adapter}".encode()))
-                (tmp / MARKER).write_text(VERSION + "\n")
-                if target.exists():
-                    shutil.rmtree(target)
-                tmp.rename(target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def build(tmp: Path) -> None:
+        # crc32, not hash(): the same adapter on every run and every process.
+        build_adapter(base_dir, tmp, spec, seed=zlib.crc32(f"{family}/{adapter}".encode()))
+        (tmp / MARKER).write_text(VERSION + "\n")
+
+    return build_once(root / "adapters" / family / adapter, build, _is_current)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -457,20 +457,27 @@ def ensure_checkpoint(family: str, root: Path | None = None) -> Path:
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
     root = Path(root or os.environ.get("PAGEDSERVE_TINY_CKPT_DIR") or DEFAULT_ROOT)
-    target = root / family
-    if _is_current(target):
+    return build_once(root / family, lambda tmp: build_checkpoint(family, tmp), _is_current)
+
+
+def build_once(target: Path, build: Callable[[Path], object], is_current: Callable[[Path], bool]) -> Path:
+    """`target`, built by `build(temp dir)` unless `is_current(target)`: one builder at
+    a time (a lock file beside it), landing by renaming the finished temp dir, so a
+    directory that is_current accepts is always complete."""
+    if is_current(target):
         return target
+    root, name = target.parent, target.name
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{family}.lock", "w") as lock:
+    with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_current(target):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{family}.", dir=root))
+        if not is_current(target):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
             try:
                 tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-                build_checkpoint(family, tmp)
+                build(tmp)
                 if target.exists():
-                    stale = Path(tempfile.mkdtemp(prefix=f".{family}.stale.", dir=root))
-                    target.rename(stale / family)
+                    stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale.", dir=root))
+                    target.rename(stale / name)
                     shutil.rmtree(stale)
                 tmp.rename(target)
             finally:

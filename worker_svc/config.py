@@ -201,11 +201,6 @@ class WorkerConfig:
             (self.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1"),
             (self.max_loras >= 1, "--max-loras", ">= 1"),
             (self.max_lora_rank >= 1, "--max-lora-rank", ">= 1"),
-            (
-                not self.enable_lora or self.tensor_parallel_size == 1,
-                "--enable-lora",
-                "used with --tensor-parallel-size 1 (adapters are not split over ranks yet)",
-            ),
             self._tensor_parallel_check(),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),

@@ -22,7 +22,16 @@ from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_ca
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_offload import OffloadPool
-from worker_svc.lora import AdapterRefused, LoraAdapter, LoraSlots, check_step_slots, lora_op, read_adapter, read_files
+from worker_svc.lora import (
+    AdapterRefused,
+    LoraAdapter,
+    LoraSlots,
+    SlotUpdate,
+    check_step_slots,
+    lora_op,
+    read_adapter,
+    read_files,
+)
 from worker_svc.models import DecoderModel, load_spec
 from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
 from worker_svc.models.families import listing
@@ -30,7 +39,7 @@ from worker_svc.models.spec import auto_dtype
 from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
 from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
-from worker_svc.parallel.sharding import load_rank_model
+from worker_svc.parallel.sharding import load_rank_model, lora_split
 from worker_svc.runner.cuda_graphs import CudaGraphBackend, GraphBackend
 from worker_svc.runner.memory import MB, CudaMemory, MemoryBaseline, plan_kv_pool
 from worker_svc.runner.model_runner import ModelRunner
@@ -227,12 +236,13 @@ class Worker:
         self.cpu_linears = not eager and self.device.type == "cpu" and backend.name == "cpu"
         self.lora: LoraSlots | None = None
         if config.enable_lora:
+            whole_spec = load_spec(config.model)
             op = lora_op(self.device, self.cpu_linears)
-            self.lora = LoraSlots(
-                load_spec(config.model), config.max_loras, config.max_lora_rank, dtype, self.device, op
-            )
+            split = lora_split(whole_spec, parallel) if parallel else None
+            self.lora = LoraSlots(whole_spec, config.max_loras, config.max_lora_rank, dtype, self.device, op, split)
+        hook = self.lora.adapt if self.lora else None
         if parallel:  # this rank's heads, MLP columns and vocabulary slice
-            self.model = load_rank_model(config.model, dtype, parallel)
+            self.model = load_rank_model(config.model, dtype, parallel, hook)
         else:
             self.model = DecoderModel.load(
                 config.model,
@@ -240,7 +250,7 @@ class Worker:
                 self.device,
                 ops=layer_ops,
                 cpu_linears=self.cpu_linears,
-                hook=self.lora.adapt if self.lora else None,
+                hook=hook,
             )
         spec = self.model.spec  # this rank's head counts
         ranks = parallel.size if parallel else 1
@@ -484,15 +494,32 @@ class Worker:
         self.lora.check_slot(slot)
         config_bytes, weight_bytes = read_files(source)
         adapter = read_adapter(name, config_bytes, weight_bytes, self.lora.spec, self.lora.max_rank)
-        with self._step_done:
-            self.lora.load(slot, adapter)
+        self._update_slot(SlotUpdate(slot, adapter))
         return adapter
 
     def unload_adapter(self, slot: int) -> None:
         if self.lora is None:
             raise AdapterRefused("slot", "this worker runs without --enable-lora")
+        self.lora.check_slot(slot)
+        self._update_slot(SlotUpdate(slot, None))
+
+    def _update_slot(self, update: SlotUpdate) -> None:
+        """Between steps (the step lock), on every tensor-parallel rank in step order."""
+        assert self.lora is not None
         with self._step_done:
-            self.lora.unload(slot)
+            if self.parallel is not None:
+                self.parallel.execute(self.lora.apply, update)
+            else:
+                self.lora.apply(update)
+
+    def run_on_rank(self, item: object) -> object:
+        """A tensor-parallel rank's executor: the steps and slot updates rank 0 sends."""
+        if isinstance(item, SlotUpdate):
+            assert self.lora is not None
+            self.lora.apply(item)
+            return None
+        assert isinstance(item, StepInput)
+        return self.execute(item)
 
     def deliver_masks(self, step_id: int, masks: TokenMasks, field_name: str = "step_masks.masks") -> None:
         """The late masks of step `step_id`, from a StepMasks call or riding along with the next
@@ -555,9 +582,9 @@ def run_rank(config: WorkerConfig, rank: int, init_method: str, pipe: Connection
     ignore_stop_signals()
     configure_logging(config.log_format, config.log_level)
 
-    def build() -> Callable[[StepInput], StepOutput]:
+    def build() -> Callable[[object], object]:
         group = TensorParallelGroup.join(group_spec(config), rank, init_method)
-        return Worker(config, parallel=group).execute
+        return Worker(config, parallel=group).run_on_rank
 
     serve_rank(rank, pipe, build)
 

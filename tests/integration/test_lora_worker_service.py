@@ -95,3 +95,39 @@ def test_an_adapter_past_max_lora_rank_or_with_dora_is_refused(stub):
         stub.LoadAdapter(worker_pb2.LoadAdapterRequest(slot=1, name="dora", files=dora))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "adapter 'dora': use_dora: True is not supported" in refused.value.details()
+
+
+def test_tensor_parallel_worker_matches_peft_merged_adapters():
+    """TP=2 (gloo, fp32): each rank holds its part of every adapter, split as the base
+    weights are (B's rows of q/k/v and gate/up, A's columns of o and down); the mixed
+    batch's greedy tokens are PEFT's merged models', over prefill and decode steps."""
+    family, new_tokens = "llama", 5
+    args = ["--model", str(tiny_checkpoint(family)), "--dtype", "float32", "--num-blocks", "32"]
+    lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16", "--tensor-parallel-size", "2"]
+    adapters = {1: "r8_all_rslora", 2: "r2_mlp", 3: "r16_ko_down"}
+    with ServiceProcess("worker_svc", [*args, *lora]) as proc, grpc.insecure_channel(proc.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        assert stub.Info(worker_pb2.InfoRequest()).tensor_parallel_size == 2
+        for slot, name in adapters.items():
+            stub.LoadAdapter(
+                worker_pb2.LoadAdapterRequest(slot=slot, name=name, path=str(tiny_adapter(family, name))), timeout=60
+            )
+        prompts = {seq: list(range(10 + seq, 23 + 2 * seq)) for seq in range(4)}
+        tokens: dict[int, list[int]] = {seq: [] for seq in prompts}
+        for step_id in range(new_tokens):
+            rows = []
+            for seq, prompt in prompts.items():
+                full = prompt + tokens[seq]
+                chunk, start = (prompt, 0) if step_id == 0 else (full[-1:], len(full) - 1)
+                rows.append(seq_step(seq, chunk, start, [seq * 2, seq * 2 + 1], logits=False))
+                rows[-1].lora_slot = seq
+            for seq, row in by_seq(stub.Step(step_request(step_id + 1, rows), timeout=120)).items():
+                tokens[seq].append(row.token_id)
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family), dtype=torch.float32)
+    models = [base] + [merged_model(tiny_checkpoint(family), tiny_adapter(family, adapters[s])) for s in (1, 2, 3)]
+    for seq, model in enumerate(models):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompts[seq]]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+        assert tokens[seq] == out[0, len(prompts[seq]) :].tolist(), seq

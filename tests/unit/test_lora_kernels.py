@@ -1,8 +1,8 @@
 """The batched LoRA op (kernels/lora_reference.py, the oracle) and its kernels: the
-C++ CPU op (kernels/cpu_ops.py, lora_cpu.cpp) and Triton (kernels/triton/lora.py,
-under TRITON_INTERPRET=1 here), for fp32 and bf16, a mix of slots with the base's
-slot 0 among them, adapters of lower rank than the padding, and batches of one slot
-and of none."""
+C++ CPU op (kernels/cpu_ops.py, lora_cpu.cpp) and Triton (kernels/triton/lora.py:
+under TRITON_INTERPRET=1 without a GPU, on the GPU in `make gpu-check`), for fp32
+and bf16, a mix of slots with the base's slot 0 among them, adapters of lower rank
+than the padding, and batches of one slot and of none."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels import cpu_ops, lora_reference
+from kernels.triton.common import interpreter_enabled
+
+TRITON_DEVICE = torch.device("cpu" if interpreter_enabled() else "cuda")
 
 # bf16: a shrink rounded one way or the other moves an output by an ulp (2^-7 relative)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2)}
@@ -40,7 +44,10 @@ def per_token(x, a, b, slots):
 def backends():
     from kernels.triton import lora as triton_lora
 
-    ops = {"triton": triton_lora.lora}
+    def on_triton_device(*args: torch.Tensor) -> torch.Tensor:
+        return triton_lora.lora(*(t.to(TRITON_DEVICE) for t in args)).cpu()
+
+    ops = {"triton": on_triton_device}
     if cpu_ops.available():
         ops["cpu"] = cpu_ops.lora
     return ops

@@ -29,7 +29,7 @@ BLOCK = 16
 NEW_TOKENS = 8
 
 
-def lora_worker(family: str, backend: str = "auto", **overrides: object) -> Worker:
+def lora_worker(family: str, backend: str = "auto", graph_backend: object = None, **overrides: object) -> Worker:
     config = dict(
         model=str(tiny_checkpoint(family)),
         dtype="float32",
@@ -39,7 +39,7 @@ def lora_worker(family: str, backend: str = "auto", **overrides: object) -> Work
         max_loras=4,
         max_lora_rank=16,
     )
-    return Worker(WorkerConfig(**(config | overrides)))  # type: ignore[arg-type]
+    return Worker(WorkerConfig(**(config | overrides)), graph_backend=graph_backend)  # type: ignore[arg-type]
 
 
 def expected_tokens(family: str, slot: int, prompt: list[int]) -> list[int]:
@@ -192,3 +192,42 @@ def test_tensors_that_do_not_fit_the_base_are_refused_by_name(tmp_path):
         worker.load_adapter(5, "r4_qv", tiny_adapter("llama", "r4_qv"))
     with pytest.raises(AdapterRefused, match="has no adapter_config.json or adapter_model.safetensors"):
         worker.load_adapter(1, "empty", tmp_path)
+
+
+class _ReplayRuns:
+    """A graph backend whose replay runs the captured forward again over the graphs'
+    persistent buffers (what a CUDA graph reads), counting replays."""
+
+    replays = 0
+
+    def capture(self, forward):
+        forward()
+        return lambda: (setattr(self, "replays", self.replays + 1), forward())[1]
+
+
+def test_decode_graphs_take_each_steps_slots_as_data():
+    """Decode steps through the captured graphs (on CPU: the forward re-run over the
+    graphs' buffer) with each row's adapter changing from step to step: the tokens
+    and logits of the eager worker, the same graph replayed for every adapter mix."""
+    backend = _ReplayRuns()
+    graphs = lora_worker("llama", graph_backend=backend, max_num_seqs=8)
+    eager = lora_worker("llama")
+    for w in (graphs, eager):
+        load_all(w, "llama")
+    before = backend.replays
+    prompts = {seq: list(range(40 + seq, 50 + 2 * seq)) for seq in range(5)}
+    for step_id, shift in enumerate((0, 1, 2, 3)):
+        outs = []
+        for w in (graphs, eager):
+            builder = StepBuilder(BLOCK)
+            for seq, prompt in prompts.items():
+                tokens, start = (prompt, 0) if step_id == 0 else ([7 + step_id], len(prompt) + step_id - 1)
+                table = [seq * 4 + b for b in range(4)]
+                builder.add(seq, tokens, start, table[: -(-(start + len(tokens)) // BLOCK)], sample=True,
+                            return_logits=True, lora_slot=(seq + shift) % 5)  # fmt: skip
+            outs.append(w.step(builder.build(step_id + 1)))
+        got, want = outs
+        assert got.samples.token_ids.tolist() == want.samples.token_ids.tolist()
+        for row, logits in want.samples.logits.items():
+            torch.testing.assert_close(got.samples.logits[row], logits, atol=1e-5, rtol=1e-5)
+    assert backend.replays - before == 3  # the three decode steps, one padded graph (8 rows)

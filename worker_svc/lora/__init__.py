@@ -3,6 +3,16 @@ stacked per-slot buffers the decoder's projections add (slots.py), one op per
 backend (kernels/lora_reference.py, cpu_ops.lora, kernels/triton/lora.py)."""
 
 from worker_svc.lora.adapter import AdapterRefused, LoraAdapter, read_adapter, read_files
-from worker_svc.lora.slots import LoraSlots, check_step_slots, lora_op
+from worker_svc.lora.slots import LoraSlots, RankSplit, SlotUpdate, check_step_slots, lora_op
 
-__all__ = ["AdapterRefused", "LoraAdapter", "LoraSlots", "check_step_slots", "lora_op", "read_adapter", "read_files"]
+__all__ = [
+    "AdapterRefused",
+    "LoraAdapter",
+    "LoraSlots",
+    "RankSplit",
+    "SlotUpdate",
+    "check_step_slots",
+    "lora_op",
+    "read_adapter",
+    "read_files",
+]

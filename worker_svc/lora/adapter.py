@@ -51,6 +51,11 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "trainable_token_indices": (),
     "alora_invocation_tokens": (),
     "megatron_config": (),
+    # Variants whose forward is not x @ A.T @ B.T (Arrow routes among adapters); the
+    # other *_config fields (eva, corda, loftq, lora_ga) only initialise A and B.
+    "arrow_config": (),
+    "monteclora_config": (),
+    "kasa_config": (),
 }
 _TENSOR = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"

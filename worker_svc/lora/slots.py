@@ -19,7 +19,9 @@ is the same `lora(x, a, b, slots)` (kernels/lora_reference.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,6 +41,24 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 LoraOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RankSplit(Protocol):
+    """A tensor-parallel rank's part of each module (worker_svc/parallel/sharding.py's
+    LoraSplit): its (out, in) and its slices of an adapter's A [r, in] and B [out, r]."""
+
+    def shape(self, module: str, whole: tuple[int, int]) -> tuple[int, int]: ...
+
+    def split(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class SlotUpdate:
+    """What rank 0 sends every tensor-parallel rank: `adapter` into `slot`, or the slot
+    emptied (None). Each rank keeps its own part (RankSplit)."""
+
+    slot: int
+    adapter: LoraAdapter | None
 
 
 class LoraStack:
@@ -80,9 +100,18 @@ class LoraSlots:
     `token_slots` [T] before each forward."""
 
     def __init__(
-        self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, op: LoraOp
+        self,
+        spec: ModelSpec,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        op: LoraOp,
+        split: RankSplit | None = None,
     ):
-        self.spec, self.max_loras, self.max_rank, self.op = spec, max_loras, max_rank, op
+        """`spec`: the whole model's (adapters are checked against it); `split`: this
+        tensor-parallel rank's part of each projection (None: one rank)."""
+        self.spec, self.max_loras, self.max_rank, self.op, self.split = spec, max_loras, max_rank, op, split
         self.num_slots = max_loras + 1
         self.stacks: dict[tuple[int, str], LoraStack] = {}
         self.dtype, self.device = dtype, device
@@ -92,6 +121,8 @@ class LoraSlots:
     def adapt(self, layer: int, group: str, base: Projection) -> Projection:
         """The decoder's hook: `base` with the adapters' LoRA of its parts added."""
         shapes = [module_shape(self.spec, module) for module in GROUPS[group]]
+        if self.split is not None:
+            shapes = [self.split.shape(module, shape) for module, shape in zip(GROUPS[group], shapes)]
         stack = LoraStack(shapes, self.num_slots, self.max_rank, self.dtype, self.device)
         self.stacks[(layer, group)] = stack
         return LoraProjection(base, stack, self)
@@ -107,8 +138,15 @@ class LoraSlots:
             stack.clear(slot)
             for part, module in enumerate(GROUPS[group]):
                 if (pair := adapter.weights.get((layer, module))) is not None:
-                    stack.put(slot, part, pair[0].to(self.dtype), pair[1].to(self.dtype))
+                    a, b = pair if self.split is None else self.split.split(module, *pair)
+                    stack.put(slot, part, a.to(self.dtype), b.to(self.dtype))
         self.names[slot] = adapter.name
+
+    def apply(self, update: SlotUpdate) -> None:
+        if update.adapter is None:
+            self.unload(update.slot)
+        else:
+            self.load(update.slot, update.adapter)
 
     def unload(self, slot: int) -> None:
         self.check_slot(slot)

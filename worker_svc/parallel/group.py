@@ -47,6 +47,9 @@ log = structlog.get_logger(__name__)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 READY = b"ready"
 T = TypeVar("T")
+# What rank 0 sends the ranks: a step, or another command every rank runs in the same
+# order between steps (a LoRA slot update, worker_svc/lora/slots.py's SlotUpdate).
+Item = TypeVar("Item")
 
 # A rank's process: (rank, the group's init method, its end of rank 0's pipe). It
 # must pickle (multiprocessing spawn): a module-level function, or a partial of one.
@@ -160,8 +163,8 @@ class TensorParallelGroup:
         return tensor
 
     # ---- steps ---------------------------------------------------------------
-    def execute(self, run: Callable[[StepInput], T], step: StepInput) -> T:
-        """Rank 0: hand the (validated) step to every rank, `run` it here too."""
+    def execute(self, run: Callable[[Item], T], step: Item) -> T:
+        """Rank 0: hand the (validated) step, or a command, to every rank, `run` it here too."""
         if self.failed is not None:
             raise WorkerDown(self.failed)
         try:
@@ -172,7 +175,8 @@ class TensorParallelGroup:
         except InvalidStep:  # found before any rank touched anything, the same on every rank
             raise
         except Exception as exc:  # the other ranks may wait in a collective of this step forever
-            reason = f"step {step.step_id} failed on rank 0: {type(exc).__name__}: {exc}"
+            what = f"step {step.step_id}" if isinstance(step, StepInput) else type(step).__name__
+            reason = f"{what} failed on rank 0: {type(exc).__name__}: {exc}"
             self.fail(reason)
             raise WorkerDown(reason) from exc
 

@@ -17,7 +17,6 @@ import structlog
 
 from worker_svc.parallel.group import READY
 from worker_svc.step.errors import InvalidStep
-from worker_svc.step.input import StepInput
 
 log = structlog.get_logger("worker_svc.rank")
 
@@ -28,8 +27,9 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def serve_rank(rank: int, pipe: Connection, build: Callable[[], Callable[[StepInput], object]]) -> None:
-    """`build()`: this rank's step executor (its worker, built and joined to the group)."""
+def serve_rank(rank: int, pipe: Connection, build: Callable[[], Callable[[object], object]]) -> None:
+    """`build()`: this rank's executor of steps and commands (its worker, built and
+    joined to the group)."""
     structlog.contextvars.bind_contextvars(rank=rank)
     try:
         execute = build()
@@ -50,6 +50,6 @@ def serve_rank(rank: int, pipe: Connection, build: Callable[[], Callable[[StepIn
         except InvalidStep:  # rank 0 raised the same, before any collective
             continue
         except Exception:  # the ranks are out of step now: rank 0 sees this one exit and goes down
-            log.exception("tensor-parallel rank failed a step", step_id=step.step_id)
+            log.exception("tensor-parallel rank failed a step", step_id=getattr(step, "step_id", None))
             os._exit(1)
     log.debug("tensor-parallel rank stopping")

@@ -14,11 +14,13 @@ keeps the router and the shared expert's scalar gate whole, and sums its output
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from worker_svc.models import DecoderModel
+from worker_svc.models.decoder import ProjectionHook
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.moe import MoeSpec
 from worker_svc.models.spec import ModelSpec
@@ -30,13 +32,17 @@ if TYPE_CHECKING:
     from worker_svc.parallel.group import TensorParallelGroup
 
 
-def load_rank_model(model_dir: str, dtype: torch.dtype, group: TensorParallelGroup) -> DecoderModel:
-    """This rank's shard of the checkpoint, with the collectives in its projections."""
+def load_rank_model(
+    model_dir: str, dtype: torch.dtype, group: TensorParallelGroup, hook: ProjectionHook | None = None
+) -> DecoderModel:
+    """This rank's shard of the checkpoint, with the collectives in its projections
+    (around what `hook` made of them: a LoRA's partial sums are reduced with the base's)."""
     model = DecoderModel.load(
         model_dir,
         dtype,
         group.device,
         transform=lambda spec, tensors: shard_checkpoint(spec, tensors, rank_layout(spec, group.rank, group.size)),
+        hook=hook,
     )
     for layer in model.layers:
         layer.o = RowParallel(layer.o, group)
@@ -46,6 +52,45 @@ def load_rank_model(model_dir: str, dtype: torch.dtype, group: TensorParallelGro
             layer.moe = RowParallel(layer.moe, group)
     model.lm_head = VocabParallelHead(model.lm_head, group, model.spec.vocab_size)
     return model
+
+
+@dataclass(frozen=True)
+class LoraSplit:
+    """A rank's part of a LoRA adapter, split as the base weights are: B's rows of the
+    column-parallel q/k/v and gate/up (A whole), A's columns of the row-parallel o and
+    down (B whole: the rank's partial product joins the base's in its all-reduce)."""
+
+    layout: RankLayout
+    head_dim: int
+
+    def _parts(self, module: str) -> tuple[slice | None, slice | None]:
+        """(B's rows, A's columns) of this rank; None: whole."""
+        q, kv = _rows(self.layout.q_heads, self.head_dim), _rows(self.layout.kv_heads, self.head_dim)
+        mlp = _rows(self.layout.mlp_columns, 1)
+        return {
+            "q_proj": (q, None),
+            "k_proj": (kv, None),
+            "v_proj": (kv, None),
+            "gate_proj": (mlp, None),
+            "up_proj": (mlp, None),
+            "o_proj": (None, q),
+            "down_proj": (None, mlp),
+        }[module]
+
+    def shape(self, module: str, whole: tuple[int, int]) -> tuple[int, int]:
+        rows, columns = self._parts(module)
+        return (
+            whole[0] if rows is None else rows.stop - rows.start,
+            whole[1] if columns is None else columns.stop - columns.start,
+        )
+
+    def split(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, columns = self._parts(module)
+        return (a if columns is None else a[:, columns]), (b if rows is None else b[rows])
+
+
+def lora_split(spec: ModelSpec, group: TensorParallelGroup) -> LoraSplit:
+    return LoraSplit(rank_layout(spec, group.rank, group.size), spec.head_dim)
 
 
 def rank_layout(spec: ModelSpec, rank: int, size: int) -> RankLayout:
