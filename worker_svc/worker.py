@@ -177,6 +177,7 @@ class WorkerInfo:
     kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
     max_num_seqs: int = 0  # --max-num-seqs: the largest decode batch sized for (the scheduler's default)
     hidden_size: int = 0  # a pooling row's vector length
+    kv_role: str = "both"  # --kv-role: prefill | decode | both (disaggregation)
 
 
 class Worker:
@@ -299,6 +300,7 @@ class Worker:
             kv_bytes_per_block_per_rank=self.cache.block_bytes,
             max_num_seqs=config.max_num_seqs,
             hidden_size=self.model.spec.hidden_size,
+            kv_role=config.kv_role,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.

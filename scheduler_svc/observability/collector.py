@@ -17,6 +17,7 @@ from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
+    from scheduler_svc.engine.disagg import TransferCounters
     from scheduler_svc.engine.engine import Engine
 
 
@@ -101,7 +102,30 @@ class EngineCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield info
+        yield from transfer_families(self.engine.requests.handoff.counters)
         yield from vllm_families(cores)
+
+
+def transfer_families(c: TransferCounters) -> list[Metric]:
+    """Disaggregation's block moves, scheduler-wide, by direction (one today)."""
+    labels, direction = ["direction"], ["prefill_to_decode"]
+    families: list[Metric] = []
+    for name, value in (
+        ("pagedserve_kv_handoffs", c.handoffs),
+        ("pagedserve_kv_transfer_bytes", c.bytes),
+        ("pagedserve_kv_transfer_blocks", c.blocks),
+        ("pagedserve_kv_transfer_blocks_skipped", c.blocks_skipped),
+        ("pagedserve_kv_transfer_seconds", c.seconds),
+        ("pagedserve_kv_transfers_failed", c.failed),
+    ):
+        family = CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=labels)
+        family.add_metric(direction, value)
+        families.append(family)
+    depth = GaugeMetricFamily(
+        "pagedserve_kv_transfer_queue_depth", METRIC_NAMES["pagedserve_kv_transfer_queue_depth"], labels=labels
+    )
+    depth.add_metric(direction, c.in_flight)
+    return [*families, depth]
 
 
 def vllm_families(cores: list[EngineCore]) -> list[Metric]:

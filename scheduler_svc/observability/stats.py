@@ -12,6 +12,7 @@ from scheduler_svc.observability.metrics import METRICS, SchedulerMetrics
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
+    from scheduler_svc.engine.disagg import TransferCounters
     from scheduler_svc.engine.engine import Engine
 
 
@@ -43,6 +44,7 @@ def worker_stats(core: EngineCore, now: float) -> dict[str, Any]:
         generation_tokens_per_s=gen_s,
         kv_slots_allocated=u.allocated_slots,
         kv_slots_unused=u.unused_slots,
+        kv_role=core.info.kv_role,
     )
 
 
@@ -90,4 +92,20 @@ def stats_fields(engine: Engine, metrics: SchedulerMetrics | None = None) -> dic
         e2e_ms_p95=ms("e2e", 0.95),
         kv_bytes_per_token=max((w["kv_bytes_per_token"] for w in workers), default=0),
         workers=tuple(workers),
+        **transfer_fields(engine.requests.handoff.counters),
+    )
+
+
+def transfer_fields(c: TransferCounters) -> dict[str, Any]:
+    """Disaggregation's block moves (StatsResponse fields 140+)."""
+    return dict(
+        kv_handoffs=c.handoffs,
+        kv_handoffs_stayed=c.stayed,
+        kv_transfers=c.transfers,
+        kv_transfers_failed=c.failed,
+        kv_transfer_blocks=c.blocks,
+        kv_transfer_blocks_skipped=c.blocks_skipped,
+        kv_transfer_bytes=c.bytes,
+        kv_transfer_seconds=c.seconds,
+        kv_transfer_queue_depth=c.in_flight,
     )

@@ -45,7 +45,8 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
     "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config"},
-    "server": {"step", "config", "worker"},
+    "kv_transfer": {"step"},  # block bytes and their transport (disaggregation)
+    "server": {"step", "config", "worker", "kv_transfer"},
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }
 
