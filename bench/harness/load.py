@@ -115,6 +115,7 @@ class TimedStream:
     token_ids: list[int]
     max_tokens: int
     times: list[float] = field(default_factory=list)  # perf_counter per received token
+    received: list[int] = field(default_factory=list)  # the token ids, in order
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = 0.0
@@ -136,6 +137,7 @@ class TimedStream:
         try:
             for reply in self._call:
                 now = time.perf_counter()
+                self.received.extend(reply.token_ids)
                 for _ in reply.token_ids:
                     self.times.append(now)
                 if reply.token_ids and self.first_token_at is None:
