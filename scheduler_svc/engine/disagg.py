@@ -46,21 +46,6 @@ Moved = Callable[[Request, EngineCore], None]
 
 
 @dataclass(slots=True)
-class TransferCounters:
-    """Block moves, scheduler-wide (the prefill -> decode direction; Stats and /metrics)."""
-
-    handoffs: int = 0  # requests that moved to a decode worker
-    stayed: int = 0  # requests no decode worker could take: decoded where they were prefilled
-    transfers: int = 0  # FetchBlocks calls that succeeded
-    failed: int = 0  # FetchBlocks calls that failed (the request recomputed its prompt)
-    in_flight: int = 0  # FetchBlocks calls under way: the transfer queue's depth
-    blocks: int = 0  # blocks moved
-    blocks_skipped: int = 0  # blocks the decode worker's prefix index already held
-    bytes: int = 0
-    seconds: float = 0.0  # wall time of the successful transfers, summed
-
-
-@dataclass(slots=True)
 class _Transfer:
     """Blocks held on the decode worker's pool under a scratch id while they are written."""
 
@@ -102,7 +87,6 @@ class KvHandoff:
         self.fleet = fleet
         self.router = router
         self.moved = moved
-        self.counters = TransferCounters()
         self._moving: dict[str, asyncio.Task[None]] = {}
         self._transfer_ids = itertools.count(1)
         fleet.on_applied(self.on_applied)
@@ -185,7 +169,7 @@ class KvHandoff:
             target.adopt(taken)
         target.adopt_streams(streams)
         self.moved(taken, target)
-        self.counters.handoffs += target is not src
+        target.counters.kv_transfers.handoffs += target is not src
         log.debug(
             "request handed off",
             request_id=taken.request_id,
@@ -213,7 +197,7 @@ class KvHandoff:
 
     def _stay(self, src: EngineCore, request: Request, why: str) -> None:
         request.kv_handoff_at = 0
-        self.counters.stayed += 1
+        src.counters.kv_transfers.stayed += 1
         log.info("request decodes on its prefill worker", request_id=request.request_id, reason=why)
 
     def _hold(self, src: EngineCore, target: EngineCore, request: Request) -> _Transfer | None:
@@ -241,7 +225,7 @@ class KvHandoff:
         return _Transfer(scratch, src_ids, dst[len(hits) : full], len(hits), full * kv.block_size)
 
     async def _fetch(self, src: EngineCore, target: EngineCore, transfer: _Transfer) -> bool:
-        counters = self.counters
+        counters = target.counters.kv_transfers
         counters.blocks_skipped += transfer.skipped
         if not transfer.dst_ids:
             return True  # the decode worker holds the whole prompt already

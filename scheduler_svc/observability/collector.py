@@ -17,7 +17,6 @@ from scheduler_svc.observability.names import METRIC_NAMES, VLLM_METRIC_NAMES
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
-    from scheduler_svc.engine.disagg import TransferCounters
     from scheduler_svc.engine.engine import Engine
 
 
@@ -102,30 +101,25 @@ class EngineCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield info
-        yield from transfer_families(self.engine.requests.handoff.counters)
+        yield from transfer_families(cores)
         yield from vllm_families(cores)
 
 
-def transfer_families(c: TransferCounters) -> list[Metric]:
-    """Disaggregation's block moves, scheduler-wide, by direction (one today)."""
-    labels, direction = ["direction"], ["prefill_to_decode"]
-    families: list[Metric] = []
-    for name, value in (
-        ("pagedserve_kv_handoffs", c.handoffs),
-        ("pagedserve_kv_transfer_bytes", c.bytes),
-        ("pagedserve_kv_transfer_blocks", c.blocks),
-        ("pagedserve_kv_transfer_blocks_skipped", c.blocks_skipped),
-        ("pagedserve_kv_transfer_seconds", c.seconds),
-        ("pagedserve_kv_transfers_failed", c.failed),
-    ):
-        family = CounterMetricFamily(name, METRIC_NAMES[name + "_total"], labels=labels)
-        family.add_metric(direction, value)
-        families.append(family)
-    depth = GaugeMetricFamily(
-        "pagedserve_kv_transfer_queue_depth", METRIC_NAMES["pagedserve_kv_transfer_queue_depth"], labels=labels
-    )
-    depth.add_metric(direction, c.in_flight)
-    return [*families, depth]
+def transfer_families(cores: list[EngineCore]) -> list[Metric]:
+    """Disaggregation's block moves, per worker they moved into, by direction (one today)."""
+    labels = ["worker", "direction"]
+    names = ("handoffs", "bytes", "blocks", "blocks_skipped", "seconds", "failed")
+    series = {n: "pagedserve_kv_transfers_failed" if n == "failed" else f"pagedserve_kv_transfer_{n}" for n in names}
+    series["handoffs"] = "pagedserve_kv_handoffs"
+    counters = {n: CounterMetricFamily(m, METRIC_NAMES[m + "_total"], labels=labels) for n, m in series.items()}
+    depth_name = "pagedserve_kv_transfer_queue_depth"
+    depth = GaugeMetricFamily(depth_name, METRIC_NAMES[depth_name], labels=labels)
+    for core in cores:
+        c, key = core.counters.kv_transfers, [core.info.address, "prefill_to_decode"]
+        for name, family in counters.items():
+            family.add_metric(key, getattr(c, name))
+        depth.add_metric(key, c.in_flight)
+    return [*counters.values(), depth]
 
 
 def vllm_families(cores: list[EngineCore]) -> list[Metric]:

@@ -52,7 +52,7 @@ METRIC_NAMES = {
     "pagedserve_spec_decode_draft_tokens_total": "draft tokens sent for verification",
     "pagedserve_spec_decode_accepted_tokens_total": "draft tokens the worker accepted",
     "pagedserve_spec_decode_acceptance_ratio": "accepted / drafted tokens since start",
-    # prefill/decode disaggregation (engine/disagg.py), label direction=prefill_to_decode
+    # prefill/decode disaggregation (engine/disagg.py): per worker moved into, direction=prefill_to_decode
     "pagedserve_kv_handoffs_total": "requests moved from a prefill worker to a decode worker after their first token",
     "pagedserve_kv_transfer_bytes_total": "KV bytes moved between workers",
     "pagedserve_kv_transfer_blocks_total": "KV blocks moved between workers",

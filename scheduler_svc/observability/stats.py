@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from scheduler_svc.engine.counters import TransferCounters
 from scheduler_svc.observability.accounting import core_metrics
 from scheduler_svc.observability.collector import kv_bytes_per_token
 from scheduler_svc.observability.metrics import METRICS, SchedulerMetrics
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.core import EngineCore
-    from scheduler_svc.engine.disagg import TransferCounters
     from scheduler_svc.engine.engine import Engine
 
 
@@ -92,12 +92,15 @@ def stats_fields(engine: Engine, metrics: SchedulerMetrics | None = None) -> dic
         e2e_ms_p95=ms("e2e", 0.95),
         kv_bytes_per_token=max((w["kv_bytes_per_token"] for w in workers), default=0),
         workers=tuple(workers),
-        **transfer_fields(engine.requests.handoff.counters),
+        **transfer_fields(engine.cores),
     )
 
 
-def transfer_fields(c: TransferCounters) -> dict[str, Any]:
-    """Disaggregation's block moves (StatsResponse fields 140+)."""
+def transfer_fields(cores: list[EngineCore]) -> dict[str, Any]:
+    """Disaggregation's block moves, summed over the workers (StatsResponse fields 140+)."""
+    c = TransferCounters()
+    for core in cores:
+        c.add(core.counters.kv_transfers)
     return dict(
         kv_handoffs=c.handoffs,
         kv_handoffs_stayed=c.stayed,
