@@ -49,7 +49,7 @@ ONE_THREAD = {"PAGEDSERVE_WORKER_NUM_THREADS": "1"}
 
 def trial(address: str, streams: list[list[int]], longs: list[list[int]], long_output: int) -> dict:
     with SchedulerClient(address) as client:
-        decodes = [TimedStream(client, ids, 100000).start() for ids in streams]
+        decodes = [TimedStream(client, ids, 4000).start() for ids in streams]  # cancelled at t1
         try:
             wait_until(lambda: all(len(s.times) >= 8 for s in decodes), 600, what="streams to decode", streams=decodes)
             t0 = time.perf_counter()
@@ -153,12 +153,13 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--transfer-blocks", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--transfer-repeats", type=int, default=5)
+    parser.add_argument("--transfer-blocks", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--transfer-repeats", type=int, default=3)
     args = parser.parse_args()
     model = require_model(args.model)
     started, load_before = time.perf_counter(), load_average()
     timings, block_bytes = transfer(args, model)
+    print(f"transfer (blocks, s): {timings}; {block_bytes} bytes per block", flush=True)
     results, _ = serving(args, model)
 
     summary = {}
