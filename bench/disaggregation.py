@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.harness.load import TimedStream, random_token_ids, wait_until
+from bench.harness.load import TimedStream, join_streams, random_token_ids, wait_until
 from bench.harness.machine import announce, load_average
 from bench.harness.results import fmt, markdown_table, median, percentile, pyplot, save_plot, write_result
 from bench.harness.services import DEFAULT_MODEL, ServiceProcess, require_model, worker_info
@@ -60,10 +60,7 @@ def trial(address: str, streams: list[list[int]], longs: list[list[int]], long_o
         finally:
             for s in decodes:
                 s.cancel()
-        for s in decodes + arrivals:
-            s.join(30)
-            if s.error:
-                raise RuntimeError(f"stream failed: {s.error}")
+        join_streams(decodes + arrivals)
     received = sum(1 for s in decodes + arrivals for t in s.times if t0 < t <= t1)
     return {
         "itl": [g for s in decodes for g in s.gaps_ms(t0, t1)],

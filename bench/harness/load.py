@@ -167,6 +167,14 @@ class TimedStream:
         return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:]) if start < b <= end]
 
 
+def join_streams(streams: Sequence[TimedStream], timeout_s: float = 30.0) -> None:
+    """Wait for every stream's reader to end (cancel the endless ones first); raise if one failed."""
+    for s in streams:
+        s.join(timeout_s)
+        if s.error:
+            raise RuntimeError(f"stream failed: {s.error}")
+
+
 def wait_until(
     predicate: Callable[[], bool],
     timeout_s: float,
