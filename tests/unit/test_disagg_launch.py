@@ -54,3 +54,16 @@ def test_launchers_refuse_a_prefill_pool_without_decode(main, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--prefill", "1"])
     assert "--prefill/--decode: PREFILL=1 DECODE=0" in capsys.readouterr().err
+
+
+def test_compose_workers_take_a_role_both_by_default():
+    import yaml
+
+    from tools.processes import REPO
+
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    for n in (0, 1):
+        env = services[f"worker-{n}"]["environment"]
+        assert env["PAGEDSERVE_WORKER_KV_ROLE"] == f"${{WORKER{n}_KV_ROLE:-both}}"
+        # Only the scheduler may call unless disaggregated (the decode worker's certificate then).
+        assert env["PAGEDSERVE_WORKER_TLS_CLIENT_NAMES"] == "${WORKER_TLS_CLIENT_NAMES:-pagedserve-scheduler}"
