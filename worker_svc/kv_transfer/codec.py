@@ -1,7 +1,9 @@
-"""A paged cache's blocks as bytes and back. A block's bytes are its tensors' slices
-in the pool's order (K, V, then a quantized cache's scales and zero points), each
-[layers, kv_heads, block_size(, head_dim)] in memory order: two workers with the
-same model, block size and KV dtype lay a block out alike, whatever their device."""
+"""A paged cache's blocks as bytes and back. The bytes of N blocks are each tensor
+of the pool in turn (K, V, then a quantized cache's scales and zero points), each as
+its [layers, N, kv_heads, block_size(, head_dim)] slab in memory order: the cache's
+own layout with the block axis narrowed, so a read is one gather per tensor and a
+write one scatter, with no transpose. Two workers with the same model, block size
+and KV dtype lay blocks out alike, whatever their device."""
 
 from __future__ import annotations
 
@@ -21,23 +23,24 @@ class BlockCodec:
         self.block_bytes = sum(self._part_bytes)
 
     def read(self, ids: Sequence[int]) -> bytes:
-        """The blocks' bytes, block after block."""
+        """The blocks' bytes: each tensor's slab of them in turn."""
         index = torch.as_tensor(list(ids), dtype=torch.long, device=self._device)
-        parts = [
-            t.index_select(1, index).transpose(0, 1).contiguous().cpu().reshape(len(ids), -1)
-            for t in self._tensors
-        ]
-        return torch.cat(parts, dim=1).numpy().tobytes()
+        out = torch.empty(len(ids) * self.block_bytes, dtype=torch.uint8, device=self._device)
+        offset = 0
+        for tensor, size in zip(self._tensors, self._part_bytes):
+            slab = out[offset : offset + len(ids) * size].view(tensor.shape[0], len(ids), *tensor.shape[2:])
+            torch.index_select(tensor, 1, index, out=slab)
+            offset += len(ids) * size
+        return out.cpu().numpy().tobytes()
 
     def write(self, ids: Sequence[int], data: bytes) -> None:
         """Store len(ids) blocks' bytes (as read() gives them) into the blocks `ids`."""
         if len(data) != len(ids) * self.block_bytes:
             raise ValueError(f"{len(data)} bytes for {len(ids)} blocks of {self.block_bytes}")
-        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(len(ids), self.block_bytes)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._device)
         index = torch.as_tensor(list(ids), dtype=torch.long, device=self._device)
         offset = 0
         for tensor, size in zip(self._tensors, self._part_bytes):
-            part = rows[:, offset : offset + size]
-            blocks = part.reshape(len(ids), tensor.shape[0], *tensor.shape[2:]).transpose(0, 1)
-            tensor.index_copy_(1, index, blocks.to(self._device))
-            offset += size
+            slab = flat[offset : offset + len(ids) * size].view(tensor.shape[0], len(ids), *tensor.shape[2:])
+            tensor.index_copy_(1, index, slab)
+            offset += len(ids) * size
