@@ -238,7 +238,7 @@ def main() -> None:
     )
     print(body + "\n\n" + notes)
     plot(summary)
-    write_result(NAME, "Prefill/decode disaggregation", body, notes, module=f"bench.{NAME}")
+    write_result(NAME, "Prefill/decode disaggregation", body, notes)
 
 
 def plot(summary: dict[str, dict]) -> None:
