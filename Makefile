@@ -101,6 +101,8 @@ lint: setup setup-test ## ruff check, ruff format --check, mypy strict
 	$(PY) -m mypy
 
 WORKERS ?= 1## worker processes (per cell with make cluster)
+PREFILL ?= 0## disaggregation: prefill workers (--kv-role prefill), with DECODE; replaces WORKERS
+DECODE ?= 0## disaggregation: decode workers (--kv-role decode), with PREFILL
 GATEWAY_PORT ?= 8000## HTTP port of the OpenAI-compatible gateway (-1: none, make serve)
 TP ?= 1## ranks each worker's model is split over (tensor parallelism; gloo on CPU)
 METRICS_PORT ?= 0## the scheduler's Prometheus port (also on the gateway's /metrics); 0: a free one
@@ -123,7 +125,8 @@ LORA_GATEWAY_FLAGS = $(if $(strip $(LORA_MODULES)),--scheduler-admin 127.0.0.1:$
 # GATEWAY_PORT, serving MODEL, supervised (a dead service is restarted); Ctrl-C drains and stops
 # all of them. `exec`: the launcher is make's own child, so it stops with make.
 serve: setup $(SERVED_MODEL) ## workers + scheduler + HTTP gateway in the foreground, supervised; Ctrl-C drains
-	exec $(PY) -m tools.local_cluster --model $(MODEL) --workers $(WORKERS) --port $(SCHEDULER_PORT) \
+	exec $(PY) -m tools.local_cluster --model $(MODEL) --workers $(WORKERS) --prefill $(PREFILL) --decode $(DECODE) \
+	    --port $(SCHEDULER_PORT) \
 	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
 	    --drain-timeout-s $(DRAIN_TIMEOUT) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(LORA_FLAGS) $(WORKER_ARGS)" \
@@ -142,6 +145,7 @@ CELLS ?= 1## make cluster: schedulers, each with WORKERS workers
 
 cluster: setup $(SERVED_MODEL) ## the same topology in the background (pid files and logs in RUN_DIR)
 	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL) --workers $(WORKERS) \
+	    --prefill $(PREFILL) --decode $(DECODE) \
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) --worker-port $(WORKER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
 	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) --tensor-parallel-size $(TP) $(LORA_FLAGS) $(WORKER_ARGS)" \

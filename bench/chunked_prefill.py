@@ -31,7 +31,7 @@ import random
 import time
 from pathlib import Path
 
-from bench.harness.load import TimedStream, random_token_ids, wait_until
+from bench.harness.load import TimedStream, join_streams, random_token_ids, wait_until
 from bench.harness.machine import announce, load_average
 from bench.harness.results import fmt, markdown_table, median, percentile, progress, pyplot, save_plot, write_result
 from bench.harness.services import DEFAULT_MODEL, ServiceProcess, require_model, worker_info
@@ -80,10 +80,7 @@ def trial(address: str, decode_prompts: list[list[int]], long_prompts: list[list
         finally:
             for s in decodes:
                 s.cancel()
-        for s in decodes + longs:
-            s.join(30)
-            if s.error:
-                raise RuntimeError(f"stream failed: {s.error}")
+        join_streams(decodes + longs)
     during = [g for s in decodes for g in s.gaps_ms(t0, t1 + 0.02)]
     baseline_start = min(s.times[4] for s in decodes)
     before = [g for s in decodes for g in s.gaps_ms(baseline_start, t0)]

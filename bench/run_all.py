@@ -47,6 +47,11 @@ BENCHMARKS = [
         "issue 10 §3: 1,000-token shared system prompt, cache on vs off",
     ),
     Benchmark("chunked_prefill", (), "issue 10 §4: decode ITL while long prompts arrive, per chunk size"),
+    Benchmark(
+        "disaggregation",
+        (),
+        "issue 41: 1 prefill + 1 decode worker vs 2 unified while long prompts arrive; KV transfer GB/s",
+    ),
     Benchmark("allocation_sim", (), "issue 10 §5: naive / dynamic / paged / paged+sharing allocators"),
     Benchmark(
         "overhead",

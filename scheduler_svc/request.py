@@ -134,9 +134,19 @@ class Request:
     # Structured outputs: where the output is in its grammar (each sample of n > 1 has its
     # own); advanced by Planner.update with every token appended to the outputs.
     grammar: GrammarMatcher | None = field(default=None, repr=False)
+    # Disaggregation (engine/disagg.py): on a prefill worker, the output count at which
+    # the request leaves for a decode worker (0: it stays where it runs); and how many
+    # times it has left a worker that way (its KV moved: not a prefix hit of its own).
+    kv_handoff_at: int = 0
+    kv_handoffs: int = 0
     # prompt + outputs, kept incrementally so a decode step does not copy the prompt.
     _all_token_ids: list[int] = field(init=False, repr=False)
     _distinct_prompt_ids: tuple[int, ...] | None = field(default=None, init=False, repr=False)
+
+    def hands_off(self, pending: int = 0) -> bool:
+        """Disaggregation: the token it leaves its prefill worker after is sampled (or, with
+        `pending` samples in flight, being sampled): that worker plans it no further."""
+        return 0 < self.kv_handoff_at <= self.num_output_tokens + pending
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from svc_common.cli import module_prog
 from tools.ports import free_port
-from tools.processes import ClusterSecrets, flag_value, prepare_kernels
+from tools.processes import ClusterSecrets, flag_value, kv_roles, prepare_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_ORDER = ("gateway", "scheduler", "worker")  # front to back: no new work reaches a stopped service
@@ -161,16 +161,7 @@ def up(args: argparse.Namespace) -> int:
     try:
         prepare_kernels(shlex.split(args.worker_args))  # before the workers' start-up clock runs
         deadline = time.monotonic() + args.timeout
-        workers = [
-            Service(
-                f"worker-{i}",
-                "worker_svc",
-                worker_args,
-                args.host,
-                args.worker_base_port + i if args.worker_base_port else 0,
-            )
-            for i in range(args.workers * args.cells)
-        ]
+        workers = worker_services(args, worker_args)
         procs = [start(w, run_dir, env) for w in workers]  # they load the model in parallel
         for w, p in zip(workers, procs):
             addresses[w.name] = wait_ready(w, p, run_dir, deadline)
@@ -236,6 +227,22 @@ def up(args: argparse.Namespace) -> int:
     lines += [f"  logs:                 {run_dir}/*.log", "  stop:                 make down", ""]
     print("\n".join(lines), flush=True)
     return 0
+
+
+def worker_services(args: argparse.Namespace, worker_args: list[str]) -> list[Service]:
+    """Every cell's workers, cell after cell; with --prefill/--decode each cell's prefill
+    workers first, then its decode workers (--kv-role)."""
+    roles = kv_roles(args.workers, args.prefill, args.decode)
+    return [
+        Service(
+            f"worker-{i}",
+            "worker_svc",
+            [*worker_args, *roles[i % len(roles)]],
+            args.host,
+            args.worker_base_port + i if args.worker_base_port else 0,
+        )
+        for i in range(len(roles) * args.cells)
+    ]
 
 
 def _scheduler(
@@ -356,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--model", required=True, help="the model to serve: a checkpoint directory (make cluster MODEL=)")
     p_up.add_argument("--workers", type=int, default=2, help="workers per cell")
     p_up.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="disaggregation (make cluster PREFILL=): prefill workers per cell (--kv-role prefill), with --decode; "
+        "replaces --workers",
+    )
+    p_up.add_argument(
+        "--decode", type=int, default=0, help="disaggregation (make cluster DECODE=): decode workers per cell"
+    )
+    p_up.add_argument(
         "--cells",
         type=int,
         default=1,
@@ -385,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--workers: must be >= 1")
         if args.cells < 1:
             parser.error("--cells: must be >= 1")
+        try:
+            args.workers = len(kv_roles(args.workers, args.prefill, args.decode))  # PREFILL + DECODE, if set
+        except ValueError as exc:
+            parser.error(f"--prefill/--decode: {exc}")
         if not Path(args.model).exists():
             parser.error(f"--model {args.model}: no such file or directory (make cluster MODEL=path)")
         return up(args)

@@ -37,7 +37,7 @@ from types import FrameType
 
 from svc_common.cli import module_prog
 from tools.ports import PortTaken, PortUse, check_ports, free_port
-from tools.processes import Cluster, ServiceProcess, die_with_parent, flag_value
+from tools.processes import Cluster, ServiceProcess, die_with_parent, flag_value, kv_roles
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0  # up this long: the next death starts the backoff over
@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--gateway-port: must be in 0..65535, or -1 for no gateway")
     if args.workers < 1:
         _parser().error("--workers: must be >= 1")
+    try:
+        args.workers = len(kv_roles(args.workers, args.prefill, args.decode))  # PREFILL + DECODE, if set
+    except ValueError as exc:
+        _parser().error(f"--prefill/--decode: {exc}")
     if not Path(args.model).exists():
         _parser().error(f"--model {args.model}: no such file or directory (make serve MODEL=path)")
     parent = os.getppid()
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         worker_port=args.worker_port,
         metrics_port=metrics_port,
         supervised=True,
+        prefill=args.prefill,
+        decode=args.decode,
     )
     try:
         cluster.start()
@@ -206,6 +212,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="the model to serve: a checkpoint directory (make serve MODEL=)")
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="disaggregation (make serve PREFILL=): prefill workers (--kv-role prefill), with --decode; "
+        "replaces --workers",
+    )
+    parser.add_argument(
+        "--decode", type=int, default=0, help="disaggregation (make serve DECODE=): decode workers (--kv-role decode)"
+    )
     parser.add_argument("--port", type=int, default=50051, help="scheduler port (its admin.v1 takes the next one)")
     parser.add_argument("--worker-port", type=int, default=0, help="worker i binds this + i; 0 = ports the OS picks")
     parser.add_argument(

@@ -226,6 +226,21 @@ class ServiceProcess:
         self.stop()
 
 
+def kv_roles(num_workers: int, prefill: int = 0, decode: int = 0) -> list[list[str]]:
+    """Each worker's --kv-role flags. Disaggregation (make serve PREFILL=P DECODE=D):
+    P prefill workers, then D decode workers, in place of `num_workers`; without it
+    `num_workers` workers with no role flag (both). ValueError naming what is wrong."""
+    if prefill < 0 or decode < 0:
+        raise ValueError(f"PREFILL and DECODE must be >= 0, got {prefill} and {decode}")
+    if not (prefill or decode):
+        return [[] for _ in range(num_workers)]
+    if not (prefill and decode):
+        raise ValueError(
+            f"PREFILL={prefill} DECODE={decode}: a disaggregated fleet needs both prefill and decode workers"
+        )
+    return [["--kv-role", "prefill"]] * prefill + [["--kv-role", "decode"]] * decode
+
+
 class Cluster:
     """A worker (or several) and a scheduler in front of them, as real processes;
     with `gateway=True` also the OpenAI-compatible HTTP gateway in front of the
@@ -250,6 +265,8 @@ class Cluster:
         metrics_port: int = 0,
         supervised: bool = False,
         secure: bool = True,
+        prefill: int = 0,
+        decode: int = 0,
     ):
         self.model_dir = model_dir
         self.supervised = supervised
@@ -260,12 +277,12 @@ class Cluster:
         self.workers = [
             ServiceProcess(
                 "worker_svc",
-                ["--model", str(model_dir), *own, *worker_args],
+                ["--model", str(model_dir), *own, *worker_args, *role],
                 inherit_output=inherit_output,
                 bind_port=worker_port + i if worker_port else 0,
                 supervised=supervised,
             )
-            for i in range(num_workers)
+            for i, role in enumerate(kv_roles(num_workers, prefill, decode))
         ]
         self.metrics_port = metrics_port
         self.scheduler_args = list(scheduler_args)

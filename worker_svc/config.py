@@ -13,6 +13,7 @@ from svc_common.tls import file_checks, pair_check
 from worker_svc.parallel.layout import layout_problem
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_ROLES = ("both", "prefill", "decode")  # --kv-role (disaggregation)
 KV_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "int8")
 
 
@@ -155,6 +156,15 @@ class WorkerConfig:
             "cached block"
         },
     )
+    kv_role: str = field(
+        default="both",
+        metadata={
+            "help": "disaggregation: prefill = the scheduler sends this worker prompts and moves each request, once its "
+            "first token is sampled, to a decode worker, which pulls the KV blocks from here (worker.v1 ReadBlocks); "
+            "decode = the worker requests move to; both = everything (the default: no disaggregation)",
+            "choices": KV_ROLES,
+        },
+    )
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(default="", metadata={"help": "write {host, port, pid} as JSON here once serving"})
@@ -202,6 +212,12 @@ class WorkerConfig:
             (self.max_loras >= 1, "--max-loras", ">= 1"),
             (self.max_lora_rank >= 1, "--max-lora-rank", ">= 1"),
             self._tensor_parallel_check(),
+            (
+                self.kv_role == "both" or (self.tensor_parallel_size == 1 and self.kv_layout == "paged"),
+                "--kv-role",
+                "both with --tensor-parallel-size > 1 or --kv-layout contiguous: blocks move only between "
+                "one-rank paged workers",
+            ),
             pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
             (not self.tls_client_ca or bool(self.tls_cert), "--tls-client-ca", "used with --tls-cert"),
             (not self.tls_client_names or bool(self.tls_client_ca), "--tls-client-names", "used with --tls-client-ca"),

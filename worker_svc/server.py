@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +19,13 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import worker_pb2, worker_pb2_grpc
 from svc_common.grpc_options import server_options
-from svc_common.peer_auth import peer_interceptors
+from svc_common.peer_auth import peer_interceptors, read_token_file
 from svc_common.ready_file import write_ready_file
-from svc_common.tls import server_credentials
+from svc_common.tls import channel_credentials, server_credentials
 from worker_svc.config import WorkerConfig
+from worker_svc.kv_transfer.codec import BlockCodec
+from worker_svc.kv_transfer.mover import BlockMover, FetchOrder
+from worker_svc.kv_transfer.transport import GrpcBlockSource, TransferFailed
 from worker_svc.lora import AdapterRefused
 from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import (
@@ -42,6 +45,8 @@ from worker_svc.worker import Worker
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# A block move that takes longer than this has a source that stopped answering.
+_TRANSFER_TIMEOUT_S = 60.0
 
 
 # Per-row columns (seq_ids sets the row count); the flat ones are checked against their counts.
@@ -210,8 +215,50 @@ def step_to_proto(out: StepOutput, instance_id: str) -> worker_pb2.StepResponse:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, mover: BlockMover):
         self.worker = worker
+        self.mover = mover
+
+    def FetchBlocks(
+        self, request: worker_pb2.FetchBlocksRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.FetchBlocksResponse:
+        order = FetchOrder(
+            request.transfer_id,
+            request.source,
+            request.source_instance_id,
+            request.instance_id,
+            list(request.src_block_ids),
+            list(request.dst_block_ids),
+        )
+        try:
+            done = self.mover.fetch(order)
+        except InvalidStep as exc:
+            log.warning("block fetch rejected", transfer_id=request.transfer_id, error=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TransferFailed as exc:  # the source, not this worker: the scheduler recomputes
+            log.warning("block fetch failed", transfer_id=request.transfer_id, error=str(exc))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return worker_pb2.FetchBlocksResponse(
+            transfer_id=request.transfer_id,
+            blocks=done.blocks,
+            bytes=done.bytes,
+            read_ms=done.read_ms,
+            write_ms=done.write_ms,
+        )
+
+    def ReadBlocks(
+        self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.BlocksChunk]:
+        try:
+            chunks = self.mover.serve(list(request.block_ids), request.instance_id)
+        except InvalidStep as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TransferFailed as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        for chunk in chunks:
+            yield worker_pb2.BlocksChunk(
+                first=chunk.first, count=chunk.count, block_bytes=chunk.block_bytes, data=chunk.data
+            )
 
     def StepMasks(
         self, request: worker_pb2.StepMasksRequest, context: grpc.ServicerContext
@@ -299,6 +346,21 @@ def _log_refusal(method: str, why: str) -> None:
     log.warning("call refused", method=method, reason=why)
 
 
+def block_mover(worker: Worker, config: WorkerConfig) -> BlockMover:
+    """Both ends of a block move (disaggregation); the blocks are pulled from their source
+    with this worker's own credentials: the internal token, and with TLS its certificate,
+    trusting the CA that signs the deployment's certificates (--tls-client-ca)."""
+    token = read_token_file(config.internal_token_file) if config.internal_token_file else None
+    credentials = None
+    if config.tls_cert:
+        credentials = channel_credentials(config.tls_client_ca, config.tls_cert, config.tls_key)
+    source = GrpcBlockSource(token, credentials, config.max_message_mb, _TRANSFER_TIMEOUT_S)
+    refusal = None
+    if worker.parallel is not None or worker.cache.layout != "paged":
+        refusal = "this worker's blocks cannot move: a tensor-parallel or contiguous cache (its --kv-role is both)"
+    return BlockMover(BlockCodec(worker.cache.tensors), worker.info.instance_id, source, refusal)
+
+
 def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
     # Only the scheduler (the holder of the internal token, or of a client certificate) may call.
     interceptors = peer_interceptors(config.internal_token_file, config.tls_client_names, _log_refusal)
@@ -307,7 +369,7 @@ def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
         options=server_options(config.max_message_mb),
         interceptors=interceptors,
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, block_mover(worker, config)), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

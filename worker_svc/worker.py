@@ -192,6 +192,7 @@ class WorkerInfo:
     offload_medium: str = ""  # where it lives: "CPU" (pinned host memory) or "DISK" (file-backed)
     max_loras: int = 0  # --enable-lora: adapter slots 1..max_loras (0: LoRA off)
     max_lora_rank: int = 0
+    kv_role: str = "both"  # --kv-role: prefill | decode | both (disaggregation)
 
 
 class Worker:
@@ -332,6 +333,7 @@ class Worker:
             offload_medium=self.offload.medium if self.offload is not None else "",
             max_loras=self.lora.max_loras if self.lora else 0,
             max_lora_rank=self.lora.max_rank if self.lora else 0,
+            kv_role=config.kv_role,
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.

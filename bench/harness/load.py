@@ -115,6 +115,7 @@ class TimedStream:
     token_ids: list[int]
     max_tokens: int
     times: list[float] = field(default_factory=list)  # perf_counter per received token
+    received: list[int] = field(default_factory=list)  # the token ids, in order
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = 0.0
@@ -136,6 +137,7 @@ class TimedStream:
         try:
             for reply in self._call:
                 now = time.perf_counter()
+                self.received.extend(reply.token_ids)
                 for _ in reply.token_ids:
                     self.times.append(now)
                 if reply.token_ids and self.first_token_at is None:
@@ -163,6 +165,14 @@ class TimedStream:
     def gaps_ms(self, start: float, end: float) -> list[float]:
         """Inter-token gaps whose later token arrived in (start, end]."""
         return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:]) if start < b <= end]
+
+
+def join_streams(streams: Sequence[TimedStream], timeout_s: float = 30.0) -> None:
+    """Wait for every stream's reader to end (cancel the endless ones first); raise if one failed."""
+    for s in streams:
+        s.join(timeout_s)
+        if s.error:
+            raise RuntimeError(f"stream failed: {s.error}")
 
 
 def wait_until(

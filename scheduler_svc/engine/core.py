@@ -68,6 +68,9 @@ class CoreOptions:
 # Called by a core that lost its worker, with itself: moves its live requests to
 # another worker and returns True, or returns False if no worker can take them.
 Handover = Callable[["EngineCore"], bool]
+# Called by a core with itself after it streamed a step's tokens (disaggregation: a
+# prefill worker's requests whose first token is out leave for a decode worker).
+Applied = Callable[["EngineCore"], None]
 
 
 class EngineCore:
@@ -88,6 +91,7 @@ class EngineCore:
         self.options = options
         self.handover = handover
         self.hooks = hooks
+        self.on_applied: Applied | None = None
         self.metrics: object = None  # the observability layer's per-core state; the engine never reads it
         self.grammars: Grammars | None = None  # the fleet's grammar engine (structured outputs)
         self.step_budget: SpeedBudget | None = None  # a CPU worker's budget, sized from its speed (the fleet's)
@@ -151,6 +155,13 @@ class EngineCore:
         streams = self._pop_streams(requests)
         self.counters.requests_moved_out += len(requests)
         return requests, streams
+
+    def hand_off(self, request_id: str) -> tuple[Request, dict[str, RequestStream]]:
+        """Give up one running request and its client stream (disaggregation: its KV was
+        copied to the worker it goes to); its blocks stay in this worker's prefix cache."""
+        request = self.planner.hand_off(request_id)
+        self.counters.requests_moved_out += 1
+        return request, self._pop_streams([request])
 
     def adopt_streams(self, streams: dict[str, RequestStream]) -> None:
         self.streams.update(streams)
@@ -376,6 +387,8 @@ class EngineCore:
                 del self.streams[update.request_id]
                 if not update.forked:  # a fork parent's samples carry on under their own ids
                     self._finished(stream.request, stream.timing)
+        if self.on_applied is not None:
+            self.on_applied(self)
 
     def _finished(self, r: Request, timing: RequestTiming | None = None) -> None:
         self.counters.requests_finished += 1

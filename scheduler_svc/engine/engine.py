@@ -88,4 +88,5 @@ class Engine:
         return clean
 
     async def stop(self) -> None:
+        await self.requests.handoff.close()
         await self.fleet.close()

@@ -15,7 +15,7 @@ import structlog
 
 from scheduler_svc.config import DEFAULT_MAX_NUM_SEQS, SchedulerConfig
 from scheduler_svc.engine.adapter_loader import AdapterLoader
-from scheduler_svc.engine.core import CoreOptions, EngineCore, Handover
+from scheduler_svc.engine.core import Applied, CoreOptions, EngineCore, Handover
 from scheduler_svc.engine.discovery import first_workers
 from scheduler_svc.engine.errors import (
     LastWorker,
@@ -91,6 +91,7 @@ class Fleet:
         # Every worker's prefix-index changes (admin.v1 SubscribeKvEvents, --kv-events-zmq).
         self.kv_events = KvEventHub(config.kv_events_buffer_steps)
         self._handover: Handover | None = None
+        self._applied: Applied | None = None
         # Workers being drained: no new request is routed there; each has a task that
         # removes it once it holds no request (its result: the last WorkerStatus).
         self._draining: set[str] = set()
@@ -150,6 +151,12 @@ class Fleet:
         self._handover = handover
         for core in self.cores:
             core.handover = handover
+
+    def on_applied(self, hook: Applied) -> None:
+        """What a core calls after streaming a step's tokens (disaggregation: engine/disagg.py)."""
+        self._applied = hook
+        for core in self.cores:
+            core.on_applied = hook
 
     @property
     def routing(self) -> str:
@@ -219,6 +226,7 @@ class Fleet:
                 raise
             options = _core_options(self.config)
             core = EngineCore(client, info, planner, self.tokenizer, options, self._handover, self.hooks)
+            core.on_applied = self._applied
             _size_steps(core, self.config)
             core.kv_events = self.kv_events.worker(address)
             core.grammars = self.grammars

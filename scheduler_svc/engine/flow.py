@@ -9,6 +9,7 @@ import itertools
 import structlog
 
 from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.disagg import KvHandoff
 from scheduler_svc.engine.errors import WorkerUnavailable
 from scheduler_svc.engine.fleet import Fleet
 from scheduler_svc.engine.router import Candidate, NoWorkerAvailable, Router
@@ -30,6 +31,8 @@ class RequestFlow:
         # fork parent and its samples), and each of those -> the core it lives on.
         self._members: dict[str, list[str]] = {}
         self._owner: dict[str, EngineCore] = {}
+        # Prefill/decode disaggregation: which workers a request is routed among, and its move.
+        self.handoff = KvHandoff(fleet, router, self._moved)
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -47,7 +50,7 @@ class RequestFlow:
             raise WorkerUnavailable("the scheduler is shutting down")
         if request.request_id in self._members:  # planners only see their own ids
             raise RequestRejected("request_id", f"{request.request_id!r} is already in use")
-        core = self._route(request, self.fleet.cores)
+        core = self._route(request, self.handoff.pool(request, self.fleet.cores))
         handle = core.add(request)
         self._members[request.request_id] = handle.member_ids
         for member_id in handle.member_ids:
@@ -84,7 +87,7 @@ class RequestFlow:
         for request in requests:
             own = {rid: streams.pop(rid) for rid in _request_ids(request) if rid in streams}
             try:
-                target = self._route(request, others)
+                target = self._route(request, self.handoff.pool(request, others))
                 target.adopt(request)
             except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
                 lost = WorkerUnavailable(
@@ -110,6 +113,11 @@ class RequestFlow:
             "requests moved off a lost worker", worker=source.info.address, moved=moved, failed=len(requests) - moved
         )
         return True
+
+    def _moved(self, request: Request, core: EngineCore) -> None:
+        """A request moved (disaggregation) to `core`: aborts follow it there."""
+        if request.request_id in self._owner:  # not if its client has gone meanwhile
+            self._owner[request.request_id] = core
 
     def release(self, request_id: str) -> None:
         """The client's stream ended (done, cancelled or timed out): abort what is still live."""

@@ -59,6 +59,7 @@ class WorkerInfo:
     offload_medium: str = ""  # "CPU" | "DISK": where that tier lives (the medium of its KV events)
     max_loras: int = 0  # LoRA adapter slots (0: the worker runs without --enable-lora)
     max_lora_rank: int = 0
+    kv_role: str = "both"  # --kv-role: prefill | decode | both (disaggregation; an older worker: both)
 
     def batch_problem(self, max_num_seqs: int) -> str | None:
         """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
@@ -99,6 +100,16 @@ class WorkerInfo:
                 else "all workers must serve the same model"
             )
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What a FetchBlocks moved (disaggregation)."""
+
+    blocks: int
+    bytes: int
+    read_ms: float
+    write_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +300,7 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         offload_medium=reply.offload_medium,
         max_loras=reply.max_loras,
         max_lora_rank=reply.max_lora_rank,
+        kv_role=reply.kv_role or "both",
     )
 
 
@@ -348,6 +360,25 @@ class WorkerClient:
             await self.stub.LoadAdapter(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise self._failure(err) from None
+
+    async def fetch_blocks(
+        self, transfer_id: int, source: WorkerInfo, instance_id: str, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> TransferResult:
+        """Have this worker (instance `instance_id`) pull `source`'s blocks src_block_ids into
+        its dst_block_ids. Raises WorkerCallFailed."""
+        request = worker_pb2.FetchBlocksRequest(
+            transfer_id=transfer_id,
+            source=source.address,
+            source_instance_id=source.instance_id,
+            instance_id=instance_id,
+            src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids,
+        )
+        try:
+            reply = await self.stub.FetchBlocks(request, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise self._failure(err) from None
+        return TransferResult(reply.blocks, reply.bytes, reply.read_ms, reply.write_ms)
 
     def _failure(self, err: grpc.aio.AioRpcError) -> WorkerCallFailed:
         code = err.code()

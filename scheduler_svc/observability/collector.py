@@ -117,9 +117,27 @@ class EngineCollector(Collector):
         yield from counters.values()
         yield from by_direction.values()
         yield info
+        yield from transfer_families(cores)
         yield from vllm_families(cores)
         if any(core.planner.adapters is not None for core in cores):  # --enable-lora
             yield from lora_families(cores)
+
+
+def transfer_families(cores: list[EngineCore]) -> list[Metric]:
+    """Disaggregation's block moves, per worker they moved into, by direction (one today)."""
+    labels = ["worker", "direction"]
+    names = ("handoffs", "bytes", "blocks", "blocks_skipped", "seconds", "failed")
+    series = {n: "pagedserve_kv_transfers_failed" if n == "failed" else f"pagedserve_kv_transfer_{n}" for n in names}
+    series["handoffs"] = "pagedserve_kv_handoffs"
+    counters = {n: CounterMetricFamily(m, METRIC_NAMES[m + "_total"], labels=labels) for n, m in series.items()}
+    depth_name = "pagedserve_kv_transfer_queue_depth"
+    depth = GaugeMetricFamily(depth_name, METRIC_NAMES[depth_name], labels=labels)
+    for core in cores:
+        c, key = core.counters.kv_transfers, [core.info.address, "prefill_to_decode"]
+        for name, family in counters.items():
+            family.add_metric(key, getattr(c, name))
+        depth.add_metric(key, c.in_flight)
+    return [*counters.values(), depth]
 
 
 def vllm_families(cores: list[EngineCore]) -> list[Metric]:

@@ -59,6 +59,14 @@ METRIC_NAMES = {
     "pagedserve_spec_decode_draft_tokens_total": "draft tokens sent for verification",
     "pagedserve_spec_decode_accepted_tokens_total": "draft tokens the worker accepted",
     "pagedserve_spec_decode_acceptance_ratio": "accepted / drafted tokens since start",
+    # prefill/decode disaggregation (engine/disagg.py): per worker moved into, direction=prefill_to_decode
+    "pagedserve_kv_handoffs_total": "requests moved from a prefill worker to a decode worker after their first token",
+    "pagedserve_kv_transfer_bytes_total": "KV bytes moved between workers",
+    "pagedserve_kv_transfer_blocks_total": "KV blocks moved between workers",
+    "pagedserve_kv_transfer_blocks_skipped_total": "KV blocks not moved: the decode worker's prefix cache held them",
+    "pagedserve_kv_transfer_seconds_total": "wall time of the successful transfers, summed",
+    "pagedserve_kv_transfers_failed_total": "transfers that failed (the request recomputed its prompt)",
+    "pagedserve_kv_transfer_queue_depth": "transfers under way",
     # latency
     "pagedserve_time_to_first_token_seconds": "request arrival to its first generated token",
     "pagedserve_inter_token_latency_seconds": "time between two tokens of one request",

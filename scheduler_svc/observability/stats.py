@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from scheduler_svc.engine.counters import TransferCounters
 from scheduler_svc.observability.accounting import core_metrics
 from scheduler_svc.observability.collector import kv_bytes_per_token
 from scheduler_svc.observability.metrics import METRICS, SchedulerMetrics
@@ -43,6 +44,7 @@ def worker_stats(core: EngineCore, now: float) -> dict[str, Any]:
         generation_tokens_per_s=gen_s,
         kv_slots_allocated=u.allocated_slots,
         kv_slots_unused=u.unused_slots,
+        kv_role=core.info.kv_role,
     )
 
 
@@ -97,4 +99,23 @@ def stats_fields(engine: Engine, metrics: SchedulerMetrics | None = None) -> dic
         blocks_onloaded=sum(u.blocks_onloaded for u in usages),
         offload_seconds=sum(core.counters.offload_ms for core in engine.cores) / 1e3,
         onload_seconds=sum(core.counters.onload_ms for core in engine.cores) / 1e3,
+        **transfer_fields(engine.cores),
+    )
+
+
+def transfer_fields(cores: list[EngineCore]) -> dict[str, Any]:
+    """Disaggregation's block moves, summed over the workers (StatsResponse fields 140+)."""
+    c = TransferCounters()
+    for core in cores:
+        c.add(core.counters.kv_transfers)
+    return dict(
+        kv_handoffs=c.handoffs,
+        kv_handoffs_stayed=c.stayed,
+        kv_transfers=c.transfers,
+        kv_transfers_failed=c.failed,
+        kv_transfer_blocks=c.blocks,
+        kv_transfer_blocks_skipped=c.blocks_skipped,
+        kv_transfer_bytes=c.bytes,
+        kv_transfer_seconds=c.seconds,
+        kv_transfer_queue_depth=c.in_flight,
     )

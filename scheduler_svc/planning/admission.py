@@ -66,7 +66,7 @@ class Admission:
                 return
             queues.waiting.remove(request)
             request.num_computed_tokens = num_hit_tokens
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and not request.kv_handoffs:  # a moved KV is no hit of its own
                 request.num_cached_prompt_tokens = num_hit_tokens
                 self.kv.record_prefix_lookup(request, num_hit_tokens)
             else:

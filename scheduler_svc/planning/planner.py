@@ -127,6 +127,9 @@ class Planner:
         self._drafts = DraftHooks(self.drafter, self.kv, self._in_flight, self.max_len)
         self._results = StepResults(self.kv, self._queues, self.drafter, self.max_len, self.finish)
         self._next_step_id = 0
+        # Ids that hold blocks outside the queues: blocks a KV transfer writes into
+        # (engine/disagg.py) until they are indexed and released. Audited as live.
+        self.held: set[str] = set()
 
     # ---- queue ----------------------------------------------------------
     @property
@@ -234,6 +237,8 @@ class Planner:
             remaining = self._in_flight.known_end(request) - request.num_computed_tokens
             if remaining <= 0 or (remaining == 1) != decodes or self._in_flight.ends_in_flight(request, self.max_len):
                 continue
+            if decodes and request.hands_off(self._in_flight.pending(request.request_id)):
+                continue  # disaggregation: it decodes on another worker
             if decodes and budget.ahead and self._drafts.waits_to_draft(request, len(self.running)):
                 continue
             if budget.ahead and not self.config.constrained_ahead and waits_for_its_grammar(request, self._in_flight):
@@ -346,6 +351,19 @@ class Planner:
         if reset_prefix_cache:
             self.kv.reset_prefix_cache()
 
+    def hand_off(self, request_id: str) -> Request:
+        """Take a running request off this worker (disaggregation: its KV was copied to
+        the worker it goes to next): its blocks are freed, the full ones staying in the
+        prefix cache, and it leaves waiting, with its outputs."""
+        request = self.requests.pop(request_id)
+        self._queues.remove(request, FinishReason.ABORT)  # a request that moves has no children
+        self._drafts.drop(request_id)
+        self._in_flight.release(request, self.kv)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.kv_handoffs += 1
+        return request
+
     def drain(self) -> list[Request]:
         """requeue_all(), then hand every live request over (oldest running first,
         then the waiting queue), e.g. to re-add them to another worker's planner."""
@@ -362,7 +380,7 @@ class Planner:
         """KV bookkeeping (KVCacheManager.audit) plus: waiting requests hold no
         blocks; running ones hold exactly the blocks their computed tokens need."""
         ended = [r.request_id for r in self._in_flight.ended]
-        self.kv.audit(live_request_ids=[r.request_id for r in self.running] + ended)
+        self.kv.audit(live_request_ids=[r.request_id for r in self.running] + ended + sorted(self.held))
         problems = [f"waiting {r.request_id} holds blocks" for r in self.waiting if self.kv.block_table(r.request_id)]
         for request in self.running:
             have = len(self.kv.block_table(request.request_id))

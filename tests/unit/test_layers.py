@@ -48,7 +48,8 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "parallel": {"step", "sampling", "models"},
     "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
     "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "kv_offload", "lora"},
-    "server": {"step", "config", "worker", "lora"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
+    "kv_transfer": {"step"},  # block bytes and their transport (disaggregation)
+    "server": {"step", "config", "worker", "lora", "kv_transfer"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
     "__main__": {"step", "config", "allocator", "worker", "server"},
 }
 

@@ -648,3 +648,24 @@ def test_json_log_lines_are_json_and_library_logs_too(capsys):
     with pytest.raises(ValueError, match="log format"):
         configure_logging("xml")
     assert sys.stderr is not None
+
+
+# ---- disaggregation ---------------------------------------------------------
+def test_kv_transfers_per_worker_moved_into_in_metrics_and_stats():
+    planner, _ = make(num_blocks=16)
+    core = fake_core(planner)
+    moved = core.counters.kv_transfers
+    moved.handoffs, moved.transfers, moved.failed, moved.in_flight = 3, 2, 1, 1
+    moved.blocks, moved.blocks_skipped, moved.bytes, moved.seconds = 10, 4, 10 * 4096, 0.25
+    got = scrape(SimpleNamespace(cores=[core]))
+    key = (("direction", "prefill_to_decode"), ("worker", "127.0.0.1:7001"))
+    assert got[("pagedserve_kv_handoffs_total", key)] == 3
+    assert got[("pagedserve_kv_transfer_bytes_total", key)] == 40960
+    assert got[("pagedserve_kv_transfer_blocks_total", key)] == 10
+    assert got[("pagedserve_kv_transfer_blocks_skipped_total", key)] == 4
+    assert got[("pagedserve_kv_transfer_seconds_total", key)] == 0.25
+    assert got[("pagedserve_kv_transfers_failed_total", key)] == 1
+    assert got[("pagedserve_kv_transfer_queue_depth", key)] == 1
+    fields = stats_fields(SimpleNamespace(cores=[core, fake_core(make(num_blocks=16)[0], "127.0.0.1:7002")]))
+    assert (fields["kv_handoffs"], fields["kv_transfer_blocks"], fields["kv_transfer_queue_depth"]) == (3, 10, 1)
+    assert fields["workers"][0]["kv_role"] == "both"
