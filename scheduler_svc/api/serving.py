@@ -171,6 +171,10 @@ def event_to_proto(event: StreamEvent, request_id: str, tokenizer: ModelTokenize
         finish_reason=event.finish_reason,
         index=event.index,
     )
+    if event.stop_string is not None:
+        reply.stop_string = event.stop_string
+    elif event.stop_token_id is not None:
+        reply.stop_token_id = event.stop_token_id
     if event.top_logprobs:
         reply.token_logprobs.extend(
             _logprob_to_proto(TokenLogprob(token_id, logprob, top), tokenizer)
