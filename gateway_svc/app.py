@@ -141,7 +141,10 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     app.include_router(responses_router(run_chat, parsers, store, config.model_id, served))
     app.include_router(messages_router(run_chat, prompt_tokens, parsers, served))
-    app.include_router(embeddings_router(client, config.model_id, forwarded_key, served, config.max_prompts))
+    score_template = template if config.chat_template else None  # a yes/no reranker's pairs (vLLM's score template)
+    app.include_router(
+        embeddings_router(client, config.model_id, forwarded_key, served, config.max_prompts, score_template)
+    )
     # The caller's key, the body's size and pace are checked before anything reads or parses
     # the body (401, 413, 408), inside the metrics' count.
     app.add_middleware(

@@ -32,7 +32,7 @@ from scheduler_svc.planning.validation import (
     default_output_limit,
     output_limit,
 )
-from scheduler_svc.request import PoolingOptions, Request, SamplingOptions, TokenLogprob
+from scheduler_svc.request import PoolingKind, PoolingOptions, Request, SamplingOptions, TokenLogprob
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -214,6 +214,13 @@ def stats_to_proto(stats: EngineStats, extra: dict[str, Any]) -> serving_pb2.Sta
 ExtraStats = Callable[[], dict[str, Any]]
 
 
+# Embed's `score` against what the pooling scheduler serves (indexed by: it is a classifier).
+_SCORE_MISMATCH = {
+    True: "score: this scheduler scores prompts (--classifier-from-token): it serves no embeddings",
+    False: "score: this scheduler embeds; scores from token logits need --classifier-from-token",
+}
+
+
 class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -284,6 +291,9 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                 context, grpc.StatusCode.FAILED_PRECONDITION, "this scheduler generates: start it with --runner pooling"
             )
         try:
+            classifier = self.pooling.kind is PoolingKind.CLASSIFY
+            if request.score != classifier:
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, _SCORE_MISMATCH[classifier])
             req = await embed_request(request, self.engine, self.pooling, self.max_prompt_chars)
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)
@@ -386,4 +396,9 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.tokenizer.vocab_size,
             runner="generate" if self.pooling is None else "pooling",
+            classifier_from_token=self._classifier_tokens(),
         )
+
+    def _classifier_tokens(self) -> list[str]:
+        ids = self.pooling.classifier_token_ids if self.pooling is not None else None
+        return [self.engine.tokenizer.token_text(i) for i in ids or ()]
