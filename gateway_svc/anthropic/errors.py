@@ -14,28 +14,32 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ANTHROPIC_PATHS = "/v1/messages"  # and /v1/messages/count_tokens
 
-# Anthropic's error types (https://docs.anthropic.com/en/api/errors) for the types and codes we answer.
+# Anthropic's error types (https://docs.anthropic.com/en/api/errors); ours that it names
+# otherwise are renamed, and any other is its api_error.
+_ANTHROPIC_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "timeout_error",
+        "api_error",
+        "overloaded_error",
+    }
+)
 _BY_CODE = {"model_not_found": "not_found_error", "request_too_large": "request_too_large"}
-_BY_TYPE = {
-    "invalid_request_error": "invalid_request_error",
-    "authentication_error": "authentication_error",
-    "permission_error": "permission_error",
-    "not_found_error": "not_found_error",
-    "rate_limit_error": "rate_limit_error",
-    "timeout_error": "timeout_error",
-    "service_unavailable_error": "overloaded_error",
-}
 _BY_STATUS = {408: "timeout_error", 413: "request_too_large"}
+_RENAMED = {"service_unavailable_error": "overloaded_error"}
 
 
 def anthropic_error(openai_body: dict[str, Any], status: int | None = None) -> dict[str, Any]:
     """OpenAI's error body ({"error": {message, type, param, code}}) as Anthropic's."""
     error = openai_body["error"]
-    kind = (
-        _BY_CODE.get(str(error.get("code")))
-        or (_BY_STATUS.get(status) if status is not None else None)
-        or _BY_TYPE.get(str(error.get("type")), "api_error")
-    )
+    kind = _BY_CODE.get(str(error.get("code"))) or (_BY_STATUS.get(status) if status is not None else None)
+    kind = kind or _RENAMED.get(str(error.get("type")), str(error.get("type")))
+    kind = kind if kind in _ANTHROPIC_TYPES else "api_error"
     return {"type": "error", "error": {"type": kind, "message": str(error.get("message", ""))}}
 
 
