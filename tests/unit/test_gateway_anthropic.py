@@ -26,21 +26,22 @@ ASK = {"model": MODEL_NAME, "max_tokens": 8, "messages": [{"role": "user", "cont
 
 
 @pytest.fixture(scope="module")
-def gateway(fake_scheduler, tmp_path_factory):
+def served(fake_scheduler, tmp_path_factory):
+    """The gateway's URL and an httpx client on it (a 4 KiB body limit, for the 413)."""
     model_dir = chat_model_dir(tmp_path_factory.mktemp("models"))
-    with running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), max_request_bytes=4096) as url:
-        yield url
+    gateway = running_gateway(scheduler=fake_scheduler.address, model_dir=str(model_dir), max_request_bytes=4096)
+    with gateway as url, httpx.Client(base_url=url, timeout=WAIT_S) as client:
+        yield url, client
 
 
 @pytest.fixture
-def http(gateway):
-    with httpx.Client(base_url=gateway, timeout=WAIT_S) as client:
-        yield client
+def http(served):
+    return served[1]
 
 
 @pytest.fixture
-def claude(gateway):
-    client = anthropic.Anthropic(base_url=gateway, api_key="unused", max_retries=0, timeout=WAIT_S)
+def claude(served):
+    client = anthropic.Anthropic(base_url=served[0], api_key="unused", max_retries=0, timeout=WAIT_S)
     yield client
     client.close()
 
