@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway_svc import convert, errors, structured
+from gateway_svc.anthropic.errors import ANTHROPIC_PATHS, AnthropicErrors, anthropic_error
 from gateway_svc.anthropic.routes import MessagesAnswer, messages_router
 from gateway_svc.auth import forwarded_key
 from gateway_svc.bodies import JsonBody
@@ -153,7 +154,10 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
     app.include_router(responses_router(run_chat, parsers, store, config.model_id, served))
     app.include_router(messages_router(run_chat, prompt_tokens, parsers, served))
     base_only = _model_checker(config.model_id)
-    app.include_router(embeddings_router(client, config.model_id, forwarded_key, base_only, config.max_prompts))
+    score_template = template if config.chat_template else None  # a yes/no reranker's pairs (vLLM's score template)
+    app.include_router(
+        embeddings_router(client, config.model_id, forwarded_key, base_only, config.max_prompts, score_template)
+    )
     if config.scheduler_admin:
         app.include_router(lora_admin_router(lora, client, config.scheduler_admin, config.admin_credentials()))
     # The caller's key, the body's size and pace are checked before anything reads or parses
@@ -165,6 +169,8 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         body_timeout_s=config.body_timeout_s,
         body_min_rate=config.body_min_rate,
     )
+    # Outside the guard: its refusals on the /v1/messages routes are rewritten too.
+    app.add_middleware(AnthropicErrors)
     install_metrics(app, SchedulerMetrics(config.scheduler_metrics, config.health_timeout_s))
     _add_error_handlers(app)
     publish_openapi(app)
@@ -380,9 +386,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(errors.error_body(message, type_), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
         log.exception("internal error", error=repr(err))
-        return JSONResponse(errors.error_body("internal error", "internal_error"), status_code=500)
+        body = errors.error_body("internal error", "internal_error")
+        # Starlette answers this one outside every middleware: AnthropicErrors does not see it.
+        if request.url.path.startswith(ANTHROPIC_PATHS):
+            body = anthropic_error(body)
+        return JSONResponse(body, status_code=500)
 
 
 def _validation_to_openai(err: RequestValidationError) -> OpenAIError:

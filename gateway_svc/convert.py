@@ -270,6 +270,7 @@ class ChoiceResult:
     entries: list[LogprobEntry] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (Anthropic's stop_sequence)
     usage: serving_pb2.Usage | None = None
     completion_tokens: int = 0  # so far (continuous usage stats)
     echoed: bool = False
@@ -299,6 +300,7 @@ class ChoiceResult:
         self.offsets += offsets
         if message.finished:
             self.finish_reason = finish_reason(message)
+            self.stop_string = message.stop_string if message.HasField("stop_string") else None
         if message.HasField("usage"):
             self.usage = message.usage
         return Delta(text, entries, offsets)

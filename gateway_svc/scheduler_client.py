@@ -44,7 +44,7 @@ class Scheduler(Protocol):
     async def model_info(self, api_key: str | None) -> serving_pb2.ModelInfoResponse: ...
 
     async def embed(
-        self, prompt: str | list[int], dimensions: int | None, api_key: str | None
+        self, prompt: str | list[int], dimensions: int | None, api_key: str | None, score: bool = False
     ) -> serving_pb2.EmbedResponse: ...
 
     async def check_health(self, api_key: str | None = None) -> tuple[bool, str]: ...
@@ -111,9 +111,9 @@ class SchedulerClient:
         return reply
 
     async def embed(
-        self, prompt: str | list[int], dimensions: int | None, api_key: str | None
+        self, prompt: str | list[int], dimensions: int | None, api_key: str | None, score: bool = False
     ) -> serving_pb2.EmbedResponse:
-        request = serving_pb2.EmbedRequest(dimensions=dimensions)
+        request = serving_pb2.EmbedRequest(dimensions=dimensions, score=score)
         if isinstance(prompt, str):
             request.prompt = prompt
         else:

@@ -125,9 +125,9 @@ class SchedulerPool:
         return await self._any(lambda c: c.model_info(api_key))
 
     async def embed(
-        self, prompt: str | list[int], dimensions: int | None, api_key: str | None
+        self, prompt: str | list[int], dimensions: int | None, api_key: str | None, score: bool = False
     ) -> serving_pb2.EmbedResponse:
-        return await self._any(lambda c: c.embed(prompt, dimensions, api_key))
+        return await self._any(lambda c: c.embed(prompt, dimensions, api_key, score))
 
     async def _any(self, call: Callable[[SchedulerClient], Awaitable[T]]) -> T:
         """`call` on a healthy scheduler; UNAVAILABLE moves on to the next (marking it down)."""

@@ -18,7 +18,7 @@ from scheduler_svc.engine.errors import StartupError, WorkerUnavailable
 from scheduler_svc.observability.exposition import start_metrics_server
 from scheduler_svc.observability.metrics import METRICS, engine_hooks
 from scheduler_svc.observability.stats import stats_fields
-from scheduler_svc.planning.pooling import model_pooling
+from scheduler_svc.planning.pooling import classifier_pooling, model_pooling
 from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
@@ -33,8 +33,11 @@ FINAL_FLUSH_S = 2.0
 
 async def serve(config: SchedulerConfig) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
-    # --runner pooling: the checkpoint's pooling config read (and refused if not served) before anything starts.
-    pooling = model_pooling(config.model) if config.pooling_runner else None
+    # --runner pooling: the checkpoint's pooling config read (and refused if not served) before anything
+    # starts, or --classifier-from-token's tokens looked up in the vocabulary.
+    pooling = model_pooling(config.model) if config.pooling_runner and not config.classifier_from_token else None
+    if config.classifier_from_token:
+        pooling = classifier_pooling(config.classifier_from_token, lambda text: tokenizer.encode(text, False))
     api_keys, admin_keys = config.client_keys, config.admin_key_set
     credentials = server_credentials(config.tls_cert, config.tls_key)
     engine = await Engine.connect(config, tokenizer, engine_hooks(METRICS))

@@ -70,6 +70,15 @@ class SchedulerConfig(LoraFlags):
             "aliases": ("--task",),
         },
     )
+    classifier_from_token: str = field(
+        default="",
+        metadata={
+            "help": "with --runner pooling: serve a causal LM as a yes/no reranker (vLLM's classifier_from_token, "
+            "as Qwen3-Reranker is served): NO,YES, two tokens of the vocabulary (e.g. no,yes); a prompt's score "
+            "is YES's softmax probability against NO at its last position (serving.v1 Embed with score; the "
+            "gateway's /v1/score and /v1/rerank). Empty: the model embeds"
+        },
+    )
     max_num_batched_tokens: int = field(
         default=DEFAULT_STEP_TOKENS,
         metadata={"help": "token budget of one step (left at its default on a CPU worker: see --step-target-ms)"},
@@ -390,6 +399,7 @@ class SchedulerConfig(LoraFlags):
             ),
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
+            (not self.classifier_from_token or self.pooling_runner, "--classifier-from-token", "with --runner pooling"),
             (self.max_num_seqs >= 0, "--max-num-seqs", ">= 1, or 0 for the worker's"),
             (self.max_grammar_chars >= 1, "--max-grammar-chars", ">= 1"),
             (self.max_grammar_rules >= 1, "--max-grammar-rules", ">= 1"),

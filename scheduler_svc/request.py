@@ -54,17 +54,22 @@ class TokenLogprob:
 class PoolingKind(enum.StrEnum):
     LAST = "last"  # the last prompt token's hidden state (a causal LM's summary of the prompt)
     MEAN = "mean"  # the mean over every prompt token's
+    # A yes/no reranker on a causal LM (vLLM's classifier_from_token): the logits of two
+    # tokens at the prompt's last position, as the worker returns a sampled row's.
+    CLASSIFY = "classify"
 
 
 @dataclass(slots=True, frozen=True)
 class PoolingOptions:
     """A pooling request (--runner pooling): which reduction of the prompt's hidden
     states (the last layer, after the final norm), then the first `dimensions` of
-    it (Matryoshka; None: all), then L2-normalised or not."""
+    it (Matryoshka; None: all), then L2-normalised or not. CLASSIFY: the score of
+    `classifier_token_ids` (NO, YES) instead."""
 
     kind: PoolingKind = PoolingKind.LAST
     normalize: bool = True
     dimensions: int | None = None
+    classifier_token_ids: tuple[int, int] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,8 @@ the chat answer becomes an Anthropic message (text and tool_use blocks, stop_rea
 
 tool_choice: auto, any (chat's required), tool (a named function), none; tools are
 rendered by the chat template as chat's are. serving.v1 ends on EOS and on a stop
-sequence alike (finish_reason stop), so both read as stop_reason end_turn.
+sequence alike (finish_reason stop), and names the stop string that ended it: that
+reads as stop_reason stop_sequence (with the string), EOS as end_turn.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
-def stop_reason(reason: str | None, called: bool) -> str:
+def stop_reason(reason: str | None, called: bool, stop_sequence: str | None) -> str:
+    if stop_sequence is not None:
+        return "stop_sequence"
     return "tool_use" if called and reason == "stop" else STOP_REASONS.get(reason or "stop", "end_turn")
 
 

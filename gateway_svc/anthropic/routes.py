@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from gateway_svc import structured
 from gateway_svc.anthropic.convert import chat_request, content_blocks, new_id, stop_reason, usage
+from gateway_svc.anthropic.errors import anthropic_error
 from gateway_svc.anthropic.types import CountTokensRequest, MessagesRequest
 from gateway_svc.chat_output import ChatOutput
 from gateway_svc.convert import Results, Sample
@@ -37,22 +38,24 @@ class MessagesAnswer:
         self.id = new_id("msg")
         self._reading, self._model, self._prompt_tokens = reading, model, prompt_tokens
 
-    def _message(self, content: list[dict[str, Any]], reason: str | None, used: dict[str, Any]) -> dict[str, Any]:
+    def _message(
+        self, content: list[dict[str, Any]], reason: str | None, stop: str | None, used: dict[str, Any]
+    ) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self._model, "content": content,
-                "stop_reason": reason, "stop_sequence": None, "usage": used}  # fmt: skip
+                "stop_reason": reason, "stop_sequence": stop, "usage": used}  # fmt: skip
 
     def body(self, results: Results) -> dict[str, Any]:
         [choice] = results.choices.values()
         message, called = self._reading.message("".join(choice.text), choice.finish_reason)
-        reason = stop_reason(choice.finish_reason, called)
-        return self._message(content_blocks(message), reason, usage(results.usage()))
+        reason = stop_reason(choice.finish_reason, called, choice.stop_string)
+        return self._message(content_blocks(message), reason, choice.stop_string, usage(results.usage()))
 
     def sse(self, generation: Generation, samples: list[Sample]) -> AsyncIterator[str]:
-        return guarded(self._events(generation, samples), lambda error: _event("error", error=_anthropic(error)))
+        return guarded(self._events(generation, samples), lambda error: _event("error", **_error_fields(error)))
 
     async def _events(self, generation: Generation, samples: list[Sample]) -> AsyncIterator[str]:
         start = {"input_tokens": self._prompt_tokens, "output_tokens": 0}
-        yield _event("message_start", message=self._message([], None, start))
+        yield _event("message_start", message=self._message([], None, None, start))
         blocks = _Blocks()
         async for step in answer_steps(generation, samples, self._reading):
             for event in blocks.delta(step.delta):
@@ -60,7 +63,9 @@ class MessagesAnswer:
             if step.finished:
                 for event in blocks.close():
                     yield event
-                end = {"stop_reason": stop_reason(step.reason, step.called), "stop_sequence": None}
+                [choice] = step.results.choices.values()
+                stop = choice.stop_string
+                end = {"stop_reason": stop_reason(step.reason, step.called, stop), "stop_sequence": stop}
                 yield _event("message_delta", delta=end, usage=usage(step.results.usage()))
                 yield _event("message_stop")
 
@@ -99,9 +104,9 @@ class _Blocks:
         yield _event("content_block_start", index=self._index, content_block=block)
 
 
-def _anthropic(error: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's error body as Anthropic's error object."""
-    return {"type": error["error"]["type"], "message": error["error"]["message"]}
+def _error_fields(openai_body: dict[str, Any]) -> dict[str, Any]:
+    """An error event's fields besides its type: Anthropic's error object."""
+    return {"error": anthropic_error(openai_body)["error"]}
 
 
 def messages_router(

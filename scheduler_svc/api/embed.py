@@ -12,10 +12,11 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.errors import WorkerUnavailable
 from scheduler_svc.planning.pooling import check_dimensions
 from scheduler_svc.planning.validation import RequestRejected, check_request_id
-from scheduler_svc.request import PoolingOptions, Request, SamplingOptions
+from scheduler_svc.request import PoolingKind, PoolingOptions, Request, SamplingOptions
 
-# A pooling request generates nothing: no decode slot is ever allocated for it.
-_PREFILL_ONLY = SamplingOptions(max_tokens=0)
+# A pooling request generates nothing: no decode slot is ever allocated for it. A
+# classifier's last chunk samples greedily (the cheapest draw) only to get its logits back.
+_PREFILL_ONLY = SamplingOptions(max_tokens=0, temperature=0.0)
 
 
 def hidden_size(engine: Engine) -> int:
@@ -35,6 +36,8 @@ async def embed_request(
             f"this model's maximum context length is {engine.max_model_len} tokens, got {len(prompt_ids)}",
         )
     dimensions = msg.dimensions if msg.HasField("dimensions") else None
+    if msg.score and (dimensions is not None or msg.HasField("normalize")):
+        raise RequestRejected("dimensions" if dimensions is not None else "normalize", "not with a score")
     check_dimensions(dimensions, hidden_size(engine))
     options = dataclasses.replace(model_pooling, dimensions=dimensions)
     if msg.HasField("normalize"):
@@ -62,9 +65,13 @@ async def run_embed(engine: Engine, request: Request) -> serving_pb2.EmbedRespon
             break
     if event.embedding is None:  # aborted (shutting down) before its prompt was computed
         raise WorkerUnavailable(f"{request.request_id}: ended ({event.finish_reason}) before its prompt was pooled")
-    return serving_pb2.EmbedResponse(
+    reply = serving_pb2.EmbedResponse(
         request_id=request.request_id,
-        embedding=event.embedding,
         prompt_tokens=request.num_prompt_tokens,
         cached_prompt_tokens=request.num_cached_prompt_tokens,
     )
+    if request.pooling is not None and request.pooling.kind is PoolingKind.CLASSIFY:
+        [reply.score] = event.embedding
+    else:
+        reply.embedding.extend(event.embedding)
+    return reply

@@ -33,7 +33,7 @@ from scheduler_svc.planning.validation import (
     default_output_limit,
     output_limit,
 )
-from scheduler_svc.request import LoraRef, PoolingOptions, Request, SamplingOptions, TokenLogprob
+from scheduler_svc.request import LoraRef, PoolingKind, PoolingOptions, Request, SamplingOptions, TokenLogprob
 from scheduler_svc.structured.constraint import Constraint, ConstraintKind
 from scheduler_svc.structured.errors import ConstraintRejected
 from scheduler_svc.text.tokenizer import ModelTokenizer
@@ -188,6 +188,10 @@ def event_to_proto(event: StreamEvent, request_id: str, tokenizer: ModelTokenize
         finish_reason=event.finish_reason,
         index=event.index,
     )
+    if event.stop_string is not None:
+        reply.stop_string = event.stop_string
+    elif event.stop_token_id is not None:
+        reply.stop_token_id = event.stop_token_id
     if event.top_logprobs:
         reply.token_logprobs.extend(
             _logprob_to_proto(TokenLogprob(token_id, logprob, top), tokenizer)
@@ -225,6 +229,13 @@ def stats_to_proto(stats: EngineStats, extra: dict[str, Any]) -> serving_pb2.Sta
 
 # The observability layer's Stats fields (numbers >= 30); the API only forwards them.
 ExtraStats = Callable[[], dict[str, Any]]
+
+
+# Embed's `score` against what the pooling scheduler serves (indexed by: it is a classifier).
+_SCORE_MISMATCH = {
+    True: "score: this scheduler scores prompts (--classifier-from-token): it serves no embeddings",
+    False: "score: this scheduler embeds; scores from token logits need --classifier-from-token",
+}
 
 
 class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
@@ -297,6 +308,9 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
                 context, grpc.StatusCode.FAILED_PRECONDITION, "this scheduler generates: start it with --runner pooling"
             )
         try:
+            classifier = self.pooling.kind is PoolingKind.CLASSIFY
+            if request.score != classifier:
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, _SCORE_MISMATCH[classifier])
             req = await embed_request(request, self.engine, self.pooling, self.max_prompt_chars)
         except DOMAIN_ERRORS as exc:
             await abort_with(context, exc)
@@ -405,4 +419,9 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             ]
             if (lora := self.engine.fleet.lora) is not None
             else [],
+            classifier_from_token=self._classifier_tokens(),
         )
+
+    def _classifier_tokens(self) -> list[str]:
+        ids = self.pooling.classifier_token_ids if self.pooling is not None else None
+        return [self.engine.tokenizer.token_text(i) for i in ids or ()]

@@ -38,6 +38,9 @@ class StreamEvent:
     error: Exception | None = None
     index: int = 0  # which of a request's n samples
     embedding: list[float] | None = None  # a pooling request's, on its finished event
+    # What ended a sample with finish_reason stop, when it was a stop string or a stop_token_ids id.
+    stop_string: str | None = None
+    stop_token_id: int | None = None
 
     def absorb(self, later: StreamEvent) -> None:
         """Append a later event of the same sample, so one message carries both
@@ -50,6 +53,7 @@ class StreamEvent:
         self.progress = later.progress or self.progress
         if later.finished:
             self.finished, self.finish_reason, self.usage = True, later.finish_reason, later.usage
+            self.stop_string, self.stop_token_id = later.stop_string, later.stop_token_id
 
 
 def coalesce(events: asyncio.Queue[StreamEvent], first: StreamEvent) -> tuple[StreamEvent, StreamEvent | None]:
@@ -114,11 +118,17 @@ class RequestStream:
             # Inside an accepted run of drafts: the run's later tokens were never generated.
             self.request.truncate_output(update.num_output_tokens)
         if update.finished or hit_stop:
-            reason = FinishReason.STOP if hit_stop else update.finish_reason
-            self._finish(text + self.detokenizer.flush(), update, reason, progress)
+            self._finish(text + self.detokenizer.flush(), update, self._reason(update), progress)
         elif token_id is not None:
             self._put(self._tokens_event(text, update, progress))
         return hit_stop
+
+    def _reason(self, update: RequestUpdate) -> FinishReason | None:
+        """The finish reason of an update that ends the stream: a stop string found in the
+        text ends it with stop, even on the token that also reached the length."""
+        if self.detokenizer.stopped and update.finish_reason in (None, FinishReason.LENGTH):
+            return FinishReason.STOP
+        return update.finish_reason
 
     def _tokens_event(self, text: str, update: RequestUpdate, progress: tuple[int, int] | None) -> StreamEvent:
         """The event carrying an update's token (if any), its text and logprobs."""
@@ -157,6 +167,10 @@ class RequestStream:
         event = self._tokens_event(text, update, progress)
         event.finished, event.finish_reason = True, str(reason or FinishReason.STOP)
         event.embedding = update.embedding
+        if reason in (None, FinishReason.STOP):
+            event.stop_string = self.detokenizer.matched
+            if event.stop_string is None and update.token_id in r.sampling.stop_token_ids:
+                event.stop_token_id = update.token_id
         event.usage = Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_prompt_tokens)
         self._put(event)
         self.closed = True

@@ -125,6 +125,7 @@ _SAMPLE = worker_pb2.SEQ_FLAG_SAMPLE
 _FROM_PREVIOUS = worker_pb2.SEQ_FLAG_TOKEN_FROM_PREVIOUS_STEP
 _SEEDED = worker_pb2.SEQ_FLAG_SEEDED
 _MASK_FOLLOWS = worker_pb2.SEQ_FLAG_MASK_FOLLOWS
+_RETURN_LOGITS = worker_pb2.SEQ_FLAG_RETURN_LOGITS
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
@@ -185,6 +186,7 @@ def _flags(s: ScheduledSeq) -> int:
         | (_FROM_PREVIOUS if s.token_from_previous_step else 0)
         | (_SEEDED if s.sampling.seed is not None else 0)
         | (_MASK_FOLLOWS if s.mask_follows else 0)
+        | (_RETURN_LOGITS if s.return_logits else 0)
     )
 
 
@@ -258,6 +260,7 @@ def result_from_proto(reply: worker_pb2.StepResponse) -> StepResult:
         list(c.num_accepted),
         list(c.draft_logprobs),
         _pooled(reply.pooled),
+        {seq_ids[row]: np.frombuffer(values, dtype="<f4").astype(np.float32) for row, values in c.logits.items()},
     )
     t = reply.timings
     return StepResult(samples, reply.instance_id, t.forward_ms, t.offload_ms, t.onload_ms)

@@ -63,6 +63,7 @@ class ScheduledSeq:
     position_masks: NDArray[np.int32] | None = None
     pooling: RowPooling = RowPooling.NONE  # a pooling request's chunk (planning/pooling.py)
     lora_slot: int = 0  # the worker's adapter slot its tokens run through (0: the base model)
+    return_logits: bool = False  # the sampled position's logits row comes back (a classifier's last chunk)
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +133,7 @@ class StepSamples:
     num_accepted: list[int] = field(default_factory=list)
     draft_logprobs: list[float] = field(default_factory=list)
     pooled: dict[int, NDArray[np.float32]] = field(default_factory=dict)  # seq_id -> a pooling row's vector
+    logits: dict[int, NDArray[np.float32]] = field(default_factory=dict)  # seq_id -> a return_logits row's
     rows: dict[int, int] = field(init=False, repr=False)  # seq_id -> row
 
     def __post_init__(self) -> None:
@@ -168,7 +170,7 @@ class RequestUpdate:
     # The request ended with this error instead (its grammar refused the token: TokenRejected,
     # or hit a limit: GrammarFailed); the token is not in its outputs.
     error: Exception | None = None
-    embedding: list[float] | None = None  # a pooling request's, when it finishes
+    embedding: list[float] | None = None  # a pooling request's output when it finishes (a classifier's: [score])
 
 
 def prompt_total(request: Request) -> int:

@@ -72,7 +72,7 @@ from scheduler_svc.planning.plan import (
     StepSamples,
     prompt_total,
 )
-from scheduler_svc.planning.pooling import row_pooling
+from scheduler_svc.planning.pooling import returns_logits, row_pooling
 from scheduler_svc.planning.preemption import Preemption
 from scheduler_svc.planning.queues import QueueFull, RequestQueues
 from scheduler_svc.planning.results import StepResults, check_samples
@@ -270,6 +270,7 @@ class Planner:
             drafts = budget.drafts.get(request.request_id, [])
             sample = (end == self._in_flight.known_end(request) or bool(drafts)) and not request.prefill_only
             sample = sample and request.sampling.max_tokens > 0
+            logits = returns_logits(request, end)
             scheduled = ScheduledSeq(
                 request_id=request.request_id,
                 seq_id=request.seq_id,
@@ -277,13 +278,14 @@ class Planner:
                 start_pos=start,
                 block_table=self.kv.block_table(request.request_id),
                 slot_mapping=self.kv.slot_mapping(request, start, end),
-                sample=sample,
+                sample=sample or logits,
                 sampling=request.sampling,
                 token_from_previous_step=from_previous,
                 prompt_logprob_targets=_prompt_logprob_targets(request, start, end),
                 num_drafts=len(drafts),
                 pooling=row_pooling(request, end),
                 lora_slot=self.adapters.slot(request.lora) if self.adapters is not None else 0,
+                return_logits=logits,
             )
             if sample:
                 self._add_sample_inputs(scheduled, request)

@@ -7,11 +7,15 @@ is pooled here: mean pooling asks every chunk for the sum of its hidden states
 and adds them up in float64 (Request.pooled_sum), dividing by the prompt's length
 at the end; last-token pooling asks only the chunk that ends the prompt for its
 last position. Then the first `dimensions` are kept and the vector normalised,
-as sentence-transformers does (truncate, then normalise)."""
+as sentence-transformers does (truncate, then normalise). A yes/no reranker
+(--classifier-from-token) asks the chunk that ends the prompt for the logits
+there instead, and scores the prompt by its two tokens'."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +31,18 @@ DEFAULT_POOLING = PoolingOptions(PoolingKind.LAST, normalize=True)
 
 def row_pooling(request: Request, end: int) -> RowPooling:
     """The chunk of `request` ending at `end`'s pooling ask."""
-    if request.pooling is None:
-        return RowPooling.NONE
+    if request.pooling is None or request.pooling.kind is PoolingKind.CLASSIFY:
+        return RowPooling.NONE  # a classifier asks for logits (returns_logits)
     if request.pooling.kind is PoolingKind.MEAN:
         return RowPooling.SUM
     return RowPooling.LAST if end == request.num_tokens else RowPooling.NONE
+
+
+def returns_logits(request: Request, end: int) -> bool:
+    """A classifier's chunk that ends the prompt: its row samples (greedy, the token is
+    dropped) for the worker to return the logits of the prompt's last position."""
+    pooling = request.pooling
+    return pooling is not None and pooling.kind is PoolingKind.CLASSIFY and end == request.num_tokens
 
 
 def add_chunk(request: Request, start: int, chunk_sum: NDArray[np.float32]) -> None:
@@ -41,6 +52,37 @@ def add_chunk(request: Request, start: int, chunk_sum: NDArray[np.float32]) -> N
     if start == 0 or request.pooled_sum is None:
         request.pooled_sum = np.zeros(chunk_sum.shape, dtype=np.float64)
     request.pooled_sum += chunk_sum
+
+
+def pooled_output(
+    request: Request, last: NDArray[np.float32] | None, logits: NDArray[np.float32] | None
+) -> list[float]:
+    """The finished prompt's output: its embedding, or a classifier's [score]."""
+    options = request.pooling
+    assert options is not None, "the output of a request that does not pool"
+    if options.classifier_token_ids is None:
+        return embedding(request, last)
+    assert logits is not None, "a classifier's prompt ended without its logits"
+    no, yes = options.classifier_token_ids
+    # softmax([no, yes])[1] == sigmoid(yes - no), as vLLM folds the two lm_head rows into one
+    # (is_original_qwen3_reranker); in float64, in the form that cannot overflow.
+    margin = float(logits[yes]) - float(logits[no])
+    return [1.0 / (1.0 + math.exp(-margin)) if margin >= 0 else math.exp(margin) / (1.0 + math.exp(margin))]
+
+
+def classifier_pooling(tokens: str, encode: Callable[[str], list[int]]) -> PoolingOptions:
+    """--classifier-from-token NO,YES: two tokens of the vocabulary (each one token as the
+    tokenizer encodes it, special tokens not added), else refused naming the flag."""
+    texts = tokens.split(",")
+    if len(texts) != 2 or not all(texts):
+        raise ValueError(f"--classifier-from-token: two tokens, NO,YES (e.g. no,yes), got {tokens!r}")
+    ids = []
+    for text in texts:
+        encoded = encode(text)
+        if len(encoded) != 1:
+            raise ValueError(f"--classifier-from-token: {text!r} is {len(encoded)} tokens, not one, in this vocabulary")
+        ids.append(encoded[0])
+    return PoolingOptions(PoolingKind.CLASSIFY, normalize=False, classifier_token_ids=(ids[0], ids[1]))
 
 
 def embedding(request: Request, last: NDArray[np.float32] | None) -> list[float]:

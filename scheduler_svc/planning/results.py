@@ -18,7 +18,7 @@ from scheduler_svc.planning.plan import (
     StepSamples,
     prompt_total,
 )
-from scheduler_svc.planning.pooling import add_chunk, embedding
+from scheduler_svc.planning.pooling import add_chunk, pooled_output
 from scheduler_svc.planning.queues import RequestQueues
 from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.request import FinishReason, Request, TokenLogprob
@@ -34,6 +34,8 @@ def check_samples(plan: StepPlan, live: list[tuple[Request, ScheduledSeq]], samp
         raise ValueError(f"step {plan.step_id}: no prompt logprobs for seq_ids {missing}")
     if missing := [s.seq_id for _, s in live if s.pooling and s.seq_id not in samples.pooled]:
         raise ValueError(f"step {plan.step_id}: no pooled hidden states for seq_ids {missing}")
+    if missing := [s.seq_id for _, s in live if s.return_logits and s.seq_id not in samples.logits]:
+        raise ValueError(f"step {plan.step_id}: no logits for seq_ids {missing}")
 
 
 def _record_prompt_logprobs(request: Request, seq: ScheduledSeq, scored: list[tuple[float, Alternatives]]) -> None:
@@ -121,15 +123,15 @@ class StepResults:
 
     def _apply_pooled(self, request: Request, seq: ScheduledSeq, samples: StepSamples, computed: int) -> RequestUpdate:
         """A pooling request's chunk: its sum added up (mean pooling), and once the
-        prompt is computed the request ends with its embedding, freeing its blocks
-        (the full ones stay in the prefix cache)."""
+        prompt is computed the request ends with its embedding (or a classifier's
+        score), freeing its blocks (the full ones stay in the prefix cache)."""
         vector = samples.pooled.get(seq.seq_id)
         if seq.pooling is RowPooling.SUM and vector is not None:
             add_chunk(request, seq.start_pos, vector)
         progress = (computed, request.num_prompt_tokens)
         if computed < request.num_tokens:
             return RequestUpdate(request.request_id, prefill_progress=progress)
-        result = embedding(request, vector)
+        result = pooled_output(request, vector, samples.logits.get(seq.seq_id))
         self.finish(request.request_id, FinishReason.STOP)
         return RequestUpdate(
             request.request_id,

@@ -28,7 +28,11 @@ class IncrementalDetokenizer:
     stop: tuple[str, ...] = ()
     text: str = ""  # with stop strings: all decoded text so far, the stop string excluded
     emitted: int = 0  # characters of `text` already released
-    stopped: bool = False
+    matched: str | None = None  # the stop string that ended the text (the earliest found)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     @classmethod
     def for_prompt(
@@ -60,9 +64,9 @@ class IncrementalDetokenizer:
             # Only the new text (plus a stop's length of overlap) can hold a new match.
             start = max(0, self.emitted - len(stop))
             at = self.text.find(stop, start)
-            if at >= 0:
+            if at >= 0:  # a later stop found here starts earlier in the text: the cut is the earliest
                 self.text = self.text[:at]
-                self.stopped = True
+                self.matched = stop
 
     def _release(self) -> str:
         if self.stopped:

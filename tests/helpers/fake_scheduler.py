@@ -59,6 +59,7 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
         self.delay_s = 0.0  # before each delta
         self.first_delay_s = 0.0  # before the first message (a long queue wait or prefill)
         self.finish_reason = "length"
+        self.stop_string: str | None = None  # the last message names it (a stop string ended the answer)
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.abort_after: int | None = None  # with `abort`: fail after this many deltas (mid-stream)
         self.required_key: str | None = None
@@ -78,6 +79,11 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
         finally:
             with self.lock:
                 self.active -= 1
+
+    def Tokenize(self, request, context):
+        """One token per character: what a streamed answer counts before its usage arrives."""
+        self._check_key(context, dict(context.invocation_metadata()))
+        return serving_pb2.TokenizeResponse(token_ids=[ord(c) for c in request.prompt])
 
     def ModelInfo(self, request, context):
         """Past the key check (as the real scheduler's), no model to describe, unless a test
@@ -112,7 +118,11 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
                     context.abort(*self.abort)
                 yield serving_pb2.GenerateResponse(request_id=request.request_id, text=text, token_ids=[i])
             yield serving_pb2.GenerateResponse(
-                request_id=request.request_id, finished=True, finish_reason=self.finish_reason, usage=USAGE
+                request_id=request.request_id,
+                finished=True,
+                finish_reason=self.finish_reason,
+                usage=USAGE,
+                stop_string=self.stop_string,
             )
             completed = True
         finally:

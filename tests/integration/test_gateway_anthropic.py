@@ -1,9 +1,11 @@
 """Anthropic's Messages API (/v1/messages) through REAL services (worker, scheduler, gateway;
 the tiny Llama in fp32), with the official `anthropic` client: an answer equals chat's
 greedy answer to the same conversation; streamed, Anthropic's events reassemble to it;
-count_tokens counts what the answer's usage counts; a tool round trip (tool_choice any,
+count_tokens counts what the answer's usage counts; a stop sequence ends the message
+with stop_reason stop_sequence naming it; a tool round trip (tool_choice any,
 no parser: the calls' JSON schema) gives a tool_use block whose input validates, and the
-tool_result continues the conversation; what we do not serve is a 400 naming it."""
+tool_result continues the conversation; what we do not serve is a 400 naming it, in
+Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -88,6 +90,22 @@ def test_a_tool_round_trip(claude, stream):
     assert second.content[0].type == "text" and second.usage.input_tokens > first.usage.input_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_ends_the_message_and_is_named(claude, stream):
+    options = {"model": MODEL, "messages": ASK, "max_tokens": 24, **GREEDY}
+    whole = claude.messages.create(**options).content[0].text
+    assert len(whole) > 8, whole
+    stop = whole[4:7]
+    options["stop_sequences"] = ["never in this text", stop]
+    if stream:
+        with claude.messages.stream(**options) as events:
+            done = events.get_final_message()
+    else:
+        done = claude.messages.create(**options)
+    assert (done.stop_reason, done.stop_sequence) == ("stop_sequence", stop)
+    assert done.content[0].text == whole[: whole.index(stop)]
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -100,4 +118,6 @@ def test_a_tool_round_trip(claude, stream):
 def test_what_we_do_not_serve_is_a_400_naming_it(claude, fields, param):
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=fields)
-    assert err.value.body["error"]["param"] == param, err.value.body
+    # Anthropic's error shape: the message names the field.
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+    assert err.value.body["error"]["message"].startswith(f"{param}: "), err.value.body

@@ -343,6 +343,28 @@ def test_stop_string_ends_the_stream_without_the_stop_text(client):
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+def test_the_last_message_names_the_stop_string_or_stop_token_that_ended_it(client):
+    greedy = {"prompt_token_ids": list(range(30, 45)), "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    full = client.generate(**greedy)
+    stop, token = full.text[3:6], full.token_ids[5]
+
+    def last(**params):
+        [end] = [r for r in client.stream(**greedy, **params) if r.finished]
+        return end
+
+    by_string = last(stop=["never in this text", stop])
+    assert (by_string.finish_reason, by_string.WhichOneof("stopped_by")) == ("stop", "stop_string")
+    assert by_string.stop_string == stop
+    by_token = last(stop_token_ids=[token])
+    assert (by_token.finish_reason, by_token.WhichOneof("stopped_by"), by_token.stop_token_id) == (
+        "stop",
+        "stop_token_id",
+        token,
+    )
+    by_length = last()
+    assert (by_length.finish_reason, by_length.WhichOneof("stopped_by")) == ("length", None)
+
+
 def test_seeded_sampling_reproducible_through_the_service(client):
     runs = [
         client.generate("Once upon", max_tokens=12, temperature=1.0, seed=42, ignore_eos=True).token_ids

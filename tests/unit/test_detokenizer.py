@@ -38,6 +38,16 @@ def test_stop_string_is_cut_and_nothing_after_it_is_emitted(tokenizer):
     assert "".join(pieces) == "The weather today is sunny "
 
 
+def test_the_stop_string_that_cut_the_text_is_named_the_earliest_of_several(tokenizer):
+    text = "The weather today is sunny and warm. Tomorrow rain."
+    # Whichever the text reaches first ends it and is named, in either order of the list.
+    for stop in (["and warm", "sunny and"], ["sunny and", "and warm"]):
+        pieces, detok = stream(tokenizer, text, stop=stop)
+        assert detok.matched == "sunny and" and "".join(pieces) == "The weather today is "
+    _, unmatched = stream(tokenizer, text, stop=["snow"])
+    assert unmatched.matched is None and not unmatched.stopped
+
+
 def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer):
     pieces, detok = stream(tokenizer, "sun and sand", stop=["sandwich"])
     assert not detok.stopped

@@ -391,9 +391,10 @@ def test_api_key_required_and_forwarded(fake_scheduler, model_dir):
             assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
             assert_openai_error(http.get("/v1/models", headers=headers), 401)
         assert not fake_scheduler.requests
-        # Anthropic's clients send x-api-key: the same key, on every route, forwarded as Bearer.
-        for path in ("/v1/messages", "/v1/responses"):
-            assert_openai_error(http.post(path, json={}, headers={"x-api-key": "wrong"}), 401)
+        # Anthropic's clients send x-api-key: the same key, on every route, forwarded as Bearer
+        # (/v1/messages answers in Anthropic's shape: test_gateway_anthropic.py).
+        assert_openai_error(http.post("/v1/responses", json={}, headers={"x-api-key": "wrong"}), 401)
+        assert http.post("/v1/messages", json={}, headers={"x-api-key": "wrong"}).status_code == 401
         r = http.post("/v1/completions", json={"prompt": "x"}, headers={"x-api-key": "sekret"})
         assert r.status_code == 200, r.text
         assert fake_scheduler.metadata[-1]["authorization"] == "Bearer sekret"

@@ -3,7 +3,9 @@ batched with generation in the same steps, chunked, prefix-cached (last-token
 pooling; mean pooling reads nothing from the cache), never a slot past the
 prompt, their blocks freed the step their prompt is done, and the embedding
 made of the chunks' pooled vectors (mean: the sums added up) as the whole
-prompt's would be; audit() around every step."""
+prompt's would be; a yes/no reranker (--classifier-from-token) asks only the
+chunk that ends its prompt to sample, for the logits there, and scores by its
+two tokens'; audit() around every step."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from scheduler_svc.kv.block_manager import KVCacheManager
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.planning.plan import RowPooling, StepSamples
 from scheduler_svc.planning.planner import Planner, PlannerConfig
-from scheduler_svc.planning.pooling import model_pooling
+from scheduler_svc.planning.pooling import classifier_pooling, model_pooling
 from scheduler_svc.request import PoolingKind, PoolingOptions, Request, SamplingOptions
 from tests.helpers.fake_worker import FakeWorker
 from tests.helpers.planner_sim import BS, VOCAB, reference, req
@@ -41,8 +43,15 @@ def want(kind: PoolingKind, prompt: list[int], normalize: bool = True, dimension
     return v / np.linalg.norm(v) if normalize else v
 
 
+def fake_logits(context: list[int]) -> np.ndarray:
+    """A fake logits row after the context: a function of all of it."""
+    phase = (len(context) + sum((i + 1) * t for i, t in enumerate(context))) % 101
+    return (6 * np.sin(np.arange(VOCAB) * 0.37 + phase)).astype(np.float32)
+
+
 class PoolingWorker(FakeWorker):
-    """The fake worker, answering pooling rows too (the chunk's last state, or its sum)."""
+    """The fake worker, answering pooling rows too (the chunk's last state, or its sum),
+    and the logits of the rows that ask."""
 
     def __init__(self, prompts: dict[int, list[int]]):
         super().__init__(256, BS, VOCAB)
@@ -51,6 +60,10 @@ class PoolingWorker(FakeWorker):
     def execute(self, plan, allowed=None) -> StepSamples:
         samples = super().execute(plan, allowed)
         for seq in plan.seqs:
+            if seq.return_logits:
+                prompt = self.prompts[seq.seq_id]
+                assert seq.sample and seq.start_pos + seq.num_tokens == len(prompt), "logits not at the prompt's end"
+                samples.logits[seq.seq_id] = fake_logits(prompt)
             if seq.pooling is RowPooling.NONE:
                 continue
             assert not seq.sample, "a pooling row sampled"
@@ -84,7 +97,7 @@ def drive(planner: Planner, worker: PoolingWorker) -> tuple[list, dict[str, list
     return plans, results
 
 
-@pytest.mark.parametrize("kind", list(PoolingKind))
+@pytest.mark.parametrize("kind", [PoolingKind.LAST, PoolingKind.MEAN])
 def test_pooling_rows_run_beside_generation_chunked_and_end_with_the_prompts_embedding(kind):
     rng = np.random.default_rng(0)
     prompt, gen_prompt = rng.integers(3, VOCAB, 45).tolist(), rng.integers(3, VOCAB, 7).tolist()
@@ -155,3 +168,52 @@ def test_runner_flag_and_vllms_task_alias(argv, pooling):
     from svc_common.cli import parse_config
 
     assert parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER", "", argv).pooling_runner is pooling
+
+
+NO, YES = 5, 9
+
+
+def test_a_classifier_samples_only_its_prompts_last_chunk_and_scores_by_its_two_tokens():
+    rng = np.random.default_rng(2)
+    prompt, gen_prompt = rng.integers(3, VOCAB, 45).tolist(), rng.integers(3, VOCAB, 7).tolist()
+    planner = make()
+    options = {"normalize": False, "classifier_token_ids": (NO, YES)}
+    first, again = (pooler(PoolingKind.CLASSIFY, prompt, rid, **options) for rid in ("s", "t"))
+    generating = req("g", gen_prompt, max_tokens=6)
+    worker = PoolingWorker({first.seq_id: prompt, again.seq_id: prompt})
+    planner.add(generating)
+    planner.add(first)
+    plans, results = drive(planner, worker)
+    rows = [s for plan in plans for s in plan.seqs if s.request_id == "s"]
+    assert len(rows) >= 3 and sum(s.num_tokens for s in rows) == len(prompt)  # chunked, never a decode
+    assert [(s.sample, s.return_logits, s.pooling) for s in rows] == [(False, False, RowPooling.NONE)] * (
+        len(rows) - 1
+    ) + [(True, True, RowPooling.NONE)]
+    logits = fake_logits(prompt).astype(np.float64)
+    score = math.exp(logits[YES]) / (math.exp(logits[YES]) + math.exp(logits[NO]))
+    [end] = [u for u in results["s"] if u.finished]
+    assert end.token_id is None and end.embedding == pytest.approx([score], rel=1e-12)
+    assert [u.token_id for u in results["g"] if u.token_id is not None] == reference(gen_prompt, 6)
+    planner.add(again)  # the same prompt again: read from the prefix cache, scored the same
+    _, later = drive(planner, worker)
+    assert again.num_cached_prompt_tokens == 32 and later["t"][-1].embedding == end.embedding
+
+
+def test_classifier_tokens_are_one_token_each_or_refused_naming_the_flag():
+    vocab = {"no": [NO], "yes": [YES], "maybe": [1, 2]}
+    options = classifier_pooling("no,yes", vocab.__getitem__)
+    assert options == PoolingOptions(PoolingKind.CLASSIFY, normalize=False, classifier_token_ids=(NO, YES))
+    for flag, why in (("no,maybe", "'maybe' is 2 tokens"), ("yes", "two tokens"), ("no,yes,no", "two tokens")):
+        with pytest.raises(ValueError, match=f"--classifier-from-token: .*{why}"):
+            classifier_pooling(flag, vocab.__getitem__)
+
+
+def test_the_classifier_flag_needs_the_pooling_runner(capsys):
+    from scheduler_svc.config import SchedulerConfig
+    from svc_common.cli import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER", "", ["--classifier-from-token", "no,yes"])
+    assert "--classifier-from-token: must be with --runner pooling" in capsys.readouterr().err
+    argv = ["--runner", "pooling", "--classifier-from-token", "no,yes"]
+    assert parse_config(SchedulerConfig, "PAGEDSERVE_SCHEDULER", "", argv).classifier_from_token == "no,yes"
