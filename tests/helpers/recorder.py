@@ -4,6 +4,7 @@ condition with a deadline."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -11,6 +12,7 @@ import grpc
 import httpx
 
 from scheduler_svc.client import SchedulerClient
+from tools.processes import ServiceProcess
 
 
 class Recorder(threading.Thread):
@@ -63,3 +65,9 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def finished_records(proc: ServiceProcess) -> dict[str, dict]:
+    """request id -> its 'request finished' log record (which names the worker)."""
+    records = (json.loads(line) for line in proc.log_path.read_text().splitlines() if line.startswith("{"))
+    return {r["request_id"]: r for r in records if r.get("event") == "request finished"}

@@ -10,6 +10,8 @@ import openai
 import pytest
 
 from scheduler_svc.client import SchedulerClient
+from scheduler_svc.structured import GrammarCompiler, GrammarVocab
+from scheduler_svc.text.tokenizer import load_tokenizer
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import load_model, wait_idle
 
@@ -47,3 +49,11 @@ def no_leak(grpc_client):
     yield
     stats = wait_idle(grpc_client)
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0), stats
+
+
+@pytest.fixture(scope="module")
+def compiler(model_dir):
+    """The grammar compiler over the tiny model's vocabulary (the structured-output oracles')."""
+    compiler = GrammarCompiler(GrammarVocab.from_model_tokenizer(load_tokenizer(model_dir)))
+    yield compiler
+    compiler.close()

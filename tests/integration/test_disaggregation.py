@@ -21,10 +21,9 @@ from scheduler_svc.client import SchedulerClient
 from scheduler_svc.structured import Constraint
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, wait_idle
+from tests.helpers.grammar_reference import reference
 from tests.helpers.procs import ServiceProcess, running
-from tests.helpers.recorder import wait_for
-from tests.integration.test_multi_worker import finished_records
-from tests.integration.test_structured_exactness import compiler, reference  # noqa: F401 (a fixture)
+from tests.helpers.recorder import finished_records, wait_for
 
 MODEL = tiny_checkpoint("llama")  # the conftest's model_dir: `model` is its transformers reference
 BLOCK = 16
@@ -125,7 +124,7 @@ def test_preemption_on_the_decode_worker_stays_exact(pair, model):
     assert sum(r["preemptions"] for r in records.values()) > 0
 
 
-def test_structured_outputs_and_ngram_drafts_on_the_decode_worker(pair, model, compiler):  # noqa: F811
+def test_structured_outputs_and_ngram_drafts_on_the_decode_worker(pair, model, compiler):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}}
     constrained = [(ids, 60) for ids in prompts(4, 3, 20, 60)]
     free = [(ids, 40) for ids in prompts(5, 3, 20, 60)]

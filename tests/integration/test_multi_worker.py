@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +19,7 @@ from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, load_model, wait_idle
 from tests.helpers.procs import ServiceProcess, running
-from tests.helpers.recorder import Recorder, join, wait_for
+from tests.helpers.recorder import Recorder, finished_records, join, wait_for
 
 MODEL = tiny_checkpoint("llama")
 NUM_BLOCKS = 512
@@ -58,12 +57,6 @@ def scheduler(workers: list[ServiceProcess], *args: str):
         log = proc.log_path.read_text(errors="replace")
         for sign in ("Traceback", "engine core failed", "engine audit failed"):
             assert sign not in log, log[-4000:]
-
-
-def finished_records(proc: ServiceProcess) -> dict[str, dict]:
-    """request id -> its 'request finished' log record (which names the worker)."""
-    records = (json.loads(line) for line in proc.log_path.read_text().splitlines() if line.startswith("{"))
-    return {r["request_id"]: r for r in records if r.get("event") == "request finished"}
 
 
 def list_workers(admin) -> dict[str, admin_pb2.WorkerStatus]:

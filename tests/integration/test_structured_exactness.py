@@ -15,14 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.structured import Constraint, GrammarCompiler, GrammarMatcher, GrammarVocab, apply_bitmask
-from scheduler_svc.text.tokenizer import load_tokenizer
-from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, wait_idle
+from scheduler_svc.structured import Constraint
+from tests.helpers.cluster import SPEC_FLAGS, wait_idle
+from tests.helpers.grammar_reference import reference
 from tests.helpers.sweeps import sweep
 from tools.processes import Cluster
 
@@ -62,46 +60,6 @@ ORDER = {
 # each other, by a margin wider than one block. (A worker that refuses a call makes the
 # scheduler fail over and recompute: exact tokens still, but no preemption counted.)
 CROWDING_PROMPT, CROWDING_SAMPLES, CROWDING_TOKENS = list(range(40, 60)), 4, 140
-
-
-class GrammarMask(LogitsProcessor):
-    """The request's grammar over transformers' greedy search: advanced with each token
-    generated so far, its mask applied to the next token's logits."""
-
-    def __init__(self, matcher: GrammarMatcher, prompt_len: int):
-        self.matcher, self.prompt_len = matcher, prompt_len
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        for token in input_ids[0, self.prompt_len + self.matcher.num_tokens :].tolist():
-            self.matcher.advance(token)
-        if not self.matcher.needs_mask:
-            return scores
-        return torch.from_numpy(apply_bitmask(scores.numpy(), self.matcher.mask()[None]))
-
-
-def reference(model, compiler, prompt: list[int], constraint: Constraint | None, max_tokens: int) -> list[int]:
-    """transformers' greedy tokens under the mask, up to where the scheduler ends the request:
-    the token that completes the grammar (the EOS it would force is never sampled)."""
-    if constraint is None:
-        return hf_greedy(model, prompt, max_tokens)
-    grammar = compiler.compile(constraint)
-    mask = LogitsProcessorList([GrammarMask(GrammarMatcher(grammar), len(prompt))])
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, logits_processor=mask)
-    tokens = out[0, len(prompt) :].tolist()
-    walk = GrammarMatcher(grammar)
-    for i, token in enumerate(tokens):
-        walk.advance(token)
-        if walk.is_complete:
-            return tokens[: i + 1]
-    return tokens
-
-
-@pytest.fixture(scope="module")
-def compiler(model_dir):
-    compiler = GrammarCompiler(GrammarVocab.from_model_tokenizer(load_tokenizer(model_dir)))
-    yield compiler
-    compiler.close()
 
 
 def _cases() -> list[tuple[list[int], int]]:
