@@ -55,7 +55,7 @@ from gateway_svc.responses.routes import ResponsesAnswer, responses_router
 from gateway_svc.responses.store import ResponseStore
 from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tenancy import Tenancy
-from gateway_svc.tokenize import max_model_len, tokenize_router
+from gateway_svc.tokenize import model_facts, tokenize_router
 
 log = structlog.get_logger("gateway")
 
@@ -117,7 +117,7 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
 
     async def model_card(request: Request) -> dict[str, Any]:
         card = {"id": config.model_id, "object": "model", "created": started, "owned_by": "pagedserve"}
-        return card | await max_model_len(client, forwarded_key(request))
+        return card | await model_facts(client, forwarded_key(request))
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:

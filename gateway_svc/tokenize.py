@@ -1,5 +1,5 @@
 """vLLM's /tokenize and /detokenize, with the scheduler's tokenizer (serving.v1
-Tokenize / Detokenize), and the model's max_model_len for /v1/models.
+Tokenize / Detokenize), and the model's max_model_len and weight format for /v1/models.
 
     POST /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
                    or {model?, messages, add_generation_prompt=true, add_special_tokens=false, ...}
@@ -114,14 +114,16 @@ def _text(body: TokenizeRequest, template: ChatTemplate | None) -> tuple[str, bo
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-async def max_model_len(client: Scheduler, api_key: str | None) -> dict[str, int]:
-    """{"max_model_len": N} from the scheduler, or {} when it cannot say (down,
-    or an older scheduler): /v1/models answers either way, but only to a caller
-    the scheduler takes (its API keys)."""
+async def model_facts(client: Scheduler, api_key: str | None) -> dict[str, int | str]:
+    """{"max_model_len": N, "weight_format": "gguf Q4_1+Q8_0"} from the scheduler (the
+    format only where the workers say it), or {} when it cannot say (down, or an older
+    scheduler): /v1/models answers either way, but only to a caller the scheduler
+    takes (its API keys)."""
     try:
         info = await client.model_info(api_key)
     except grpc.aio.AioRpcError as err:
         if err.code() in _REFUSALS:
             raise
         return {}
-    return {"max_model_len": info.max_model_len}
+    facts: dict[str, int | str] = {"max_model_len": info.max_model_len}
+    return facts | ({"weight_format": info.weight_format} if info.weight_format else {})

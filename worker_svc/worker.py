@@ -24,6 +24,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.models import DecoderModel, load_spec
 from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
 from worker_svc.models.families import listing
+from worker_svc.models.footprint import held_bytes
 from worker_svc.models.spec import auto_dtype
 from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
 from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
@@ -177,6 +178,8 @@ class WorkerInfo:
     kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
     max_num_seqs: int = 0  # --max-num-seqs: the largest decode batch sized for (the scheduler's default)
     hidden_size: int = 0  # a pooling row's vector length
+    weight_format: str = ""  # float32 | bfloat16 | "gguf Q4_1+Q8_0": the weights as stored
+    weights_bytes: int = 0  # the weights' bytes in this worker's memory, as served
 
 
 class Worker:
@@ -299,6 +302,8 @@ class Worker:
             kv_bytes_per_block_per_rank=self.cache.block_bytes,
             max_num_seqs=config.max_num_seqs,
             hidden_size=self.model.spec.hidden_size,
+            weight_format=self.model.weight_format,
+            weights_bytes=held_bytes(self.model),
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.

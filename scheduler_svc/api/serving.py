@@ -382,4 +382,5 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.tokenizer.vocab_size,
             runner="generate" if self.pooling is None else "pooling",
+            weight_format=cores[0].info.weight_format if cores else "",
         )

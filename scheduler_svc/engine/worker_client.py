@@ -54,6 +54,8 @@ class WorkerInfo:
     max_batch: int = 0
     max_num_seqs: int = 0  # the worker's --max-num-seqs (0: an older worker that does not say)
     hidden_size: int = 0  # a pooling row's vector length (0: an older worker that does not say)
+    weight_format: str = ""  # "float32", "gguf Q4_1+Q8_0", ... ("": an older worker)
+    weights_bytes: int = 0  # the weights' resident bytes on the worker (0: an older worker)
 
     def batch_problem(self, max_num_seqs: int) -> str | None:
         """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
@@ -261,6 +263,8 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         max_batch=reply.max_batch,
         max_num_seqs=reply.max_num_seqs,
         hidden_size=reply.hidden_size,
+        weight_format=reply.weight_format,
+        weights_bytes=reply.weights_bytes,
     )
 
 
