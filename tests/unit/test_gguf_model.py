@@ -61,7 +61,9 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     layer = worker.model.layers[0]
     assert isinstance(layer.qkv, QuantLinear) and layer.qkv.weight.qtype == qtype
     assert layer.qkv.kernel == ("cpu" if cpu_ops.available() else "")  # the C++ kernel read the blocks
-    assert isinstance(worker.model.lm_head, QuantLinear)  # tied: the head multiplies the embedding's blocks
+    head, table = worker.model.lm_head, worker.model.embed
+    assert isinstance(head, QuantLinear) and isinstance(table, QuantizedWeight)  # tied: the head multiplies
+    assert head.weight.data.data_ptr() == table.data.data_ptr()  # the embedding's blocks, not a copy of them
 
 
 def test_mixed_formats_and_an_untied_head(tmp_path):
