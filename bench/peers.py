@@ -32,6 +32,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline_root = make_worktree(args.baseline)
         return pagedserve("bfloat16", PORT, root=baseline_root, label=f" {args.baseline} (baseline)")
 
-    builders = {
+    builders: dict[str, Callable[[], HttpServer]] = {
         "pagedserve": lambda: pagedserve("auto", PORT),
         "pagedserve-baseline": baseline,
         "pagedserve-bf16": lambda: pagedserve("bfloat16", PORT),
