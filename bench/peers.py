@@ -31,6 +31,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,13 @@ from bench.harness.openai_servers import (
     HttpServer,
     RunningServer,
     drive_completions,
+    extract_sidecar,
+    gguf_tensor_bytes,
+    install_llama_cpp,
     install_peers,
     llama_cpp,
     log,
+    shipped_gguf,
     vllm_cpu,
 )
 from bench.harness.results import RESULTS, markdown_table, pyplot, save_plot, write_result
@@ -100,16 +105,24 @@ def measure_machine() -> dict[str, Any]:
 
 
 # ---- pagedserve ---------------------------------------------------------------------------
-def pagedserve(dtype: str, port: int, threads: int = 0, root: Path = REPO, label: str = "") -> HttpServer:
+def pagedserve(
+    dtype: str, port: int, threads: int = 0, root: Path = REPO, label: str = "", gguf: bool = False
+) -> HttpServer:
     """`make serve` from the tree at `root` (a baseline revision's worktree, or this one):
     --dtype `dtype` (auto: the CPU's choice), threads: the worker's torch threads (0: its
-    default: the CPU thread plan since issue 25 phase B, torch's before)."""
+    default: the CPU thread plan since issue 25 phase B, torch's before); gguf: MODEL=
+    the shipped Q4_1 file, served from its blocks (issue 38)."""
+    model = shipped_gguf() if gguf else MODEL_DIR
+    if gguf:
+        extract_sidecar(model)
     worker_args = f"--dtype {dtype} --num-blocks 2048" + (f" --num-threads {threads}" if threads else "")
-    command = [sys.executable, "-m", "tools.local_cluster", "--model", str(MODEL_DIR), "--workers", "1"]
+    command = [sys.executable, "-m", "tools.local_cluster", "--model", str(model), "--workers", "1"]
     command += ["--port", str(port + 100), "--gateway-port", str(port), "--worker-args", worker_args]
+    label += " Q4_1 gguf" if gguf else ""
     return HttpServer(
         name=f"pagedserve{label} {dtype}" + (f", {threads} worker thread(s)" if threads else ""),
         weights_dtype_bytes=4 if dtype == "float32" else 2,
+        weights_bytes=gguf_tensor_bytes(model) if gguf else 0,
         command=command,
         base_url=f"http://127.0.0.1:{port}/v1",
         env={"PYTHONPATH": str(root)},
@@ -176,6 +189,7 @@ def run_server(
         "server": server.name,
         "note": server.note,
         "weights_dtype_bytes": server.weights_dtype_bytes,
+        "weights_bytes": server.weights_bytes,
         "started": time.strftime("%H:%M UTC", time.gmtime()),
         "load_before": f"{load_average():.2f}",
         "results": {},
@@ -225,7 +239,8 @@ def report(machine: dict[str, Any], records: list[dict[str, Any]], workloads: li
     for rec in records:
         row = [rec["server"], rec.get("started", "?"), f"{rec.get('ready_s', math.nan):.1f}"]
         row.append(f"{rec['load_before']} / {rec['load_after']}")
-        weights = weights_bf16 // 2 * rec.get("weights_dtype_bytes", 4 if "float32" in rec["server"] else 2)
+        bytes_per_param = rec.get("weights_dtype_bytes", 4 if "float32" in rec["server"] else 2)
+        weights = rec.get("weights_bytes") or weights_bf16 // 2 * bytes_per_param
         for w in workloads:
             r = rec["results"].get(w.name)
             if r is None:
@@ -272,6 +287,9 @@ def write_report(out: str, saved: dict[str, Any], workloads: list[Workload]) -> 
 SERVERS = ("pagedserve", "pagedserve-baseline", "vllm-cpu", "llamacpp-f16")
 # Not run by default: each dtype forced, and the worker's threads (svc_common/cpu_features.py's plan).
 EXTRA_SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "pagedserve-1thread", "pagedserve-2threads")
+# Issue 38: the shipped Q4_1 GGUF as it is, pagedserve (from its blocks, --dtype float32)
+# and llama.cpp side by side: python -m bench.peers --servers pagedserve-gguf llamacpp-q4_1 ...
+GGUF_SERVERS = ("pagedserve-gguf", "llamacpp-q4_1")
 # The revision `pagedserve-baseline` runs (in a temporary git worktree): the tree issue 25
 # phase B started from, with its `make serve` default of --dtype bfloat16.
 DEFAULT_BASELINE = "4e31aff"
@@ -280,7 +298,7 @@ DEFAULT_BASELINE = "4e31aff"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--install-only", action="store_true")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS + EXTRA_SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS + EXTRA_SERVERS + GGUF_SERVERS, default=list(SERVERS))
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="peers", help="result name under bench/results/")
@@ -305,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     require_model(MODEL_DIR)
     if args.install_only or set(args.servers) & {"vllm-cpu", "llamacpp-f16"}:
         install_peers()
+    if "llamacpp-q4_1" in args.servers:
+        install_llama_cpp()
     if args.install_only:
         return 0
     machine = measure_machine()
@@ -322,13 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         baseline_root = make_worktree(args.baseline)
         return pagedserve("bfloat16", PORT, root=baseline_root, label=f" {args.baseline} (baseline)")
 
-    builders = {
+    builders: dict[str, Callable[[], HttpServer]] = {
         "pagedserve": lambda: pagedserve("auto", PORT),
         "pagedserve-baseline": baseline,
         "pagedserve-bf16": lambda: pagedserve("bfloat16", PORT),
         "pagedserve-fp32": lambda: pagedserve("float32", PORT),
         "vllm-cpu": lambda: vllm_cpu(MODEL_DIR, PORT),
         "llamacpp-f16": lambda: llama_cpp(PORT),
+        "pagedserve-gguf": lambda: pagedserve("float32", PORT, gguf=True),
+        "llamacpp-q4_1": lambda: llama_cpp(PORT, quantized=True),
         "pagedserve-1thread": lambda: pagedserve("auto", PORT, threads=1),
         "pagedserve-2threads": lambda: pagedserve("auto", PORT, threads=2),
     }

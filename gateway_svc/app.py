@@ -130,7 +130,11 @@ def create_app(client: Scheduler, config: GatewayConfig) -> FastAPI:
         if info is None:
             return card
         lora.learnt(info)
-        return card | {"max_model_len": info.max_model_len}
+        return (
+            card
+            | {"max_model_len": info.max_model_len}
+            | ({"weight_format": info.weight_format} if info.weight_format else {})
+        )
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:

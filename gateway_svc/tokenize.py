@@ -1,5 +1,5 @@
 """vLLM's /tokenize and /detokenize, with the scheduler's tokenizer (serving.v1
-Tokenize / Detokenize), and the scheduler's ModelInfo for /v1/models.
+Tokenize / Detokenize), and the scheduler's ModelInfo for /v1/models (max_model_len, weight format, adapters).
 
     POST /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
                    or {model?, messages, add_generation_prompt=true, add_special_tokens=false, ...}

@@ -89,6 +89,8 @@ def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     first = parts[0]
     if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):
         return None
+    if len(parts) == 1:  # no copy: a tied LM head shares its embedding's blocks
+        return first
     data = torch.cat([p.data for p in parts])
     return QuantizedWeight(first.qtype, sum(p.out_features for p in parts), first.in_features, data)
 

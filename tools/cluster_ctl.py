@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from svc_common.cli import module_prog
+from svc_common.gguf_sidecar import model_files
 from tools.ports import free_port
 from tools.processes import ClusterSecrets, flag_value, kv_roles, prepare_kernels
 
@@ -182,10 +183,11 @@ def up(args: argparse.Namespace) -> int:
             # Several cells: the gateway routes each request to one scheduler (gateway_svc/scheduler_pool.py).
             front = ["--schedulers", targets] if args.cells > 1 else ["--scheduler", targets]
             metrics = ",".join(f"{args.host}:{flag_value(s.args, '--metrics-port')}" for s in schedulers)
+            tokenizer_dir = str(model_files(model))  # a GGUF model: the folder extracted from it once
             gateway = Service(
                 "gateway",
                 "gateway_svc",
-                [*front, "--scheduler-metrics", metrics, "--model-dir", model, *shlex.split(args.gateway_args)],
+                [*front, "--scheduler-metrics", metrics, "--model-dir", tokenizer_dir, *shlex.split(args.gateway_args)],
                 args.host,
                 args.gateway_port,
             )

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from svc_common.gguf_sidecar import model_files
+
 REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -348,7 +350,8 @@ class Cluster:
                 scrape = ["--scheduler-metrics", f"127.0.0.1:{self.metrics_port}"] if self.metrics_port else []
                 self.gateway = ServiceProcess(
                     "gateway_svc",
-                    ["--scheduler", self.scheduler.address, "--model-dir", str(self.model_dir), *scrape]
+                    # A GGUF model's tokenizer and chat template: the folder extracted from it once.
+                    ["--scheduler", self.scheduler.address, "--model-dir", str(model_files(self.model_dir)), *scrape]
                     + self.gateway_args,
                     inherit_output=self.inherit_output,
                     bind_port=self.gateway_port,

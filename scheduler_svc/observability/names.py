@@ -76,7 +76,8 @@ METRIC_NAMES = {
     "pagedserve_worker_kv_cache_bytes_per_token": "KV bytes per token, all layers, K and V, scales included",
     "pagedserve_worker_kv_cache_bytes": "bytes of the worker's KV pool",
     "pagedserve_worker_healthy": "1 while the worker answers",
-    "pagedserve_worker_info": "worker identity: device, model, dtype, kv_dtype (value 1)",
+    "pagedserve_worker_weights_bytes": "bytes the worker's model weights hold in its memory, as served",
+    "pagedserve_worker_info": "worker identity: device, model, dtype, weight_format, kv_dtype (value 1)",
 }
 
 VLLM_METRIC_NAMES = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from kernels import cpu_ops
@@ -20,6 +21,7 @@ from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc import worker as worker_mod
 from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.config import WorkerConfig
+from worker_svc.models.linear import Linear
 from worker_svc.step.builder import StepBuilder
 from worker_svc.step.input import StepInput
 from worker_svc.worker import Worker
@@ -179,3 +181,22 @@ def _one_row(step_id: int, tokens: list[int], start: int) -> StepInput:
     builder = StepBuilder(16)
     builder.add(0, tokens, start, [0, 1], sample=True)
     return builder.build(step_id)
+
+
+def test_bfloat16_loads_where_onednn_cannot_reorder_it(restore_threads):
+    """oneDNN's bf16 weight reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT and raised at
+    load on an AVX2-only CPU (issue 38 item 4): there the bf16 weights stay plain (torch's
+    own bf16 matmul), elsewhere they are packed; both multiply as F.linear does, and a
+    --dtype bfloat16 --enforce-eager worker (the path that packs them) loads and steps."""
+    weight, x = torch.randn(48, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    linear = Linear(weight)
+    assert linear.packed == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    torch.testing.assert_close(linear(x), F.linear(x, weight))
+    worker = Worker(
+        WorkerConfig(model=str(tiny_checkpoint("llama")), dtype="bfloat16", enforce_eager=True, num_blocks=32)
+    )
+    bs, blocks, prompt = worker.info.block_size, [3, 7], list(range(5, 25))
+    slots = [blocks[p // bs] * bs + p % bs for p in range(len(prompt))]
+    seq = Seq(0, prompt, 0, blocks, slots, sample=True)
+    (token,) = sampled(worker.step(step_input(1, [], [seq])))
+    assert 0 <= token.token_id < worker.info.vocab_size

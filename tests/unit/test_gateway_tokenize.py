@@ -1,4 +1,4 @@
-"""The gateway's /tokenize, /detokenize, /v1/models' max_model_len and /metrics,
+"""The gateway's /tokenize, /detokenize, /v1/models' max_model_len and weight format and /metrics,
 against an in-process fake serving.v1 scheduler (its "tokenizer": one token
 per character, its code point) and a real uvicorn gateway on 127.0.0.1."""
 
@@ -57,7 +57,9 @@ class FakeScheduler(serving_pb2_grpc.SchedulerServicer):
         self._seen(context)
         if not self.model_info:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "an older scheduler")
-        return serving_pb2.ModelInfoResponse(model="m", max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB)
+        return serving_pb2.ModelInfoResponse(
+            model="m", max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, weight_format="gguf Q4_1+Q8_0"
+        )
 
     def Generate(self, request, context):
         for text in ("a", "b", "c"):
@@ -193,9 +195,10 @@ def test_api_key_is_checked_and_passed_on(fake, model_dir):
 def test_models_reports_max_model_len_when_the_scheduler_can_say(http, fake):
     [model] = http.get("/v1/models").json()["data"]
     assert model["id"] == "tok-model" and model["max_model_len"] == MAX_MODEL_LEN
+    assert model["weight_format"] == "gguf Q4_1+Q8_0"  # the workers' weights as stored (issue 38)
     fake.model_info = False
     [model] = http.get("/v1/models").json()["data"]
-    assert model["id"] == "tok-model" and "max_model_len" not in model
+    assert model["id"] == "tok-model" and "max_model_len" not in model and "weight_format" not in model
 
 
 # ---- /metrics ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from gguf import GGUFReader
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
@@ -60,7 +61,9 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     layer = worker.model.layers[0]
     assert isinstance(layer.qkv, QuantLinear) and layer.qkv.weight.qtype == qtype
     assert layer.qkv.kernel == ("cpu" if cpu_ops.available() else "")  # the C++ kernel read the blocks
-    assert isinstance(worker.model.lm_head, QuantLinear)  # tied: the head multiplies the embedding's blocks
+    head, table = worker.model.lm_head, worker.model.embed
+    assert isinstance(head, QuantLinear) and isinstance(table, QuantizedWeight)  # tied: the head multiplies
+    assert head.weight.data.data_ptr() == table.data.data_ptr()  # the embedding's blocks, not a copy of them
 
 
 def test_mixed_formats_and_an_untied_head(tmp_path):
@@ -94,6 +97,12 @@ def test_linear_weights_stay_in_their_blocks(tmp_path):
         assert isinstance(projection, QuantLinear) and projection.weight.data.dtype == torch.uint8
     weight: QuantizedWeight = layer.down.weight  # type: ignore[attr-defined]
     assert weight.nbytes == 256 * 512 // 32 * 18  # [hidden, intermediate] in Q4_0: 18 bytes per 32
+    # What the worker reports (InfoResponse, the scheduler's gauge): the weights held as the
+    # file has them, the embedding table included (its rows are decoded per step, and the
+    # tied head multiplies the same blocks), within 10% of the file's tensor bytes.
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert worker.info.weight_format == "gguf Q4_0"
+    assert abs(worker.info.weights_bytes - file_bytes) <= 0.1 * file_bytes, (worker.info.weights_bytes, file_bytes)
 
 
 def test_what_is_not_served_is_refused_by_name(tmp_path):

@@ -72,6 +72,8 @@ def info(address="127.0.0.1:7001", num_blocks=16, device="cpu"):
         device=device,
         instance_id="i1",
         kv_bytes_per_block=BS * 2048,
+        weight_format="gguf Q4_1+Q8_0",
+        weights_bytes=97_000_000,
     )
 
 
@@ -509,6 +511,9 @@ def test_per_worker_labels_with_two_workers():
     infos = {dict(k[1])["worker"]: dict(k[1]) for k in got if k[0] == "pagedserve_worker_info"}
     assert infos["127.0.0.1:2"]["device"] == "cuda:0 (NVIDIA H100)" and infos["127.0.0.1:1"]["kv_dtype"] == "fp16"
     assert got[("pagedserve_worker_kv_cache_bytes_per_token", (("worker", "127.0.0.1:1"),))] == 2048
+    # What the worker's Info said of its weights, per worker (issue 38)
+    assert got[("pagedserve_worker_weights_bytes", (("worker", "127.0.0.1:2"),))] == 97_000_000
+    assert infos["127.0.0.1:1"]["weight_format"] == "gguf Q4_1+Q8_0"
 
 
 # ---- the exposition ---------------------------------------------------------

@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Protocol, cast
 
 import torch
-import torch.nn.functional as F
 
 from kernels import reference
 from kernels.gguf_quant import QuantizedWeight
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.gguf import is_gguf, read_gguf
 from worker_svc.models.layers import rms_norm
-from worker_svc.models.linear import Gated, Projection, Weight, dense, place
+from worker_svc.models.linear import Gated, Projection, Weight, dense, embed_rows, place
 from worker_svc.models.moe import SparseMoe, load_sparse_moe
 from worker_svc.models.projections import gated_projection, projection, tied_head
 from worker_svc.models.rope import rope_cos_sin
@@ -108,23 +107,27 @@ class DecoderModel:
     def __init__(
         self,
         spec: ModelSpec,
-        embed: torch.Tensor,
+        embed: Weight,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
         lm_head: Projection,
-        ops: LayerOps = reference,
+        ops: LayerOps,
+        dtype: torch.dtype,
     ):
+        """embed: the table, or a GGUF file's blocks (then `dtype` says the activations'
+        dtype): a step dequantizes only the rows of its tokens, so the table stays at the
+        file's size (a tied LM head multiplies the same blocks)."""
         self.spec = spec
         self.ops = ops
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.dtype = embed.dtype
+        self.dtype = dtype
         # What the linear weights are stored as (the `worker compute` line): the dtype,
         # or a GGUF file's block formats (set by from_tensors).
-        self.weight_format = str(embed.dtype).removeprefix("torch.")
-        self.device = embed.device
+        self.weight_format = str(self.dtype).removeprefix("torch.")
+        self.device = final_norm.device
         self.ropes = [
             (table, torch.tensor(table.inv_freq, dtype=torch.float32, device=self.device)) for table in spec.ropes
         ]
@@ -233,7 +236,8 @@ class DecoderModel:
         final_norm = norm("model.norm.weight")
         assert final_norm is not None
         check_consumed(tensors, spec.model_type)
-        model = cls(spec, dense(embed_weight, dtype), layers, final_norm, projection([lm_head], None, cpu_linears), ops)
+        head = projection([lm_head], None, cpu_linears)
+        model = cls(spec, embed_weight, layers, final_norm, head, ops, dtype)
         if formats:
             model.weight_format = "gguf " + "+".join(formats)
         return model
@@ -241,7 +245,7 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         spec = self.spec
-        delta = F.embedding(input_ids, self.embed)
+        delta = embed_rows(self.embed, input_ids, self.dtype)
         if spec.embed_scale != 1.0:
             delta = delta * torch.tensor(spec.embed_scale, dtype=self.dtype)
         rope = [rope_cos_sin(positions, table, inv, self.dtype) for table, inv in self.ropes]

@@ -42,8 +42,16 @@ _PACK_BATCH_HINT = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can reorder this weight here. Its bf16 reorder needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT and raises on an AVX2-only CPU, so bf16 weights stay plain there
+    (F.linear: torch's own bf16 path, slow but exact)."""
     mkldnn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and mkldnn
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and mkldnn
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def cpu_kernel_takes(weight: torch.Tensor) -> bool:
@@ -161,9 +169,17 @@ def place(weight: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight's values as a tensor of `dtype` (quantized blocks dequantized): what the
-    embedding table and the norms are kept as."""
+    norms and biases are kept as."""
     values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
     return values.to(dtype)
+
+
+def embed_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The embeddings of `ids` [T] -> [T, hidden] in `dtype`: rows of the table, or of its
+    quantized blocks decoded (the same values as `dense` of the whole table)."""
+    if isinstance(table, QuantizedWeight):
+        return table.rows(ids).dequantize().to(dtype)
+    return F.embedding(ids, table)
 
 
 def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False) -> Projection:

@@ -1,0 +1,163 @@
+// The 32-weight GGUF blocks (Q8_0, Q4_0, Q4_1) multiplied without ever writing the
+// decoded weights out: each block's quants go from its bytes into fp32 registers and
+// straight into the products with x. Included by quant_linear_cpu.cpp where the build
+// has AVX2, FMA and F16C (any x86 CPU with AVX-512 has them too: the same 256-bit code
+// runs there).
+//
+// The block's scale factors out of its sum: x . (d * q + m) = d * (x . q) + m * sum(x),
+// so a block costs, per row of x, four FMAs of x by the integer quants (exact products
+// of fp32 by small integers, summed in fp32), one FMA by d and, for Q4_1, one by m
+// against sum(x) over the block, precomputed once per row of x (lane-wise, as eight
+// partial sums). Where x is a unit vector this rounds exactly as the reference's decode
+// does (d * q rounded once, then + m rounded once), so x = the identity still returns
+// the reference's weights bit for bit; otherwise the result is the reference's within
+// fp32 rounding, as before. Against decoding into an fp32 buffer first, this saves the
+// per-weight multiply, add, store and reload: what bounded the step (the weights' bytes
+// are a sixth of fp32's, their decode was not).
+//
+// A tile is kMR rows of x by kNR output rows, kMR * kNR independent accumulator chains
+// (the two FMAs a block adds to one chain depend on each other: one row alone would
+// wait on their latency).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedserve_cpu {
+namespace fused {
+
+enum class Kind { kQ8_0, kQ4_0, kQ4_1 };
+
+template <Kind F>
+constexpr int block_bytes() {
+  return F == Kind::kQ8_0 ? 34 : (F == Kind::kQ4_0 ? 18 : 20);
+}
+
+inline __m256 f16_splat(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm256_set1_ps(_cvtsh_ss(bits));
+}
+
+// The block's 32 quants as four vectors of 8 fp32 lanes: weights 0-7, 8-15, 16-23, 24-31
+// (Q4: the low nibbles are weights 0-15, the high ones 16-31; Q4_0's offset of 8 taken
+// off as bytes, before the widening).
+template <Kind F>
+inline void quants(const uint8_t* b, __m256 q[4]) {
+  if constexpr (F == Kind::kQ8_0) {
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == Kind::kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (F == Kind::kQ4_0) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+      q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+      q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+      q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+      q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+      q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight lane-wise partial sums of each 32-element block of x's rows, xs [M][K / 4]: the
+// m * sum(x) term of Q4_1.
+inline void block_sums(const float* x, int64_t M, int64_t K, float* xs) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* p = x + m * K + b * 32;
+      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+      _mm256_storeu_ps(xs + m * (K / 4) + b * 8, s);
+    }
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+// `rows` rows of W decoded into fp32, out [rows][K]: the reference's d * q (+ m), the
+// product and the sum each rounded once (contraction off: an FMA would round once).
+template <Kind F>
+inline void decode_rows(const uint8_t* w, int64_t row_bytes, int rows, int64_t K, float* out) {
+  for (int n = 0; n < rows; ++n)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = w + n * row_bytes + b * block_bytes<F>();
+      __m256 q[4];
+      quants<F>(blk, q);
+      const __m256 d = f16_splat(blk);
+      for (int i = 0; i < 4; ++i) {
+        __m256 v = _mm256_mul_ps(d, q[i]);
+        if constexpr (F == Kind::kQ4_1) v = _mm256_add_ps(v, f16_splat(blk + 2));
+        _mm256_storeu_ps(out + n * K + b * 32 + i * 8, v);
+      }
+    }
+}
+#pragma GCC pop_options
+
+// out[r][n] = x[r] . w[n] for MR rows of x and NR decoded rows of W, both K apart: each
+// x load feeds NR FMAs, each w load MR (a batch's GEMM: the decode above is paid once
+// per weight row for all the rows of x).
+template <int MR, int NR>
+inline void dense_tile(const float* w, int64_t K, const float* x, float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) out[r * ldo + n] = hsum8(acc[r][n]);
+}
+
+// out[r][n] = x[r] . W[n] for MR rows of x (K apart) and NR rows of W (row_bytes apart).
+template <Kind F, int MR, int NR>
+inline void tile(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xs, float* out,
+                 int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w + n * row_bytes + b * block_bytes<F>();
+      __m256 q[4];
+      quants<F>(blk, q);
+      const __m256 d = f16_splat(blk);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * K + b * 32;
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1], t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], t);
+        acc[r][n] = _mm256_fmadd_ps(d, t, acc[r][n]);
+        if constexpr (F == Kind::kQ4_1)
+          acc[r][n] = _mm256_fmadd_ps(f16_splat(blk + 2), _mm256_loadu_ps(xs + r * (K / 4) + b * 8), acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) out[r * ldo + n] = hsum8(acc[r][n]);
+}
+
+}  // namespace fused
+}  // namespace pagedserve_cpu
