@@ -81,7 +81,7 @@ class _Child:
 
     def wait_ready(self) -> None:
         """Started apart from spawning: the vocabulary builds here while the child builds its own."""
-        if not self.ready and self.receive(START_TIMEOUT_S) != {"ready": True}:
+        if not self.ready and self.receive(time.monotonic() + START_TIMEOUT_S) != {"ready": True}:
             self.kill()
             raise RuntimeError(f"the grammar compile sandbox did not start (exit {self.proc.poll()})")
         self.ready = True
@@ -91,14 +91,14 @@ class _Child:
         self.proc.stdin.write(json.dumps(message).encode() + b"\n")
         self.proc.stdin.flush()
 
-    def receive(self, timeout_s: float) -> dict[str, object] | None:
-        """The child's next answer; None if it died or did not answer in time."""
+    def receive(self, deadline: float) -> dict[str, object] | None:
+        """The child's next answer; None if it died or did not answer by `deadline`
+        (time.monotonic()), also when one is there but this thread got to it late."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not select.select([fd], [], [], left)[0] or time.monotonic() > deadline:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -132,6 +132,9 @@ class CompileSandbox:
     def check(self, constraint: Constraint) -> None:
         """Returns if `constraint` compiled in a child; ConstraintRejected otherwise."""
         child = self._take()
+        # Timed from before the send: a thread descheduled between sending and waiting
+        # must not find a late answer already there and call it in time.
+        deadline = time.monotonic() + self.timeout_s
         try:
             child.send(
                 {
@@ -141,7 +144,7 @@ class CompileSandbox:
                     "strict": constraint.strict,
                 }
             )
-            answer = child.receive(self.timeout_s)
+            answer = child.receive(deadline)
         except (BrokenPipeError, OSError):
             answer = None
         if answer is None:
