@@ -5,11 +5,13 @@ every row token-exact against transformers + PEFT's merged model, with chunked p
 a small pool (preemption), n-gram speculation and the prefix cache on; three adapters
 through two slots are evicted and reloaded and stay exact; the same prompt under
 another adapter (or the base) finds nothing cached; admin.v1 registers and forgets an
-adapter while requests stream; a bad adapter is refused by name; every block comes
-back."""
+adapter while requests stream; a bad adapter is refused by name; a JSON-schema request
+under an adapter equals transformers + PEFT under the same mask; a tensor-parallel
+worker (TP=2) serves the mixed batch exactly; every block comes back."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import admin_pb2, admin_pb2_grpc
 from scheduler_svc.client import SchedulerClient
+from scheduler_svc.structured import Constraint
 from tests.helpers.checkpoints import tiny_adapter, tiny_checkpoint
 from tests.helpers.cluster import SPEC_FLAGS, assert_pool_clean, hf_greedy, load_model, wait_idle
+from tests.helpers.grammar_reference import reference
 from tests.helpers.procs import Cluster, free_port
 from tools.tiny_adapters import merged_model
 
@@ -144,3 +148,40 @@ def test_adapters_load_and_unload_at_run_time_and_bad_ones_are_refused(cluster, 
         wait_idle(client)
         assert_pool_clean(client, cluster)
     admin.close()
+
+
+def test_a_json_schema_under_an_adapter_equals_peft_under_the_mask(cluster, references, compiler):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}}
+    constraint = Constraint.json_schema(schema)
+    with SchedulerClient(cluster.address) as client:
+        for name in ("all", ""):
+            got = client.generate(
+                prompt_token_ids=PROMPTS[0], max_tokens=40, temperature=0.0, lora_adapter=name,
+                json_schema=json.dumps(schema), timeout=300,
+            )  # fmt: skip
+            assert got.token_ids == reference(references[name], compiler, PROMPTS[0], constraint, 40), name or "base"
+        wait_idle(client)
+        assert_pool_clean(client, cluster)
+
+
+@pytest.mark.slow  # TP=2 with adapters meets PEFT in make test at the worker (test_lora_worker_service.py)
+def test_a_tensor_parallel_worker_serves_the_mixed_batch_exactly(model_dir, references):
+    modules = [f"{name}={tiny_adapter(FAMILY, a)}" for name, a in ADAPTERS.items()]
+    worker = ["--dtype", "float32", "--num-blocks", "32", "--tensor-parallel-size", "2", *LORA]
+    with Cluster(model_dir, worker, [*SCHEDULER, *LORA, "--lora-modules", *modules]) as tp:
+        with SchedulerClient(tp.address) as client, ThreadPoolExecutor(4) as pool:
+            names = ["", *ADAPTERS]
+            got = list(
+                pool.map(
+                    lambda name: client.generate(
+                        prompt_token_ids=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                        lora_adapter=name, timeout=300,
+                    ),
+                    names,
+                )
+            )  # fmt: skip
+            for name, completion in zip(names, got):
+                want = hf_greedy(references[name], PROMPTS[1], MAX_TOKENS, ignore_eos=True)
+                assert completion.token_ids == want, f"adapter {name or 'base'}"
+            wait_idle(client)
+            assert_pool_clean(client, tp)

@@ -107,8 +107,7 @@ def test_two_workers_in_both_modes(mode):
 
 # The interpreter runs every kernel in Python (~90 s a mode on 2 cores): `make
 # test-slow`'s. In `make test` the Triton kernels meet their torch references one by
-# one (tests/unit) and serve end to end in a tensor-parallel worker
-# (test_tensor_parallel.py, llama-2-triton).
+# one and as a worker's backend (tests/unit/test_triton_kernels.py).
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_triton_path_under_the_interpreter_in_both_modes(mode, monkeypatch):
