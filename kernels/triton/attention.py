@@ -261,16 +261,15 @@ def contiguous_prefill_attention(
     max_seq_len, d] is a paged one whose blocks are max_seq_len long, one per
     sequence, so the paged kernel reads each slot directly through a 1-entry table."""
     table = slots.to(torch.int32).reshape(-1, 1)
-    return _launch_attention(
+    return paged_prefill_attention(
         query,
         k_cache,
         v_cache,
         table,
-        context_lens,
         cu_query_lens,
+        context_lens,
         scale,
         sliding_window,
-        decode=False,
         scales=scales,
         softcap=softcap,
     )
