@@ -18,13 +18,13 @@ from kernels import cpu_ops
 from svc_common.cpu_features import BUSY_STEP_TOKENS, CpuFeatures, thread_plan
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.worker_steps import Seq, sampled, step_input
-from worker_svc import worker as worker_mod
 from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.config import WorkerConfig
 from worker_svc.models.linear import Linear
 from worker_svc.step.builder import StepBuilder
 from worker_svc.step.input import StepInput
 from worker_svc.worker import Worker
+from worker_svc.worker import core as worker_mod
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels could not be built here")

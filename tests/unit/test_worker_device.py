@@ -13,7 +13,6 @@ import torch
 
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.worker_steps import Seq, step_input
-from worker_svc import worker as worker_module
 from worker_svc.config import WorkerConfig
 from worker_svc.step.errors import StepOutOfMemory, WorkerDown
 from worker_svc.worker import (
@@ -24,6 +23,7 @@ from worker_svc.worker import (
     classify_failure,
     use_device,
 )
+from worker_svc.worker import core as worker_module
 
 
 class FakeCuda:

@@ -7,7 +7,6 @@ import functools
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -15,13 +14,12 @@ import structlog
 import torch
 
 from kernels import reference
-from svc_common.cpu_features import CpuFeatures, ThreadPlan, read_cpu_features, resolve_dtype, thread_plan
+from svc_common.cpu_features import read_cpu_features, resolve_dtype
 from svc_common.log_setup import configure_logging
 from worker_svc.attention.backend import load_backend, resolve_backend
 from worker_svc.attention.kv_cache import ContiguousKVCache, PagedKVCache, kv_cache_class
 from worker_svc.attention.prefill_route import prefill_route
 from worker_svc.config import WorkerConfig
-from worker_svc.kv_offload import OffloadPool
 from worker_svc.lora import (
     AdapterRefused,
     LoraAdapter,
@@ -42,7 +40,7 @@ from worker_svc.parallel.rank import ignore_stop_signals, serve_rank
 from worker_svc.parallel.sampling import SamplingRank
 from worker_svc.parallel.sharding import load_rank_model, lora_split
 from worker_svc.runner.cuda_graphs import CudaGraphBackend, GraphBackend
-from worker_svc.runner.memory import MB, CudaMemory, MemoryBaseline, plan_kv_pool
+from worker_svc.runner.memory import CudaMemory, MemoryBaseline
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.warm_up import warm_up
 from worker_svc.sampling.sampler import Sampler
@@ -50,105 +48,23 @@ from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, Work
 from worker_svc.step.input import StepInput, TokenMasks
 from worker_svc.step.output import StepOutput
 from worker_svc.step.validation import Limits, validate, validate_masks
+from worker_svc.worker.device import (
+    TORCH_DTYPES,
+    describe,
+    resolve_device,
+    resolve_kv_dtype,
+    set_threads,
+    use_device,
+    use_threads,
+)
+from worker_svc.worker.failures import DEVICE_LOST, OUT_OF_MEMORY, classify_failure
+from worker_svc.worker.info import WorkerInfo
+from worker_svc.worker.sizing import kv_pool_ids, offload_pool
 
 log = structlog.get_logger(__name__)
 
 # How long a step planned ahead waits for the step it names (sent just before it).
 PREVIOUS_STEP_WAIT_S = 5.0
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_TORCH_DTYPES = {
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-    "int8": torch.int8,
-}
-CPU_KV_CACHE_MB = 512  # --kv-cache-memory-mb 0 (auto) on CPU
-# What an exception out of a step means for the worker (classify_failure).
-OUT_OF_MEMORY, DEVICE_LOST, STEP_FAILED = "out of memory", "device lost", "step failed"
-# Errors after which a CUDA context is unusable: they are sticky, every later launch
-# fails the same way (torch's and Triton's launchers, cuBLAS, cuDNN, NCCL).
-_DEVICE_LOST_MARKERS = (
-    "CUDA error",
-    "CUDA_ERROR",
-    "Triton Error [CUDA]",
-    "device-side assert",
-    "illegal memory access",
-    "illegal instruction",
-    "misaligned address",
-    "unspecified launch failure",
-    "CUBLAS_STATUS_EXECUTION_FAILED",
-    "CUDNN_STATUS_EXECUTION_FAILED",
-    "NCCL error",
-)
-# Allocation failures (the caching allocator's, a library's workspace): a smaller step may fit.
-_OUT_OF_MEMORY_MARKERS = ("out of memory", "ALLOC_FAILED")
-# FP8 e4m3 needs Ada / Hopper or newer: native e4m3 conversions, and Triton's
-# fp8e4nv type, start at compute capability 8.9.
-FP8_MIN_CUDA_CAPABILITY = (8, 9)
-
-
-def resolve_kv_dtype(requested: str, weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache dtype actually used for --kv-dtype `requested`.
-
-    * auto: the weights' dtype.
-    * fp8 on a CUDA device below compute capability 8.9 (e.g. A100, sm_80):
-      INT8 instead, with one warning; the worker serves on.
-    * fp8 on CPU: kept. CPU torch stores float8_e4m3fn and converts to and from it
-      in software (round to nearest even, as the GPU's conversion), and the Triton
-      interpreter reads it, so FP8 is emulated exactly, only slower than a native
-      cast; quality measured on CPU is FP8's.
-    """
-    if requested == "auto":
-        return weights_dtype
-    dtype = KV_TORCH_DTYPES[requested]
-    if dtype == torch.float8_e4m3fn and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < FP8_MIN_CUDA_CAPABILITY:
-            log.warning(
-                "kv cache fp8 not supported on this device: falling back to int8",
-                requested="fp8",
-                kv_dtype="int8",
-                device=_describe(device),
-                compute_capability=f"{capability[0]}.{capability[1]}",
-                needs=f"{FP8_MIN_CUDA_CAPABILITY[0]}.{FP8_MIN_CUDA_CAPABILITY[1]}",
-            )
-            return torch.int8
-    return dtype
-
-
-def classify_failure(exc: BaseException) -> str:
-    """OUT_OF_MEMORY (recoverable: the step is refused, the worker serves on),
-    DEVICE_LOST (fatal: an illegal address or a device-side assert leaves the CUDA
-    context dead, so every later step would fail while the worker looked healthy)
-    or STEP_FAILED (anything else: this step's bug, the worker serves on)."""
-    text = str(exc)
-    if isinstance(exc, torch.OutOfMemoryError) or any(m in text for m in _OUT_OF_MEMORY_MARKERS):
-        return OUT_OF_MEMORY
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
-    if (accelerator_error is not None and isinstance(exc, accelerator_error)) or any(
-        m in text for m in _DEVICE_LOST_MARKERS
-    ):
-        return DEVICE_LOST
-    return STEP_FAILED
-
-
-def resolve_device(name: str) -> torch.device:
-    """--device as a torch device; a bare `cuda` is the current CUDA device (0)."""
-    device = torch.device(name)
-    if device.type == "cuda" and ":" not in name:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device. Tensors carry their
-    device, but Triton launches, CUDA events, streams and graph capture go to the
-    thread's current device, and every thread starts on device 0: gRPC runs each
-    step on a pool thread, so a worker on cuda:1 would launch its kernels on GPU 0
-    with pointers into GPU 1. Called at start-up and at the start of every step."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def warms_up(device: torch.device, graph_backend: GraphBackend | None) -> bool:
@@ -159,43 +75,6 @@ def warms_up(device: torch.device, graph_backend: GraphBackend | None) -> bool:
     the first request compiling every kernel on every rank (issue 27). A CPU
     worker without graphs has nothing to compile."""
     return graph_backend is not None or device.type == "cuda"
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    model_name: str
-    model_type: str
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    kv_dtype: str
-    dtype: str
-    device: str
-    instance_id: str
-    kv_bytes_per_block: int  # all layers, K and V, scales included
-    sliding_window: int
-    attention_backend: str
-    kv_bytes_per_token: int  # kv_bytes_per_block / block_size
-    kv_scale_bytes_per_block: int  # the scales' and zero points' share of kv_bytes_per_block
-    kv_dtype_requested: str  # --kv-dtype as configured; kv_dtype is what it resolved to
-    kv_layout: str = "paged"  # contiguous: num_blocks = slots, block_size = max_seq_len
-    max_batch: int = 0  # contiguous: slots (sequences at once); paged: 0, no limit
-    tensor_parallel_size: int = 1
-    kv_bytes_per_block_per_rank: int = 0  # one rank's share; kv_bytes_per_block counts every rank
-    max_num_seqs: int = 0  # --max-num-seqs: the largest decode batch sized for (the scheduler's default)
-    hidden_size: int = 0  # a pooling row's vector length
-    num_offload_blocks: int = 0  # the second KV tier's blocks (--kv-offload-gb); 0: none
-    offload_medium: str = ""  # where it lives: "CPU" (pinned host memory) or "DISK" (file-backed)
-    max_loras: int = 0  # --enable-lora: adapter slots 1..max_loras (0: LoRA off)
-    max_lora_rank: int = 0
-    kv_role: str = "both"  # --kv-role: prefill | decode | both (disaggregation)
-    weight_format: str = ""  # float32 | bfloat16 | "gguf Q4_1+Q8_0": the weights as stored
-    weights_bytes: int = 0  # the weights' bytes in this worker's memory, as served
 
 
 class Worker:
@@ -212,7 +91,7 @@ class Worker:
         and none given, this process is rank 0 and starts the others."""
         self.config = config
         cpu = read_cpu_features()
-        threads_reason, self._thread_plan = _set_threads(config, cpu)
+        threads_reason, self._thread_plan = set_threads(config, cpu)
         if parallel is None and config.tensor_parallel_size > 1:
             parallel = TensorParallelGroup.launch(group_spec(config), functools.partial(run_rank, config))
         self.parallel = parallel
@@ -263,7 +142,7 @@ class Worker:
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         log.info(
             "worker compute",
-            device=_describe(self.device),
+            device=describe(self.device),
             cpu=cpu.describe(),
             dtype=self.dtype,
             dtype_requested=config.dtype,
@@ -296,9 +175,14 @@ class Worker:
             # Profiled over a one-block scratch cache before the pool exists (runner/memory.py).
             scratch = lambda: ModelRunner(self.model, make_cache(1), Sampler(0), route, self.lora)
             graphs_width = table_width if graph_backend is not None else None
-            num_ids = self._ids_for_memory(kv_dtype, tokens_per_id, memory, baseline, scratch, max_len, graphs_width)
+            per_id = PagedKVCache.bytes_per_block(
+                spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype
+            )
+            num_ids = kv_pool_ids(config, per_id, memory, baseline, scratch, max_len, graphs_width)
+            if parallel is not None:  # the ranks take the smallest count
+                num_ids = parallel.min_over_ranks(num_ids)
         self.cache = make_cache(num_ids)
-        self.offload = self._offload_pool(config, self.cache.tensors, self.cache.block_bytes)
+        self.offload = offload_pool(config, self.cache.tensors, self.cache.block_bytes, parallel)
         num_offload = self.offload.num_blocks if self.offload is not None else 0
         sampler = Sampler(None if config.seed < 0 else config.seed)
         self.runner = ModelRunner(
@@ -318,7 +202,7 @@ class Worker:
             num_blocks=num_ids,
             kv_dtype=str(kv_dtype).removeprefix("torch."),
             dtype=self.dtype,
-            device=_describe(self.device),
+            device=describe(self.device),
             instance_id=uuid.uuid4().hex,
             kv_bytes_per_block=self.cache.block_bytes * ranks,
             sliding_window=spec.sliding_window,
@@ -351,70 +235,9 @@ class Worker:
         if parallel is not None and parallel.rank == 0:
             parallel.wait_ready()  # every rank holds its shard and its part of the cache
 
-    def _offload_pool(
-        self, config: WorkerConfig, tensors: tuple[torch.Tensor, ...], block_bytes: int
-    ) -> OffloadPool | None:
-        """The second KV tier, --kv-offload-blocks or as many blocks as --kv-offload-gb
-        holds (tensor-parallel ranks take the smallest count); None without one."""
-        blocks = config.kv_offload_blocks or OffloadPool.blocks_for(config.kv_offload_gb, block_bytes)
-        if self.parallel is not None and (config.kv_offload_blocks or config.kv_offload_gb):
-            blocks = self.parallel.min_over_ranks(blocks)
-        if not blocks:
-            if config.kv_offload_gb:
-                raise ValueError(f"--kv-offload-gb {config.kv_offload_gb} holds no block of {block_bytes} bytes")
-            return None
-        return OffloadPool(tensors, blocks, config.kv_offload_dir)
-
     @property
     def graphs_enabled(self) -> bool:
         return self.runner.graphs is not None
-
-    def _ids_for_memory(
-        self,
-        kv_dtype: torch.dtype,
-        tokens_per_id: int,
-        memory: CudaMemory | None,
-        baseline: MemoryBaseline | None,
-        scratch: Callable[[], ModelRunner],
-        max_len: int,
-        graphs_table_width: int | None,
-    ) -> int:
-        """Blocks (or contiguous slots of max_seq_len tokens) the pool gets, each
-        costing its values and scales: --kv-cache-memory-mb (512 by default) on
-        CPU; on CUDA what runner/memory.py's profile leaves under
-        --gpu-memory-utilization (at most --kv-cache-memory-mb if set), logged
-        with where the rest went. Tensor-parallel ranks take the smallest count."""
-        spec = self.model.spec
-        per_id = PagedKVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, tokens_per_id, spec.head_dim, kv_dtype
-        )
-        config = self.config
-        requested = config.kv_cache_memory_mb * MB
-        if memory is None or baseline is None:
-            budget = requested or CPU_KV_CACHE_MB * MB
-        else:
-            plan = plan_kv_pool(
-                scratch(),
-                memory,
-                baseline,
-                config.gpu_memory_utilization,
-                requested,
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
-                max_len,
-                graphs_table_width,
-            )
-            log.info("kv cache sized from device memory", device=_describe(self.device), **plan.log_fields())
-            if requested and plan.kv_cache < requested:
-                log.warning(
-                    "kv cache smaller than --kv-cache-memory-mb: the device has no room for more",
-                    requested_mb=config.kv_cache_memory_mb,
-                    kv_cache_mb=plan.kv_cache // MB,
-                    sized_by=plan.bound,
-                )
-            budget = plan.kv_cache
-        ids = max(1, budget // per_id)
-        return self.parallel.min_over_ranks(ids) if self.parallel is not None else ids
 
     def step(self, step: StepInput) -> StepOutput:
         """Validates first (raising InvalidStep before anything is touched), then runs.
@@ -452,7 +275,7 @@ class Worker:
         running out of memory fails only the step (StepOutOfMemory)."""
         use_device(self.device)
         if self._thread_plan is not None:
-            _use_threads(self._thread_plan, step)
+            use_threads(self._thread_plan, step)
         try:
             moved = self.offload.run(step.tiers) if self.offload is not None and len(step.tiers) else None
             out = self.runner.execute(step)
@@ -547,35 +370,6 @@ class Worker:
                 f"previous_step_id: step {previous} is not the step this worker ran last "
                 f"({self._last_step}); it restarted or that step failed"
             )
-
-
-def _set_threads(config: WorkerConfig, cpu: CpuFeatures) -> tuple[str, ThreadPlan | None]:
-    """Sets this process's torch threads from --num-threads (0: the CPU thread plan,
-    returned: it picks each step's threads); says why. Tensor-parallel ranks share
-    the worker's threads out (parallel/group.py)."""
-    if config.tensor_parallel_size > 1:
-        return "shared out over the tensor-parallel ranks", None
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-        return "--num-threads", None
-    if not config.device.startswith("cpu"):
-        return "torch's default (a GPU worker)", None
-    plan = thread_plan(cpu.cores)
-    torch.set_num_threads(plan.worker_threads)
-    return plan.reason, plan
-
-
-def _use_threads(plan: ThreadPlan, step: StepInput) -> None:
-    """The step's torch threads by its size (svc_common/cpu_features.py says why)."""
-    threads = plan.threads_for(len(step.seqs.token_ids))
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-def _describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return str(device)
 
 
 def group_spec(config: WorkerConfig) -> GroupSpec:
