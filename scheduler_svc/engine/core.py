@@ -2,16 +2,9 @@
 stream the deltas. Everything runs on the asyncio loop, so the planner is only
 ever touched from one thread; the worker call is the only await in a step.
 
-Worker failure. A step that fails with a transport error (the worker died, was
-restarted, or the network dropped) loses the worker: every running request goes
-back to the queue, keeping the tokens it already streamed, and will recompute
-prompt + outputs. While the worker is lost the core asks the engine to move its
-requests to a healthy worker (`handover`); with none, they wait here until the
-worker answers again (reconnect with backoff) or `worker_timeout_s` passes, and
-then end with UNAVAILABLE. A worker that comes back with a new instance id has
-an empty cache, so the prefix index is reset before anything is scheduled.
-While idle, the core probes its worker every `health_interval_s`, so a dead or
-restarted worker is noticed before the next request is routed to it.
+The requests and their client streams are CoreRequests' (core_requests.py);
+losing and regaining the worker, and the idle watch, are WorkerLink's
+(worker_link.py): EngineCore is built on both.
 
 Structured outputs: a step's token masks are computed by the grammar engine's
 filler off the event loop (engine/masks.py): before the step is sent for rows
@@ -29,40 +22,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
 from scheduler_svc.engine import masks
 from scheduler_svc.engine.adapter_loader import AdapterLoader, waiting_for
 from scheduler_svc.engine.counters import CoreCounters
-from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed, WorkerUnavailable
+from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed
 from scheduler_svc.engine.kv_events import WorkerKvEvents
 from scheduler_svc.engine.sent import SentStep, abandon
 from scheduler_svc.engine.step_budget import SpeedBudget
-from scheduler_svc.engine.streams import RequestStream, StreamHandle, open_streams
+from scheduler_svc.engine.streams import RequestStream
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
-from scheduler_svc.kv.block_manager import LeakError
+from scheduler_svc.engine.worker_link import BACKOFF_FIRST_S, WorkerLink
+from scheduler_svc.engine.worker_link import CoreOptions as CoreOptions  # where fleet.py takes it from
 from scheduler_svc.planning.plan import PlanMasks, RequestUpdate, StepPlan
 from scheduler_svc.planning.planner import Planner
 from scheduler_svc.request import FinishReason, Request
-from scheduler_svc.structured.errors import GrammarFailed
 from scheduler_svc.structured.grammars import Grammars
 from scheduler_svc.text.tokenizer import ModelTokenizer
 
 log = structlog.get_logger(__name__)
 
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.05, 1.0
-_PROBE_TIMEOUT_S = 2.0
 _STOP_RETRY_S = 1.0
-
-
-@dataclass(frozen=True)
-class CoreOptions:
-    worker_timeout_s: float = 30.0
-    health_interval_s: float = 1.0
-    async_scheduling: bool = True  # plan and send step N+1 while step N runs
 
 
 # Called by a core that lost its worker, with itself: moves its live requests to
@@ -73,7 +56,7 @@ Handover = Callable[["EngineCore"], bool]
 Applied = Callable[["EngineCore"], None]
 
 
-class EngineCore:
+class EngineCore(WorkerLink):
     def __init__(
         self,
         client: WorkerClient,
@@ -107,10 +90,6 @@ class EngineCore:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def worker_timeout_s(self) -> float:
-        return self.options.worker_timeout_s
-
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"engine-core-{self.info.address}")
 
@@ -123,74 +102,6 @@ class EngineCore:
                 await asyncio.wait({self._task}, timeout=_STOP_RETRY_S)
             await asyncio.gather(self._task, return_exceptions=True)
 
-    # ---- requests ---------------------------------------------------------
-    def add(self, request: Request) -> StreamHandle:
-        """Queue a new request (with n > 1: a fork parent and its samples); raises
-        RequestRejected, QueueFull or WorkerUnavailable."""
-        if not self.healthy:
-            raise WorkerUnavailable(f"worker {self.info.address} is unavailable")
-        self.planner.add(request)
-        handle, streams = open_streams(request, self.tokenizer, self.hooks)
-        self.streams.update(streams)
-        self.counters.prompt_tokens += request.num_prompt_tokens
-        self._wakeup.set()
-        return handle
-
-    def adopt(self, request: Request) -> None:
-        """Queue a request moved here from a lost worker (its streams follow with
-        adopt_streams). It keeps its outputs: prompt + outputs are recomputed and
-        generation continues, so the client sees no token twice."""
-        if not self.healthy:
-            raise WorkerUnavailable(f"worker {self.info.address} is unavailable")
-        self.planner.add(request)
-        self._wakeup.set()
-
-    def take_requests(self) -> tuple[list[Request], dict[str, RequestStream]]:
-        """Give up every live request (oldest first) and the client streams that go
-        with them (a request's own, or its parallel samples'), e.g. to another worker."""
-        requests = self.planner.drain()
-        for request in requests:
-            # Block hashes are keyed by this worker's model/dtype; the next pool hashes its own.
-            request.block_hashes.clear()
-        streams = self._pop_streams(requests)
-        self.counters.requests_moved_out += len(requests)
-        return requests, streams
-
-    def hand_off(self, request_id: str) -> tuple[Request, dict[str, RequestStream]]:
-        """Give up one running request and its client stream (disaggregation: its KV was
-        copied to the worker it goes to); its blocks stay in this worker's prefix cache."""
-        request = self.planner.hand_off(request_id)
-        self.counters.requests_moved_out += 1
-        return request, self._pop_streams([request])
-
-    def adopt_streams(self, streams: dict[str, RequestStream]) -> None:
-        self.streams.update(streams)
-
-    def _pop_streams(self, requests: list[Request]) -> dict[str, RequestStream]:
-        ids = [r.request_id for r in requests] + [c.request_id for r in requests for c in r.children]
-        return {rid: self.streams.pop(rid) for rid in ids if rid in self.streams}
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request whose client went away; its blocks are freed now or by
-        the update of the step it is in flight in."""
-        stream = self.streams.pop(request_id, None)
-        aborted = self.planner.abort(request_id)
-        if aborted:
-            log.info("request aborted", request_id=request_id)
-            if stream:
-                stream.abort()
-        self._wakeup.set()
-        return aborted
-
-    def fail_all(self, error: Exception) -> int:
-        """End every live request with `error` (worker gone, shutdown); returns how many streams."""
-        streams = self._pop_streams(self.planner.drain())
-        for request_id, stream in streams.items():
-            stream.fail(error)
-            log.warning("request failed", request_id=request_id, error=type(error).__name__, reason=str(error))
-        self.counters.requests_failed += len(streams)
-        return len(streams)
-
     # ---- the step loop ----------------------------------------------------
     async def _run(self) -> None:
         while True:
@@ -201,7 +112,7 @@ class EngineCore:
             except Exception:  # a bug must not silently stop this worker's loop
                 log.exception("engine core failed; ending its requests", worker=self.info.address)
                 self.fail_all(SchedulerBug("internal scheduler error; see the scheduler log"))
-                await asyncio.sleep(_BACKOFF_FIRST_S)
+                await asyncio.sleep(BACKOFF_FIRST_S)
 
     async def _loop(self) -> None:
         while True:
@@ -217,19 +128,6 @@ class EngineCore:
                     await self._wait_for_wakeup(0.01)
                 else:
                     await self._run_steps(plan)
-
-    async def _wait_for_wakeup(self, timeout_s: float) -> bool:
-        """True if woken (new work, an abort), False on timeout."""
-        self._wakeup.clear()
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
-        # cancellation that lands as the event is set, so stop() could wait on a
-        # loop that never ends (a drained worker stayed listed, issue 11).
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._wakeup.wait()
-            return True
-        except TimeoutError:
-            return False
 
     async def _run_steps(self, first: StepPlan) -> None:
         """Run `first`; with overlapped scheduling, plan and send step N+1 while step
@@ -364,10 +262,6 @@ class EngineCore:
             )
         return updates
 
-    def _publish_kv_events(self) -> None:
-        """The prefix index's changes since the last batch, as one batch."""
-        self.kv_events.publish(self.planner.kv.take_events())
-
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         stopped: set[str] = set()  # ended by a stop string in this step
         for update in updates:
@@ -405,37 +299,6 @@ class EngineCore:
             **(timing.log_fields() if timing is not None else {}),
         )  # ttft_ms, e2e_ms, itl_ms_mean
 
-    def _end_failed_grammars(self, failures: list[masks.MaskFailure], step_id: int) -> None:
-        """Requests whose grammar failed while their masks were computed end with the error."""
-        for failure in failures:
-            self.planner.finish(failure.request_id, FinishReason.ABORT)
-            self._fail_request(failure.request_id, GrammarFailed(failure.error), step_id)
-
-    def _fail_request(self, request_id: str, error: Exception, step_id: int | None = None) -> None:
-        """End one request's stream with `error` (the planner has ended the request). A grammar
-        that failed is compiled afresh for the next request: its lexer states are spent."""
-        if isinstance(error, GrammarFailed) and self.grammars is not None:
-            request = self.streams[request_id].request if request_id in self.streams else None
-            if request is not None and request.grammar is not None:
-                self.grammars.forget(request.grammar.grammar.constraint)
-        stream = self.streams.pop(request_id, None)
-        if stream is not None:
-            stream.fail(error)
-        self.counters.requests_failed += 1
-        log.warning(
-            "request failed", request_id=request_id, step_id=step_id, error=type(error).__name__, reason=str(error)
-        )
-
-    def _fail_plan(self, plan: StepPlan, err: WorkerCallFailed) -> None:
-        """A step the worker refuses will be refused again: end its requests with
-        an error rather than retry forever (this is a scheduler bug, logged)."""
-        self.planner.requeue_all(reset_prefix_cache=True)
-        for request_id in {s.request_id for s in plan.seqs}:
-            stream = self.streams.pop(request_id, None)
-            self.planner.finish(request_id, FinishReason.ABORT)
-            if stream:
-                stream.fail(SchedulerBug(f"worker rejected a step: {err.details}"))
-
     # ---- LoRA adapters ------------------------------------------------------
     async def _load_adapters(self) -> bool:
         """Load the adapters waiting requests need (nothing is in flight here); end the
@@ -453,109 +316,4 @@ class EngineCore:
                 for request_id in [request.request_id] + [c.request_id for c in request.children]:
                     if request_id in self.streams:
                         self._fail_request(request_id, error)
-        return True
-
-    async def _restarted(self) -> bool:
-        """With adapters, whether a worker that refused a step is a new instance."""
-        if self.adapters is None:
-            return False
-        try:
-            info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
-        except WorkerCallFailed:
-            return False
-        return info.instance_id != self.info.instance_id
-
-    # ---- idle: health watch and audit -------------------------------------
-    async def _idle(self) -> None:
-        if await self._wait_for_wakeup(self.options.health_interval_s):
-            return
-        self._audit_if_changed()
-        try:
-            info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
-        except WorkerCallFailed as err:
-            self._lose(f"health probe failed: {err}")
-            return
-        if info.instance_id != self.info.instance_id:
-            self.planner.requeue_all(reset_prefix_cache=False)  # _accept_worker resets the prefix cache
-            if not self._accept_worker(info):
-                self._lose("came back with another pool")
-
-    def _audit_if_changed(self) -> None:
-        """Idle is when every block must be accounted for: prove it once per busy spell."""
-        if self.counters.steps_run == self._audited_at_step:
-            return
-        self._audited_at_step = self.counters.steps_run
-        self.audit()
-
-    def audit(self) -> bool:
-        """Prove every block of this worker's pool is accounted for (Planner.audit);
-        a leak is counted and logged, not raised: the worker goes on serving."""
-        try:
-            self.planner.audit()
-        except LeakError as exc:
-            self.counters.audit_failures += 1
-            log.error("engine audit failed", worker=self.info.address, error=str(exc))
-            return False
-        return True
-
-    # ---- losing and regaining the worker ------------------------------------
-    def _lose(self, reason: str, step_id: int | None = None) -> None:
-        """Everything running goes back to the queue with its outputs; the prefix
-        index is kept until we know whether the same worker instance comes back."""
-        self.planner.requeue_all(reset_prefix_cache=False)
-        self.healthy = False
-        self._lost_at = time.monotonic()
-        self.counters.worker_failures += 1
-        log.warning(
-            "worker lost", worker=self.info.address, reason=reason, step_id=step_id, requests=self.planner.num_waiting
-        )
-
-    async def _recover(self) -> None:
-        """Until the worker answers again: move requests to a healthy worker if there
-        is one; past worker_timeout_s, end those still here with UNAVAILABLE."""
-        delay = _BACKOFF_FIRST_S
-        while True:
-            try:
-                info = await self.client.info(timeout_s=_PROBE_TIMEOUT_S)
-            except WorkerCallFailed:
-                info = None
-            if info is not None and self._accept_worker(info):
-                return
-            if self.planner.has_work() and self.handover is not None:
-                self.handover(self)
-            self._publish_kv_events()  # handing requests over resets the index
-            if self.planner.has_work() and time.monotonic() - self._lost_at >= self.worker_timeout_s:
-                failed = self.fail_all(
-                    WorkerUnavailable(
-                        f"worker {self.info.address} did not come back within "
-                        f"{self.worker_timeout_s}s and no other worker could take over"
-                    )
-                )
-                log.error("worker gone, requests failed", worker=self.info.address, failed=failed)
-            await self._wait_for_wakeup(delay)
-            delay = min(delay * 2, _BACKOFF_MAX_S)
-
-    def _accept_worker(self, info: WorkerInfo) -> bool:
-        """Trust the worker again if its pool matches ours; a new instance has an empty cache."""
-        if problem := self.info.mismatch(info, same_pool=True):
-            if info.instance_id != self._refused_instance:  # say it once per instance, not every retry
-                self._refused_instance = info.instance_id
-                log.error("worker came back with another model or pool; not using it", reason=problem)
-            return False
-        if info.instance_id != self.info.instance_id:
-            dropped = self.planner.kv.reset_prefix_cache()
-            if self.adapters is not None:
-                self.adapters.slots.clear()
-            self.counters.worker_restarts += 1
-            log.warning(
-                "worker restarted: prefix cache reset",
-                worker=info.address,
-                old=self.info.instance_id,
-                new=info.instance_id,
-                dropped_blocks=dropped,
-            )
-        log.info("worker back", worker=info.address, instance_id=info.instance_id, waiting=self.planner.num_waiting)
-        self.info = info
-        self.healthy = True
-        self._wakeup.set()
         return True
