@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import file_order
 from tests.helpers.checkpoints import DEFAULT_MODEL
 
 
@@ -17,7 +18,24 @@ def default_model() -> Path:
     return DEFAULT_MODEL
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-file-seconds",
+        metavar="PATH",
+        help="write each test file's seconds to PATH (JSON) at the end: tests/file_seconds.json orders make test",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # On xdist's processes (each collects, and all must order alike): the longest
+    # files are handed out first (tests/helpers/file_order.py).
+    if hasattr(config, "workerinput"):
+        items[:] = file_order.longest_first(items, file_order.load())
+
+
 def pytest_configure(config):
+    if (path := config.getoption("record_file_seconds")) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(file_order.FileSeconds(Path(path)), "file-seconds")
     # Services started by tests must not fight pytest for the 2 cores.
     os.environ.setdefault("PAGEDSERVE_WORKER_NUM_THREADS", "2")
     # Schedulers started by tests serve admin.v1 on an OS-picked port, not the fixed 50052.
