@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from gateway_svc.chat_output import ChatOutput, ChatStream
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
 from gateway_svc.errors import bad_request
+from gateway_svc.openai_fields import UINT64_MAX
 from gateway_svc.openai_types import (
-    UINT64_MAX,
     ChatCompletionRequest,
     ChatMessage,
     ChatRendering,

@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from gateway_svc.chat_template import ChatTemplate, ChatTemplateError
 from gateway_svc.errors import bad_request
-from gateway_svc.openai_types import STRICT, Text, TokenId
+from gateway_svc.openai_fields import STRICT, Text, TokenId
 from gateway_svc.openapi import ERROR_RESPONSES
 from gateway_svc.scheduler_client import Scheduler
 

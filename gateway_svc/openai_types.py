@@ -23,15 +23,10 @@ them again (scheduler_svc/planning/validation.py) for its gRPC clients.
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -39,174 +34,31 @@ from pydantic import (
     model_validator,
 )
 
-INT32_MAX = 2**31 - 1  # what the engine takes for counts and token ids (max_tokens, min_tokens, top_k)
-UINT64_MAX = 2**64 - 1
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
-MAX_LOGPROBS = 20
-
-# Strictly: a request that names an unknown field is refused, not half-served; and a value of
-# the wrong JSON type is refused, not coerced ("max_tokens": "8", "stream": "yes", 8.0 for an
-# integer), as OpenAI answers. An integer is still a number.
-STRICT = ConfigDict(extra="forbid", strict=True)
-
-
-def _utf8(value: str) -> str:
-    """serving.v1 strings are UTF-8: a lone surrogate (JSON "\\ud800") cannot be sent."""
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"not valid UTF-8 text (character {exc.start} is a lone surrogate)") from None
-    return value
-
-
-def _not_bool(value: Any) -> Any:
-    """JSON's true and false are not numbers (pydantic would take them as 1 and 0)."""
-    if isinstance(value, bool):
-        raise ValueError("must be an integer, not true or false")
-    return value
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
-Int32 = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=INT32_MAX)]
-TokenId = Int32  # the scheduler checks them against the vocabulary
-Penalty = Annotated[float, Field(ge=-2, le=2)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-
-
-def _only(ok: Callable[[Any], bool], why: str) -> AfterValidator:
-    """A field accepted only at values for which `ok` holds; otherwise a 400 saying `why`."""
-
-    def check(value: Any) -> Any:
-        if not ok(value):
-            raise ValueError(f"not supported by this server: {why}")
-        return value
-
-    return AfterValidator(check)
-
-
-def _is_unset(value: Any) -> bool:
-    return value is None
-
-
-# Fields known and refused (any value but null), and why.
-_REFUSED = {
-    "guided_decoding_backend": "choosing the grammar backend (this server has one: llguidance)",
-    "guided_whitespace_pattern": "a whitespace pattern (JSON is written as json.dumps writes it)",
-    "functions": "legacy function calling; use tools",
-    "function_call": "legacy function calling; use tools and tool_choice",
-    "prediction": "predicted outputs",
-    "reasoning_effort": "reasoning_effort",
-    "audio": "audio",
-    "web_search_options": "web search",
-}
-
-
-def _refuse(value: Any, info: ValidationInfo) -> Any:
-    if value is not None:
-        raise ValueError(f"not supported by this server: {_REFUSED[info.field_name or '']}")
-    return value
-
-
-Refused = Annotated[Any, AfterValidator(_refuse)]
-
-
-_TOKEN_ID_KEY = re.compile(r"\s*[0-9]+\s*")  # ASCII digits: str.isdigit() also takes "²", which int() refuses
-
-
-def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
-    for key in value or {}:
-        if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
-            raise ValueError(f"keys must be token ids in 0..{INT32_MAX}, got {key!r}")
-    return value
-
-
-# OpenAI: token id (a JSON object key, so a string) -> bias in [-100, 100].
-LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None, AfterValidator(_token_id_keys)]
-
-
-# ---- structured outputs ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OutputConstraint:
-    """What the output must match, as serving.v1's structured_output names it, and the request
-    field it came from (named in errors)."""
-
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-    value: Any  # the schema (an object, or JSON text), the regex, the choices, the grammar; True for json_object
-    field: str
-    strict: bool | None = None  # json_schema: None = serving.v1's default (strict)
-
-
-class JsonSchemaFormat(BaseModel):
-    """response_format.json_schema (OpenAI)."""
-
-    model_config = STRICT
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-    description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type json_schema, and only then")
-        return self
-
-    def constraint(self) -> OutputConstraint | None:
-        if self.type == "json_object":
-            return OutputConstraint("json_object", True, "response_format")
-        if self.json_schema is not None:
-            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
-            # OpenAI's strict defaults to false: keywords the engine does not implement are ignored then.
-            return OutputConstraint("json_schema", schema, "response_format", bool(self.json_schema.strict))
-        return None
-
-
-JsonSchema = dict[str, Any] | Text  # an object, or its JSON text (vLLM takes both)
-Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs` extra body field: exactly one constraint. Its other options
-    (structural_tag, disable_any_whitespace, whitespace_pattern, ...) are refused as unknown."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    json_: JsonSchema | None = Field(default=None, alias="json")
-    regex: Text | None = None
-    choice: Choices | None = None
-    grammar: Text | None = None
-    json_object: bool | None = None
-
-    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> StructuredOutputs:
-        given = [name for name in self.KINDS if self._value(name) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(self.KINDS)} (got {given or 'none'})")
-        if self.json_object is False:
-            raise ValueError("json_object: true, or leave it out")
-        return self
-
-    def _value(self, name: str) -> Any:
-        return self.json_ if name == "json" else getattr(self, name)
-
-    def constraint(self) -> OutputConstraint:
-        name = next(n for n in self.KINDS if self._value(n) is not None)
-        kind = "json_schema" if name == "json" else name
-        return OutputConstraint(kind, self._value(name), f"structured_outputs.{name}")  # type: ignore[arg-type]
-
-
-# vLLM's older names for the same constraints: guided field -> serving.v1's kind.
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+from gateway_svc.openai_constraints import (
+    GUIDED,
+    Choices,
+    JsonSchema,
+    OutputConstraint,
+    ResponseFormat,
+    StructuredOutputs,
+)
+from gateway_svc.openai_fields import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    STRICT,
+    UINT64_MAX,
+    Int32,
+    LogitBias,
+    Logprobs,
+    Penalty,
+    Refused,
+    Text,
+    TokenId,
+    _is_unset,
+    _only,
+    _utf8,
+)
 
 
 class StreamOptions(BaseModel):

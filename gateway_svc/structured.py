@@ -28,7 +28,8 @@ from gateway_svc.chat_output import ChatOutput
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.errors import OpenAIError, bad_request
 from gateway_svc.forced_tools import ForcedCalls, required_schema
-from gateway_svc.openai_types import ChatCompletionRequest, OutputConstraint, SamplingFields
+from gateway_svc.openai_constraints import OutputConstraint
+from gateway_svc.openai_types import ChatCompletionRequest, SamplingFields
 from gateway_svc.reasoning import START_TAG, ReasoningParser, reasoning_parser
 from gateway_svc.tool_parsers import ToolParser, ToolSpec, tool_parser
 from proto import serving_pb2

@@ -24,7 +24,8 @@ from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.convert import chat_prompt
 from gateway_svc.errors import bad_request
-from gateway_svc.openai_types import STRICT, ChatMessage, ChatRendering, Text, TokenId
+from gateway_svc.openai_fields import STRICT, Text, TokenId
+from gateway_svc.openai_types import ChatMessage, ChatRendering
 from gateway_svc.openapi import ERROR_RESPONSES
 from gateway_svc.scheduler_client import Scheduler
 from proto import serving_pb2

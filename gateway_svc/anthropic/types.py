@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from gateway_svc.openai_types import INT32_MAX, STRICT, Text, _only
+from gateway_svc.openai_fields import INT32_MAX, STRICT, Text, _only
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 

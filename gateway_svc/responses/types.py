@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from gateway_svc.openai_types import INT32_MAX, INT64_MIN, STRICT, UINT64_MAX, JsonSchemaFormat, Text, _only
+from gateway_svc.openai_constraints import JsonSchemaFormat
+from gateway_svc.openai_fields import INT32_MAX, INT64_MIN, STRICT, UINT64_MAX, Text, _only
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
