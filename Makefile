@@ -85,7 +85,9 @@ $(MODEL_DIR)/config.json: | setup
 
 # Files run on TEST_JOBS processes (pytest-xdist): a file's tests stay on one process, so
 # its module-scoped services start once; most of a test's time is its services' start-up
-# and round trips, which leave a core idle in a serial run.
+# and round trips, which leave a core idle in a serial run. Files go out longest first
+# (tests/file_seconds.json, refreshed with --record-file-seconds; tests/helpers/file_order.py)
+# so both processes end together.
 TEST_JOBS ?= 2
 test: setup setup-test model ## the test suite (~15 min on 2 cores; slow cases excluded)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
