@@ -1,5 +1,6 @@
-"""The C++ CPU kernels over GGUF blocks (kernels/csrc/quant_linear_cpu.cpp), with
-kernels/gguf_quant.py's reference signature: quant_linear(x, weight)."""
+"""The C++ CPU kernels over GGUF blocks, with kernels/gguf_quant.py's reference
+signatures: quant_linear(x, weight) (fp32 activations, kernels/csrc/quant_linear_cpu.cpp)
+and quant_linear_int8(x, weight) (int8 activations, kernels/csrc/quant_int8_cpu.cpp)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import Tensor
 from kernels import cpu_build
 from kernels.gguf_quant import QuantizedWeight
 from kernels.gguf_quant import quant_linear as reference_quant_linear
+from kernels.gguf_quant import quant_linear_int8 as reference_quant_linear_int8
 
 # The formats the kernel decodes (every one kernels/gguf_quant.py serves).
 CPU_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -27,4 +29,15 @@ def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     y: Tensor = torch.ops.pagedserve_cpu.quant_linear(x, weight.data, weight.qtype, weight.out_features)
+    return y
+
+
+def quant_linear_int8(x: Tensor, weight: QuantizedWeight) -> Tensor:
+    """x [T, in], quantized to int8 per 32-block, @ dequantize(weight).T -> [T, out] in
+    x's dtype: integer dot products per block, scaled and summed in fp32."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return reference_quant_linear_int8(x, weight)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y: Tensor = torch.ops.pagedserve_cpu.quant_linear_int8(x, weight.data, weight.qtype, weight.out_features)
     return y
