@@ -4,6 +4,8 @@ and quant_linear_int8(x, weight) (int8 activations, kernels/csrc/quant_int8_cpu.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -24,20 +26,24 @@ def takes(weight: QuantizedWeight) -> bool:
 def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     """x [T, in] @ dequantize(weight).T -> [T, out] in x's dtype: fp32 products of x
     and the decoded weights, summed in fp32, rounded once to x's dtype."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        return reference_quant_linear(x, weight)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y: Tensor = torch.ops.pagedserve_cpu.quant_linear(x, weight.data, weight.qtype, weight.out_features)
-    return y
+    return _call(torch.ops.pagedserve_cpu.quant_linear, reference_quant_linear, x, weight)
 
 
 def quant_linear_int8(x: Tensor, weight: QuantizedWeight) -> Tensor:
     """x [T, in], quantized to int8 per 32-block, @ dequantize(weight).T -> [T, out] in
     x's dtype: integer dot products per block, scaled and summed in fp32."""
+    return _call(torch.ops.pagedserve_cpu.quant_linear_int8, reference_quant_linear_int8, x, weight)
+
+
+def _call(
+    op: Callable[..., Tensor],
+    reference: Callable[[Tensor, QuantizedWeight], Tensor],
+    x: Tensor,
+    weight: QuantizedWeight,
+) -> Tensor:
+    """The op where it takes x's dtype (fp32, bf16; rows made contiguous), else the reference."""
     if x.dtype not in (torch.float32, torch.bfloat16):
-        return reference_quant_linear_int8(x, weight)
+        return reference(x, weight)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y: Tensor = torch.ops.pagedserve_cpu.quant_linear_int8(x, weight.data, weight.qtype, weight.out_features)
-    return y
+    return op(x, weight.data, weight.qtype, weight.out_features)
