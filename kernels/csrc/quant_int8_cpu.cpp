@@ -56,8 +56,8 @@ struct QuantizedX {
   std::vector<float> ds;
 };
 
-// Without reassociation (the build allows it): GCC would fold x * (127 / amax) into
-// (x * 127) / amax, another rounding than the reference's, and a tie then rounds away.
+// Without reassociation (the build allows it): GCC may fold x * (127 / amax) into
+// (x * 127) / amax, another rounding than the reference's, and a tie would round apart.
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
 template <typename T>
