@@ -36,6 +36,7 @@ SOURCES = (
     CSRC / "linear_cpu.cpp",
     CSRC / "elementwise_cpu.cpp",
     CSRC / "quant_linear_cpu.cpp",
+    CSRC / "quant_int8_cpu.cpp",
     CSRC / "moe_cpu.cpp",
     CSRC / "lora_cpu.cpp",
 )

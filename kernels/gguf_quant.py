@@ -100,6 +100,30 @@ def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     return F.linear(x, weight.dequantize().to(x.dtype))
 
 
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [T, K] (K a multiple of 32) -> (int8 quants [T, K], fp32 scales [T, K / 32]): per
+    32-block d = amax / 127, q = round(x * (127 / amax)) to nearest even (0 where amax
+    is 0), in fp32 operations the C++ kernel (kernels/csrc/quant_int8_cpu.cpp) repeats
+    one for one, so both get the same quants and scales."""
+    blocks = x.float().reshape(len(x), -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # a division, as the kernel's 127.0f / amax (torch's `127.0 / amax` multiplies by a reciprocal: two roundings)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    q = torch.round(blocks * inverse).to(torch.int8)
+    return q.reshape(x.shape), (amax / 127.0).reshape(len(x), -1)
+
+
+def quant_linear_int8(x: Tensor, weight: QuantizedWeight) -> Tensor:
+    """x [T, in] with x quantized per 32-block (quantize_activations) @ dequantize(weight).T
+    -> [T, out] in x's dtype: llama.cpp's int8-activation product, the oracle of
+    --quant-activations int8. The products are summed in float64 (every term is exact
+    there: an int8 times an fp32 scale, times an fp32 weight), so what the kernel adds
+    to this is only its fp32 rounding of the scale products and the sums over blocks."""
+    q, d = quantize_activations(x)
+    x_hat = q.double().reshape(len(x), -1, 32) * d.double().unsqueeze(-1)
+    return (x_hat.reshape(x.shape) @ weight.dequantize().double().T).to(x.dtype)
+
+
 def _f16(b: Tensor) -> Tensor:
     """Little-endian fp16 bytes [n, 2] -> fp32 [n, 1]."""
     return b.contiguous().view(torch.float16).float()

@@ -77,6 +77,13 @@ class WorkerConfig:
             "choices": DTYPES,
         },
     )
+    quant_activations: str = field(
+        default="none",
+        metadata={
+            "help": "a GGUF model's linears: none = fp32 (or bf16) activations times the weights decoded exactly (token-exact with --dtype float32); int8 = activations quantized per 32-block as llama.cpp does, integer dot products with the weight blocks (faster on the CPU; the tokens move: bench/results/cpu_gguf_step.md); refused for a model without GGUF blocks",
+            "choices": ("none", "int8"),
+        },
+    )
     kv_dtype: str = field(
         default="auto",
         metadata={
@@ -211,6 +218,11 @@ class WorkerConfig:
             (self.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1"),
             (self.max_loras >= 1, "--max-loras", ">= 1"),
             (self.max_lora_rank >= 1, "--max-lora-rank", ">= 1"),
+            (
+                self.quant_activations == "none" or self.tensor_parallel_size == 1,
+                "--quant-activations",
+                "none with --tensor-parallel-size > 1 (a GGUF model is served on one worker)",
+            ),
             self._tensor_parallel_check(),
             (
                 self.kv_role == "both" or (self.tensor_parallel_size == 1 and self.kv_layout == "paged"),

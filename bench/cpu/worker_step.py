@@ -83,6 +83,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "all fp32": dict(dtype="float32"),
     "Q4_1 gguf fp32": dict(dtype="float32", model=SHIPPED_GGUF),
     "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
+    "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8"),
 }
 
 

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "gguf_formats.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_FUSED_QUANT 1
 #include "quant_fused_avx2.h"
@@ -56,26 +57,6 @@ using namespace pagedserve_cpu;
 constexpr int kRows = 4;           // output rows decoded and multiplied together
 constexpr int64_t kMChunk = 64;    // rows of x per sweep over the weights (they stay in L2)
 
-enum class Format { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
-
-struct FormatInfo {
-  Format format;
-  int elems;  // weights per block
-  int bytes;  // bytes per block
-};
-
-FormatInfo format_of(const std::string& name) {
-  if (name == "Q8_0") return {Format::kQ8_0, 32, 34};
-  if (name == "Q4_0") return {Format::kQ4_0, 32, 18};
-  if (name == "Q4_1") return {Format::kQ4_1, 32, 20};
-  if (name == "Q5_0") return {Format::kQ5_0, 32, 22};
-  if (name == "Q5_1") return {Format::kQ5_1, 32, 24};
-  if (name == "Q4_K") return {Format::kQ4_K, 256, 144};
-  if (name == "Q5_K") return {Format::kQ5_K, 256, 176};
-  if (name == "Q6_K") return {Format::kQ6_K, 256, 210};
-  TORCH_CHECK(false, "quant_linear: GGUF format ", name, " is not decoded here");
-}
-
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
@@ -84,12 +65,6 @@ inline vint lane_index() {
   vint v;
   for (int i = 0; i < kLanes; ++i) v[i] = i;
   return v;
-}
-
-inline float f16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
 // 32 weights of a Q8_0 / Q4 / Q5 block, q = nibble (low nibbles: 0-15, high: 16-31) | 5th
@@ -146,8 +121,8 @@ inline void decode_k45(const uint8_t* __restrict b, float* __restrict out) {
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + (Five ? 48 : 16);
   for (int j = 0; j < 8; ++j) {
-    const int sc = j < 4 ? (s[j] & 0x3F) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30));
-    const int mn = j < 4 ? (s[j + 4] & 0x3F) : ((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
+    int sc, mn;
+    k_scale_min(s, j, &sc, &mn);
     const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
     const uint8_t* q = qs + (j / 2) * 32;
     const int shift = (j % 2) * 4;
@@ -384,7 +359,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [M, K] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear: fp32 or bf16 x");
-  const FormatInfo fi = format_of(std::string(qtype));
+  const FormatInfo fi = format_of(std::string(qtype), "quant_linear");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % fi.elems == 0, "quant_linear: K ", K, " is not a multiple of ", fi.elems);
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
@@ -401,16 +376,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string
       run<F>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0), K, fi, d, out_features,
              reinterpret_cast<uint16_t*>(y.data_ptr()));
   };
-  switch (fi.format) {
-    case Format::kQ8_0: go(std::integral_constant<Format, Format::kQ8_0>{}); break;
-    case Format::kQ4_0: go(std::integral_constant<Format, Format::kQ4_0>{}); break;
-    case Format::kQ4_1: go(std::integral_constant<Format, Format::kQ4_1>{}); break;
-    case Format::kQ5_0: go(std::integral_constant<Format, Format::kQ5_0>{}); break;
-    case Format::kQ5_1: go(std::integral_constant<Format, Format::kQ5_1>{}); break;
-    case Format::kQ4_K: go(std::integral_constant<Format, Format::kQ4_K>{}); break;
-    case Format::kQ5_K: go(std::integral_constant<Format, Format::kQ5_K>{}); break;
-    case Format::kQ6_K: go(std::integral_constant<Format, Format::kQ6_K>{}); break;
-  }
+  dispatch(fi.format, go);
   return y;
 }
 

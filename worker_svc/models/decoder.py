@@ -144,12 +144,14 @@ class DecoderModel:
         ops: LayerOps = reference,
         cpu_linears: bool = False,
         hook: ProjectionHook | None = None,
+        quant_activations: str = "none",
     ) -> DecoderModel:
         """`transform`: applied to the checkpoint before it reaches the device (a
         tensor-parallel rank keeps its slice, worker_svc/parallel/sharding.py).
         `ops`: the fused element-wise ops (an attention backend's). `cpu_linears`: pack
         the weights for the C++ linear kernels on the CPU (models/linear.py). `hook`:
-        wraps the decoder's projections (ProjectionHook)."""
+        wraps the decoder's projections (ProjectionHook). `quant_activations`: int8 =
+        a GGUF model's linears quantize x per 32-block (--quant-activations)."""
         spec = load_spec(model_dir)
         if is_gguf(model_dir):
             if transform is not None:
@@ -157,12 +159,12 @@ class DecoderModel:
             weights = read_gguf(model_dir, spec)
             if "lm_head.weight" not in weights:  # llama.cpp's files leave a tied head out
                 spec = dataclasses.replace(spec, tie_word_embeddings=True)
-            return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears, hook)
+            return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears, hook, quant_activations)
         tensors: Tensors = CheckpointTensors.open(Path(model_dir))
         to_canonical(spec, tensors)
         if transform is not None:
             spec, tensors = transform(spec, tensors)
-        return cls.from_tensors(spec, cast(Weights, tensors), dtype, device, ops, cpu_linears, hook)
+        return cls.from_tensors(spec, cast(Weights, tensors), dtype, device, ops, cpu_linears, hook, quant_activations)
 
     @classmethod
     def from_tensors(
@@ -174,11 +176,15 @@ class DecoderModel:
         ops: LayerOps = reference,
         cpu_linears: bool = False,
         hook: ProjectionHook | None = None,
+        quant_activations: str = "none",
     ) -> DecoderModel:
         """The model over `tensors` (Llama's names, to_canonical; tensors, or a GGUF
         file's quantized blocks: models/linear.py), each taken once: one left over is
         an error naming it."""
         formats = sorted({w.qtype for w in tensors.values() if isinstance(w, QuantizedWeight)})
+        if quant_activations != "none" and not formats:
+            raise UnsupportedModel(f"--quant-activations {quant_activations}: the model has no GGUF block weights")
+        qa = quant_activations
 
         def take(name: str) -> Weight:
             return place(tensors.pop(name), device, dtype)
@@ -195,7 +201,7 @@ class DecoderModel:
 
         def linear(layer: int, group: str, prefix: str, names: list[str], biased: bool) -> Projection:
             weights = [take(prefix + n + ".weight") for n in names]
-            proj = projection(weights, bias([prefix + n + ".bias" for n in names], biased), cpu_linears)
+            proj = projection(weights, bias([prefix + n + ".bias" for n in names], biased), cpu_linears, qa)
             return proj if hook is None else hook(layer, group, proj)
 
         layers = []
@@ -210,9 +216,9 @@ class DecoderModel:
                 gate, up = take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")
                 gate_up_bias = bias([mlp + "gate_proj.bias", mlp + "up_proj.bias"], spec.mlp_bias)
                 if hook is None:
-                    gate_up = gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears)
+                    gate_up = gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears, qa)
                 else:  # the hook's sum comes before the activation: no fused gated kernel
-                    fused = projection([gate, up], gate_up_bias, cpu_linears)
+                    fused = projection([gate, up], gate_up_bias, cpu_linears, qa)
                     gate_up = Gated(hook(i, "gate_up", fused), spec.activation)
             pre_attn, pre_mlp, post_attn, post_mlp = NORM_NAMES[spec.norms]
             layers.append(
@@ -236,7 +242,7 @@ class DecoderModel:
         final_norm = norm("model.norm.weight")
         assert final_norm is not None
         check_consumed(tensors, spec.model_type)
-        head = projection([lm_head], None, cpu_linears)
+        head = projection([lm_head], None, cpu_linears, qa)
         model = cls(spec, embed_weight, layers, final_norm, head, ops, dtype)
         if formats:
             model.weight_format = "gguf " + "+".join(formats)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops, quant_cpu_ops
-from kernels.gguf_quant import QuantizedWeight, quant_linear, stack
+from kernels.gguf_quant import QuantizedWeight, quant_linear, quant_linear_int8, stack
 
 # A checkpoint's weight: a tensor, or a GGUF file's quantized blocks.
 Weight = torch.Tensor | QuantizedWeight
@@ -136,14 +136,19 @@ class GatedLinear:
 
 class QuantLinear:
     """y = x @ W.T for W in GGUF blocks: the C++ kernel where it takes the format here,
-    else the reference (dequantize on every call, then multiply)."""
+    else the reference (dequantize on every call, then multiply). activations "int8":
+    x quantized per 32-block and integer dot products (--quant-activations)."""
 
-    def __init__(self, weight: QuantizedWeight, cpu_kernel: bool = False):
+    def __init__(self, weight: QuantizedWeight, cpu_kernel: bool = False, activations: str = "none"):
         self.weight = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.kernel = "cpu" if cpu_kernel and quant_cpu_ops.takes(weight) else ""
+        self.int8 = activations == "int8"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            op = quant_cpu_ops.quant_linear_int8 if self.kernel == "cpu" else quant_linear_int8
+            return op(x, self.weight)
         if self.kernel == "cpu":
             return quant_cpu_ops.quant_linear(x, self.weight)
         return quant_linear(x, self.weight)
@@ -182,22 +187,25 @@ def embed_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return F.embedding(ids, table)
 
 
-def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False) -> Projection:
+def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False, quant_activations: str = "none") -> Projection:
     """The projection by the parts' rows stacked (q, k, v: one matmul): one Linear over
-    tensors, one QuantLinear over blocks of one format, else one per part."""
+    tensors, one QuantLinear over blocks of one format, else one per part.
+    quant_activations: QuantLinear's activations."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         tensors = [p for p in parts if isinstance(p, torch.Tensor)]
         return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), cpu_kernel=cpu_kernel)
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     stacked = stack(blocks) if len(blocks) == len(parts) else None
     if stacked is not None:
-        return QuantLinear(stacked, cpu_kernel)
-    return Concat([make_linear([p], cpu_kernel) for p in parts])
+        return QuantLinear(stacked, cpu_kernel, quant_activations)
+    return Concat([make_linear([p], cpu_kernel, quant_activations) for p in parts])
 
 
-def gated_linear(gate: Weight, up: Weight, activation: str, cpu_kernel: bool = False) -> Projection:
+def gated_linear(
+    gate: Weight, up: Weight, activation: str, cpu_kernel: bool = False, quant_activations: str = "none"
+) -> Projection:
     """act(x @ gate.T) * (x @ up.T): GatedLinear over tensors, else the activation after
     make_linear's projection."""
     if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor):
         return GatedLinear(torch.cat([gate, up]), activation, cpu_kernel=cpu_kernel)
-    return Gated(make_linear([gate, up], cpu_kernel), activation)
+    return Gated(make_linear([gate, up], cpu_kernel, quant_activations), activation)

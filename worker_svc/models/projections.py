@@ -24,20 +24,27 @@ class Biased:
         return self.linear(x) + self.bias
 
 
-def projection(parts: Sequence[Weight], bias: torch.Tensor | None, cpu_kernel: bool) -> Projection:
+def projection(
+    parts: Sequence[Weight], bias: torch.Tensor | None, cpu_kernel: bool, quant_activations: str = "none"
+) -> Projection:
     """The parts' rows stacked (q, k, v: one multiply; models/linear.py's factory)."""
-    linear = make_linear(parts, cpu_kernel=cpu_kernel)
+    linear = make_linear(parts, cpu_kernel=cpu_kernel, quant_activations=quant_activations)
     return linear if bias is None else Biased(linear, bias)
 
 
 def gated_projection(
-    gate: Weight, up: Weight, bias: torch.Tensor | None, activation: str, cpu_kernel: bool
+    gate: Weight,
+    up: Weight,
+    bias: torch.Tensor | None,
+    activation: str,
+    cpu_kernel: bool,
+    quant_activations: str = "none",
 ) -> Projection:
     """act(x @ gate.T + b_gate) * (x @ up.T + b_up), bias = [b_gate; b_up]: the bias
     comes before the activation, so the fused gated kernel cannot take it."""
     if bias is None:
-        return gated_linear(gate, up, activation, cpu_kernel=cpu_kernel)
-    return Gated(projection([gate, up], bias, cpu_kernel), activation)
+        return gated_linear(gate, up, activation, cpu_kernel=cpu_kernel, quant_activations=quant_activations)
+    return Gated(projection([gate, up], bias, cpu_kernel, quant_activations), activation)
 
 
 def tied_head(embed: Weight, tensors: MutableMapping[str, Weight], take: Callable[[str], Weight]) -> Weight:

@@ -134,6 +134,7 @@ class Worker:
                 ops=layer_ops,
                 cpu_linears=self.cpu_linears,
                 hook=hook,
+                quant_activations=config.quant_activations,
             )
         spec = self.model.spec  # this rank's head counts
         ranks = parallel.size if parallel else 1
@@ -152,6 +153,7 @@ class Worker:
             forward="per-op (eager)" if self.model.ops is reference else f"fused ({backend.name} ops)",
             linears="C++ (packed at load)" if self.cpu_linears else "torch",
             weights=self.model.weight_format,
+            quant_activations=config.quant_activations,
         )
         if not eager and graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None

@@ -1,0 +1,63 @@
+// GGUF's block formats as the C++ kernels name them (kernels/gguf_quant.py: their
+// layouts), shared by the fp32 path (quant_linear_cpu.cpp) and the int8 one
+// (quant_int8_cpu.cpp).
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace pagedserve_cpu {
+
+enum class Format { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+
+struct FormatInfo {
+  Format format;
+  int elems;  // weights per block
+  int bytes;  // bytes per block
+};
+
+inline FormatInfo format_of(const std::string& name, const char* op) {
+  if (name == "Q8_0") return {Format::kQ8_0, 32, 34};
+  if (name == "Q4_0") return {Format::kQ4_0, 32, 18};
+  if (name == "Q4_1") return {Format::kQ4_1, 32, 20};
+  if (name == "Q5_0") return {Format::kQ5_0, 32, 22};
+  if (name == "Q5_1") return {Format::kQ5_1, 32, 24};
+  if (name == "Q4_K") return {Format::kQ4_K, 256, 144};
+  if (name == "Q5_K") return {Format::kQ5_K, 256, 176};
+  if (name == "Q6_K") return {Format::kQ6_K, 256, 210};
+  TORCH_CHECK(false, op, ": GGUF format ", name, " is not decoded here");
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// Q4_K / Q5_K's 6-bit (scale, min) of sub-block j (0-7) from the block's 12 scale bytes.
+inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  *sc = j < 4 ? (s[j] & 0x3F) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30));
+  *mn = j < 4 ? (s[j + 4] & 0x3F) : ((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
+}
+
+// Calls f(std::integral_constant<Format, F>{}) for the runtime format: one template
+// instance per format.
+template <typename Fn>
+void dispatch(Format format, Fn&& f) {
+  switch (format) {
+    case Format::kQ8_0: f(std::integral_constant<Format, Format::kQ8_0>{}); break;
+    case Format::kQ4_0: f(std::integral_constant<Format, Format::kQ4_0>{}); break;
+    case Format::kQ4_1: f(std::integral_constant<Format, Format::kQ4_1>{}); break;
+    case Format::kQ5_0: f(std::integral_constant<Format, Format::kQ5_0>{}); break;
+    case Format::kQ5_1: f(std::integral_constant<Format, Format::kQ5_1>{}); break;
+    case Format::kQ4_K: f(std::integral_constant<Format, Format::kQ4_K>{}); break;
+    case Format::kQ5_K: f(std::integral_constant<Format, Format::kQ5_K>{}); break;
+    case Format::kQ6_K: f(std::integral_constant<Format, Format::kQ6_K>{}); break;
+  }
+}
+
+}  // namespace pagedserve_cpu

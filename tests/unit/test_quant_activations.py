@@ -1,0 +1,47 @@
+"""--quant-activations int8 on a worker (issue 38): it reaches every linear over GGUF
+blocks, the fused forward's C++ kernel gives the tokens of the per-op forward's torch
+reference (kernels/gguf_quant.py's quant_linear_int8), and it is refused where it would
+mean nothing."""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+from kernels import cpu_ops
+from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.gguf_files import write_tiny_gguf
+from tests.unit.test_gguf_model import BLOCK_SIZE, worker_tokens
+from worker_svc.config import WorkerConfig
+from worker_svc.models.linear import QuantLinear
+from worker_svc.worker import Worker
+
+
+def int8_worker(path, eager: bool) -> Worker:
+    config = WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE, enforce_eager=eager)
+    config.quant_activations = "int8"
+    return Worker(config)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])  # the AVX2 tiles, the generic path
+def test_int8_reaches_every_quantized_linear_and_the_kernel_gives_the_reference_tokens(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, seed=5, overrides={"output.weight": "Q8_0"})
+    with capture_logs() as logs:
+        fused = int8_worker(path, eager=False)
+    [started] = [e for e in logs if e["event"] == "worker compute"]
+    assert started["quant_activations"] == "int8"
+    layer = fused.model.layers[0]
+    for projection in (layer.qkv, layer.o, layer.gate_up.linear, layer.down, fused.model.lm_head):  # type: ignore[attr-defined]
+        assert isinstance(projection, QuantLinear) and projection.int8
+        assert projection.kernel == ("cpu" if cpu_ops.available() else "")
+    assert worker_tokens(fused) == worker_tokens(int8_worker(path, eager=True))
+
+
+def test_int8_is_refused_without_gguf_blocks_or_over_ranks():
+    config = WorkerConfig(model=str(tiny_checkpoint("llama")), dtype="float32", num_blocks=8)
+    config.quant_activations = "int8"
+    with pytest.raises(ValueError, match="--quant-activations int8: the model has no GGUF block weights"):
+        Worker(config)
+    config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="--quant-activations"):
+        config.validate()
