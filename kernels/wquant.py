@@ -71,9 +71,11 @@ class ScaledWeight:
 
     def dequantize(self) -> Tensor:
         """fp32 [out, in]."""
+        values = self.data.float()
+        if self.block_in >= self.in_features:  # per tensor or channel: a broadcast, no expanded copy
+            return values * self.scale.repeat_interleave(self.block_out, 0)[: self.out_features]
         scale = self.scale.repeat_interleave(self.block_out, 0)[: self.out_features]
-        scale = scale.repeat_interleave(self.block_in, 1)[:, : self.in_features]
-        return self.data.float() * scale.float()
+        return values * scale.repeat_interleave(self.block_in, 1)[:, : self.in_features]
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,10 @@ class Int4Weight:
 
     def dequantize(self) -> Tensor:
         """fp32 [out, in]."""
+        if self.g_idx is None and self.in_features % self.group_size == 0:  # groups are runs: broadcast
+            shape = (self.out_features, -1, self.group_size)
+            q = self.values().view(shape).float() - self.zero.float().unsqueeze(-1)
+            return (q * self.scale.float().unsqueeze(-1)).reshape(self.out_features, self.in_features)
         g = self.groups()
         q = self.values().float() - self.zero.float()[:, g]
         return q * self.scale.float()[:, g]

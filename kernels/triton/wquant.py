@@ -32,43 +32,37 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
 @triton.jit
-def _int4_kernel(
-    x_ptr, packed_ptr, scale_ptr, zero_ptr, gidx_ptr, y_ptr, M, N, K, groups, group_size,
-    HAS_GIDX: tl.constexpr, FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = rm < M, rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wn_mask = n_mask[:, None] & k_mask[None, :]
-        byte = tl.load(packed_ptr + rn[:, None] * (K // 2) + rk[None, :] // 2, mask=wn_mask, other=0).to(tl.int32)
-        q = (byte >> ((rk[None, :] % 2) * 4)) & 0xF
-        if HAS_GIDX:
-            g = tl.load(gidx_ptr + rk, mask=k_mask, other=0).to(tl.int32)
-        else:
-            g = rk // group_size
-        at = rn[:, None] * groups + g[None, :]
-        s = tl.load(scale_ptr + at, mask=wn_mask, other=0.0).to(tl.float32)
-        z = tl.load(zero_ptr + at, mask=wn_mask, other=0).to(tl.int32)
-        w = (q - z).to(tl.float32) * s
-        if FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w))
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+def _int4_tile(packed_ptr, scale_ptr, zero_ptr, gidx_ptr, rn, rk, mask, K, groups, group_size, HAS_GIDX: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile of an Int4Weight, fp32: (q - zero) * scale of each input's group."""
+    byte = tl.load(packed_ptr + rn[:, None] * (K // 2) + rk[None, :] // 2, mask=mask, other=0).to(tl.int32)
+    q = (byte >> ((rk[None, :] % 2) * 4)) & 0xF
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + rk, mask=rk < K, other=0).to(tl.int32)
+    else:
+        g = rk // group_size
+    at = rn[:, None] * groups + g[None, :]
+    s = tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + at, mask=mask, other=0).to(tl.int32)
+    return (q - z).to(tl.float32) * s
 
 
 @triton.jit
-def _scaled_kernel(
-    x_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, block_out, block_in, scale_cols,
-    FP8: tl.constexpr, FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _scaled_tile(w_ptr, scale_ptr, rn, rk, mask, K, block_out, block_in, scale_cols, FP8: tl.constexpr):
+    """The weight tile of a ScaledWeight, fp32: the value times its tile's scale."""
+    q = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0)
+    if FP8:  # fp8 bytes arrive as uint8 (a masked fp8 load has no `other` here) and are reinterpreted
+        q = q.to(tl.float8e4nv, bitcast=True)
+    at = (rn[:, None] // block_out) * scale_cols + rk[None, :] // block_in
+    return q.to(tl.float32) * tl.load(scale_ptr + at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dequant_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, gidx_ptr, y_ptr, M, N, K, scale_cols, block_out, block_in,
+    INT4: tl.constexpr, HAS_GIDX: tl.constexpr, FP8: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """y = x @ W.T, W's tiles dequantized in registers (INT4: block_in is the group size)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
@@ -77,16 +71,14 @@ def _scaled_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wn_mask = n_mask[:, None] & k_mask[None, :]
-        q = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wn_mask, other=0)
-        if FP8:  # fp8 bytes arrive as uint8 (a masked fp8 load has no `other` here) and are reinterpreted
-            q = q.to(tl.float8e4nv, bitcast=True)
-        q = q.to(tl.float32)
-        at = (rn[:, None] // block_out) * scale_cols + rk[None, :] // block_in
-        w = q * tl.load(scale_ptr + at, mask=wn_mask, other=0.0)
+        mask = n_mask[:, None] & k_mask[None, :]
+        if INT4:
+            w = _int4_tile(w_ptr, scale_ptr, zero_ptr, gidx_ptr, rn, rk, mask, K, scale_cols, block_in, HAS_GIDX)
+        else:
+            w = _scaled_tile(w_ptr, scale_ptr, rn, rk, mask, K, block_out, block_in, scale_cols, FP8)
         if FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w))
-        else:
+        else:  # the reference's weights: dequantized, then rounded to x's dtype
             acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
@@ -128,18 +120,21 @@ def wquant_linear(x: Tensor, weight: WQuantWeight) -> Tensor:
     x = x.contiguous()
     m, n, k = tokens, weight.out_features, weight.in_features
     fp32 = INTERPRET or x.dtype == torch.float32  # the interpreter's bf16 is raw bits (common.py)
+    grid = _grid(m, n)
     if isinstance(weight, Int4Weight):
         gidx = weight.g_idx if weight.g_idx is not None else weight.zero  # unread without HAS_GIDX
-        _int4_kernel[_grid(m, n)](
-            x, weight.packed, weight.scale, weight.zero, gidx, y, m, n, k, weight.scale.shape[1], weight.group_size,
-            HAS_GIDX=weight.g_idx is not None, FP32=fp32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        _dequant_gemm_kernel[grid](
+            x, weight.packed, weight.scale, weight.zero, gidx, y, m, n, k, weight.scale.shape[1], 1, weight.group_size,
+            INT4=True, HAS_GIDX=weight.g_idx is not None, FP8=False, FP32=fp32,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )  # fmt: skip
         return y
     fp8 = weight.data.dtype == torch.float8_e4m3fn
     data = weight.data.view(torch.uint8) if fp8 else weight.data
-    _scaled_kernel[_grid(m, n)](
-        x, data, weight.scale, y, m, n, k, weight.block_out, weight.block_in, weight.scale.shape[1],
-        FP8=fp8, FP32=fp32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    _dequant_gemm_kernel[grid](
+        x, data, weight.scale, weight.scale, weight.scale, y, m, n, k, weight.scale.shape[1], weight.block_out,
+        weight.block_in, INT4=False, HAS_GIDX=False, FP8=fp8, FP32=fp32,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return y
 
