@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Every float8_e4m3fn byte's value (NaN at 0x7f and 0xff, as the format has it).
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
 
 @dataclass(frozen=True)
 class ScaledWeight:
@@ -71,7 +74,10 @@ class ScaledWeight:
 
     def dequantize(self) -> Tensor:
         """fp32 [out, in]."""
-        values = self.data.float()
+        if self.data.dtype == torch.float8_e4m3fn:  # a table lookup: 3x torch's fp8 cast on the CPU, same bits
+            values = torch.take(_FP8_VALUES.to(self.data.device), self.data.view(torch.uint8).long())
+        else:
+            values = self.data.float()
         if self.block_in >= self.in_features:  # per tensor or channel: a broadcast, no expanded copy
             return values * self.scale.repeat_interleave(self.block_out, 0)[: self.out_features]
         scale = self.scale.repeat_interleave(self.block_out, 0)[: self.out_features]
