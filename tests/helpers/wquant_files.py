@@ -31,15 +31,21 @@ _AUX = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "gener
 Tensors = dict[str, torch.Tensor]
 
 
-def write_quantized(root: Path, method: str, **options: Any) -> tuple[Path, Path]:
+def write_quantized(root: Path, method: str, dense_modules: tuple[str, ...] = (), **options: Any) -> tuple[Path, Path]:
     """(the quantized checkpoint, the dense checkpoint of its dequantized weights).
     method: awq | gptq | pack-quantized | int-quantized | float-quantized | fp8;
-    options pick the variant (see each writer)."""
+    dense_modules: modules left unquantized (listed in modules_to_not_convert, or
+    compressed-tensors' ignore); options pick the variant (see each writer)."""
     source = tiny_checkpoint("llama")
     state = load_file(source / "model.safetensors")
     quant, dense = dict(state), dict(state)
     writer, config = _WRITERS[method](**options)
+    if dense_modules:
+        key = "ignore" if config["quant_method"] == "compressed-tensors" else "modules_to_not_convert"
+        config[key] = [*config.get(key, []), *dense_modules]
     for name, w in state.items():
+        if name.removesuffix(".weight") in dense_modules:
+            continue
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
             prefix = name.removesuffix(".weight")
             del quant[name]

@@ -21,7 +21,7 @@ from tests.helpers.wquant_files import write_quantized
 from tests.unit.test_gguf_model import BLOCK_SIZE, NEW_TOKENS, PROMPT, worker_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.models.errors import UnsupportedModel
-from worker_svc.models.linear import WQuantLinear
+from worker_svc.models.linear import Concat, Linear, WQuantLinear
 from worker_svc.models.spec import load_spec
 from worker_svc.worker import Worker
 
@@ -65,6 +65,19 @@ def test_fp32_tokens_match_transformers_on_the_dequantized_weights(tmp_path, met
     oracle = load_file(dense / "model.safetensors")
     qkv = torch.cat([oracle[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(layer.qkv.weight.dequantize(), qkv)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("method", ["awq", "pack-quantized"])
+def test_modules_the_format_left_dense_are_served_as_stored(tmp_path, method):
+    """modules_to_not_convert / ignore: those modules' weights are plain tensors in the file."""
+    kept = ("model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj")
+    quantized, dense = write_quantized(tmp_path, method, dense_modules=kept)
+    worker = Worker(WorkerConfig(model=str(quantized), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
+    assert worker_tokens(worker) == reference_tokens(dense)
+    first, second = worker.model.layers
+    assert isinstance(second.down, Linear)  # dense
+    assert isinstance(first.qkv, Concat)  # q, k quantized; v dense
+    assert [type(p).__name__ for p in first.qkv.parts] == ["WQuantLinear", "WQuantLinear", "Linear"]
 
 
 def test_the_weights_stay_quantized_in_memory(tmp_path):
