@@ -116,6 +116,7 @@ CT_INT4 = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "str
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, r"bits=8 \(gptq\)"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
         ({"quant_method": "gptq", "bits": 4, "lm_head": True}, r"lm_head=true"),
+        ({"quant_method": "gptq", "bits": 4, "format": "marlin"}, r"format='marlin' \(gptq\)"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, r"fmt='e5m2' \(fp8\)"),
         ({"quant_method": "fp8", "modules_to_not_convert": None, "unknown_knob": 1}, r"field 'unknown_knob' \(fp8\)"),
         ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, r"format='nvfp4-pack-quantized'"),

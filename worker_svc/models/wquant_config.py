@@ -103,8 +103,10 @@ def _int4(method: str, config: dict[str, Any]) -> Scheme:
         _require(method, "zero_point", config.get("zero_point", True), (True,))
         _require(method, "do_fuse", config.get("do_fuse"), (None, False))
         return Scheme("awq", group_size=max(group, 0))
-    fmt = config.get("checkpoint_format", "gptq")
-    _require(method, "checkpoint_format", fmt, ("gptq", "gptq_v2"))
+    # GPTQModel writes the packing as `format`, transformers/optimum as `checkpoint_format`.
+    field = "checkpoint_format" if "checkpoint_format" in config else "format"
+    fmt = config.get(field, "gptq")
+    _require(method, field, fmt, ("gptq", "gptq_v2"))
     # desc_act (act-order) is honoured: each input's group is read from g_idx.
     return Scheme("gptq", group_size=max(group, 0), zero_offset=1 if fmt == "gptq" else 0)
 
