@@ -32,6 +32,19 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
 @triton.jit
+def _load_rows(ptr, rows, rk, R, K):
+    """rows [B] x columns rk [BLOCK_K] of a row-major [R, K] matrix, 0 outside it."""
+    return tl.load(ptr + rows[:, None] * K + rk[None, :], mask=(rows < R)[:, None] & (rk < K)[None, :], other=0)
+
+
+@triton.jit
+def _store_tile(y_ptr, y, rm, rn, M, N):
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :]
+    )
+
+
+@triton.jit
 def _int4_tile(packed_ptr, scale_ptr, zero_ptr, gidx_ptr, rn, rk, mask, K, groups, group_size, HAS_GIDX: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile of an Int4Weight, fp32: (q - zero) * scale of each input's group."""
     byte = tl.load(packed_ptr + rn[:, None] * (K // 2) + rk[None, :] // 2, mask=mask, other=0).to(tl.int32)
@@ -65,13 +78,11 @@ def _dequant_gemm_kernel(
     """y = x @ W.T, W's tiles dequantized in registers (INT4: block_in is the group size)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        mask = n_mask[:, None] & k_mask[None, :]
+        x = _load_rows(x_ptr, rm, rk, M, K)
+        mask = (rn < N)[:, None] & (rk < K)[None, :]
         if INT4:
             w = _int4_tile(w_ptr, scale_ptr, zero_ptr, gidx_ptr, rn, rk, mask, K, scale_cols, block_in, HAS_GIDX)
         else:
@@ -80,8 +91,7 @@ def _dequant_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w))
         else:  # the reference's weights: dequantized, then rounded to x's dtype
             acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+    _store_tile(y_ptr, acc, rm, rn, M, N)
 
 
 @triton.jit
@@ -91,20 +101,13 @@ def _w8a8_kernel(
 ):  # fmt: skip
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        x = tl.load(xq_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        acc += tl.dot(x, tl.trans(w), out_dtype=tl.int32)
-    sx = tl.load(sx_ptr + rm, mask=m_mask, other=0.0)
-    sw = tl.load(sw_ptr + rn, mask=n_mask, other=0.0)
-    y = acc.to(tl.float32) * sx[:, None] * sw[None, :]
-    tl.store(
-        y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :]
-    )
+        acc += tl.dot(_load_rows(xq_ptr, rm, rk, M, K), tl.trans(_load_rows(w_ptr, rn, rk, N, K)), out_dtype=tl.int32)
+    sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
+    sw = tl.load(sw_ptr + rn, mask=rn < N, other=0.0)
+    _store_tile(y_ptr, acc.to(tl.float32) * sx[:, None] * sw[None, :], rm, rn, M, N)
 
 
 def _grid(m: int, n: int) -> tuple[int, int]:
