@@ -6,7 +6,7 @@ named with the GPU.
 
 Where one command may run at most 10 minutes (this workplace's lent GPUs), run
 the steps in three calls, `--only tests sanitizer`, `--only resources smoke`,
-`--only bench`: each merges its results into bench/results/gpu_check.json (kept
+`--only bench wquant`: each merges its results into bench/results/gpu_check.json (kept
 per GPU) and renders gpu_check.md from everything recorded for that GPU.
 
 0. environment: torch, CUDA, Triton and the GPU, printed; no CUDA (or
@@ -31,6 +31,9 @@ per GPU) and renders gpu_check.md from everything recorded for that GPU.
    two GPUs.
 5. bench: `bench/gpu_serving.py --quick --streams 1 256` (issue 17's targets,
    side by side with transformers), its targets table copied here.
+6. wquant: `bench/wquant_gemm.py` (issue 38): the quantized-weight GEMMs' TFLOP/s
+   (Triton INT4 W4A16, INT8 W8A16/W8A8, FP8 W8A16, torch._scaled_mm FP8) against
+   bf16 cuBLAS; their exactness against the references is in step 1's tests.
 
 A step that fails is reported and the others still run; the exit status is 1
 if any failed.
@@ -58,7 +61,7 @@ CARRIED = REPO / ".cache" / "gpu-check"  # what `make gpu-wheels` prepares to ca
 SITE = Path("/tmp/pagedserve-gpu-site")  # the carried wheels, installed beside the machine's own packages
 RESULT = REPO / "bench" / "results" / "gpu_check.md"
 STATE = REPO / "bench" / "results" / "gpu_check.json"  # every step's last result on this GPU
-STEPS = ("tests", "sanitizer", "resources", "smoke", "bench")
+STEPS = ("tests", "sanitizer", "resources", "smoke", "bench", "wquant")
 TEST_FILES = [
     "tests/unit/test_triton_kernels.py",
     "tests/unit/test_kv_quant.py",
@@ -74,6 +77,7 @@ TEST_FILES = [
     "tests/unit/test_softcap_attention.py",
     "tests/unit/test_families_on_device.py",
     "tests/unit/test_lora_kernels.py",
+    "tests/unit/test_wquant_kernels.py",
 ]
 OUTPUT_TAIL = 4000
 PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")
@@ -381,6 +385,13 @@ def step_bench(args: argparse.Namespace) -> StepResult:
     return StepResult("bench", status == 0, 0, summary, targets or _tail(output))
 
 
+def step_wquant(args: argparse.Namespace) -> StepResult:
+    status, output = _run([sys.executable, "-m", "bench.wquant_gemm"], _limit(args, 300))
+    table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
+    summary = "TFLOP/s vs bf16 cuBLAS in bench/results/wquant_gemm_gpu.md" if status == 0 else f"exit {status}"
+    return StepResult("wquant", status == 0, 0, summary, table or _tail(output))
+
+
 def _tail(output: str) -> str:
     return "```\n" + output[-OUTPUT_TAIL:].strip() + "\n```"
 
@@ -391,6 +402,7 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], StepResult]] = {
     "resources": step_resources,
     "smoke": step_smoke,
     "bench": step_bench,
+    "wquant": step_wquant,
 }
 
 

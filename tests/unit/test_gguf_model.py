@@ -6,8 +6,6 @@ served is refused by name."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from gguf import GGUFReader
@@ -20,7 +18,6 @@ from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.config import WorkerConfig
 from worker_svc.models.linear import Concat, QuantLinear
-from worker_svc.models.spec import load_spec
 from worker_svc.worker import Worker
 
 PROMPT = [5, 17, 99, 3, 250, 42, 8, 77, 130, 19, 61]
@@ -112,24 +109,3 @@ def test_what_is_not_served_is_refused_by_name(tmp_path):
     other = write_tiny_gguf(tmp_path / "qwen2.gguf", "Q8_0", architecture="qwen2")
     with pytest.raises(ValueError, match="qwen2"):
         Worker(WorkerConfig(model=str(other), dtype="float32", num_blocks=8))
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
-        {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-    ],
-    ids=lambda c: c["quant_method"],
-)
-def test_a_quantization_config_is_refused_naming_the_format(tmp_path, config):
-    from tests.helpers.checkpoints import tiny_checkpoint
-
-    source = tiny_checkpoint("llama")
-    cfg = json.loads((source / "config.json").read_text())
-    cfg["quantization_config"] = config
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=rf"quantization_config \(quant_method '{config['quant_method']}'\)"):
-        load_spec(tmp_path)

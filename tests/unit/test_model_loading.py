@@ -59,7 +59,7 @@ def test_a_bias_the_config_does_not_declare_is_refused(tmp_path):
         ("llama", {"sliding_window": 8}, "sliding_window=8"),
         ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
         ("qwen2", {"embedding_multiplier": 2.0}, "embedding_multiplier=2.0"),
-        ("mistral", {"quantization_config": {"quant_method": "awq"}}, "quantization_config (quant_method 'awq')"),
+        ("mistral", {"quantization_config": {"quant_method": "hqq"}}, "quantization_config (quant_method 'hqq')"),
         ("llama", {"hidden_act": "relu"}, "hidden_act 'relu'"),
         ("llama", {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "rope_type 'proportional'"),
         ("llama", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),

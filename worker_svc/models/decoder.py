@@ -30,8 +30,9 @@ from worker_svc.models.linear import Gated, Projection, Weight, dense, embed_row
 from worker_svc.models.moe import SparseMoe, load_sparse_moe
 from worker_svc.models.projections import gated_projection, projection, tied_head
 from worker_svc.models.rope import rope_cos_sin
-from worker_svc.models.spec import ModelSpec, load_spec
+from worker_svc.models.spec import ModelSpec, load_spec, quant_scheme, read_config
 from worker_svc.models.weights import CheckpointTensors, Tensors, Weights, check_consumed, to_canonical
+from worker_svc.models.wquant_load import QuantizedTensors, refuse_quantized
 
 
 class Attention(Protocol):
@@ -161,6 +162,14 @@ class DecoderModel:
                 spec = dataclasses.replace(spec, tie_word_embeddings=True)
             return cls.from_tensors(spec, weights, dtype, device, ops, cpu_linears, hook, quant_activations)
         tensors: Tensors = CheckpointTensors.open(Path(model_dir))
+        scheme = quant_scheme(read_config(model_dir))
+        if scheme is not None:
+            refuse_quantized(spec, transform is not None)
+            model = cls.from_tensors(
+                spec, QuantizedTensors(tensors, scheme), dtype, device, ops, cpu_linears, hook, quant_activations
+            )
+            model.weight_format = scheme.describe()
+            return model
         to_canonical(spec, tensors)
         if transform is not None:
             spec, tensors = transform(spec, tensors)
@@ -181,7 +190,10 @@ class DecoderModel:
         """The model over `tensors` (Llama's names, to_canonical; tensors, or a GGUF
         file's quantized blocks: models/linear.py), each taken once: one left over is
         an error naming it."""
-        formats = sorted({w.qtype for w in tensors.values() if isinstance(w, QuantizedWeight)})
+        # Only a GGUF file's weights (a dict) hold blocks; reading the values of a lazy
+        # checkpoint here would read it twice.
+        blocks = tensors.values() if isinstance(tensors, dict) else ()
+        formats = sorted({w.qtype for w in blocks if isinstance(w, QuantizedWeight)})
         if quant_activations != "none" and not formats:
             raise UnsupportedModel(f"--quant-activations {quant_activations}: the model has no GGUF block weights")
         qa = quant_activations

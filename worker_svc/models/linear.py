@@ -31,11 +31,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, quant_cpu_ops
+from kernels import cpu_ops, quant_cpu_ops, wquant
 from kernels.gguf_quant import QuantizedWeight, quant_linear, quant_linear_int8, stack
+from kernels.wquant import WQuantWeight
 
-# A checkpoint's weight: a tensor, or a GGUF file's quantized blocks.
-Weight = torch.Tensor | QuantizedWeight
+# A checkpoint's weight: a tensor, a GGUF file's quantized blocks, or a quantized
+# safetensors checkpoint's FP8/INT8/INT4 weight (kernels/wquant.py).
+Weight = torch.Tensor | QuantizedWeight | WQuantWeight
 
 # The oneDNN reorder is tuned for a batch size; decode batches are tens of rows.
 _PACK_BATCH_HINT = 32
@@ -154,6 +156,24 @@ class QuantLinear:
         return quant_linear(x, self.weight)
 
 
+class WQuantLinear:
+    """y = x @ W.T for an FP8/INT8/INT4 safetensors weight: the Triton kernel on
+    CUDA (kernels/triton/wquant.py), else the reference (dequantize on every call, then
+    multiply: the quantized bytes stay resident; the cost is measured in
+    bench/results/wquant_cpu.md)."""
+
+    def __init__(self, weight: WQuantWeight):
+        self.weight = weight
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            from kernels.triton import wquant as triton_wquant
+
+            return triton_wquant.wquant_linear(x, self.weight)
+        return wquant.wquant_linear(x, self.weight)
+
+
 class Concat:
     """Projections side by side, outputs concatenated: a fused projection whose parts
     cannot share one weight (GGUF blocks of different formats)."""
@@ -167,15 +187,15 @@ class Concat:
 
 def place(weight: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     """A weight on the device: a tensor in the model's dtype, quantized blocks as they are."""
-    if isinstance(weight, QuantizedWeight):
-        return weight.to(device)
-    return weight.to(device=device, dtype=dtype)
+    if isinstance(weight, torch.Tensor):
+        return weight.to(device=device, dtype=dtype)
+    return weight.to(device)
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight's values as a tensor of `dtype` (quantized blocks dequantized): what the
     norms and biases are kept as."""
-    values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+    values = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
     return values.to(dtype)
 
 
@@ -184,7 +204,7 @@ def embed_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Te
     quantized blocks decoded (the same values as `dense` of the whole table)."""
     if isinstance(table, QuantizedWeight):
         return table.rows(ids).dequantize().to(dtype)
-    return F.embedding(ids, table)
+    return F.embedding(ids, table if isinstance(table, torch.Tensor) else dense(table, dtype))
 
 
 def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False, quant_activations: str = "none") -> Projection:
@@ -194,6 +214,9 @@ def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False, quant_activat
     if all(isinstance(p, torch.Tensor) for p in parts):
         tensors = [p for p in parts if isinstance(p, torch.Tensor)]
         return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), cpu_kernel=cpu_kernel)
+    scaled = [p for p in parts if isinstance(p, (wquant.ScaledWeight, wquant.Int4Weight))]
+    if len(scaled) == len(parts) and (stacked_w := wquant.stack(scaled)) is not None:
+        return WQuantLinear(stacked_w)
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     stacked = stack(blocks) if len(blocks) == len(parts) else None
     if stacked is not None:

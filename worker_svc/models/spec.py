@@ -20,6 +20,7 @@ from worker_svc.models.families import family_of
 from worker_svc.models.moe import MoeSpec
 from worker_svc.models.registry import Family
 from worker_svc.models.rope import RopeTable, rope_table
+from worker_svc.models.wquant_config import Scheme, parse
 
 # transformers' activation names -> the gated MLP's (models/linear.py: activate)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -86,8 +87,8 @@ NEUTRAL: dict[str, Any] = {
 
 def read_config(model_dir: str | Path) -> PretrainedConfig:
     """The checkpoint's config: config.json, or a GGUF file's metadata (transformers
-    reads it). A quantization_config is refused by name: none is served (a GGUF
-    file's blocks are, models/gguf.py)."""
+    reads it). A quantization_config is read by models/wquant_config.py, which
+    refuses by name what is not served."""
     path = Path(model_dir)
     try:
         if path.suffix == ".gguf":
@@ -96,14 +97,16 @@ def read_config(model_dir: str | Path) -> PretrainedConfig:
         cfg = AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError) as exc:  # a model_type transformers itself does not know
         raise UnsupportedModel(f"{path.name}: {exc}") from exc
-    quant = getattr(cfg, "quantization_config", None)
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        raise UnsupportedModel(
-            f"config.json quantization_config (quant_method {str(method)!r}) is not served: "
-            "quantized safetensors checkpoints are refused; GGUF files are served"
-        )
+    quant_scheme(cfg)  # refuses, naming the field, what is not served
     return cfg
+
+
+def quant_scheme(cfg: PretrainedConfig) -> Scheme | None:
+    """The checkpoint's quantization scheme (models/wquant_config.py), None if unquantized."""
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is None:
+        return None
+    return parse(quant if isinstance(quant, dict) else quant.to_dict())
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

@@ -1,0 +1,132 @@
+"""Quantized-weight GEMMs beside the dense one, side by side in one run (issue 38):
+
+* on a GPU: the Triton kernels (kernels/triton/wquant.py: INT4 W4A16, INT8 W8A16
+  and W8A8, FP8 W8A16) and torch._scaled_mm's FP8 W8A8 (sm89+), TFLOP/s against
+  bf16 cuBLAS (F.linear) at decode and prefill row counts;
+* on the CPU: what the reference path costs (dequantize on every call, then
+  multiply: kernels/wquant.py), ms per call against fp32 F.linear on the same
+  shape, CPU time of the calling thread on one torch thread.
+
+    python -m bench.wquant_gemm [--quick]     # -> bench/results/wquant_gemm_{gpu,cpu}.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels import wquant, wquant_act
+from kernels.wquant import Int4Weight, ScaledWeight
+from kernels.wquant_formats import pack_rows
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GPU_SHAPES = [(4096, 4096), (14336, 4096)]  # (out, in): a 8B model's attention and MLP projections
+CPU_SHAPES = [(3072, 576), (576, 1536)]  # SmolLM2-135M's gate-up and down projections
+
+
+def weights(out: int, inp: int, device: torch.device, group: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    groups = -(-inp // group)
+    int4 = Int4Weight("int4", pack_rows(torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8)),
+                      (torch.rand(out, groups, generator=g) * 0.01).half(),
+                      torch.randint(0, 16, (out, groups), generator=g, dtype=torch.uint8), group)  # fmt: skip
+    scale = torch.rand(out, 1, generator=g) * 0.01
+    int8 = ScaledWeight("int8", torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scale, 1, inp)
+    fp8 = ScaledWeight("fp8", torch.randn(out, inp, generator=g).to(torch.float8_e4m3fn), scale, 1, inp)
+    return {"int4": int4.to(device), "int8": int8.to(device), "fp8": fp8.to(device)}
+
+
+def gpu_rows(rows: list[int]) -> list[str]:
+    from triton.testing import do_bench
+
+    from kernels.triton import wquant as tw
+
+    device = torch.device("cuda")
+    lines = ["| out x in | rows | bf16 cuBLAS | " + " | ".join(GPU_KERNELS) + " |",
+             "|---|---|---|" + "---|" * len(GPU_KERNELS)]  # fmt: skip
+    for out, inp in GPU_SHAPES:
+        w = weights(out, inp, device, 128)
+        dense = torch.randn(out, inp, device=device, dtype=torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, inp, device=device, dtype=torch.bfloat16)
+            tflops = 2 * m * out * inp / 1e9  # per ms
+            base = tflops / do_bench(partial(F.linear, x, dense))
+            ops: dict[str, Callable[[], torch.Tensor]] = {
+                "int4 g128 W4A16": partial(tw.wquant_linear, x, w["int4"]),
+                "int8 W8A16": partial(tw.wquant_linear, x, w["int8"]),
+                "int8 W8A8": partial(tw.w8a8_linear, x, w["int8"]),
+                "fp8 W8A16": partial(tw.wquant_linear, x, w["fp8"]),
+                "fp8 W8A8 _scaled_mm": partial(tw.fp8_linear, x, w["fp8"]),
+            }
+            cells = []
+            for name in GPU_KERNELS:
+                if name.startswith("fp8 W8A8") and not tw.has_fp8_mm(device):
+                    cells.append("no FP8 (reference)")
+                    continue
+                t = tflops / do_bench(ops[name])
+                cells.append(f"{t:.1f} ({t / base:.2f}x)")
+            lines.append(f"| {out} x {inp} | {m} | {base:.1f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+GPU_KERNELS = ["int4 g128 W4A16", "int8 W8A16", "int8 W8A8", "fp8 W8A16", "fp8 W8A8 _scaled_mm"]
+
+
+def cpu_rows(rows: list[int], rounds: int) -> list[str]:
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    names = ["fp32 F.linear", "int4 g64", "int8", "fp8", "int8 W8A8 (reference)"]
+    lines = ["| out x in | rows | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for out, inp in CPU_SHAPES:
+        w = weights(out, inp, device, 64)  # 576 = 9 x 64: SmolLM2's INT4 checkpoints group by 64 or 32
+        dense = w["int8"].dequantize()
+        for m in rows:
+            x = torch.randn(m, inp)
+            ops = [partial(F.linear, x, dense), *(partial(wquant.wquant_linear, x, w[k]) for k in ("int4", "int8", "fp8")),
+                   partial(wquant_act.w8a8_linear, x, w["int8"])]  # fmt: skip
+            times: list[list[float]] = [[] for _ in ops]
+            for _ in range(rounds):  # interleaved: the machine's load hits every variant alike
+                for i, op in enumerate(ops):
+                    start = time.thread_time()
+                    op()
+                    times[i].append((time.thread_time() - start) * 1e3)
+            ms = [statistics.median(t) for t in times]
+            cells = [f"{ms[0]:.3f}"] + [f"{v:.3f} ({v / ms[0]:.1f}x)" for v in ms[1:]]
+            lines.append(f"| {out} x {inp} | {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and row counts")
+    parser.add_argument("--out", type=Path, help="the report (default bench/results/wquant_gemm_{gpu,cpu}.md)")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        table = gpu_rows([1, 16] if args.quick else [1, 16, 128, 2048])
+        what = f"{torch.cuda.get_device_name()}: TFLOP/s (x: of bf16 cuBLAS on the same shape)"
+    else:
+        table = cpu_rows([1, 32], 5 if args.quick else 21)
+        what = "CPU, 1 torch thread: ms per call, median of interleaved rounds, thread CPU time (x: of fp32 F.linear)"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    command = "python -m bench.wquant_gemm" + (" --quick" if args.quick else "")
+    text = "\n".join([f"# Quantized-weight GEMMs ({what})", "", f"commit: {commit}  ", f"command: `{command}`  ",
+                      f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", *table, ""])  # fmt: skip
+    out = args.out or RESULTS / f"wquant_gemm_{'gpu' if gpu else 'cpu'}.md"
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
