@@ -58,7 +58,7 @@ def available() -> bool:
 
 
 def _kernel_takes(query: Tensor) -> bool:
-    return query.device.type == "cpu" and available()
+    return query.is_cpu and available()  # is_cpu: .device builds a torch.device per call
 
 
 def _int32(t: Tensor) -> Tensor:
