@@ -279,7 +279,7 @@ class DecoderModel:
             k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
             v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         else:  # the heads as views of the projection: two ops a layer, not four
-            q, k, v = qkv.view(num_tokens, -1, spec.head_dim).split_with_sizes(self.heads, dim=1)
+            q, k, v = qkv.view(num_tokens, sum(self.heads), spec.head_dim).split_with_sizes(self.heads, dim=1)
         if spec.qk_norm == "head" and w.q_norm is not None and w.k_norm is not None:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         attn = attention(i, q, k, v, cos, sin, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
