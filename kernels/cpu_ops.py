@@ -58,7 +58,7 @@ def available() -> bool:
 
 
 def _kernel_takes(query: Tensor) -> bool:
-    return query.device.type == "cpu" and available()
+    return query.is_cpu and available()  # is_cpu: .device builds a torch.device per call
 
 
 def _int32(t: Tensor) -> Tensor:
@@ -192,13 +192,23 @@ def contiguous_prefill_attention(
     )  # fmt: skip
 
 
+def _fp32(t: Tensor) -> Tensor:
+    """t as contiguous fp32. Checked first: .float() and .contiguous() are dispatched ops
+    even where they return t, host time of every layer of every step."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def _dense(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """reference.add_rms_norm in one pass per row."""
     if not _kernel_takes(x) or x.dtype not in _ELEMENT_DTYPES or x.stride(-1) != 1:
         return reference.add_rms_norm(x, residual, weight, eps)
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    normed, summed = torch.ops.pagedserve_cpu.add_rms_norm(x, residual, weight.float().contiguous(), float(eps))
+    normed, summed = torch.ops.pagedserve_cpu.add_rms_norm(x, residual, _fp32(weight), float(eps))
     return normed, summed
 
 
@@ -222,8 +232,9 @@ def rope_write_kv(
         return reference.rope_write_kv(
             query, key, value, cos, sin, k_cache, v_cache, slot_mapping, scales=scales
         )  # fmt: skip
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     q, k = torch.ops.pagedserve_cpu.rope_write_kv(
-        query, key, value, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping.long().contiguous()
+        query, key, value, _dense(cos), _dense(sin), k_cache, v_cache, _dense(slots)
     )
     return q, k
 

@@ -28,6 +28,12 @@ class CacheAttention:
         self.scale = scale
         self.route = route
         self.softcap = softcap  # the model's score soft-cap (Gemma 2), 0: none
+        # Each group's rows, worked out once per step rather than once per layer.
+        self._groups: list[tuple[str, AttentionGroup, slice]] = []
+        start = 0
+        for kind, group in metadata.groups:
+            self._groups.append((kind, group, slice(start, start + group.num_tokens)))
+            start += group.num_tokens
 
     def __call__(
         self,
@@ -41,12 +47,12 @@ class CacheAttention:
     ) -> torch.Tensor:
         # FP8/INT8 caches quantize on write and dequantize on read.
         q, k = self.cache.rope_write(layer, q, k, v, cos, sin, self.metadata.slot_mapping)
-        parts, start = [], 0
-        for kind, group in self.metadata.groups:
-            rows = slice(start, start + group.num_tokens)
-            start += group.num_tokens
-            parts.append(self._attend(kind, layer, q[rows], k[rows], v[rows], group, window))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(self._groups) == 1:  # every decode-only step: the rows as they are, no slices
+            kind, group, _ = self._groups[0]
+            return self._attend(kind, layer, q, k, v, group, window)
+        return torch.cat(
+            [self._attend(kind, layer, q[rows], k[rows], v[rows], group, window) for kind, group, rows in self._groups]
+        )
 
     def _attend(
         self,

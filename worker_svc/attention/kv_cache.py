@@ -140,6 +140,10 @@ class _KVTensors:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = KVScales.zeros(shape, dtype, device)  # None unquantized
+        # Each layer's views, made once: indexing the pool per call was two select ops
+        # (and four more for scales) per layer and op, host time of every decode step.
+        self._layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
+        self._scales = [None if self.scales is None else self.scales[i] for i in range(num_layers)]
         self.num_blocks = num_ids
         self.block_size = tokens_per_id
         self.dtype = dtype
@@ -180,11 +184,11 @@ class _KVTensors:
         return (self.k, self.v, *(self.scales.tensors if self.scales is not None else ()))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
     def layer_scales(self, i: int) -> KVScales | None:
         """Layer i's scales (and zero points), as the ops take them; None unquantized."""
-        return None if self.scales is None else self.scales[i]
+        return self._scales[i]
 
     def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         if len(src):

@@ -134,6 +134,7 @@ class DecoderModel:
         ]
         self.q_size = spec.num_q_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.heads = [spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads]  # of the fused q, k, v projection
 
     @classmethod
     def load(
@@ -288,12 +289,15 @@ class DecoderModel:
         spec, eps = self.spec, self.spec.rms_norm_eps
         num_tokens = delta.shape[0]
         x, residual = self._add_norm(delta, residual, w.attn_norm)
-        q, k, v = torch.split(w.qkv(x), [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = w.qkv(x)
         if spec.qk_norm == "full" and w.q_norm is not None and w.k_norm is not None:
+            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-        q = q.view(num_tokens, spec.num_q_heads, spec.head_dim)
-        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            q = q.view(num_tokens, spec.num_q_heads, spec.head_dim)
+            k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        else:  # the heads as views of the projection: two ops a layer, not four
+            q, k, v = qkv.view(num_tokens, sum(self.heads), spec.head_dim).split_with_sizes(self.heads, dim=1)
         if spec.qk_norm == "head" and w.q_norm is not None and w.k_norm is not None:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         attn = attention(i, q, k, v, cos, sin, spec.layer_windows[i]).reshape(num_tokens, self.q_size)
