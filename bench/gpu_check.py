@@ -6,7 +6,7 @@ named with the GPU.
 
 Where one command may run at most 10 minutes (this workplace's lent GPUs), run
 the steps in three calls, `--only tests sanitizer`, `--only resources smoke`,
-`--only bench`: each merges its results into bench/results/gpu_check.json (kept
+`--only bench gguf`: each merges its results into bench/results/gpu_check.json (kept
 per GPU) and renders gpu_check.md from everything recorded for that GPU.
 
 0. environment: torch, CUDA, Triton and the GPU, printed; no CUDA (or
@@ -31,6 +31,8 @@ per GPU) and renders gpu_check.md from everything recorded for that GPU.
    two GPUs.
 5. bench: `bench/gpu_serving.py --quick --streams 1 256` (issue 17's targets,
    side by side with transformers), its targets table copied here.
+6. gguf: `bench/gguf_gemm.py`, the Triton GEMM over GGUF Q4_K / Q8_0 blocks
+   beside bf16 cuBLAS (TFLOP/s, GB/s) at a 7B layer's decode and prefill sizes.
 
 A step that fails is reported and the others still run; the exit status is 1
 if any failed.
@@ -58,7 +60,7 @@ CARRIED = REPO / ".cache" / "gpu-check"  # what `make gpu-wheels` prepares to ca
 SITE = Path("/tmp/pagedserve-gpu-site")  # the carried wheels, installed beside the machine's own packages
 RESULT = REPO / "bench" / "results" / "gpu_check.md"
 STATE = REPO / "bench" / "results" / "gpu_check.json"  # every step's last result on this GPU
-STEPS = ("tests", "sanitizer", "resources", "smoke", "bench")
+STEPS = ("tests", "sanitizer", "resources", "smoke", "bench", "gguf")
 TEST_FILES = [
     "tests/unit/test_triton_kernels.py",
     "tests/unit/test_kv_quant.py",
@@ -74,6 +76,7 @@ TEST_FILES = [
     "tests/unit/test_softcap_attention.py",
     "tests/unit/test_families_on_device.py",
     "tests/unit/test_lora_kernels.py",
+    "tests/unit/test_gguf_triton.py",
 ]
 OUTPUT_TAIL = 4000
 PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")
@@ -381,6 +384,16 @@ def step_bench(args: argparse.Namespace) -> StepResult:
     return StepResult("bench", status == 0, 0, summary, targets or _tail(output))
 
 
+def step_gguf(args: argparse.Namespace) -> StepResult:
+    """The Triton GEMM over GGUF blocks (Q4_K, Q8_0) beside bf16 cuBLAS on a 7B
+    layer's shapes at T = 1, 32, 2,048 (bench/gguf_gemm.py); its table copied here."""
+    status, output = _run([sys.executable, "-m", "bench.gguf_gemm"], _limit(args, 420))
+    results = REPO / "bench" / "results" / "gguf_gemm.md"
+    table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
+    summary = f"GGUF GEMM vs bf16 cuBLAS in {results.relative_to(REPO)}" if status == 0 else f"exit {status}"
+    return StepResult("gguf", status == 0, 0, summary, table or _tail(output))
+
+
 def _tail(output: str) -> str:
     return "```\n" + output[-OUTPUT_TAIL:].strip() + "\n```"
 
@@ -391,6 +404,7 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], StepResult]] = {
     "resources": step_resources,
     "smoke": step_smoke,
     "bench": step_bench,
+    "gguf": step_gguf,
 }
 
 

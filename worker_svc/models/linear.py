@@ -17,15 +17,16 @@ the multiply); fp32 weights stay plain, as transformers multiplies them; CUDA
 weights stay plain too (cuBLAS needs no reorder).
 
 A GGUF model's weights stay in their quantized blocks (kernels/gguf_quant.py): a
-QuantLinear multiplies them with kernels/csrc/quant_linear_cpu.cpp, which decodes the
-blocks in registers, where it takes the format, and otherwise with the reference
-(dequantize, then multiply: slower, same values). `make_linear` and `gated_linear`
+QuantLinear multiplies them on CUDA with kernels/triton/gguf_gemm.py and on the CPU
+with kernels/csrc/quant_linear_cpu.cpp (both decode the blocks inside their loops,
+no dequantized copy), the C++ one where it takes the format, and otherwise with the
+reference (dequantize, then multiply: slower, same values). `make_linear` and `gated_linear`
 build whichever a weight needs, so the decoder has one path for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -134,19 +135,39 @@ class GatedLinear:
         return self.gated(x)
 
 
+QuantOp = Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
+
+
+def quant_kernel(device: torch.device, cpu_kernel_takes: bool) -> str:
+    """Which multiply GGUF blocks on `device` get: triton on CUDA (as the attention
+    backend's auto picks it there), cpu where the C++ kernel takes the weight, else
+    "" (the reference)."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if cpu_kernel_takes else ""
+
+
+def quant_op(kernel: str) -> QuantOp:
+    if kernel == "triton":
+        from kernels.triton import gguf_gemm  # imported lazily: triton is heavy and optional on CPU
+
+        return gguf_gemm.quant_linear
+    return quant_cpu_ops.quant_linear if kernel == "cpu" else quant_linear
+
+
 class QuantLinear:
-    """y = x @ W.T for W in GGUF blocks: the C++ kernel where it takes the format here,
-    else the reference (dequantize on every call, then multiply)."""
+    """y = x @ W.T for W in GGUF blocks: decoded inside the kernel's loop on CUDA
+    (kernels/triton/gguf_gemm.py) and on the CPU where the C++ kernel takes the
+    format, else the reference (dequantize on every call, then multiply)."""
 
     def __init__(self, weight: QuantizedWeight, cpu_kernel: bool = False):
         self.weight = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
-        self.kernel = "cpu" if cpu_kernel and quant_cpu_ops.takes(weight) else ""
+        self.kernel = quant_kernel(weight.data.device, cpu_kernel and quant_cpu_ops.takes(weight))
+        self.op = quant_op(self.kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "cpu":
-            return quant_cpu_ops.quant_linear(x, self.weight)
-        return quant_linear(x, self.weight)
+        return self.op(x, self.weight)
 
 
 class Concat:
