@@ -148,8 +148,7 @@ def resource_rows(arches: tuple[int, ...] = (80, 90)) -> list[dict[str, object]]
                 if not tiles.gemv:
                     kernel = G._gemm_kernel
                     meta |= dict(COMPUTE=tl.bfloat16, DOT_PRECISION=None, BLOCK_M=tiles.block_m)
-                options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-                compiled = _compile(kernel, pointers, meta, options, arch)
+                compiled = _compile(kernel, pointers, meta, G.launch_options(tiles), arch)
                 registers, spills = ptxas_report(compiled.asm["ptx"], arch)
                 out.append(
                     dict(arch=arch, qtype=qtype, tokens=tokens, tiles=f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}",

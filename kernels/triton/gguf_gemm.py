@@ -4,18 +4,18 @@ as the file has them (QuantizedWeight.data, uint8 rows) and decoded inside the K
 loop, so no dequantized copy of the weight is ever made.
 
 Each weight element W[n, k] is decoded where it is needed (`_decode`): its block
-is byte k // E of row n's blocks, and its quantized bits, its block's fp16 scales
+is block k // E of row n, and its quantized bits, its block's fp16 scales
 and, for the K-quants, its sub-block's 6-bit scale and min are gathered from
 that block's bytes with the format's arithmetic (the reference's fp32 operations
-in the reference's order; a GPU may fuse a multiply-add, an ulp). Neighbouring
+in the reference's order, never fused: `launch_options`). Neighbouring
 lanes read neighbouring bytes of one row and share their block's scales, which
 the cache serves once.
 
 Two kernels over that decode, the choice and the tiles pure arithmetic
 (`gguf_tiles`):
 * GEMV (few tokens, decode): one program per (BLOCK_N output rows, token), a
-  [BLOCK_N, BLOCK_K] tile of decoded weights times the token's slice of x,
-  summed along K in fp32. No padding of the token dimension to an MMA tile.
+  [BLOCK_N, BLOCK_K] tile of decoded weights (rounded to x's dtype) times the
+  token's slice of x, summed along K in fp32. No padding of the token dimension to an MMA tile.
 * GEMM (prefill, batched decode): one program per (BLOCK_M tokens, BLOCK_N
   outputs), the decoded [BLOCK_K, BLOCK_N] tile rounded to x's dtype (as the
   reference rounds the dequantized weight) and multiplied with tl.dot, fp32
@@ -70,6 +70,13 @@ def gguf_tiles(tokens: int, qtype: str) -> GgufTiles:
     if tokens <= 64:
         return GgufTiles(False, 16 if tokens <= 16 else 32, 64, 32, num_warps=4, num_stages=3)
     return GgufTiles(False, 128 if tokens >= 1024 else 64, 128, 32, num_warps=8, num_stages=3)
+
+
+def launch_options(tiles: GgufTiles) -> dict[str, int]:
+    """Warps and stages, and no fused multiply-adds: the decode's d * q + m and
+    d * q - dmin * mn then round as the reference's do (exact decoded weights, as the
+    C++ kernel's contraction off gives); the dots run on the MMA units regardless."""
+    return {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -168,7 +175,8 @@ def _gemv_kernel(
         k_mask = k < in_features
         xk = tl.load(x_ptr + t * in_features + k, mask=k_mask, other=0.0).to(tl.float32)
         w = _decode(w_ptr, h_ptr, n[:, None], k[None, :], n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE, E, B)
-        acc += tl.sum(w * xk[None, :], axis=1)
+        # rounded to x's dtype first, as the reference rounds the dequantized weight
+        acc += tl.sum(w.to(x_ptr.dtype.element_ty).to(tl.float32) * xk[None, :], axis=1)
     tl.store(y_ptr + t * out_features + n0 + n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -213,7 +221,7 @@ def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     halves = data.view(torch.float16)  # the same bytes, for the fp16 scale fields
     tiles = gguf_tiles(tokens, weight.qtype)
     code = QTYPE_CODES[weight.qtype]
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    launch = launch_options(tiles)
     if tiles.gemv:
         grid = (triton.cdiv(weight.out_features, tiles.block_n), tokens)
         _gemv_kernel[grid](
