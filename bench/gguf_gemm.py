@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,33 +76,39 @@ def random_weight(qtype: str, out_features: int, in_features: int, device: torch
     return QuantizedWeight(qtype, out_features, in_features, blocks.view(out_features, -1))
 
 
-def time_ms(fn) -> float:  # type: ignore[no-untyped-def]
+def time_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def gguf_rows(tokens: tuple[int, ...] = TOKENS) -> list[Row]:
-    """bf16 cuBLAS and the GGUF kernel for every shape, type and token count."""
+def gguf_rows(
+    tokens: tuple[int, ...] = TOKENS,
+    shapes: tuple[tuple[str, int, int], ...] = SHAPES,
+    dev: torch.device = torch.device("cuda"),
+    timer: Callable[[Callable[[], object]], float] = time_ms,
+) -> list[Row]:
+    """bf16 cuBLAS and the GGUF kernel for every shape, type and token count (a CPU
+    device and another timer: the same code under the interpreter, in the tests)."""
     import torch.nn.functional as F
 
     from kernels.gguf_quant import quant_linear as reference
     from kernels.triton.gguf_gemm import quant_linear
 
-    dev, rows = torch.device("cuda"), []
-    for name, out_features, in_features in SHAPES:
+    rows = []
+    for name, out_features, in_features in shapes:
         dense = torch.randn(out_features, in_features, device=dev, dtype=torch.bfloat16) * 0.02
         weights = {q: random_weight(q, out_features, in_features, dev) for q in QTYPES}
         for t in tokens:
             x = torch.randn(t, in_features, device=dev, dtype=torch.bfloat16)
             flops = 2.0 * t * out_features * in_features
             activations = 2 * t * (in_features + out_features)
-            ms = time_ms(lambda x=x, dense=dense: F.linear(x, dense))
+            ms = timer(partial(F.linear, x, dense))
             rows.append(Row(name, t, "bf16 cuBLAS", ms, flops, dense.numel() * 2 + activations))
             for qtype, weight in weights.items():
                 got, want = quant_linear(x, weight).float(), reference(x, weight).float()
                 torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0.02)
-                ms = time_ms(lambda x=x, weight=weight: quant_linear(x, weight))
+                ms = timer(partial(quant_linear, x, weight))
                 rows.append(Row(name, t, qtype, ms, flops, weight.nbytes + activations))
             print(*(f"{r.shape} T={r.tokens} {r.kernel}: {r.ms:.3f} ms" for r in rows[-3:]), sep="\n", flush=True)
     return rows
@@ -174,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     if (reason := skip_reason()) is not None:
         print(f"bench.gguf_gemm skipped: {reason}; nothing written (it times the kernels on a CUDA GPU)")
         return 0
+    from bench.harness.results import commit
+
     rows = gguf_rows(tuple(args.tokens))
     gpu = torch.cuda.get_device_name()
-    text = f"# GGUF GEMM on {gpu}\n\n`python -m bench.gguf_gemm --tokens {' '.join(map(str, args.tokens))}`\n\n"
+    command = f"python -m bench.gguf_gemm --tokens {' '.join(map(str, args.tokens))}"
+    text = f"# GGUF GEMM on {gpu}\n\n`{command}` at {commit()}; L2 flushed before each run, median.\n\n"
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(text + gguf_table(rows) + "\n")
     print(gguf_table(rows))

@@ -145,3 +145,25 @@ def test_every_tile_compiles_for_sm80_and_sm90_without_spilling():
     assert {(r["arch"], r["qtype"]) for r in rows} == {(a, q) for a in (80, 90) for q in FORMATS}, proc.stderr[-3000:]
     assert not [r for r in rows if r["spill_bytes"] or r["registers"] > 255]
     assert proc.returncode == 0
+
+
+def test_the_bench_checks_and_reports_its_kernels():
+    """bench/gguf_gemm.py's own code on a tiny shape (under the interpreter here):
+    every kernel's output checked against the reference, one row each, and the
+    table's arithmetic (TFLOP/s, GB/s, the ratio to bf16)."""
+    from bench import gguf_gemm as bench
+
+    calls: list[object] = []
+
+    def timer(fn):  # the call must run: it is what would be timed
+        calls.append(fn())
+        return 2.0 if len(calls) % 3 == 1 else 1.0  # bf16 first, then each format
+
+    rows = bench.gguf_rows(tokens=(1, 5), shapes=(("tiny", 24, 256),), dev=DEVICE, timer=timer)
+    assert [(r.tokens, r.kernel) for r in rows] == [(t, k) for t in (1, 5) for k in ("bf16 cuBLAS", *bench.QTYPES)]
+    assert all(isinstance(c, torch.Tensor) and c.shape[-1] == 24 for c in calls)
+    q4k = next(r for r in rows if r.kernel == "Q4_K" and r.tokens == 5)
+    assert q4k.moved_bytes == 24 * 144 + 2 * 5 * (256 + 24)  # the blocks as stored, x and y in bf16
+    assert q4k.tflops == pytest.approx(2 * 5 * 24 * 256 / 1e-3 / 1e12)
+    table = bench.gguf_table(rows)
+    assert "| tiny | 5 | Q4_K | 1.000 |" in table and table.count("2.00x") == 4
