@@ -57,11 +57,11 @@ def gguf_tiles(tokens: int, qtype: str) -> GgufTiles:
     once, so the GEMV spreads the rows over many programs (a 4,096-row output is 512
     programs of 8 rows) and reads a whole super-block of 256 per row and iteration
     (32-element formats: 8 blocks). The GEMM's token tile grows with the tokens (16
-    rows, the smallest MMA tile, for a small batch; 128 for a prefill) over one
-    32-element sub-block per iteration: every decoded weight holds a gathered
-    address, and wider K tiles spilled registers on sm_90 (64 x 128 x 64, 8 warps:
-    up to 740 bytes for Q5_K; these spill nothing on sm_80 and sm_90,
-    tests/unit/test_gguf_triton.py). GPU tuning (a split-K GEMV for narrow outputs,
+    rows, the smallest MMA tile, for a small batch; 128 for a prefill) over 64
+    outputs and one 32-element sub-block per iteration: every decoded weight holds
+    a gathered address, and larger tiles spilled registers (128 x 128 x 64 on sm_90:
+    up to 740 bytes for Q5_K; 128 x 128 x 32 on sm_80: 24 bytes for Q5_1). These
+    spill nothing on sm_80 and sm_90 (tests/unit/test_gguf_triton.py, slow). GPU tuning (a split-K GEMV for narrow outputs,
     a grouped launch order for L2) is still to measure (bench/gguf_gemm.py)."""
     if qtype not in QTYPE_CODES:
         raise ValueError(f"the Triton GGUF kernels do not decode {qtype} (they do: {', '.join(QTYPE_CODES)})")
@@ -69,7 +69,7 @@ def gguf_tiles(tokens: int, qtype: str) -> GgufTiles:
         return GgufTiles(True, 1, 8, 256, num_warps=4, num_stages=2)
     if tokens <= 64:
         return GgufTiles(False, 16 if tokens <= 16 else 32, 64, 32, num_warps=4, num_stages=3)
-    return GgufTiles(False, 128 if tokens >= 1024 else 64, 128, 32, num_warps=8, num_stages=3)
+    return GgufTiles(False, 128 if tokens >= 1024 else 64, 64, 32, num_warps=8, num_stages=3)
 
 
 def launch_options(tiles: GgufTiles) -> dict[str, int]:
