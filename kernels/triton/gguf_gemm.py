@@ -55,18 +55,20 @@ class GgufTiles:
 def gguf_tiles(tokens: int, qtype: str) -> GgufTiles:
     """The kernel and tiles for `tokens` rows of x. A decode step reads every weight
     once, so the GEMV spreads the rows over many programs (a 4,096-row output is 512
-    programs of 8 rows) and reads a whole super-block of 256 per row and iteration
-    (32-element formats: 8 blocks). The GEMM's token tile grows with the tokens (16
-    rows, the smallest MMA tile, for a small batch; 128 for a prefill) over 64
-    outputs and one 32-element sub-block per iteration: every decoded weight holds
-    a gathered address, and larger tiles spilled registers (128 x 128 x 64 on sm_90:
-    up to 740 bytes for Q5_K; 128 x 128 x 32 on sm_80: 24 bytes for Q5_1). These
-    spill nothing on sm_80 and sm_90 (tests/unit/test_gguf_triton.py, slow). GPU tuning (a split-K GEMV for narrow outputs,
-    a grouped launch order for L2) is still to measure (bench/gguf_gemm.py)."""
+    programs of 8 rows) and reads 128 weights per row and iteration (half a K-quant
+    super-block, 4 blocks of the others; 256 spilled Q5_K on sm_90). The GEMM's
+    token tile grows with the tokens (16 rows, the smallest MMA tile, for a small
+    batch; 128 for a prefill) over 64 outputs and one 32-element sub-block per
+    iteration: every decoded weight holds a gathered address, and larger tiles
+    spilled registers (128 x 128 x 64 on sm_90: up to 740 bytes for Q5_K;
+    128 x 128 x 32 on sm_80: 24 bytes for Q5_1). These spill nothing on sm_80 and
+    sm_90 (tests/unit/test_gguf_triton.py, slow). GPU tuning (a split-K GEMV for
+    narrow outputs, a grouped launch order for L2) is still to measure
+    (bench/gguf_gemm.py)."""
     if qtype not in QTYPE_CODES:
         raise ValueError(f"the Triton GGUF kernels do not decode {qtype} (they do: {', '.join(QTYPE_CODES)})")
     if tokens <= GEMV_MAX_TOKENS:
-        return GgufTiles(True, 1, 8, 256, num_warps=4, num_stages=2)
+        return GgufTiles(True, 1, 8, 128, num_warps=4, num_stages=2)
     if tokens <= 64:
         return GgufTiles(False, 16 if tokens <= 16 else 32, 64, 32, num_warps=4, num_stages=3)
     return GgufTiles(False, 128 if tokens >= 1024 else 64, 64, 32, num_warps=8, num_stages=3)

@@ -3,8 +3,9 @@ reference (kernels/gguf_quant.py's quant_linear) for every served format, under
 TRITON_INTERPRET=1 without a GPU (compiled on the GPU in `make gpu-check`): its
 decode is bit for bit the reference's, through the GEMV (few tokens) and the GEMM;
 its products match at odd token counts and output sizes that fit no tile; a
-QuantLinear on CUDA dispatches to it; its tiles compile for sm_80 and sm_90
-without spilling (slow)."""
+QuantLinear on CUDA dispatches to it, and a tiny GGUF worker through it gives
+transformers' greedy tokens; its tiles compile for sm_80 and sm_90 without
+spilling (slow); bench/gguf_gemm.py checks and reports what it times."""
 
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ from kernels.gguf_quant import BLOCK_FORMATS, quant_linear
 from kernels.triton import gguf_gemm
 from kernels.triton.common import interpreter_enabled
 from tests.helpers.gguf_blocks import random_blocks
+from tests.helpers.gguf_files import write_tiny_gguf
+from tests.helpers.gguf_tokens import BLOCK_SIZE, PROMPT, reference_tokens, worker_tokens
 from tools.processes import REPO
+from worker_svc.config import WorkerConfig
+from worker_svc.models import linear
 from worker_svc.models.linear import QuantLinear, quant_kernel, quant_op
+from worker_svc.worker import Worker
 
 DEVICE = torch.device("cpu" if interpreter_enabled() else "cuda")
 FORMATS = sorted(BLOCK_FORMATS)
@@ -167,3 +173,28 @@ def test_the_bench_checks_and_reports_its_kernels():
     assert q4k.tflops == pytest.approx(2 * 5 * 24 * 256 / 1e-3 / 1e12)
     table = bench.gguf_table(rows)
     assert "| tiny | 5 | Q4_K | 1.000 |" in table and table.count("2.00x") == 4
+
+
+# One format in `make test` (the interpreter runs a whole forward slowly); the rest slow.
+WORKER_FORMATS = [q if q == "Q4_K" else pytest.param(q, marks=pytest.mark.slow) for q in FORMATS]
+
+
+@pytest.mark.parametrize("qtype", WORKER_FORMATS)
+def test_a_gguf_worker_through_the_kernels_gives_transformers_tokens(tmp_path, monkeypatch, qtype):
+    """A tiny GGUF worker, fp32, its linears in the Triton kernels (on CUDA by the
+    dispatch; here the dispatch is told CUDA's answer and the kernels run in the
+    interpreter): transformers' greedy tokens on the same file."""
+    calls = []
+    kernel = gguf_gemm.quant_linear
+
+    def counted(x, w):
+        calls.append(tuple(x.shape))
+        return kernel(x, w)
+
+    monkeypatch.setattr(gguf_gemm, "quant_linear", counted)
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(linear, "quant_kernel", lambda device, cpu_kernel_takes: "triton")
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, seed=len(qtype) + ord(qtype[1]))
+    config = WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE, device=DEVICE.type)
+    assert worker_tokens(Worker(config)) == reference_tokens(path)
+    assert {shape[0] for shape in calls} >= {len(PROMPT), 1}  # the prefill's rows (GEMM) and a decode's (GEMV)
