@@ -6,7 +6,7 @@ named with the GPU.
 
 Where one command may run at most 10 minutes (this workplace's lent GPUs), run
 the steps in three calls, `--only tests sanitizer`, `--only resources smoke`,
-`--only bench wquant`: each merges its results into bench/results/gpu_check.json (kept
+`--only bench wquant gguf`: each merges its results into bench/results/gpu_check.json (kept
 per GPU) and renders gpu_check.md from everything recorded for that GPU.
 
 0. environment: torch, CUDA, Triton and the GPU, printed; no CUDA (or
@@ -34,6 +34,8 @@ per GPU) and renders gpu_check.md from everything recorded for that GPU.
 6. wquant: `bench/wquant_gemm.py` (issue 38): the quantized-weight GEMMs' TFLOP/s
    (Triton INT4 W4A16, INT8 W8A16/W8A8, FP8 W8A16, torch._scaled_mm FP8) against
    bf16 cuBLAS; their exactness against the references is in step 1's tests.
+7. gguf: `bench/gguf_gemm.py`, the Triton GEMM over GGUF Q4_K / Q8_0 blocks
+   beside bf16 cuBLAS (TFLOP/s, GB/s) at a 7B layer's decode and prefill sizes.
 
 A step that fails is reported and the others still run; the exit status is 1
 if any failed.
@@ -61,7 +63,7 @@ CARRIED = REPO / ".cache" / "gpu-check"  # what `make gpu-wheels` prepares to ca
 SITE = Path("/tmp/pagedserve-gpu-site")  # the carried wheels, installed beside the machine's own packages
 RESULT = REPO / "bench" / "results" / "gpu_check.md"
 STATE = REPO / "bench" / "results" / "gpu_check.json"  # every step's last result on this GPU
-STEPS = ("tests", "sanitizer", "resources", "smoke", "bench", "wquant")
+STEPS = ("tests", "sanitizer", "resources", "smoke", "bench", "wquant", "gguf")
 TEST_FILES = [
     "tests/unit/test_triton_kernels.py",
     "tests/unit/test_kv_quant.py",
@@ -78,6 +80,7 @@ TEST_FILES = [
     "tests/unit/test_families_on_device.py",
     "tests/unit/test_lora_kernels.py",
     "tests/unit/test_wquant_kernels.py",
+    "tests/unit/test_gguf_triton.py",
 ]
 OUTPUT_TAIL = 4000
 PYTEST_COUNTS = re.compile(r"\d+ (passed|failed|error)")
@@ -385,11 +388,23 @@ def step_bench(args: argparse.Namespace) -> StepResult:
     return StepResult("bench", status == 0, 0, summary, targets or _tail(output))
 
 
-def step_wquant(args: argparse.Namespace) -> StepResult:
-    status, output = _run([sys.executable, "-m", "bench.wquant_gemm"], _limit(args, 300))
+def _gemm_step(name: str, module: str, limit_s: int, results: str, args: argparse.Namespace) -> StepResult:
+    """A quantized GEMM bench beside bf16 cuBLAS (`python -m MODULE`); its table copied here."""
+    status, output = _run([sys.executable, "-m", module], _limit(args, limit_s))
     table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
-    summary = "TFLOP/s vs bf16 cuBLAS in bench/results/wquant_gemm_gpu.md" if status == 0 else f"exit {status}"
-    return StepResult("wquant", status == 0, 0, summary, table or _tail(output))
+    summary = f"TFLOP/s vs bf16 cuBLAS in {results}" if status == 0 else f"exit {status}"
+    return StepResult(name, status == 0, 0, summary, table or _tail(output))
+
+
+def step_wquant(args: argparse.Namespace) -> StepResult:
+    """Triton INT4/INT8/FP8 GEMMs and torch._scaled_mm FP8 (bench/wquant_gemm.py)."""
+    return _gemm_step("wquant", "bench.wquant_gemm", 300, "bench/results/wquant_gemm_gpu.md", args)
+
+
+def step_gguf(args: argparse.Namespace) -> StepResult:
+    """The Triton GEMM over GGUF blocks (Q4_K, Q8_0) on a 7B layer's shapes at T = 1,
+    32, 2,048 (bench/gguf_gemm.py)."""
+    return _gemm_step("gguf", "bench.gguf_gemm", 420, "bench/results/gguf_gemm.md", args)
 
 
 def _tail(output: str) -> str:
@@ -403,6 +418,7 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], StepResult]] = {
     "smoke": step_smoke,
     "bench": step_bench,
     "wquant": step_wquant,
+    "gguf": step_gguf,
 }
 
 

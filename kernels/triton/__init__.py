@@ -10,6 +10,8 @@ sampler and the tests take this package where they take the reference.
   and split counts, as pure arithmetic.
 * fused.py: add_rms_norm and rope_write_kv (RoPE fused with the K/V write).
 * sampling.py: gumbel_argmax, the seeded Gumbel-max sample in one pass.
+* gguf_gemm.py: quant_linear over GGUF's quantized blocks (kernels/gguf_quant.py's
+  oracle), which a QuantLinear on CUDA calls (worker_svc/models/linear.py).
 
 Kernels run compiled on CUDA (matmuls in the query dtype, fp32 accumulation), or
 under the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1`` set before

@@ -17,15 +17,16 @@ the multiply); fp32 weights stay plain, as transformers multiplies them; CUDA
 weights stay plain too (cuBLAS needs no reorder).
 
 A GGUF model's weights stay in their quantized blocks (kernels/gguf_quant.py): a
-QuantLinear multiplies them with kernels/csrc/quant_linear_cpu.cpp, which decodes the
-blocks in registers, where it takes the format, and otherwise with the reference
-(dequantize, then multiply: slower, same values). `make_linear` and `gated_linear`
+QuantLinear multiplies them on CUDA with kernels/triton/gguf_gemm.py and on the CPU
+with kernels/csrc/quant_linear_cpu.cpp (both decode the blocks inside their loops,
+no dequantized copy), the C++ one where it takes the format, and otherwise with the
+reference (dequantize, then multiply: slower, same values). `make_linear` and `gated_linear`
 build whichever a weight needs, so the decoder has one path for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -136,24 +137,43 @@ class GatedLinear:
         return self.gated(x)
 
 
+QuantOp = Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
+
+
+def quant_kernel(device: torch.device, cpu_kernel_takes: bool) -> str:
+    """Which multiply GGUF blocks on `device` get: triton on CUDA (as the attention
+    backend's auto picks it there), cpu where the C++ kernel takes the weight, else
+    "" (the reference)."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if cpu_kernel_takes else ""
+
+
+def quant_op(kernel: str) -> QuantOp:
+    if kernel == "triton":
+        from kernels.triton import gguf_gemm  # imported lazily: triton is heavy and optional on CPU
+
+        return gguf_gemm.quant_linear
+    return quant_cpu_ops.quant_linear if kernel == "cpu" else quant_linear
+
+
 class QuantLinear:
-    """y = x @ W.T for W in GGUF blocks: the C++ kernel where it takes the format here,
-    else the reference (dequantize on every call, then multiply). activations "int8":
-    x quantized per 32-block and integer dot products (--quant-activations)."""
+    """y = x @ W.T for W in GGUF blocks: decoded inside the kernel's loop on CUDA
+    (kernels/triton/gguf_gemm.py) and on the CPU where the C++ kernel takes the
+    format, else the reference (dequantize on every call, then multiply).
+    activations "int8": x quantized per 32-block and integer dot products
+    (--quant-activations; the C++ kernel, else its reference)."""
 
     def __init__(self, weight: QuantizedWeight, cpu_kernel: bool = False, activations: str = "none"):
         self.weight = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
-        self.kernel = "cpu" if cpu_kernel and quant_cpu_ops.takes(weight) else ""
-        self.int8 = activations == "int8"
+        self.kernel = quant_kernel(weight.data.device, cpu_kernel and quant_cpu_ops.takes(weight))
+        self.op = quant_op(self.kernel)
+        if activations == "int8":
+            self.op = quant_cpu_ops.quant_linear_int8 if self.kernel == "cpu" else quant_linear_int8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8:
-            op = quant_cpu_ops.quant_linear_int8 if self.kernel == "cpu" else quant_linear_int8
-            return op(x, self.weight)
-        if self.kernel == "cpu":
-            return quant_cpu_ops.quant_linear(x, self.weight)
-        return quant_linear(x, self.weight)
+        return self.op(x, self.weight)
 
 
 class WQuantLinear:

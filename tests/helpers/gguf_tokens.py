@@ -1,0 +1,42 @@
+"""Greedy tokens of a tiny GGUF model: a worker's, one step per token, and
+transformers' on the same file (it dequantizes with the gguf package), the
+oracle of the GGUF exactness tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers.worker_steps import Seq, sampled, step_input
+from worker_svc.worker import Worker
+
+PROMPT = [5, 17, 99, 3, 250, 42, 8, 77, 130, 19, 61]
+NEW_TOKENS = 8
+BLOCK_SIZE = 16
+
+
+def worker_tokens(worker: Worker) -> list[int]:
+    """Greedy: one prefill step, then one decode step per token."""
+    table = [3, 0]
+
+    def seq(tokens: list[int], start: int) -> Seq:
+        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + len(tokens))]
+        return Seq(0, tokens, start, table, slots, sample=True)
+
+    out: list[int] = []
+    tokens, start = PROMPT, 0
+    for step_id in range(1, NEW_TOKENS + 1):
+        [token] = sampled(worker.step(step_input(step_id, [], [seq(tokens, start)])))
+        out.append(token.token_id)
+        start += len(tokens)
+        tokens = [token.token_id]
+    return out
+
+
+def reference_tokens(path: Path) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    return ids[0, len(PROMPT) :].tolist()
