@@ -229,6 +229,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.instance_id,
             list(request.src_block_ids),
             list(request.dst_block_ids),
+            request.source_tls_server_name,
         )
         try:
             done = self.mover.fetch(order)

@@ -36,7 +36,9 @@ class LocalSource:
         self.mover = mover
         self.calls: list[list[int]] = []
 
-    def read(self, address: str, instance_id: str, block_ids: list[int], transfer_id: int) -> Iterator[Chunk]:
+    def read(
+        self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
+    ) -> Iterator[Chunk]:
         self.calls.append(block_ids)
         return self.mover.serve(block_ids, instance_id)
 

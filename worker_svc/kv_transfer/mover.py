@@ -32,6 +32,7 @@ class FetchOrder:
     instance_id: str
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    source_tls_server_name: str = ""  # the name the source's certificate carries, if not its host
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,13 @@ class BlockMover:
             raise InvalidStep("src_block_ids", f"{len(order.src_block_ids)} ids for {len(dst)} dst_block_ids")
         started = time.perf_counter()
         write_s, received, done = 0.0, 0, 0
-        chunks = self.source.read(order.source, order.source_instance_id, list(order.src_block_ids), order.transfer_id)
+        chunks = self.source.read(
+            order.source,
+            order.source_instance_id,
+            list(order.src_block_ids),
+            order.transfer_id,
+            order.source_tls_server_name,
+        )
         for chunk in chunks:
             if chunk.block_bytes != self.codec.block_bytes or chunk.first != done:
                 raise TransferFailed(

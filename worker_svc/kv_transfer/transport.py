@@ -34,8 +34,11 @@ class Chunk:
 
 
 class BlockSource(Protocol):
-    def read(self, address: str, instance_id: str, block_ids: list[int], transfer_id: int) -> Iterator[Chunk]:
-        """The blocks' bytes in order, in chunks; raises TransferFailed."""
+    def read(
+        self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
+    ) -> Iterator[Chunk]:
+        """The blocks' bytes in order, in chunks; raises TransferFailed. tls_server_name:
+        the name the source's certificate carries when it is not the host in `address`."""
         ...
 
 
@@ -46,32 +49,39 @@ class GrpcBlockSource:
         self._metadata = bearer_metadata(token)
         self._credentials = credentials
         self._options = channel_options(max_message_mb, fast_reconnect=True)
+        self._max_message_mb = max_message_mb
         self._timeout_s = timeout_s
-        self._calls: dict[str, grpc.UnaryStreamMultiCallable] = {}  # one channel per source, kept
+        self._calls: dict[tuple[str, str], grpc.UnaryStreamMultiCallable] = {}  # a channel per source, kept
         self._lock = threading.Lock()
 
-    def read(self, address: str, instance_id: str, block_ids: list[int], transfer_id: int) -> Iterator[Chunk]:
+    def read(
+        self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
+    ) -> Iterator[Chunk]:
         request = worker_pb2.ReadBlocksRequest(transfer_id=transfer_id, instance_id=instance_id, block_ids=block_ids)
         try:
-            yield from self._read_blocks(address)(request, timeout=self._timeout_s, metadata=self._metadata)
+            yield from self._read_blocks(address, tls_server_name)(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.Call) else str(err)
             raise TransferFailed(f"reading blocks from {address}: {why}") from None
 
-    def _read_blocks(self, address: str) -> grpc.UnaryStreamMultiCallable:
+    def _read_blocks(self, address: str, tls_server_name: str) -> grpc.UnaryStreamMultiCallable:
         """worker.v1 ReadBlocks on the source's channel, its chunks decoded in place."""
+        key = (address, tls_server_name)
         with self._lock:
-            if address not in self._calls:
+            if key not in self._calls:
                 if self._credentials is None:
                     channel = grpc.insecure_channel(address, options=self._options)
                 else:
-                    channel = grpc.secure_channel(address, self._credentials, options=self._options)
-                self._calls[address] = channel.unary_stream(
+                    options = channel_options(self._max_message_mb, True, tls_server_name)
+                    channel = grpc.secure_channel(address, self._credentials, options=options)
+                self._calls[key] = channel.unary_stream(
                     READ_BLOCKS_METHOD,
                     request_serializer=worker_pb2.ReadBlocksRequest.SerializeToString,
                     response_deserializer=decode_chunk,
                 )
-            return self._calls[address]
+            return self._calls[key]
 
 
 # BlocksChunk (proto/worker.proto) to and from its wire bytes around the blocks' bytes,
