@@ -51,6 +51,8 @@ from scheduler_svc.client import SchedulerClient
 NAME = "disaggregation"
 CONFIGS = {"unified (2 x both)": ("both", "both"), "disaggregated (1P + 1D)": ("prefill", "decode")}
 ONE_THREAD = {"PAGEDSERVE_WORKER_NUM_THREADS": "1"}
+# A worker pinned to one core of a loaded machine loads its model slowly.
+START_S = 600.0
 
 
 def trial(address: str, streams: list[list[int]], longs: list[list[int]], long_output: int) -> dict:
@@ -89,7 +91,9 @@ def serving(args: argparse.Namespace, model: Path) -> tuple[dict[str, list[dict]
         names = list(CONFIGS)[repeat % 2 :] + list(CONFIGS)[: repeat % 2]  # rotating order
         for name in names:
             procs = [
-                ServiceProcess("worker_svc", [*worker, "--kv-role", role, *_pinned(args, i)], env=ONE_THREAD)
+                ServiceProcess(
+                    "worker_svc", [*worker, "--kv-role", role, *_pinned(args, i)], env=ONE_THREAD, timeout_s=START_S
+                )
                 for i, role in enumerate(CONFIGS[name])
             ]
             with _started(procs):
@@ -118,7 +122,7 @@ def transfer(args: argparse.Namespace, model: Path) -> tuple[list[Transfer], int
     """Per size in --transfer-blocks, medians of --transfer-repeats calls; and the bytes per block."""
     worker = ["--model", str(model), "--dtype", args.dtype, "--num-blocks", str(max(args.transfer_blocks))]
     procs = [
-        ServiceProcess("worker_svc", [*worker, "--kv-role", role, *_pinned(args, i)])
+        ServiceProcess("worker_svc", [*worker, "--kv-role", role, *_pinned(args, i)], timeout_s=START_S)
         for i, role in enumerate(("prefill", "decode"))
     ]
     with _started(procs):
