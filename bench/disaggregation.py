@@ -3,8 +3,10 @@ unified workers, side by side in one run, and the KV transfer between two worker
 
     python -m bench.disaggregation [--long-tokens 1024] [--long-prompts 2] [--streams 32] [--repeats 1]
 
-Serving. For each configuration, two worker processes (one thread each, so both
-configurations get the same CPU) and a scheduler; a trial:
+Serving. For each configuration, two worker processes (one thread each, the first
+pinned to core 0 and the second to core 1 with --cpu-cores, so both configurations
+get the same CPU and neither worker's steps run on the other's core; --no-pin
+leaves them to the OS) and a scheduler; a trial:
 
 1. --streams greedy streams (32-token prompts, EOS ignored) start and decode;
 2. once each has 8 tokens, --long-prompts prompts of --long-tokens tokens (random
@@ -21,7 +23,10 @@ tokens (greedy) must be identical in both.
 Transfer. Two workers of the model; the decode one pulls N blocks from the prefill
 one (FetchBlocks -> ReadBlocks over gRPC on this machine) for N in --transfer-blocks,
 timed at the caller: GB/s at the largest N, and the per-call and per-block costs
-from a least-squares line through (N, time).
+from a least-squares line through (N, time). The split of a call: the stream from
+the source (FetchBlocksResponse.read_ms: gather, encode, gRPC, decode), the writes
+into the destination's pool (write_ms), and each worker's CPU time (/proc), which a
+loaded machine does not inflate as it does wall time.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ import contextlib
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from bench.harness.load import TimedStream, join_streams, random_token_ids, wait_until
-from bench.harness.machine import announce, load_average
+from bench.harness.machine import announce, cpu_seconds, load_average
 from bench.harness.results import fmt, markdown_table, median, percentile, pyplot, save_plot, write_result
 from bench.harness.services import DEFAULT_MODEL, ServiceProcess, require_model, worker_info
 from proto import worker_pb2, worker_pb2_grpc
@@ -45,6 +51,8 @@ from scheduler_svc.client import SchedulerClient
 NAME = "disaggregation"
 CONFIGS = {"unified (2 x both)": ("both", "both"), "disaggregated (1P + 1D)": ("prefill", "decode")}
 ONE_THREAD = {"PAGEDSERVE_WORKER_NUM_THREADS": "1"}
+# A worker pinned to one core of a loaded machine loads its model slowly.
+START_S = 600.0
 
 
 def trial(address: str, streams: list[list[int]], longs: list[list[int]], long_output: int) -> dict:
@@ -82,8 +90,12 @@ def serving(args: argparse.Namespace, model: Path) -> tuple[dict[str, list[dict]
     for repeat in range(args.repeats):
         names = list(CONFIGS)[repeat % 2 :] + list(CONFIGS)[: repeat % 2]  # rotating order
         for name in names:
-            roles = CONFIGS[name]
-            procs = [ServiceProcess("worker_svc", [*worker, "--kv-role", r], env=ONE_THREAD) for r in roles]
+            procs = [
+                ServiceProcess(
+                    "worker_svc", [*worker, "--kv-role", role, *_pinned(args, i)], env=ONE_THREAD, timeout_s=START_S
+                )
+                for i, role in enumerate(CONFIGS[name])
+            ]
             with _started(procs):
                 addresses = ",".join(p.address for p in procs)
                 flags = ["--model", str(model), "--workers", addresses, "--no-prefix-caching", *budget]
@@ -94,12 +106,28 @@ def serving(args: argparse.Namespace, model: Path) -> tuple[dict[str, list[dict]
     return results, len(longs)
 
 
-def transfer(args: argparse.Namespace, model: Path) -> tuple[list[tuple[int, float]], int]:
-    """(blocks, seconds) per call, median of --transfer-repeats; and the bytes per block."""
+@dataclass(frozen=True)
+class Transfer:
+    """One FetchBlocks of `blocks` blocks: medians over the repeats."""
+
+    blocks: int
+    seconds: float  # at the caller
+    stream_ms: float  # the decode worker reading the stream from the source (FetchBlocksResponse.read_ms)
+    write_ms: float  # ... and writing the blocks into its pool
+    source_cpu_ms: float  # CPU time of each worker process during the call
+    dest_cpu_ms: float
+
+
+def transfer(args: argparse.Namespace, model: Path) -> tuple[list[Transfer], int]:
+    """Per size in --transfer-blocks, medians of --transfer-repeats calls; and the bytes per block."""
     worker = ["--model", str(model), "--dtype", args.dtype, "--num-blocks", str(max(args.transfer_blocks))]
-    procs = [ServiceProcess("worker_svc", [*worker, "--kv-role", r]) for r in ("prefill", "decode")]
+    procs = [
+        ServiceProcess("worker_svc", [*worker, "--kv-role", role, *_pinned(args, i)], timeout_s=START_S)
+        for i, role in enumerate(("prefill", "decode"))
+    ]
     with _started(procs):
         src, dst = (worker_info(p.address) for p in procs)
+        pids = [p.proc.pid for p in procs if p.proc is not None]
         timings = []
         with grpc.insecure_channel(procs[1].address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
@@ -115,11 +143,24 @@ def transfer(args: argparse.Namespace, model: Path) -> tuple[list[tuple[int, flo
                 stub.FetchBlocks(request, timeout=300)  # warm (channels, pages)
                 runs = []
                 for _ in range(args.transfer_repeats):
+                    cpu_before = [cpu_seconds(pid) for pid in pids]
                     started = time.perf_counter()
-                    stub.FetchBlocks(request, timeout=300)
-                    runs.append(time.perf_counter() - started)
-                timings.append((blocks, median(runs)))
+                    reply = stub.FetchBlocks(request, timeout=300)
+                    elapsed = time.perf_counter() - started
+                    cpu = [(cpu_seconds(pid) - before) * 1e3 for pid, before in zip(pids, cpu_before)]
+                    runs.append((elapsed, reply.read_ms, reply.write_ms, *cpu))
+                timings.append(Transfer(blocks, *(median([r[i] for r in runs]) for i in range(5))))
     return timings, src.kv_bytes_per_block
+
+
+def _per_cpu_second(size: int, cpu_ms: float) -> str:
+    """GB per CPU-second; '-' under the clock tick (10 ms) /proc counts CPU time in."""
+    return f"{size / (cpu_ms / 1e3) / 1e9:.2f}" if cpu_ms > 0 else "-"
+
+
+def _pinned(args: argparse.Namespace, index: int) -> list[str]:
+    """The index-th worker's --cpu-cores: its own core (of two)."""
+    return ["--cpu-cores", str(index % 2)] if args.pin else []
 
 
 @contextlib.contextmanager
@@ -152,12 +193,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--transfer-blocks", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--transfer-repeats", type=int, default=3)
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="leave the workers' cores to the OS (no --cpu-cores)"
+    )
     args = parser.parse_args()
     model = require_model(args.model)
     started, load_before = time.perf_counter(), load_average()
     timings, block_bytes = transfer(args, model)
-    print(f"transfer (blocks, s): {timings}; {block_bytes} bytes per block", flush=True)
+    print(f"transfer: {timings}; {block_bytes} bytes per block", flush=True)
     results, _ = serving(args, model)
+    print(f"serving: {results}", flush=True)  # the raw figures, whatever becomes of the tables
 
     summary = {}
     for name, runs in results.items():
@@ -204,18 +249,36 @@ def main() -> None:
         ],
         rows,
     )
-    overhead_s, per_block_s = fit(timings)
-    largest_blocks, largest_s = timings[-1]
+    overhead_s, per_block_s = fit([(t.blocks, t.seconds) for t in timings])
+    largest = timings[-1]
     transfer_rows = [
         [
-            blocks,
-            f"{blocks * block_bytes / 1e6:.1f}",
-            fmt(seconds * 1e3, 2),
-            f"{blocks * block_bytes / seconds / 1e9:.2f}",
+            t.blocks,
+            f"{t.blocks * block_bytes / 1e6:.1f}",
+            fmt(t.seconds * 1e3, 2),
+            f"{t.blocks * block_bytes / t.seconds / 1e9:.2f}",
+            fmt(t.stream_ms, 1),
+            fmt(t.write_ms, 1),
+            fmt(t.source_cpu_ms, 1),
+            fmt(t.dest_cpu_ms, 1),
+            _per_cpu_second(t.blocks * block_bytes, t.source_cpu_ms + t.dest_cpu_ms),
         ]
-        for blocks, seconds in timings
+        for t in timings
     ]
-    transfer_table = markdown_table(["blocks", "MB", "ms (median)", "GB/s"], transfer_rows)
+    transfer_table = markdown_table(
+        [
+            "blocks",
+            "MB",
+            "ms (median)",
+            "GB/s",
+            "stream ms",
+            "write ms",
+            "source CPU ms",
+            "destination CPU ms",
+            "GB per CPU-second (both)",
+        ],
+        transfer_rows,
+    )
     moved = [r["moved"] for r in results["disaggregated (1P + 1D)"]]
     body = (
         f"## Serving: {args.streams} decoding streams, {args.long_prompts} prompts of {args.long_tokens} tokens "
@@ -224,13 +287,14 @@ def main() -> None:
         f"{', '.join(f'{b} ({by / 1e6:.1f} MB in {s * 1e3:.0f} ms)' for b, by, s in moved)}.\n\n"
         f"## KV transfer between two workers on this machine\n\n{transfer_table}\n\n"
         f"Bytes per block: **{block_bytes:,}** ({model.name}, {args.dtype}, 16 tokens, all layers, K and V). "
-        f"Throughput at {largest_blocks} blocks: **{largest_blocks * block_bytes / largest_s / 1e9:.2f} GB/s** "
+        f"Throughput at {largest.blocks} blocks: **{largest.blocks * block_bytes / largest.seconds / 1e9:.2f} GB/s** "
         f"(target >= 1). Fit time = a + b x blocks: per-call overhead a = {overhead_s * 1e3:.2f} ms, "
         f"per block b = {per_block_s * 1e3:.3f} ms ({block_bytes / per_block_s / 1e9:.2f} GB/s marginal)."
     )
     notes = (
         f"Model `{model.name}`, {args.dtype}; every worker one thread "
-        f"(PAGEDSERVE_WORKER_NUM_THREADS=1) so both configurations get the same two cores; prefix caching off; "
+        f"(PAGEDSERVE_WORKER_NUM_THREADS=1){', pinned to its own core (--cpu-cores 0 and 1)' if args.pin else ''} "
+        "so both configurations get the same two cores; prefix caching off; "
         f"step budget {args.chunk_tokens} + {args.streams} tokens, chunks of {args.chunk_tokens}. The issue's 4k-token "
         f"prompts are scaled to {args.long_tokens} for this 2-core CPU. {args.repeats} repeat(s), rotating order. "
         f"ITL is measured at the client (gRPC stream arrival). 1-minute load average {load_before:.1f} before, "

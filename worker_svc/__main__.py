@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.stdout.write(architectures())
         return
+    if config.cpu_cores:  # before torch starts its threads
+        from worker_svc.affinity import pin_to_cores
+
+        pin_to_cores(config.cpu_cores)
     from worker_svc.allocator import keep_freed_memory
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.step.errors import WorkerDown

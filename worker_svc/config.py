@@ -10,6 +10,7 @@ from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
 from svc_common.peer_auth import is_loopback, token_file_problem
 from svc_common.tls import file_checks, pair_check
+from worker_svc.affinity import cores_problem as affinity_problem
 from worker_svc.parallel.layout import layout_problem
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -136,6 +137,14 @@ class WorkerConfig:
             "help": "torch CPU threads; 0 = on CPU per step: every core but one (at least one, the other left to the scheduler and gateway) for small decode steps, every core for steps of >= 16 tokens; on CUDA torch's default"
         },
     )
+    cpu_cores: str = field(
+        default="",
+        metadata={
+            "help": "CPU cores this worker runs on, e.g. 0 or 0-3,6 (sched_setaffinity at start-up, every thread); "
+            "--num-threads 0 then counts these. Keeps two workers on one machine (prefill and decode) off each "
+            "other's cores. '' = every core the process was given"
+        },
+    )
     drain_timeout_s: float = field(
         default=30.0, metadata={"help": "after SIGTERM: how long the step in flight may take to finish"}
     )
@@ -197,6 +206,7 @@ class WorkerConfig:
         if self.list_architectures:  # serves nothing: no other flag matters
             return
         token_problem = token_file_problem(self.internal_token_file)
+        cores_problem = affinity_problem(self.cpu_cores) if self.cpu_cores else None
         checks = [
             model_dir_check(self.model, "--model"),
             (self.block_size in (8, 16, 32, 64, 128), "--block-size", "one of 8, 16, 32, 64, 128"),
@@ -213,6 +223,7 @@ class WorkerConfig:
             (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1"),
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "1..2047"),
             (self.num_threads >= 0, "--num-threads", ">= 0"),
+            (cores_problem is None, "--cpu-cores", str(cores_problem)),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device", "cpu, cuda or cuda:N"),
             (self.drain_timeout_s >= 0, "--drain-timeout-s", ">= 0"),
             (self.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1"),

@@ -25,7 +25,7 @@ from svc_common.tls import channel_credentials, server_credentials
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_transfer.codec import BlockCodec
 from worker_svc.kv_transfer.mover import BlockMover, FetchOrder
-from worker_svc.kv_transfer.transport import GrpcBlockSource, TransferFailed
+from worker_svc.kv_transfer.transport import Chunk, GrpcBlockSource, TransferFailed, encode_chunk
 from worker_svc.lora import AdapterRefused
 from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import (
@@ -229,6 +229,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.instance_id,
             list(request.src_block_ids),
             list(request.dst_block_ids),
+            request.source_tls_server_name,
         )
         try:
             done = self.mover.fetch(order)
@@ -246,19 +247,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             write_ms=done.write_ms,
         )
 
-    def ReadBlocks(
-        self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.BlocksChunk]:
+    def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext) -> Iterator[Chunk]:
         try:
             chunks = self.mover.serve(list(request.block_ids), request.instance_id)
         except InvalidStep as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferFailed as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        for chunk in chunks:
-            yield worker_pb2.BlocksChunk(
-                first=chunk.first, count=chunk.count, block_bytes=chunk.block_bytes, data=chunk.data
-            )
+        yield from chunks  # serialized by encode_chunk (see serve())
 
     def StepMasks(
         self, request: worker_pb2.StepMasksRequest, context: grpc.ServicerContext
@@ -369,7 +365,16 @@ def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:
         options=server_options(config.max_message_mb),
         interceptors=interceptors,
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, block_mover(worker, config)), server)
+    servicer = WorkerServicer(worker, block_mover(worker, config))
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    # ReadBlocks' chunks go out as BlocksChunk bytes built around the blocks' bytes in one
+    # copy (kv_transfer/transport.py): this handler replaces the generated one.
+    read_blocks = grpc.unary_stream_rpc_method_handler(
+        servicer.ReadBlocks,
+        request_deserializer=worker_pb2.ReadBlocksRequest.FromString,
+        response_serializer=encode_chunk,
+    )
+    server.add_registered_method_handlers(SERVICE_NAME, {"ReadBlocks": read_blocks})
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

@@ -234,7 +234,12 @@ class KvHandoff:
         started = time.perf_counter()
         try:
             result = await target.client.fetch_blocks(
-                transfer_id, src.info, target.info.instance_id, transfer.src_ids, transfer.dst_ids
+                transfer_id,
+                src.info,
+                target.info.instance_id,
+                transfer.src_ids,
+                transfer.dst_ids,
+                src.client.tls_server_name,  # dialled by pod IP: the name its certificate carries
             )
         except WorkerCallFailed as err:
             counters.failed += 1

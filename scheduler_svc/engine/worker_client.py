@@ -326,6 +326,7 @@ class WorkerClient:
         # tls_server_name: a worker found through DNS is dialled by IP; its certificate names the DNS name.
         options = channel_options(max_message_mb, fast_reconnect=True, tls_server_name=tls_server_name)
         self.address = address
+        self.tls_server_name = tls_server_name  # a decode worker dials this one by the same name
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(address, options=options)
         else:
@@ -369,10 +370,17 @@ class WorkerClient:
             raise self._failure(err) from None
 
     async def fetch_blocks(
-        self, transfer_id: int, source: WorkerInfo, instance_id: str, src_block_ids: list[int], dst_block_ids: list[int]
+        self,
+        transfer_id: int,
+        source: WorkerInfo,
+        instance_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        source_tls_server_name: str = "",
     ) -> TransferResult:
         """Have this worker (instance `instance_id`) pull `source`'s blocks src_block_ids into
-        its dst_block_ids. Raises WorkerCallFailed."""
+        its dst_block_ids; source_tls_server_name: the name `source`'s certificate carries,
+        if not its host. Raises WorkerCallFailed."""
         request = worker_pb2.FetchBlocksRequest(
             transfer_id=transfer_id,
             source=source.address,
@@ -380,6 +388,7 @@ class WorkerClient:
             instance_id=instance_id,
             src_block_ids=src_block_ids,
             dst_block_ids=dst_block_ids,
+            source_tls_server_name=source_tls_server_name,
         )
         try:
             reply = await self.stub.FetchBlocks(request, metadata=self._metadata)

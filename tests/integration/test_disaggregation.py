@@ -15,8 +15,14 @@ import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.structured import Constraint
 from tests.helpers.checkpoints import tiny_checkpoint
@@ -24,6 +30,7 @@ from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, wait_idle
 from tests.helpers.grammar_reference import reference
 from tests.helpers.procs import ServiceProcess, running
 from tests.helpers.recorder import finished_records, wait_for
+from tools import certs
 
 MODEL = tiny_checkpoint("llama")  # the conftest's model_dir: `model` is its transformers reference
 BLOCK = 16
@@ -164,3 +171,63 @@ def test_prefill_worker_killed_mid_transfer_recomputes_on_the_decode_worker(pair
     assert result["got"].token_ids == want
     assert (stats.kv_transfers_failed, stats.kv_transfers, stats.kv_transfer_blocks) == (1, 0, 0)
     assert stats.kv_handoffs == 1  # it moved anyway, and the decode worker computed the prompt
+
+
+def test_a_source_dialled_by_ip_is_verified_against_the_tls_server_name_the_scheduler_sends(tmp_path):
+    """Workers serving mutual TLS, as on Kubernetes: the prefill worker's certificate names
+    only its Service (no IP), and the decode worker dials it by address. FetchBlocks with
+    source_tls_server_name moves the blocks; without it the decode worker refuses the
+    source's certificate and says so (FAILED_PRECONDITION: the scheduler recomputes)."""
+    ca = certs.CertificateAuthority(1)
+    files = {"ca.crt": ca.issued.cert}
+    key = ec.generate_private_key(ec.SECP256R1())  # a leaf without the 127.0.0.1 tools.certs always adds
+    named_only = (
+        ca._builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prefill.test")]), key.public_key())
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("prefill.test")]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca.key, hashes.SHA256())
+    )
+    files["prefill.crt"] = named_only.public_bytes(serialization.Encoding.PEM)
+    files["prefill.key"] = certs._pem_key(key)
+    for name, issued in (("decode", ca.issue("decode", [], server=True)), ("client", ca.issue("client", [], False))):
+        files[f"{name}.crt"], files[f"{name}.key"] = issued.cert, issued.key
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+
+    def tls(role: str) -> list[str]:
+        return ["--tls-cert", str(tmp_path / f"{role}.crt"), "--tls-key", str(tmp_path / f"{role}.key")]
+
+    client_ca = ["--tls-client-ca", str(tmp_path / "ca.crt")]
+    prefill = ServiceProcess("worker_svc", [*WORKER, "--kv-role", "prefill", *tls("prefill"), *client_ca])
+    decode = ServiceProcess("worker_svc", [*WORKER, "--kv-role", "decode", *tls("decode"), *client_ca])
+    credentials = grpc.ssl_channel_credentials(files["ca.crt"], files["client.key"], files["client.crt"])
+    options = [("grpc.ssl_target_name_override", "prefill.test")]
+    with running([prefill, decode]):
+        with (
+            grpc.secure_channel(prefill.address, credentials, options=options) as to_prefill,
+            grpc.secure_channel(decode.address, credentials) as to_decode,
+        ):
+            src, dst = (
+                worker_pb2_grpc.WorkerStub(c).Info(worker_pb2.InfoRequest(), timeout=30)
+                for c in (to_prefill, to_decode)
+            )
+
+            def fetch(server_name: str) -> worker_pb2.FetchBlocksResponse:
+                request = worker_pb2.FetchBlocksRequest(
+                    source=prefill.address,
+                    source_instance_id=src.instance_id,
+                    instance_id=dst.instance_id,
+                    src_block_ids=[3, 4],
+                    dst_block_ids=[7, 1],
+                    source_tls_server_name=server_name,
+                )
+                return worker_pb2_grpc.WorkerStub(to_decode).FetchBlocks(request, timeout=60)
+
+            reply = fetch("prefill.test")
+            assert (reply.blocks, reply.bytes) == (2, 2 * src.kv_bytes_per_block)
+            with pytest.raises(grpc.RpcError) as refused:
+                fetch("")  # 127.0.0.1 is not in the prefill worker's certificate
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"reading blocks from {prefill.address}" in refused.value.details()

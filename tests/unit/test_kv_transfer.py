@@ -10,10 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from proto import worker_pb2
 from worker_svc.attention.kv_cache import PagedKVCache
 from worker_svc.kv_transfer.codec import BlockCodec
 from worker_svc.kv_transfer.mover import BlockMover, FetchOrder
-from worker_svc.kv_transfer.transport import Chunk, TransferFailed
+from worker_svc.kv_transfer.transport import Chunk, TransferFailed, decode_chunk, encode_chunk
 from worker_svc.step.errors import InvalidStep
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 12, 2, 4, 8
@@ -35,7 +36,9 @@ class LocalSource:
         self.mover = mover
         self.calls: list[list[int]] = []
 
-    def read(self, address: str, instance_id: str, block_ids: list[int], transfer_id: int) -> Iterator[Chunk]:
+    def read(
+        self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
+    ) -> Iterator[Chunk]:
         self.calls.append(block_ids)
         return self.mover.serve(block_ids, instance_id)
 
@@ -100,3 +103,36 @@ def test_a_source_that_sends_other_blocks_is_refused():
     mover = BlockMover(BlockCodec(dst.tensors), "dst-1", LocalSource(source))
     with pytest.raises(TransferFailed, match="bytes; expected block 0"):
         mover.fetch(FetchOrder(1, "prefill:1", "src-1", "dst-1", [1], [2]))
+
+
+def test_runs_of_consecutive_blocks_land_and_a_reused_buffer_serves_each_read():
+    src, dst = filled_cache(torch.float32, 8), filled_cache(torch.float32, 9)
+    codec, dst_codec = BlockCodec(src.tensors), BlockCodec(dst.tensors)
+    buffer = codec.buffer(4)
+    pairs = [([0, 1, 2, 5], [3, 4, 5, 9]), ([6, 7], [10, 0])]  # runs 3-5 and 9; then 10, 0
+    for src_ids, dst_ids in pairs:
+        dst_codec.write(dst_ids, codec.read(src_ids, buffer))
+    for src_ids, dst_ids in pairs:
+        for want, got in zip(src_ids, dst_ids):
+            for s, d in zip(src.tensors, dst.tensors):
+                assert torch.equal(d[:, got].view(torch.uint8), s[:, want].view(torch.uint8))
+    with pytest.raises(ValueError, match="a buffer of .* bytes for 5 blocks"):
+        codec.read([0, 1, 2, 3, 4], buffer)
+
+
+def test_chunks_on_the_wire_are_blocks_chunk_messages():
+    """encode_chunk/decode_chunk against protobuf itself: each parses what the other writes."""
+    data = bytes(range(256)) * 700  # long enough for a 3-byte length
+    ours = encode_chunk(Chunk(300, 2, 89_600, memoryview(data)))
+    parsed = worker_pb2.BlocksChunk.FromString(ours)
+    assert (parsed.first, parsed.count, parsed.block_bytes, parsed.data) == (300, 2, 89_600, data)
+    theirs = worker_pb2.BlocksChunk(first=7, count=1, block_bytes=len(data), data=data).SerializeToString()
+    chunk = decode_chunk(theirs)
+    assert (chunk.first, chunk.count, chunk.block_bytes, bytes(chunk.data)) == (7, 1, len(data), data)
+    assert decode_chunk(worker_pb2.BlocksChunk(count=0).SerializeToString()).data == b""
+    with pytest.raises(TransferFailed, match="ends inside its data"):
+        decode_chunk(theirs[:-1])
+    with pytest.raises(TransferFailed, match="ends inside a varint"):
+        decode_chunk(b"\x08\x80")
+    with pytest.raises(TransferFailed, match="wire type 5"):
+        decode_chunk(b"\x0d\x00\x00\x00\x00")

@@ -41,16 +41,17 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "models": set(),
     "attention": set(),
     "allocator": set(),
+    "affinity": set(),  # --cpu-cores: the process's cores, before torch starts threads
     "kv_offload": {"step"},  # the second KV tier: copies the step names, between the cache's tensors and its own
     "sampling": {"step"},
     "lora": {"step", "models"},
     "runner": {"step", "attention", "sampling", "models", "lora"},
     "parallel": {"step", "sampling", "models"},
-    "config": {"parallel"},  # parallel/layout.py: does the model split over the ranks
+    "config": {"parallel", "affinity"},  # parallel/layout.py: does the model split over the ranks
     "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "kv_offload", "lora"},
     "kv_transfer": {"step"},  # block bytes and their transport (disaggregation)
     "server": {"step", "config", "worker", "lora", "kv_transfer"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
-    "__main__": {"step", "config", "allocator", "worker", "server"},
+    "__main__": {"step", "config", "allocator", "affinity", "worker", "server"},
 }
 
 # package -> (its table, the import kinds that count for cycles): every kind, imports

@@ -32,6 +32,7 @@ class FetchOrder:
     instance_id: str
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    source_tls_server_name: str = ""  # the name the source's certificate carries, if not its host
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class BlockMover:
         self.refusal = refusal
 
     def serve(self, block_ids: Sequence[int], instance_id: str) -> Iterator[Chunk]:
-        """ReadBlocks: the blocks' bytes, CHUNK_BYTES at a time. Checked before the first chunk."""
+        """ReadBlocks: the blocks' bytes, CHUNK_BYTES at a time (see _chunks). Checked before the first chunk."""
         self._check_movable()
         if instance_id != self.instance_id:
             raise TransferFailed(f"instance_id: this worker is {self.instance_id}, not {instance_id}: it restarted")
@@ -60,10 +61,13 @@ class BlockMover:
         return self._chunks(ids)
 
     def _chunks(self, ids: list[int]) -> Iterator[Chunk]:
+        """Each chunk's data is a view of one gather buffer the stream keeps: valid until
+        the next chunk is asked for (the server sends a chunk before it asks)."""
         per_chunk = max(1, CHUNK_BYTES // self.codec.block_bytes)
+        buffer = self.codec.buffer(min(per_chunk, len(ids)))
         for first in range(0, len(ids), per_chunk):
             part = ids[first : first + per_chunk]
-            yield Chunk(first, len(part), self.codec.block_bytes, self.codec.read(part))
+            yield Chunk(first, len(part), self.codec.block_bytes, self.codec.read(part, buffer))
 
     def fetch(self, order: FetchOrder) -> FetchResult:
         """FetchBlocks: pull order.src_block_ids from order.source into order.dst_block_ids."""
@@ -77,7 +81,13 @@ class BlockMover:
             raise InvalidStep("src_block_ids", f"{len(order.src_block_ids)} ids for {len(dst)} dst_block_ids")
         started = time.perf_counter()
         write_s, received, done = 0.0, 0, 0
-        chunks = self.source.read(order.source, order.source_instance_id, list(order.src_block_ids), order.transfer_id)
+        chunks = self.source.read(
+            order.source,
+            order.source_instance_id,
+            list(order.src_block_ids),
+            order.transfer_id,
+            order.source_tls_server_name,
+        )
         for chunk in chunks:
             if chunk.block_bytes != self.codec.block_bytes or chunk.first != done:
                 raise TransferFailed(

@@ -14,9 +14,11 @@ from typing import Protocol
 
 import grpc
 
-from proto import worker_pb2, worker_pb2_grpc
+from proto import worker_pb2
 from svc_common.grpc_options import channel_options
 from svc_common.peer_auth import bearer_metadata
+
+READ_BLOCKS_METHOD = f"/{worker_pb2.DESCRIPTOR.services_by_name['Worker'].full_name}/ReadBlocks"
 
 
 class TransferFailed(RuntimeError):
@@ -28,12 +30,15 @@ class Chunk:
     first: int  # index into the requested ids of the chunk's first block
     count: int
     block_bytes: int
-    data: bytes
+    data: bytes | memoryview
 
 
 class BlockSource(Protocol):
-    def read(self, address: str, instance_id: str, block_ids: list[int], transfer_id: int) -> Iterator[Chunk]:
-        """The blocks' bytes in order, in chunks; raises TransferFailed."""
+    def read(
+        self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
+    ) -> Iterator[Chunk]:
+        """The blocks' bytes in order, in chunks; raises TransferFailed. tls_server_name:
+        the name the source's certificate carries when it is not the host in `address`."""
         ...
 
 
@@ -44,25 +49,98 @@ class GrpcBlockSource:
         self._metadata = bearer_metadata(token)
         self._credentials = credentials
         self._options = channel_options(max_message_mb, fast_reconnect=True)
+        self._max_message_mb = max_message_mb
         self._timeout_s = timeout_s
-        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}  # one channel per source, kept
+        self._calls: dict[tuple[str, str], grpc.UnaryStreamMultiCallable] = {}  # a channel per source, kept
         self._lock = threading.Lock()
 
-    def read(self, address: str, instance_id: str, block_ids: list[int], transfer_id: int) -> Iterator[Chunk]:
+    def read(
+        self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
+    ) -> Iterator[Chunk]:
         request = worker_pb2.ReadBlocksRequest(transfer_id=transfer_id, instance_id=instance_id, block_ids=block_ids)
         try:
-            for chunk in self._stub(address).ReadBlocks(request, timeout=self._timeout_s, metadata=self._metadata):
-                yield Chunk(chunk.first, chunk.count, chunk.block_bytes, chunk.data)
+            yield from self._read_blocks(address, tls_server_name)(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.Call) else str(err)
             raise TransferFailed(f"reading blocks from {address}: {why}") from None
 
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+    def _read_blocks(self, address: str, tls_server_name: str) -> grpc.UnaryStreamMultiCallable:
+        """worker.v1 ReadBlocks on the source's channel, its chunks decoded in place."""
+        key = (address, tls_server_name)
         with self._lock:
-            if address not in self._stubs:
+            if key not in self._calls:
                 if self._credentials is None:
                     channel = grpc.insecure_channel(address, options=self._options)
                 else:
-                    channel = grpc.secure_channel(address, self._credentials, options=self._options)
-                self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
-            return self._stubs[address]
+                    options = channel_options(self._max_message_mb, True, tls_server_name)
+                    channel = grpc.secure_channel(address, self._credentials, options=options)
+                self._calls[key] = channel.unary_stream(
+                    READ_BLOCKS_METHOD,
+                    request_serializer=worker_pb2.ReadBlocksRequest.SerializeToString,
+                    response_deserializer=decode_chunk,
+                )
+            return self._calls[key]
+
+
+# BlocksChunk (proto/worker.proto) to and from its wire bytes around the blocks' bytes,
+# without protobuf copying them. Building a BlocksChunk copies the data in, serializing
+# copies it again, and reading `.data` of a parsed one copies it once more: three fresh
+# buffers of megabytes a chunk, whose page faults cost more than the copies
+# (bench/results/disaggregation.md). Here the header fields go through protobuf and the
+# data is joined behind them in one copy; a received message is read in place. The
+# bytes are a BlocksChunk: any protobuf client parses them, and the server registers
+# ReadBlocks with encode_chunk as its serializer.
+_DATA_FIELD = 4  # BlocksChunk.data
+_VARINT, _LENGTH_DELIMITED = 0, 2
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    head = worker_pb2.BlocksChunk(first=chunk.first, count=chunk.count, block_bytes=chunk.block_bytes)
+    tag = _varint(_DATA_FIELD << 3 | _LENGTH_DELIMITED)
+    return b"".join((head.SerializeToString(), tag, _varint(len(chunk.data)), chunk.data))
+
+
+def decode_chunk(message: bytes) -> Chunk:
+    """A BlocksChunk's fields; its data a view of `message`, not a copy."""
+    view = memoryview(message)
+    fields: dict[int, int] = {}
+    data = view[:0]
+    at = 0
+    while at < len(view):
+        key, at = _read_varint(view, at)
+        number, kind = key >> 3, key & 7
+        if kind == _VARINT:
+            fields[number], at = _read_varint(view, at)
+        elif kind == _LENGTH_DELIMITED:
+            size, at = _read_varint(view, at)
+            if at + size > len(view):
+                raise TransferFailed("a blocks chunk ends inside its data")
+            if number == _DATA_FIELD:
+                data = view[at : at + size]
+            at += size
+        else:
+            raise TransferFailed(f"a blocks chunk carries field {number} of wire type {kind}")
+    return Chunk(fields.get(1, 0), fields.get(2, 0), fields.get(3, 0), data)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while at < len(view):
+        byte = view[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+    raise TransferFailed("a blocks chunk ends inside a varint")
