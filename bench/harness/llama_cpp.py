@@ -158,13 +158,16 @@ def gguf_tensor_bytes(path: Path) -> int:
 
 
 # ---- the server ---------------------------------------------------------------------------
-def llama_cpp(port: int, kind: str = "F16", slots: int = 32, slot_tokens: int = 1280) -> HttpServer:
-    """llama.cpp's server on the GGUF of `kind` (gguf_file), `slots` sequences in parallel."""
+def llama_cpp(port: int, kind: str = "F16", slots: int = 32, slot_tokens: int = 1280, threads: int = 0) -> HttpServer:
+    """llama.cpp's server on the GGUF of `kind` (gguf_file), `slots` sequences in parallel,
+    on `threads` threads (0: one per core, its best on a quiet machine; its threads
+    spin at each op's barrier, so on cores other work holds, a step waits for every
+    descheduled thread and fewer threads go faster)."""
     bins = _llama_bin_dir()
-    threads = str(os.cpu_count() or 2)
+    threads = threads or os.cpu_count() or 2
     model = gguf_file(kind)
     command = [str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    command += ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", threads, "--alias", "smollm2"]
+    command += ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", str(threads), "--alias", "smollm2"]
     return HttpServer(
         name=f"llama.cpp {kind.lower()}",
         weights_dtype_bytes=2,
