@@ -209,6 +209,20 @@ def measure_file(kind: str, args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
+def report(args: argparse.Namespace, rows: list[list[str]], done: bool) -> None:
+    body = (
+        f"{args.prompts} prompts of {args.prompt_tokens} tokens (CPython's docs), {args.max_tokens} greedy tokens "
+        "each, against transformers fp32 on the same GGUF (the dequantized reference). identical: the reference's "
+        "tokens reproduced at the same position; first divergence: mean position of the first differing token "
+        f"({args.max_tokens} = none differs).\n\n"
+        + markdown_table(["file", "engine", "identical tokens", "mean first divergence", "prompts identical"], rows)
+    )
+    notes = f"Load average {'at the end' if done else 'so far (the run goes on)'}: {load_average():.2f}."
+    notes += f"\n\n{args.notes}" if args.notes else ""
+    title = "Token distance from the dequantized reference (issue 38)"
+    print(write_result(args.out, title, body, notes, module="quant_distance").read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", nargs="+", choices=GGUF_KINDS, default=list(GGUF_KINDS))
@@ -225,21 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     announce("quant_distance")
     if not args.no_llamacpp or set(args.files) - {"Q4_1"}:
         install_llama_cpp()  # llama-quantize makes Q8_0 and Q4_K_M
-    rows = [row for kind in args.files for row in measure_file(kind, args)]
-    body = (
-        f"{args.prompts} prompts of {args.prompt_tokens} tokens (CPython's docs), {args.max_tokens} greedy tokens "
-        "each, against transformers fp32 on the same GGUF (the dequantized reference). identical: the reference's "
-        "tokens reproduced at the same position; first divergence: mean position of the first differing token "
-        f"({args.max_tokens} = none differs).\n\n"
-        + markdown_table(["file", "engine", "identical tokens", "mean first divergence", "prompts identical"], rows)
-    )
-    notes = f"Load average at the end: {load_average():.2f}."
-    notes += f"\n\n{args.notes}" if args.notes else ""
-    print(
-        write_result(
-            args.out, "Token distance from the dequantized reference (issue 38)", body, notes, module="quant_distance"
-        ).read_text()
-    )
+    rows: list[list[str]] = []
+    for kind in args.files:  # the results file rewritten after each file: a long run keeps what it measured
+        rows += measure_file(kind, args)
+        report(args, rows, done=kind == args.files[-1])
     return 0
 
 
