@@ -448,30 +448,32 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("pagedserve")
             else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads)
         )
-    records = []
-    try:
-        for name in servers:
-            records.append(run_server(builders[name](), workloads, prompts, args.ready_timeout) | {"key": name})
-    finally:
-        if baseline_root is not None:
-            remove_worktree(baseline_root)
-    if args.merge and saved_path.exists():
-        earlier = json.loads(saved_path.read_text())
-        fresh = {r["server"]: r for r in records}
-        records = [fresh.pop(r["server"], r) for r in earlier["records"]] + list(fresh.values())
+    earlier = json.loads(saved_path.read_text()) if args.merge and saved_path.exists() else None
+    if earlier is not None:
         # The roofline's bandwidth: the best measured, the one least disturbed by other load.
         for key in ("bandwidth_gbs", "bandwidth_1t_gbs"):
             machine[key] = max(machine[key], earlier["machine"][key])
     command = " ".join(["python -m bench.peers", *(argv if argv is not None else sys.argv[1:])])
-    saved = {
-        "machine": machine,
-        "records": records,
-        "command": command,
-        "notes": args.notes,
-        "workloads": [dataclasses.asdict(w) for w in workloads],
-    }
-    saved_path.write_text(json.dumps(saved, indent=1))
-    print(write_report(out, saved, workloads))
+
+    def save(records: list[dict[str, Any]]) -> dict[str, Any]:
+        """<out>.json with the rows so far (and, with --merge, the earlier run's others)."""
+        if earlier is not None:
+            fresh = {r["server"]: r for r in records}
+            records = [fresh.pop(r["server"], r) for r in earlier["records"]] + list(fresh.values())
+        workloads_saved = [dataclasses.asdict(w) for w in workloads]
+        saved = {"machine": machine, "records": records, "command": command, "notes": args.notes}
+        saved_path.write_text(json.dumps(saved | {"workloads": workloads_saved}, indent=1))
+        return saved
+
+    records: list[dict[str, Any]] = []
+    try:
+        for name in servers:
+            records.append(run_server(builders[name](), workloads, prompts, args.ready_timeout) | {"key": name})
+            save(records)  # a run cut short keeps its rows: --report-only writes them up
+    finally:
+        if baseline_root is not None:
+            remove_worktree(baseline_root)
+    print(write_report(out, save(records), workloads))
     return 0 if all("error" not in r for r in records) else 1
 
 
