@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -85,7 +86,12 @@ def write_sidecar(gguf: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     cfg.save_pretrained(tmp)
     GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process wrote the same files first: theirs are whole, drop ours
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer.json").is_file():
+            raise
     return out
 
 

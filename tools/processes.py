@@ -95,7 +95,10 @@ class ServiceProcess:
     module: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 120.0
+    # A hang detector, not a speed limit: a process that dies is seen at once (poll), and
+    # a worker's imports alone took over 120 s on 2 cores at load 20+ (two checkouts'
+    # suites and other work side by side).
+    timeout_s: float = 600.0
     inherit_output: bool = False  # True: log to our stdout/stderr instead of a file
     bind_port: int = 0  # 0: the OS picks; the bound port is read back into `port`
     # Own session (a terminal's signals do not reach it) and SIGTERM when the thread that

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         from worker_svc.affinity import pin_to_cores
 
         pin_to_cores(config.cpu_cores)
+    # Torch, the model and the kernels take seconds on a quiet machine, minutes on a busy
+    # one: a line now, so a slow start is never a silent one.
+    log.info("worker starting: loading torch, the model and the kernels", model=config.model, pid=os.getpid())
     from worker_svc.allocator import keep_freed_memory
     from worker_svc.server import serve  # torch loads here, after the CLI is validated
     from worker_svc.step.errors import WorkerDown

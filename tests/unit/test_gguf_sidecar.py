@@ -34,3 +34,23 @@ def test_the_scheduler_tokenizes_a_gguf_as_its_converted_checkpoint(tmp_path, mo
     assert from_gguf.eos_token_ids == converted.eos_token_ids and from_gguf.vocab_size == converted.vocab_size
     assert model_dir_check(str(GGUF), "--model")[0]
     assert not model_dir_check(str(tmp_path / "missing.gguf"), "--model")[0]
+
+
+def test_a_sidecar_written_first_by_another_process_is_kept(tmp_path, monkeypatch):
+    """Two processes extracting one GGUF at once: the second's rename finds the folder
+    already whole and keeps it (os.replace onto a non-empty folder fails)."""
+    import os
+
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path))
+    out = sidecar_dir(GGUF)
+    replace = os.replace
+
+    def the_other_process_wins(src, dst):
+        out.mkdir(parents=True)
+        (out / "tokenizer.json").write_text("{}")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", the_other_process_wins)
+    assert write_sidecar(GGUF) == out
+    assert (out / "tokenizer.json").read_text() == "{}"  # theirs, whole
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # ours removed
