@@ -17,11 +17,10 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from svc_common.cli import parse_config
-from tests.unit.test_k8s_manifests import (
+from tests.helpers.k8s import (
     K8S,
     KUBERNETES_VERSION,
     MODEL_MOUNT,
-    RENDERED,
     container,
     container_port,
     env_list,
@@ -36,6 +35,7 @@ from worker_svc.config import WorkerConfig
 
 OVERLAY = K8S / "overlays" / "disaggregated"
 DOCS = render(OVERLAY)
+BASE = render(K8S / "base")
 ROLE_LABEL = "pagedserve.io/kv-role"
 
 
@@ -55,7 +55,7 @@ def test_the_overlay_is_the_only_one_and_its_manifests_match_the_schemas():
     assert sorted(p.name for p in (K8S / "overlays").iterdir()) == ["disaggregated"]
     for doc in DOCS:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    base = {(d["kind"], d["metadata"]["name"]) for d in RENDERED["base"]}
+    base = {(d["kind"], d["metadata"]["name"]) for d in BASE}
     added = {(d["kind"], d["metadata"]["name"]) for d in DOCS} - base
     assert added == {("StatefulSet", "pagedserve-worker-decode"), ("NetworkPolicy", "pagedserve-worker-kv-transfer")}
 
@@ -77,7 +77,7 @@ def test_both_pools_sit_behind_the_one_headless_service_each_selecting_its_own_p
 
 
 def test_the_decode_pool_is_the_base_worker_but_for_its_name_and_role():
-    (base,) = of_kind(RENDERED["base"], "StatefulSet")
+    (base,) = of_kind(BASE, "StatefulSet")
     decode = copy.deepcopy(pools()["decode"])
     assert decode["metadata"]["name"] == "pagedserve-worker-decode"
     decode["metadata"]["name"] = base["metadata"]["name"]

@@ -28,15 +28,27 @@ from gateway_svc.config import GatewayConfig
 from proto import admin_pb2, serving_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import env_name, flag_name, parse_config
+from tests.helpers.k8s import (
+    K8S,
+    KUBERNETES_VERSION,
+    MODEL_MOUNT,
+    container,
+    container_port,
+    env_list,
+    env_values,
+    kustomization,
+    of_kind,
+    render,
+    selects,
+    service,
+    service_port,
+    workloads,
+)
 from tools.certs import SCHEDULER_CLIENT_NAME
 from worker_svc.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
-K8S = REPO / "deploy" / "kubernetes"
 OVERLAYS = ("base",)
-# The oldest Kubernetes minor the manifests are checked against (native gRPC
-# probes: GA in 1.27; PDB unhealthyPodEvictionPolicy: GA in 1.31).
-KUBERNETES_VERSION = "1.32"
 
 CONFIGS = {
     "worker": (WorkerConfig, "PAGEDSERVE_WORKER"),
@@ -52,7 +64,6 @@ OTHER_ENV = {
     "HOME",
     "HF_HUB_OFFLINE",
 }  # the worker's read-only root filesystem and local model
-MODEL_MOUNT = "/models/model"
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
 HEALTHCHECK_IN_IMAGE = "/usr/local/bin/pagedserve-healthcheck"
 HEALTH_SERVICES = {  # the grpc.health.v1 service names the services register
@@ -71,110 +82,9 @@ EXPECTED_KINDS = {
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
-# ---- loading and the kustomize subset ------------------------------------------------
-def load_yaml(path: Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-
-
-def kustomization(directory: Path) -> dict:
-    (doc,) = load_yaml(directory / "kustomization.yaml")
-    assert doc["kind"] == "Kustomization"
-    # render() implements exactly these; anything else needs kustomize here.
-    assert set(doc) <= {"apiVersion", "kind", "resources", "patches"}, set(doc)
-    return doc
-
-
-MERGE_KEYS = {"containers": "name", "env": "name", "volumeMounts": "name", "volumes": "name"}
-
-
-def strategic_merge(base, patch, key: str = ""):
-    """kustomize's strategic merge for what the patches here use: maps merge, null
-    deletes, lists of containers/env/volumes merge by name (the patch's entries
-    first, in its order, then the base's others), other values replace."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            if v is None:
-                out.pop(k, None)
-            elif k in out:
-                out[k] = strategic_merge(out[k], v, k)
-            else:
-                out[k] = copy.deepcopy(v)
-        return out
-    if isinstance(base, list) and isinstance(patch, list):
-        if key not in MERGE_KEYS:
-            raise NotImplementedError(f"merging the list {key!r}: teach render() or use kubectl kustomize")
-        by_name = {item[MERGE_KEYS[key]]: item for item in base}
-        patched = [strategic_merge(by_name.get(item[MERGE_KEYS[key]], {}), item) for item in patch]
-        names = {item[MERGE_KEYS[key]] for item in patch}
-        return patched + [item for item in base if item[MERGE_KEYS[key]] not in names]
-    return copy.deepcopy(patch)
-
-
-def render(directory: Path) -> list[dict]:
-    config = kustomization(directory)
-    docs: list[dict] = []
-    for resource in config.get("resources", []):
-        path = directory / resource
-        docs += render(path) if path.is_dir() else load_yaml(path)
-    for entry in config.get("patches", []):
-        for patch in load_yaml(directory / entry["path"]):
-            (i,) = [
-                i
-                for i, d in enumerate(docs)
-                if (d["kind"], d["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])
-            ]
-            docs[i] = strategic_merge(docs[i], patch)
-    return docs
-
-
 RENDERED = {overlay: render(K8S / overlay) for overlay in OVERLAYS}
 
 
-def of_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
-
-
-def workloads(docs: list[dict]) -> dict[str, dict]:
-    """component -> its StatefulSet/Deployment."""
-    out = {}
-    for d in docs:
-        if d["kind"] in ("StatefulSet", "Deployment"):
-            component = d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
-            assert component not in out, component
-            out[component] = d
-    return out
-
-
-def container(workload: dict) -> dict:
-    (c,) = workload["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def env_list(c: dict) -> list[dict]:
-    return c.get("env", [])
-
-
-def env_values(c: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in env_list(c) if "value" in e}
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    assert set(selector) == {"matchLabels"}, selector  # no matchExpressions here
-    return bool(selector["matchLabels"]) and selector["matchLabels"].items() <= labels.items()
-
-
-def container_port(c: dict, port) -> int:
-    """A probe's or Service's target port (number or name) -> the container port it hits."""
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    if isinstance(port, str):
-        assert port in ports, f"{c['name']} has no port named {port!r}"
-        return ports[port]
-    assert port in ports.values(), f"{c['name']} exposes {sorted(ports.values())}, not {port}"
-    return port
-
-
-# ---- layout and schemas ----------------------------------------------------------------
 def test_layout_and_kinds():
     listed = kustomization(K8S / "base")["resources"]
     on_disk = sorted(p.name for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml")
@@ -319,16 +229,6 @@ def test_pending_settings_exist():
 
 
 # ---- how the pieces connect --------------------------------------------------------------
-def service(docs: list[dict], name: str) -> dict:
-    (svc,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == name]
-    return svc
-
-
-def service_port(svc: dict, name: str) -> dict:
-    (port,) = [p for p in svc["spec"]["ports"] if p["name"] == name]
-    return port
-
-
 def worker_dns_target(worker_service: dict, namespace: str = "$(POD_NAMESPACE)") -> str:
     """What the scheduler's --workers must be: gRPC's dns:/// target for the headless
     Service's name in the pod's namespace, at the worker port."""

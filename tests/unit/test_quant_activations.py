@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 from kernels import cpu_ops
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.gguf_files import write_tiny_gguf
-from tests.unit.test_gguf_model import BLOCK_SIZE, worker_tokens
+from tests.helpers.gguf_tokens import BLOCK_SIZE, worker_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.models.linear import QuantLinear
 from worker_svc.worker import Worker

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from kernels.wquant import Int4Weight, ScaledWeight
 from tests.helpers.checkpoints import tiny_checkpoint
+from tests.helpers.gguf_tokens import BLOCK_SIZE, NEW_TOKENS, PROMPT, worker_tokens
 from tests.helpers.wquant_files import write_quantized
-from tests.unit.test_gguf_model import BLOCK_SIZE, NEW_TOKENS, PROMPT, worker_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.linear import Concat, Linear, WQuantLinear
