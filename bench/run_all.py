@@ -135,8 +135,9 @@ BENCHMARKS = [
 # compute-sanitizer and pip on a GPU machine, no services); kernel_resources, the ptxas
 # report of the compiled kernels that gpu_check and tests/unit/test_kernel_resources.py read.
 HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas", "gpu_check", "kernel_resources"}
-# Benchmarks that need a GPU: `make bench-gpu` runs them, not `make bench`.
-GPU_ONLY = {"gpu_serving"}
+# Benchmarks that need a GPU: `make bench-gpu` (gpu_serving) and `make gpu-check`'s
+# wquant and gguf steps run them, not `make bench`.
+GPU_ONLY = {"gpu_serving", "wquant_gemm", "gguf_gemm"}
 # Benchmarks with a make target of their own (they install peers or run for long).
 OWN_TARGET = {"peers", "quant_distance"}
 

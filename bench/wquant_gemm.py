@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,11 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.harness.results import RESULTS, commit
 from kernels import wquant, wquant_act
 from kernels.wquant import Int4Weight, ScaledWeight
 from kernels.wquant_formats import pack_rows
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GPU_SHAPES = [(4096, 4096), (14336, 4096)]  # (out, in): a 8B model's attention and MLP projections
 CPU_SHAPES = [(3072, 576), (576, 1536)]  # SmolLM2-135M's gate-up and down projections
 
@@ -118,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         table = cpu_rows([1, 32], 5 if args.quick else 21)
         what = "CPU, 1 torch thread: ms per call, median of interleaved rounds, thread CPU time (x: of fp32 F.linear)"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     command = "python -m bench.wquant_gemm" + (" --quick" if args.quick else "")
-    text = "\n".join([f"# Quantized-weight GEMMs ({what})", "", f"commit: {commit}  ", f"command: `{command}`  ",
+    text = "\n".join([f"# Quantized-weight GEMMs ({what})", "", f"commit: {commit()}  ", f"command: `{command}`  ",
                       f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", *table, ""])  # fmt: skip
     out = args.out or RESULTS / f"wquant_gemm_{'gpu' if gpu else 'cpu'}.md"
     out.write_text(text)

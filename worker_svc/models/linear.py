@@ -169,7 +169,8 @@ class QuantLinear:
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.kernel = quant_kernel(weight.data.device, cpu_kernel and quant_cpu_ops.takes(weight))
         self.op = quant_op(self.kernel)
-        if activations == "int8":
+        self.int8 = activations == "int8"
+        if self.int8:
             self.op = quant_cpu_ops.quant_linear_int8 if self.kernel == "cpu" else quant_linear_int8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
