@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
 )
 DELTAS = ["Hello", ",", " world"]
 USAGE = serving_pb2.Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=4)
-WAIT_S = 10.0  # upper bound on any single wait in these tests
+WAIT_S = 60.0  # upper bound on any single wait in these tests (a hang detector: 10 s timed out at load 20+)
 
 
 # ---------------------------------------------------------------- fake scheduler

@@ -145,7 +145,8 @@ def test_a_chunked_body_is_cut_off_at_the_limit(cell):
 def test_huge_inputs_are_refused_or_tokenized_off_the_loop_while_other_streams_flow(cell):
     """The bound: while the large requests below are sent and answered, no event of
     another client's stream waits longer than 2 s + 4 x the longest wait the same
-    stream saw over the 2 s before (a loaded machine widens it). Here, on a 2-core
+    stream saw over the 2 s before, or half the longest call that tokenized (a loaded
+    machine widens both; a blocked loop waits the whole call). Here, on a 2-core
     machine at load 7, the worst wait was about 0.5 s, while the 1M-character prompt
     was tokenized in a thread (CPU contention, not blocking); on d836a24 the scheduler
     tokenized the 60 MB on its event loop: every stream stopped for tens of seconds."""
@@ -221,7 +222,11 @@ def test_huge_inputs_are_refused_or_tokenized_off_the_loop_while_other_streams_f
     ), outcomes
     assert outcomes["http 4M characters"].startswith("400: ") and over in outcomes["http 4M characters"], outcomes
     assert all(float(outcomes[f"{n} s"]) < 30 for n in ("generate 60 MB", "tokenize 60 MB")), outcomes
-    bound = 2.0 + 4 * calm
+    # A loop that tokenized on itself would stop every stream for the whole call: half of
+    # the longest tokenizing call still catches that, and grows with the machine's load
+    # (2.2 s waits beside a 13 s tokenize at load 20+ missed the fixed bound).
+    tokenizing = max(float(outcomes[f"{n} s"]) for n in ("generate 1M characters", "tokenize 1M characters"))
+    bound = max(2.0 + 4 * calm, 0.5 * tokenizing)
     assert worst < bound, f"a stream waited {worst:.2f} s (bound {bound:.2f} s); {outcomes}"
 
 

@@ -18,7 +18,7 @@ from tests.helpers.worker_client import seq_step, step_request
 def test_every_rank_warms_up_before_serving():
     args = ["--model", str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "16"]
     args += ["--tensor-parallel-size", "2"]
-    with ServiceProcess("tests.helpers.warm_tp_worker", args, timeout_s=240) as worker:
+    with ServiceProcess("tests.helpers.warm_tp_worker", args) as worker:
         log = worker.log_path.read_text()
         warmed = [line for line in log.splitlines() if "warm-up done" in line]
         ranks = {m.group(1) if (m := re.search(r"rank=(\d+)", line)) else "0" for line in warmed}

@@ -506,7 +506,6 @@ def test_cli_process_with_ready_file_and_env(fake_scheduler, model_dir):
         "gateway_svc",
         ["--scheduler", fake_scheduler.address, "--model-dir", str(model_dir)],
         env={"PAGEDSERVE_GATEWAY_MODEL_NAME": "from-env"},
-        timeout_s=30,
     )
     with gateway:
         client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=WAIT_S)

@@ -101,8 +101,8 @@ def test_every_sampling_mode_picks_only_allowed_tokens(sampling):
 def test_late_masks_wait_for_their_step_and_stale_ones_are_dropped():
     mailbox = LateMasks(wait_s=5.0)
     masks = TokenMasks(np.array([1]), _masks(1, 0.5, seed=0))
+    started = time.perf_counter()  # before the timer: a descheduled thread cannot shorten the wait seen
     threading.Timer(0.05, mailbox.put, (8, masks, "step_masks.masks")).start()
-    started = time.perf_counter()
     assert mailbox.take(8) == (masks, "step_masks.masks") and time.perf_counter() - started >= 0.04
     mailbox.put(9, masks, "step_masks.masks")
     mailbox.put(10, masks, "previous_step_masks")
