@@ -3,7 +3,8 @@
 * on a GPU: the Triton kernels (kernels/triton/wquant.py: INT4 W4A16, INT8 W8A16
   and W8A8, FP8 W8A16) and torch._scaled_mm's FP8 W8A8 (sm89+), TFLOP/s against
   bf16 cuBLAS (F.linear) at decode and prefill row counts;
-* on the CPU: what the reference path costs (dequantize on every call, then
+* on the CPU: the C++ kernel that reads the stored bytes (kernels/wquant_cpu.py,
+  what the worker runs) and the reference path (dequantize on every call, then
   multiply: kernels/wquant.py), ms per call against fp32 F.linear on the same
   shape, CPU time of the calling thread on one torch thread.
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness.results import RESULTS, commit
-from kernels import wquant, wquant_act
+from kernels import wquant, wquant_act, wquant_cpu
 from kernels.wquant import Int4Weight, ScaledWeight
 from kernels.wquant_formats import pack_rows
 
@@ -41,7 +42,10 @@ def weights(out: int, inp: int, device: torch.device, group: int) -> dict[str, A
                       torch.randint(0, 16, (out, groups), generator=g, dtype=torch.uint8), group)  # fmt: skip
     scale = torch.rand(out, 1, generator=g) * 0.01
     int8 = ScaledWeight("int8", torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scale, 1, inp)
-    fp8 = ScaledWeight("fp8", torch.randn(out, inp, generator=g).to(torch.float8_e4m3fn), scale, 1, inp)
+    # fp8 as a checkpoint's scale maps its weights: the largest near 448 (randn alone
+    # would make a fifth of all 16-weight runs hold a subnormal, a rare value in a checkpoint)
+    e4m3 = (torch.randn(out, inp, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = ScaledWeight("fp8", e4m3, scale, 1, inp)
     return {"int4": int4.to(device), "int8": int8.to(device), "fp8": fp8.to(device)}
 
 
@@ -84,14 +88,19 @@ GPU_KERNELS = ["int4 g128 W4A16", "int8 W8A16", "int8 W8A8", "fp8 W8A16", "fp8 W
 def cpu_rows(rows: list[int], rounds: int) -> list[str]:
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    names = ["fp32 F.linear", "int4 g64", "int8", "fp8", "int8 W8A8 (reference)"]
+    kinds = ("int4", "int8", "fp8")
+    cpp = wquant_cpu.takes(weights(*CPU_SHAPES[0], device, 64)["int4"])
+    names = ["fp32 F.linear", *(f"{k}{' g64' if k == 'int4' else ''} {impl}" for k in kinds
+                                for impl in (("C++", "reference") if cpp else ("reference",))),
+             "int8 W8A8 (reference)"]  # fmt: skip
     lines = ["| out x in | rows | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for out, inp in CPU_SHAPES:
         w = weights(out, inp, device, 64)  # 576 = 9 x 64: SmolLM2's INT4 checkpoints group by 64 or 32
         dense = w["int8"].dequantize()
         for m in rows:
             x = torch.randn(m, inp)
-            ops = [partial(F.linear, x, dense), *(partial(wquant.wquant_linear, x, w[k]) for k in ("int4", "int8", "fp8")),
+            impls = (wquant_cpu.multiply, wquant.wquant_linear) if cpp else (wquant.wquant_linear,)
+            ops = [partial(F.linear, x, dense), *(partial(op, x, w[k]) for k in kinds for op in impls),
                    partial(wquant_act.w8a8_linear, x, w["int8"])]  # fmt: skip
             times: list[list[float]] = [[] for _ in ops]
             for _ in range(rounds):  # interleaved: the machine's load hits every variant alike
@@ -100,7 +109,7 @@ def cpu_rows(rows: list[int], rounds: int) -> list[str]:
                     op()
                     times[i].append((time.thread_time() - start) * 1e3)
             ms = [statistics.median(t) for t in times]
-            cells = [f"{ms[0]:.3f}"] + [f"{v:.3f} ({v / ms[0]:.1f}x)" for v in ms[1:]]
+            cells = [f"{ms[0]:.3f}"] + [f"{v:.3f} ({v / ms[0]:.2f}x)" for v in ms[1:]]
             lines.append(f"| {out} x {inp} | {m} | " + " | ".join(cells) + " |")
     return lines
 
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         table = gpu_rows([1, 16] if args.quick else [1, 16, 128, 2048])
         what = f"{torch.cuda.get_device_name()}: TFLOP/s (x: of bf16 cuBLAS on the same shape)"
     else:
-        table = cpu_rows([1, 32], 5 if args.quick else 21)
+        table = cpu_rows([1, 4, 32], 5 if args.quick else 21)
         what = "CPU, 1 torch thread: ms per call, median of interleaved rounds, thread CPU time (x: of fp32 F.linear)"
     command = "python -m bench.wquant_gemm" + (" --quick" if args.quick else "")
     text = "\n".join([f"# Quantized-weight GEMMs ({what})", "", f"commit: {commit()}  ", f"command: `{command}`  ",

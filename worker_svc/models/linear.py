@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, quant_cpu_ops, wquant
+from kernels import cpu_ops, quant_cpu_ops, wquant, wquant_cpu
 from kernels.gguf_quant import QuantizedWeight, quant_linear, quant_linear_int8, stack
 from kernels.wquant import WQuantWeight
 
@@ -179,20 +179,21 @@ class QuantLinear:
 
 class WQuantLinear:
     """y = x @ W.T for an FP8/INT8/INT4 safetensors weight: the Triton kernel on
-    CUDA (kernels/triton/wquant.py), else the reference (dequantize on every call, then
-    multiply: the quantized bytes stay resident; the cost is measured in
-    bench/results/wquant_cpu.md)."""
+    CUDA (kernels/triton/wquant.py); on the CPU the C++ kernel where it takes the
+    weight (kernels/wquant_cpu.py: it reads the stored bytes), else the reference
+    (dequantize on every call, then multiply). Costs: bench/results/wquant_gemm_cpu.md."""
 
-    def __init__(self, weight: WQuantWeight):
+    def __init__(self, weight: WQuantWeight, cpu_kernel: bool = False):
         self.weight = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.cpu_op = wquant_cpu.multiply if cpu_kernel and wquant_cpu.takes(weight) else wquant.wquant_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda":
             from kernels.triton import wquant as triton_wquant
 
             return triton_wquant.wquant_linear(x, self.weight)
-        return wquant.wquant_linear(x, self.weight)
+        return self.cpu_op(x, self.weight)
 
 
 class Concat:
@@ -237,7 +238,7 @@ def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False, quant_activat
         return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), cpu_kernel=cpu_kernel)
     scaled = [p for p in parts if isinstance(p, (wquant.ScaledWeight, wquant.Int4Weight))]
     if len(scaled) == len(parts) and (stacked_w := wquant.stack(scaled)) is not None:
-        return WQuantLinear(stacked_w)
+        return WQuantLinear(stacked_w, cpu_kernel)
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     stacked = stack(blocks) if len(blocks) == len(parts) else None
     if stacked is not None:

@@ -1,0 +1,138 @@
+"""The C++ kernel over the quantized safetensors weights (kernels/wquant_cpu.py,
+kernels/csrc/wquant_cpu.cpp) against the torch reference (kernels/wquant.py:
+dequantize, then multiply): its decode is the reference's bit for bit (x = the
+identity, in one batch and a few rows at a time, returns W.T exactly), its products
+within fp32 rounding for every layout, fp32 and bf16 activations, 1 to 40 rows, and
+shapes whose last group, tile or row block is partial."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, wquant_cpu
+from kernels.wquant import Int4Weight, ScaledWeight, WQuantWeight, wquant_linear
+from kernels.wquant_formats import pack_rows
+from worker_svc.models.linear import WQuantLinear
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels could not be built here")
+
+
+def int4(out: int, inp: int, group: int, scale_dtype: torch.dtype, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-inp // group)
+    q = torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(out, groups, generator=g) * 0.02 + 0.005).to(scale_dtype)
+    zero = torch.randint(0, 16, (out, groups), generator=g, dtype=torch.uint8)
+    return Int4Weight("test", pack_rows(q), scale, zero, group)
+
+
+def scaled(dtype: torch.dtype, out: int, inp: int, block: tuple[int, int], seed: int = 1) -> ScaledWeight:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        data = torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8)
+    else:  # the range a checkpoint's scale maps its weights into, subnormals included
+        data = (torch.randn(out, inp, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    bo, bi = min(block[0], out), min(block[1], inp)
+    scale = torch.rand(-(-out // bo), -(-inp // bi), generator=g) * 0.01 + 0.001
+    return ScaledWeight("test", data, scale, bo, bi)
+
+
+WEIGHTS = {
+    "int4-g32-fp16": lambda: int4(72, 160, 32, torch.float16),
+    "int4-g64-bf16-partial-group": lambda: int4(37, 96, 64, torch.bfloat16),
+    "int4-per-channel-fp32": lambda: int4(9, 48, 48, torch.float32),
+    "int8-channel": lambda: scaled(torch.int8, 72, 160, (1, 10**6)),
+    "int8-tensor": lambda: scaled(torch.int8, 33, 64, (10**6, 10**6)),
+    "fp8-channel": lambda: scaled(torch.float8_e4m3fn, 72, 160, (1, 10**6)),
+    "fp8-tile-128": lambda: scaled(torch.float8_e4m3fn, 200, 272, (128, 128)),
+    "fp8-tile-32x64": lambda: scaled(torch.float8_e4m3fn, 70, 160, (32, 64)),
+}
+
+
+def assert_within_fp32_sums(got: torch.Tensor, x: torch.Tensor, weight: WQuantWeight, rel: float = 0.0) -> None:
+    """|got - exact| <= 1e-6 * (|x| @ |W|.T) (fp32 summation error) + rel * |exact|."""
+    dense = weight.dequantize().double()
+    exact = x.double() @ dense.T
+    bound = 1e-6 * (x.double().abs() @ dense.abs().T) + rel * exact.abs()
+    excess = (got.double() - exact).abs() - bound
+    assert excess.max() <= 0, f"{excess.max().item()} beyond the bound"
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_the_kernel_decodes_the_reference_bits(name: str):
+    weight = WEIGHTS[name]()
+    assert wquant_cpu.takes(weight)
+    k = weight.in_features
+    eye = torch.eye(k)
+    expected = weight.dequantize().T
+    assert torch.equal(wquant_cpu.wquant_linear(eye, weight), expected)  # the batch path
+    for rows in (1, 2, 3):  # the few-rows path: tiles of 2 rows of x, and of 1
+        got = torch.cat([wquant_cpu.wquant_linear(eye[i : i + rows], weight) for i in range(0, k, rows)])
+        assert torch.equal(got, expected), rows
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_the_kernel_multiplies_as_the_reference(name: str):
+    weight = WEIGHTS[name]()
+    g = torch.Generator().manual_seed(3)
+    for rows in range(1, 41):
+        x = torch.randn(rows, weight.in_features, generator=g)
+        got = wquant_cpu.wquant_linear(x, weight)
+        assert got.dtype == torch.float32 and got.shape == (rows, weight.out_features)
+        assert_within_fp32_sums(got, x, weight)
+        xb = x.bfloat16()
+        got_bf16 = wquant_cpu.wquant_linear(xb, weight)
+        assert got_bf16.dtype == torch.bfloat16
+        # fp32 sums of the bf16 inputs, rounded once to bf16: half a bf16 ulp (2^-9) plus fp32's error
+        assert_within_fp32_sums(got_bf16.float(), xb.float(), weight, rel=2.0**-8)
+
+
+def test_every_fp8_byte_decodes_as_torch_does():
+    data = torch.zeros(256, 16, dtype=torch.uint8)
+    data[:, 0] = torch.arange(256, dtype=torch.uint8)  # NaN (0x7f, 0xff), subnormals, both zeros, all normals
+    weight = ScaledWeight("test", data.view(torch.float8_e4m3fn), torch.ones(1, 1), 256, 16)
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    got = wquant_cpu.wquant_linear(x, weight)[0]
+    expected = data[:, 0].view(torch.float8_e4m3fn).float()
+    assert torch.equal(got.isnan(), expected.isnan()) and int(got.isnan().sum()) == 2
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite].view(torch.int32), expected[finite].view(torch.int32))  # -0.0 included
+
+
+def test_what_the_kernel_does_not_take_goes_to_the_reference():
+    g = torch.Generator().manual_seed(5)
+    act_order = Int4Weight("gptq", int4(8, 64, 32, torch.float16).packed, torch.rand(8, 2).half(),
+                           torch.full((8, 2), 8, dtype=torch.uint8), 32,
+                           (torch.randperm(64, generator=g) // 32).to(torch.int32))  # fmt: skip
+    narrow_groups = int4(8, 64, 8, torch.float16)  # groups of 8: not whole 16-input decodes
+    odd_width = scaled(torch.int8, 8, 40, (1, 10**6))
+    for weight in (act_order, narrow_groups, odd_width):
+        assert not wquant_cpu.takes(weight)
+        x = torch.randn(3, weight.in_features, generator=g)
+        assert torch.equal(wquant_cpu.wquant_linear(x, weight), wquant_linear(x, weight))
+        assert WQuantLinear(weight, cpu_kernel=True).cpu_op is wquant_linear
+    taken = int4(8, 64, 32, torch.float16)
+    assert WQuantLinear(taken, cpu_kernel=True).cpu_op is wquant_cpu.multiply
+    assert WQuantLinear(taken, cpu_kernel=False).cpu_op is wquant_linear  # --enforce-eager: the reference
+
+
+def test_strided_rows_and_empty_batches():
+    weight = int4(8, 64, 32, torch.float16)
+    x = torch.randn(3, 96)[:, 16:80]  # rows 96 apart
+    assert_within_fp32_sums(wquant_cpu.wquant_linear(x, weight), x, weight)
+    assert wquant_cpu.wquant_linear(torch.empty(0, 64), weight).shape == (0, 8)
+
+
+def test_wrong_shapes_are_refused():
+    weight = int4(8, 64, 32, torch.float16)
+    op = torch.ops.pagedserve_cpu.wquant_linear
+    with pytest.raises(RuntimeError, match="must be multiples of 16"):
+        op(torch.randn(1, 40), weight.packed, weight.scale, weight.zero, "int4", 1, 32)
+    with pytest.raises(RuntimeError, match=r"data must be one-byte \[N, 32\]"):
+        op(torch.randn(1, 64), weight.packed[:, :16].contiguous(), weight.scale, weight.zero, "int4", 1, 32)
+    with pytest.raises(RuntimeError, match="int4 takes zero points"):
+        op(torch.randn(1, 64), weight.packed, weight.scale, None, "int4", 1, 32)
+    with pytest.raises(RuntimeError, match="kind must be int4, int8 or fp8, not nf4"):
+        op(torch.randn(1, 64), weight.packed, weight.scale, weight.zero, "nf4", 1, 32)
