@@ -78,14 +78,11 @@ def test_the_kernel_multiplies_as_the_reference(name: str):
     g = torch.Generator().manual_seed(3)
     for rows in range(1, 41):
         x = torch.randn(rows, weight.in_features, generator=g)
-        got = wquant_cpu.wquant_linear(x, weight)
-        assert got.dtype == torch.float32 and got.shape == (rows, weight.out_features)
-        assert_within_fp32_sums(got, x, weight)
-        xb = x.bfloat16()
-        got_bf16 = wquant_cpu.wquant_linear(xb, weight)
-        assert got_bf16.dtype == torch.bfloat16
-        # fp32 sums of the bf16 inputs, rounded once to bf16: half a bf16 ulp (2^-9) plus fp32's error
-        assert_within_fp32_sums(got_bf16.float(), xb.float(), weight, rel=2.0**-8)
+        # bf16: fp32 sums of the bf16 inputs, rounded once to bf16: half a bf16 ulp (2^-9) plus fp32's error
+        for dtype, rel in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-8)):
+            got = wquant_cpu.wquant_linear(x.to(dtype), weight)
+            assert got.dtype == dtype and got.shape == (rows, weight.out_features)
+            assert_within_fp32_sums(got.float(), x.to(dtype).float(), weight, rel)
 
 
 def test_every_fp8_byte_decodes_as_torch_does():

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
-from kernels.wquant import Int4Weight, ScaledWeight
+from kernels import cpu_ops, wquant_cpu
+from kernels.wquant import Int4Weight, ScaledWeight, wquant_linear
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.gguf_tokens import BLOCK_SIZE, NEW_TOKENS, PROMPT, worker_tokens
 from tests.helpers.wquant_files import write_quantized
@@ -59,8 +60,11 @@ def test_fp32_tokens_match_transformers_on_the_dequantized_weights(tmp_path, met
     assert started["weights"].startswith(described) and worker.info.weight_format == started["weights"]
     assert worker_tokens(worker) == reference_tokens(dense)
     layer = worker.model.layers[1]
+    # The C++ kernel multiplies every layout it takes (all but act-order's), so these tokens are its.
+    cpu_op = wquant_cpu.multiply if cpu_ops.available() and not options.get("act_order") else wquant_linear
     for projection in (layer.qkv, layer.o, layer.down):  # q, k, v stacked into one quantized weight
         assert isinstance(projection, WQuantLinear) and isinstance(projection.weight, kind)
+        assert projection.cpu_op is cpu_op
     # The served weights dequantize to the oracle's bits, layer by layer.
     oracle = load_file(dense / "model.safetensors")
     qkv = torch.cat([oracle[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
