@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.harness.llama_cpp import made_gguf
 from bench.harness.results import fmt, markdown_table, write_result
 from svc_common.cpu_features import read_cpu_features
 from tools.prepare_default_model import shipped_gguf
@@ -84,7 +85,19 @@ VARIANTS: dict[str, dict[str, object]] = {
     "Q4_1 gguf fp32": dict(dtype="float32", model=SHIPPED_GGUF),
     "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
     "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8"),
+    # llama.cpp's most used preset (Q4_K, some tensors Q6_K), as bench.peers --gguf makes it
+    # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
+    "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
 }
+
+
+def model_present(variant: str) -> bool:
+    """Whether the variant's model file is here (a made GGUF may not be); says so if not."""
+    model = VARIANTS[variant].get("model")
+    if model is None or Path(str(model)).exists():
+        return True
+    emit(section="skipped", variant=variant, reason=f"{model} is absent: `python -m bench.peers --gguf` makes it")
+    return False
 
 
 def build_step(shape: StepShape, step_id: int, vocab: int) -> StepInput:
@@ -194,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         load=open("/proc/loadavg").read().split()[:3],
     )
     num_blocks = max(blocks_needed(STEPS[s]) for s in args.steps)
+    args.variants = [name for name in args.variants if model_present(name)]
     workers = {}
     for name in args.variants:
         config = WorkerConfig(model=str(MODEL_DIR), num_blocks=num_blocks, num_threads=args.threads)

@@ -25,6 +25,25 @@ def test_the_kernel_decodes_the_reference_bits(qtype: str):
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3])  # a decode's few rows: the tiles that decode in registers
+def test_the_decode_path_returns_the_reference_bits(qtype: str, rows: int):
+    k = 3 * BLOCK_FORMATS[qtype][0]
+    weight = random_blocks(qtype, out_features=9, in_features=k, seed=rows)  # 9: two whole groups of 4 and one row
+    picks = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
+    y = quant_cpu_ops.quant_linear(torch.eye(k)[picks], weight)
+    assert torch.equal(y, weight.dequantize().T[picks])
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_every_row_count_from_a_decode_to_a_batch(qtype: str):
+    k = 3 * BLOCK_FORMATS[qtype][0]  # an odd number of blocks
+    weight = random_blocks(qtype, out_features=13, in_features=k, seed=3)  # 13: partial groups of output rows
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
+    for rows in range(1, 41):
+        assert_within_fp32_sums(quant_cpu_ops.quant_linear(x[:rows], weight), x[:rows], weight)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
 @pytest.mark.parametrize("rows", [1, 5, 70])  # a decode, a verification chunk, more than one chunk of x rows
 def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
     k = 2 * BLOCK_FORMATS[qtype][0]
