@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "gguf_formats.h"
 #include "quant_fused_avx2.h"
@@ -28,16 +29,6 @@ namespace fused {
 template <Format F>
 constexpr bool k_format() {
   return F == Format::kQ4_K || F == Format::kQ5_K || F == Format::kQ6_K;
-}
-
-// 32 bytes -> four vectors of 8 fp32 lanes (bytes 0-7, 8-15, 16-23, 24-31), as signed
-// or unsigned integers.
-template <bool Signed>
-inline void widen32(__m256i v, __m256 q[4]) {
-  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  for (int i = 0; i < 4; ++i)
-    q[i] = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]));
 }
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -70,21 +61,55 @@ inline void q6_quants(const uint8_t* blk, int h, int j, __m256 q[4]) {
 }
 
 // A Q4_K / Q5_K block's 8 sub-block scales d * sc and mins dmin * mn, each product
-// rounded once in fp32 as the reference's.
+// rounded once in fp32 as the reference's. The 6-bit fields come out of the 12 bytes
+// as llama.cpp unpacks them (k_scale_min's fields, four at a time in 32-bit words:
+// bytes 0-7 the scales, 8-15 the mins), then one vector multiply each.
 inline void k_scales(const uint8_t* blk, float s[8], float mn[8]) {
-  const float d = f16(blk), dmin = f16(blk + 2);
-  for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    k_scale_min(blk + 4, j, &sc, &m);
-    s[j] = d * static_cast<float>(sc);
-    mn[j] = dmin * static_cast<float>(m);
-  }
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, blk + 4, 12);
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
+  const uint32_t mins_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);
+  u[2] = mins_low;
+  u[0] &= low6;
+  const __m128i fields = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields))));
+  _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)))));
 }
 
 // Q6_K's 16 sub-block scales d * sc.
 inline void q6_scales(const uint8_t* blk, float s[16]) {
-  const float d = f16(blk + 208);
-  for (int j = 0; j < 16; ++j) s[j] = d * static_cast<float>(static_cast<int8_t>(blk[192 + j]));
+  const __m256 d = _mm256_set1_ps(f16(blk + 208));
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+  _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+}
+
+// f(e, q, s, mn) for each run of 32 weights of a block, in order: e its first weight, q
+// its quants, s its scales (Q4_K / Q5_K: s[0] for the run; Q6_K: s[0] for its first 16
+// weights, s[1] for the next), mn its min (Q4_K / Q5_K: mn[0]; Q6_K: none, nullptr).
+template <Format F, typename Fn>
+inline void for_each_run(const uint8_t* blk, Fn&& f) {
+  __m256 q[4];
+  if constexpr (F == Format::kQ6_K) {
+    float s[16];
+    q6_scales(blk, s);
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j) {
+        const int e = 128 * h + 32 * j;
+        q6_quants(blk, h, j, q);
+        f(e, q, s + e / 16, static_cast<const float*>(nullptr));
+      }
+  } else {
+    float s[8], mn[8];
+    k_scales(blk, s, mn);
+    for (int j = 0; j < 8; ++j) {
+      sub_quants<F>(blk, j, q);
+      f(32 * j, q, s + j, static_cast<const float*>(mn + j));
+    }
+  }
 }
 
 #pragma GCC push_options
@@ -95,28 +120,18 @@ template <Format F>
 inline void decode_rows_k(const uint8_t* w, int64_t row_bytes, int rows, int64_t K, float* out) {
   for (int n = 0; n < rows; ++n)
     for (int64_t b = 0; b < K / 256; ++b) {
-      const uint8_t* blk = w + n * row_bytes + b * block_bytes<F>();
       float* o = out + n * K + b * 256;
-      __m256 q[4];
-      if constexpr (F == Format::kQ6_K) {
-        float s[16];
-        q6_scales(blk, s);
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < 4; ++j) {
-            const int e = 128 * h + 32 * j;
-            q6_quants(blk, h, j, q);
-            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + e + 8 * i, _mm256_mul_ps(_mm256_set1_ps(s[e / 16 + i / 2]), q[i]));
-          }
-      } else {
-        float s[8], mn[8];
-        k_scales(blk, s, mn);
-        for (int j = 0; j < 8; ++j) {
-          sub_quants<F>(blk, j, q);
-          for (int i = 0; i < 4; ++i)
-            _mm256_storeu_ps(o + 32 * j + 8 * i,
-                             _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(s[j]), q[i]), _mm256_set1_ps(mn[j])));
-        }
-      }
+      for_each_run<F>(w + n * row_bytes + b * block_bytes<F>(),
+                      [&](int e, const __m256* q, const float* s, const float* mn) {
+                        for (int i = 0; i < 4; ++i) {
+                          __m256 v;
+                          if constexpr (F == Format::kQ6_K)
+                            v = _mm256_mul_ps(_mm256_set1_ps(s[i / 2]), q[i]);
+                          else
+                            v = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(s[0]), q[i]), _mm256_set1_ps(mn[0]));
+                          _mm256_storeu_ps(o + e + 8 * i, v);
+                        }
+                      });
     }
 }
 #pragma GCC pop_options
@@ -126,50 +141,32 @@ inline void decode_rows_k(const uint8_t* w, int64_t row_bytes, int rows, int64_t
 template <Format F, int MR, int NR>
 inline void tile_k(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xs, float* out,
                    int64_t ldo) {
-  __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 256; ++b) {
-    for (int n = 0; n < NR; ++n) {
-      const uint8_t* blk = w + n * row_bytes + b * block_bytes<F>();
-      __m256 q[4];
-      if constexpr (F == Format::kQ6_K) {
-        float s[16];
-        q6_scales(blk, s);
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < 4; ++j) {
-            const int e = 128 * h + 32 * j;
-            q6_quants(blk, h, j, q);
-            const __m256 s0 = _mm256_set1_ps(s[e / 16]), s1 = _mm256_set1_ps(s[e / 16 + 1]);
-            for (int r = 0; r < MR; ++r) {
-              const float* xr = x + r * K + b * 256 + e;
-              const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]));
-              const __m256 t1 =
-                  _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xr + 16), q[2]));
-              acc[r][n] = _mm256_fmadd_ps(s1, t1, _mm256_fmadd_ps(s0, t0, acc[r][n]));
-            }
-          }
-      } else {
-        float s[8], mn[8];
-        k_scales(blk, s, mn);
-        for (int j = 0; j < 8; ++j) {
-          sub_quants<F>(blk, j, q);
-          const __m256 sj = _mm256_set1_ps(s[j]), mj = _mm256_set1_ps(mn[j]);
-          for (int r = 0; r < MR; ++r) {
-            const float* xr = x + r * K + b * 256 + 32 * j;
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1], t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], t);
-            acc[r][n] = _mm256_fnmadd_ps(mj, _mm256_loadu_ps(xs + r * (K / 4) + (b * 8 + j) * 8),
-                                         _mm256_fmadd_ps(sj, t, acc[r][n]));
-          }
-        }
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) out[r * ldo + n] = hsum8(acc[r][n]);
+  Accumulators<MR, NR> acc;
+  for (int64_t b = 0; b < K / 256; ++b)
+    for (int n = 0; n < NR; ++n)
+      for_each_run<F>(w + n * row_bytes + b * block_bytes<F>(),
+                      [&](int e, const __m256* q, const float* s, const float* mn) {
+                        for (int r = 0; r < MR; ++r) {
+                          const float* xr = x + r * K + b * 256 + e;
+                          __m256& a = acc.v[r][n];
+                          if constexpr (F == Format::kQ6_K) {  // two sub-blocks of 16
+                            const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1],
+                                                              _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]));
+                            const __m256 t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3],
+                                                              _mm256_mul_ps(_mm256_loadu_ps(xr + 16), q[2]));
+                            a = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), t1, _mm256_fmadd_ps(_mm256_set1_ps(s[0]), t0, a));
+                          } else {
+                            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]);
+                            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1], t);
+                            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], t);
+                            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], t);
+                            a = _mm256_fnmadd_ps(_mm256_set1_ps(mn[0]),
+                                                 _mm256_loadu_ps(xs + r * (K / 4) + (b * 256 + e) / 4),
+                                                 _mm256_fmadd_ps(_mm256_set1_ps(s[0]), t, a));
+                          }
+                        }
+                      });
+  acc.sums(out, ldo);
 }
 
 // The format's tile and decode, whichever header holds them.

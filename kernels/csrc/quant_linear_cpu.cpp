@@ -20,12 +20,12 @@
 // The vectors are cpu_vec.h's vfloat, as wide as the build's ISA (8 lanes with AVX2,
 // 16 with AVX-512): nothing here is specific to either.
 //
-// Where the build has AVX2, FMA and F16C, the 32-weight formats the shipped models use
-// (Q8_0, Q4_0, Q4_1) take quant_fused_avx2.h's path instead: at a decode's few rows of
-// x the blocks go from their bytes into the products in registers, never written out
-// (the path above decoded a Q4_1 step slower than fp32 read its weights: 51.1 vs
-// 46.1 ms); at more rows they are decoded once per weight row and multiplied by a
-// 4 x 2 GEMM tile. The other formats (Q5_0, Q5_1, the K-quants) stay on the path above.
+// Where the build has AVX2, FMA and F16C, every format takes quant_fused_avx2.h's path
+// (the 32-weight formats) or quant_kquant_avx2.h's (Q4_K, Q5_K, Q6_K) instead: at a
+// decode's few rows of x the blocks go from their bytes into the products in registers,
+// never written out (the path above decoded a Q4_1 step slower than fp32 read its
+// weights: 51.1 vs 46.1 ms); at more rows they are decoded once per group of weight
+// rows and multiplied by a 3 x 4 GEMM tile.
 //
 // Op (torch.ops.pagedserve_cpu): quant_linear(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
@@ -39,7 +39,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -344,14 +343,8 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [M, K] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear: fp32 or bf16 x");
-  const FormatInfo fi = format_of(std::string(qtype), "quant_linear");
+  const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % fi.elems == 0, "quant_linear: K ", K, " is not a multiple of ", fi.elems);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
-                  data.size(0) == out_features && data.size(1) == K / fi.elems * fi.bytes,
-              "quant_linear: data must be uint8 [out_features, K / ", fi.elems, " * ", fi.bytes, "]");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0 || out_features == 0) return y;
   const uint8_t* d = data.data_ptr<uint8_t>();

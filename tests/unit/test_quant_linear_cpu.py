@@ -83,3 +83,17 @@ def test_wrong_shapes_are_refused():
         torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 48), weight.data, "Q8_0", 4)
     with pytest.raises(RuntimeError, match="IQ4_NL is not decoded"):
         torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 64), weight.data, "IQ4_NL", 4)
+
+
+@pytest.mark.parametrize("op", ["quant_linear", "quant_linear_int8"])
+def test_both_ops_refuse_the_same_arguments_by_name(op: str):
+    weight = random_blocks("Q4_K", out_features=4, in_features=256, seed=5)
+    call = getattr(torch.ops.pagedserve_cpu, op)
+    with pytest.raises(RuntimeError, match=f"{op}: x must be \\[M, K\\] with contiguous rows"):
+        call(torch.randn(1, 2, 256), weight.data, "Q4_K", 4)
+    with pytest.raises(RuntimeError, match=f"{op}: fp32 or bf16 x"):
+        call(torch.zeros(1, 256, dtype=torch.int32), weight.data, "Q4_K", 4)
+    with pytest.raises(RuntimeError, match=f"{op}: K 128 is not a multiple of 256"):
+        call(torch.randn(1, 128), weight.data, "Q4_K", 4)
+    with pytest.raises(RuntimeError, match=f"{op}: data must be uint8 \\[out_features, K / 256 \\* 144\\]"):
+        call(torch.randn(1, 256), weight.data, "Q4_K", 3)
