@@ -15,7 +15,9 @@ Steps of the default model, shaped like bench/peers.py's workloads:
 
 Variants (--variants): today's path (the torch reference attention, the per-op
 eager forward: --attention-backend torch --enforce-eager), the C++ attention alone
-(--enforce-eager), and everything (the defaults), in bf16 and fp32.
+(--enforce-eager), and everything (the defaults), in bf16 and fp32; the shipped Q4_1
+GGUF served from its blocks, and llama.cpp's Q4_K_M of it where `bench.peers --gguf`
+has made that file (PEERS_CACHE; the variant is skipped, with a line saying so, if not).
 
     python -m bench.cpu.worker_step                        # every step, every variant
     python -m bench.cpu.worker_step --steps "decode 1 x 256" --profile
