@@ -15,7 +15,9 @@ Steps of the default model, shaped like bench/peers.py's workloads:
 
 Variants (--variants): today's path (the torch reference attention, the per-op
 eager forward: --attention-backend torch --enforce-eager), the C++ attention alone
-(--enforce-eager), and everything (the defaults), in bf16 and fp32.
+(--enforce-eager), and everything (the defaults), in bf16 and fp32; the shipped Q4_1
+GGUF served from its blocks, and llama.cpp's Q4_K_M of it where `bench.peers --gguf`
+has made that file (PEERS_CACHE; the variant is skipped, with a line saying so, if not).
 
     python -m bench.cpu.worker_step                        # every step, every variant
     python -m bench.cpu.worker_step --steps "decode 1 x 256" --profile
@@ -38,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.harness.llama_cpp import made_gguf
 from bench.harness.results import fmt, markdown_table, write_result
 from svc_common.cpu_features import read_cpu_features
 from tools.prepare_default_model import shipped_gguf
@@ -84,7 +87,19 @@ VARIANTS: dict[str, dict[str, object]] = {
     "Q4_1 gguf fp32": dict(dtype="float32", model=SHIPPED_GGUF),
     "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
     "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8"),
+    # llama.cpp's most used preset (Q4_K, some tensors Q6_K), as bench.peers --gguf makes it
+    # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
+    "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
 }
+
+
+def model_present(variant: str) -> bool:
+    """Whether the variant's model file is here (a made GGUF may not be); says so if not."""
+    model = VARIANTS[variant].get("model")
+    if model is None or Path(str(model)).exists():
+        return True
+    emit(section="skipped", variant=variant, reason=f"{model} is absent: `python -m bench.peers --gguf` makes it")
+    return False
 
 
 def build_step(shape: StepShape, step_id: int, vocab: int) -> StepInput:
@@ -194,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         load=open("/proc/loadavg").read().split()[:3],
     )
     num_blocks = max(blocks_needed(STEPS[s]) for s in args.steps)
+    args.variants = [name for name in args.variants if model_present(name)]
     workers = {}
     for name in args.variants:
         config = WorkerConfig(model=str(MODEL_DIR), num_blocks=num_blocks, num_threads=args.threads)

@@ -121,13 +121,18 @@ def _files_dir() -> Path:
     return CACHE / "gguf" / f"{src.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
 
 
+def made_gguf(kind: str) -> Path:
+    """Where gguf_file keeps llama-quantize's file of `kind` (absent until it has made it)."""
+    return _files_dir() / f"{GGUF_NAME.replace('Q4_1', kind)}"
+
+
 def gguf_file(kind: str) -> Path:
     """The GGUF of `kind`: Q4_1 is the shipped file; F16 its requantization (llama-quantize
     --allow-requantize dequantizes the blocks exactly); any other llama-quantize type is
     made from that F16, as a llama.cpp user makes one from a full-precision conversion."""
     if kind == "Q4_1":
         return shipped_gguf()
-    out = _files_dir() / f"{GGUF_NAME.replace('Q4_1', kind)}"
+    out = made_gguf(kind)
     if out.exists():
         return out
     source = shipped_gguf() if kind == "F16" else gguf_file("F16")

@@ -3,6 +3,7 @@
 // (quant_int8_cpu.cpp).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
@@ -30,6 +31,22 @@ inline FormatInfo format_of(const std::string& name, const char* op) {
   if (name == "Q5_K") return {Format::kQ5_K, 256, 176};
   if (name == "Q6_K") return {Format::kQ6_K, 256, 210};
   TORCH_CHECK(false, op, ": GGUF format ", name, " is not decoded here");
+}
+
+// The format of a GGUF op's call (x [M, K] fp32 or bf16 with contiguous rows, data uint8
+// [out_features, K / block * block_bytes]), after checking its arguments: an error
+// names `op` and what is wrong.
+inline FormatInfo checked_format(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype,
+                                 int64_t out_features, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": fp32 or bf16 x");
+  const FormatInfo fi = format_of(std::string(qtype), op);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % fi.elems == 0, op, ": K ", K, " is not a multiple of ", fi.elems);
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
+                  data.size(0) == out_features && data.size(1) == K / fi.elems * fi.bytes,
+              op, ": data must be uint8 [out_features, K / ", fi.elems, " * ", fi.bytes, "]");
+  return fi;
 }
 
 inline float f16(const uint8_t* p) {

@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -274,14 +273,8 @@ void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
 
 at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype,
                              int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear_int8: x must be [M, K] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear_int8: fp32 or bf16 x");
-  const FormatInfo fi = format_of(std::string(qtype), "quant_linear_int8");
+  const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear_int8");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % fi.elems == 0, "quant_linear_int8: K ", K, " is not a multiple of ", fi.elems);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
-                  data.size(0) == out_features && data.size(1) == K / fi.elems * fi.bytes,
-              "quant_linear_int8: data must be uint8 [out_features, K / ", fi.elems, " * ", fi.bytes, "]");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0 || out_features == 0) return y;
   const uint8_t* d = data.data_ptr<uint8_t>();

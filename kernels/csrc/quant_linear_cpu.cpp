@@ -20,12 +20,12 @@
 // The vectors are cpu_vec.h's vfloat, as wide as the build's ISA (8 lanes with AVX2,
 // 16 with AVX-512): nothing here is specific to either.
 //
-// Where the build has AVX2, FMA and F16C, the 32-weight formats the shipped models use
-// (Q8_0, Q4_0, Q4_1) take quant_fused_avx2.h's path instead: at a decode's few rows of
-// x the blocks go from their bytes into the products in registers, never written out
-// (the path above decoded a Q4_1 step slower than fp32 read its weights: 51.1 vs
-// 46.1 ms); at more rows they are decoded once per weight row and multiplied by a
-// 4 x 2 GEMM tile. The other formats (Q5_0, Q5_1, the K-quants) stay on the path above.
+// Where the build has AVX2, FMA and F16C, every format takes quant_fused_avx2.h's path
+// (the 32-weight formats) or quant_kquant_avx2.h's (Q4_K, Q5_K, Q6_K) instead: at a
+// decode's few rows of x the blocks go from their bytes into the products in registers,
+// never written out (the path above decoded a Q4_1 step slower than fp32 read its
+// weights: 51.1 vs 46.1 ms); at more rows they are decoded once per group of weight
+// rows and multiplied by a 3 x 4 GEMM tile.
 //
 // Op (torch.ops.pagedserve_cpu): quant_linear(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
@@ -39,7 +39,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -47,7 +46,7 @@
 #include "gguf_formats.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_FUSED_QUANT 1
-#include "quant_fused_avx2.h"
+#include "quant_kquant_avx2.h"
 #endif
 
 namespace {
@@ -213,18 +212,8 @@ void multiply(const float* w, int rows, const float* x, int64_t K, int64_t m0, i
 }
 
 #ifdef PAGEDSERVE_FUSED_QUANT
-template <Format F>
-constexpr bool fused_format() {
-  return F == Format::kQ8_0 || F == Format::kQ4_0 || F == Format::kQ4_1;
-}
-
-template <Format F>
-constexpr fused::Kind fused_kind() {
-  return F == Format::kQ8_0 ? fused::Kind::kQ8_0 : (F == Format::kQ4_0 ? fused::Kind::kQ4_0 : fused::Kind::kQ4_1);
-}
-
 // y[m0:m0+MR, n0:n0+NR] through one fused tile, rounded once to y's dtype.
-template <fused::Kind F, int MR, int NR, typename T>
+template <Format F, int MR, int NR, typename T>
 void fused_tile(const uint8_t* data, int64_t row_bytes, int64_t K, const float* xs, const float* sums, int64_t m0,
                 int64_t n0, T* y, int64_t N) {
   float out[MR * NR];
@@ -249,14 +238,16 @@ void dense_tile(const float* w, int64_t K, const float* xs, int64_t m0, int64_t 
 // group into fp32 once and then run a GEMM tile over it, kBatchMR rows of x at a time.
 constexpr int kFusedNR = 4;
 constexpr int kFusedMR = 2;
-constexpr int kBatchMR = 4;
+// A batch's tile: 3 x 4 accumulators, the 4 weight vectors and an x vector fill AVX2's 16
+// registers (4 x 2 loaded more per FMA: 1.25x the time; 4 x 4 spills).
+constexpr int kBatchMR = 3;
 constexpr int64_t kBatchFrom = 4;  // rows of x from which decoding once beats decoding per pair of rows
 
-template <fused::Kind F, typename T>
+template <Format F, typename T>
 void run_fused_rows(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
-  std::vector<float> sums(F == fused::Kind::kQ4_1 ? static_cast<size_t>(M * K / 4) : 0);
-  if (F == fused::Kind::kQ4_1) fused::block_sums(xs, M, K, sums.data());
-  const int64_t row_bytes = K / 32 * fused::block_bytes<F>();
+  std::vector<float> sums(fused::needs_sums<F>() ? static_cast<size_t>(M * K / 4) : 0);
+  if (fused::needs_sums<F>()) fused::block_sums(xs, M, K, sums.data());
+  const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
   at::parallel_for(0, (N + kFusedNR - 1) / kFusedNR, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kFusedNR;
@@ -278,36 +269,33 @@ void run_fused_rows(const float* xs, int64_t M, int64_t K, const uint8_t* data, 
   });
 }
 
-template <fused::Kind F, typename T>
+// y[:, n0:n0+NR] from the decoded rows w: kBatchMR rows of x at a time, then the rest.
+template <int NR, typename T>
+void dense_rows(const float* w, int64_t K, const float* xs, int64_t M, int64_t n0, T* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + kBatchMR <= M; m += kBatchMR) dense_tile<kBatchMR, NR>(w, K, xs, m, n0, y, N);
+  if (M - m == 2) dense_tile<2, NR>(w, K, xs, m, n0, y, N);
+  if (M - m == 1) dense_tile<1, NR>(w, K, xs, m, n0, y, N);
+}
+
+template <Format F, typename T>
 void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
-  const int64_t row_bytes = K / 32 * fused::block_bytes<F>();
+  const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
   at::parallel_for(0, (N + kFusedNR - 1) / kFusedNR, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> w(static_cast<size_t>(kFusedNR * K));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kFusedNR;
       const int rows = static_cast<int>(std::min<int64_t>(kFusedNR, N - n0));
       fused::decode_rows<F>(data + n0 * row_bytes, row_bytes, rows, K, w.data());
-      for (int64_t m = 0; m < M; m += kBatchMR) {
-        const bool full = m + kBatchMR <= M;
-        int n = 0;
-        for (; n + 2 <= rows; n += 2) {
-          if (full)
-            dense_tile<kBatchMR, 2>(w.data() + n * K, K, xs, m, n0 + n, y, N);
-          else
-            for (int64_t r = m; r < M; ++r) dense_tile<1, 2>(w.data() + n * K, K, xs, r, n0 + n, y, N);
-        }
-        for (; n < rows; ++n) {
-          if (full)
-            dense_tile<kBatchMR, 1>(w.data() + n * K, K, xs, m, n0 + n, y, N);
-          else
-            for (int64_t r = m; r < M; ++r) dense_tile<1, 1>(w.data() + n * K, K, xs, r, n0 + n, y, N);
-        }
-      }
+      if (rows == kFusedNR)
+        dense_rows<kFusedNR>(w.data(), K, xs, M, n0, y, N);
+      else
+        for (int n = 0; n < rows; ++n) dense_rows<1>(w.data() + n * K, K, xs, M, n0 + n, y, N);
     }
   });
 }
 
-template <fused::Kind F, typename T>
+template <Format F, typename T>
 void run_fused(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   if (M < kBatchFrom)
     run_fused_rows<F>(xs, M, K, data, N, y);
@@ -335,11 +323,8 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
     xs = copy.data();
   }
 #ifdef PAGEDSERVE_FUSED_QUANT
-  if constexpr (fused_format<F>()) {
-    run_fused<fused_kind<F>()>(xs, M, K, data, N, y);
-    return;
-  }
-#endif
+  run_fused<F>(xs, M, K, data, N, y);
+#else
   const int64_t row_bytes = K / fi.elems * fi.bytes;
   const int64_t groups = (N + kRows - 1) / kRows;
   for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
@@ -354,17 +339,12 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
       }
     });
   }
+#endif
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [M, K] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear: fp32 or bf16 x");
-  const FormatInfo fi = format_of(std::string(qtype), "quant_linear");
+  const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % fi.elems == 0, "quant_linear: K ", K, " is not a multiple of ", fi.elems);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
-                  data.size(0) == out_features && data.size(1) == K / fi.elems * fi.bytes,
-              "quant_linear: data must be uint8 [out_features, K / ", fi.elems, " * ", fi.bytes, "]");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0 || out_features == 0) return y;
   const uint8_t* d = data.data_ptr<uint8_t>();

@@ -25,6 +25,25 @@ def test_the_kernel_decodes_the_reference_bits(qtype: str):
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3])  # a decode's few rows: the tiles that decode in registers
+def test_the_decode_path_returns_the_reference_bits(qtype: str, rows: int):
+    k = 3 * BLOCK_FORMATS[qtype][0]
+    weight = random_blocks(qtype, out_features=9, in_features=k, seed=rows)  # 9: two whole groups of 4 and one row
+    picks = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
+    y = quant_cpu_ops.quant_linear(torch.eye(k)[picks], weight)
+    assert torch.equal(y, weight.dequantize().T[picks])
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_every_row_count_from_a_decode_to_a_batch(qtype: str):
+    k = 3 * BLOCK_FORMATS[qtype][0]  # an odd number of blocks
+    weight = random_blocks(qtype, out_features=13, in_features=k, seed=3)  # 13: partial groups of output rows
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
+    for rows in range(1, 41):
+        assert_within_fp32_sums(quant_cpu_ops.quant_linear(x[:rows], weight), x[:rows], weight)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
 @pytest.mark.parametrize("rows", [1, 5, 70])  # a decode, a verification chunk, more than one chunk of x rows
 def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
     k = 2 * BLOCK_FORMATS[qtype][0]
@@ -64,3 +83,17 @@ def test_wrong_shapes_are_refused():
         torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 48), weight.data, "Q8_0", 4)
     with pytest.raises(RuntimeError, match="IQ4_NL is not decoded"):
         torch.ops.pagedserve_cpu.quant_linear(torch.randn(1, 64), weight.data, "IQ4_NL", 4)
+
+
+@pytest.mark.parametrize("op", ["quant_linear", "quant_linear_int8"])
+def test_both_ops_refuse_the_same_arguments_by_name(op: str):
+    weight = random_blocks("Q4_K", out_features=4, in_features=256, seed=5)
+    call = getattr(torch.ops.pagedserve_cpu, op)
+    with pytest.raises(RuntimeError, match=f"{op}: x must be \\[M, K\\] with contiguous rows"):
+        call(torch.randn(1, 2, 256), weight.data, "Q4_K", 4)
+    with pytest.raises(RuntimeError, match=f"{op}: fp32 or bf16 x"):
+        call(torch.zeros(1, 256, dtype=torch.int32), weight.data, "Q4_K", 4)
+    with pytest.raises(RuntimeError, match=f"{op}: K 128 is not a multiple of 256"):
+        call(torch.randn(1, 128), weight.data, "Q4_K", 4)
+    with pytest.raises(RuntimeError, match=f"{op}: data must be uint8 \\[out_features, K / 256 \\* 144\\]"):
+        call(torch.randn(1, 256), weight.data, "Q4_K", 3)
