@@ -8,9 +8,10 @@ argmax at every step. Beside it, greedy (temperature 0) on the same token ids:
 
 * pagedserve's worker serving the file (`--model FILE.gguf --dtype float32`), driven
   step by step by the scheduler's own planner (bench/harness/step_driver.py), once
-  with its defaults and once per --variants entry (worker flags, e.g. the activation
-  quantization); a worker that refuses a variant's flags gives a "skipped" row naming
-  what it said;
+  with its defaults and once per --variants entry (worker flags: by default
+  `--quant-activations none`, the fp32 path, and `int8`, x quantized per 32-block for
+  integer dot products as llama.cpp does); a worker that refuses a variant's flags
+  (or fails on them) gives a "skipped" row naming what it said, and the run goes on;
 * llama.cpp's server on the file (its `/completion` endpoint, token ids in and out).
 
 Every output ends before its first end-of-sequence token (llama.cpp stops there; its
@@ -19,7 +20,8 @@ the fraction of the reference's tokens it reproduced at the same position, the m
 position of the first token that differs (the reference's length where none does), and
 how many prompts came out identical. The Q8_0 and Q4_K_M files (llama-quantize's output,
 bench/harness/llama_cpp.py) make the fp32 rows an exactness check on a real quantizer's
-blocks: pagedserve's fp32 path should reproduce every token there too.
+blocks: pagedserve's fp32 path should reproduce every token there too, so that the int8
+row's distance from the reference is its distance from the fp32 path as well.
 
     python -m bench.quant_distance                                   # every file, 8 prompts x 64 tokens
     python -m bench.quant_distance --files Q4_1 --prompts 2 --max-tokens 16   # a smoke run
@@ -33,6 +35,8 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 from bench.harness.llama_cpp import (
     GGUF_KINDS,
@@ -164,8 +168,10 @@ def llamacpp_tokens(kind: str, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 def refusal(error: Exception) -> str:
-    """The last line a refusing worker wrote (its error), for the report."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    """The last line a refusing worker wrote (its error), or the status of the step it
+    failed, for the report."""
+    text = error.details() if isinstance(error, grpc.Call) else str(error)
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
     return lines[-1][:300] if lines else type(error).__name__
 
 
@@ -201,7 +207,7 @@ def measure_file(kind: str, args: argparse.Namespace) -> list[list[str]]:
         engine += f" `{flags}`" if flags else ""
         try:
             row(engine, pagedserve_tokens(path, prompts, args.max_tokens, stops, flags.split()))
-        except RuntimeError as err:
+        except (RuntimeError, grpc.RpcError) as err:  # refused at start, or a step failed
             rows.append([kind, engine, "skipped", "", f"the worker refused: {refusal(err)}"])
             log(f"{kind} | {engine}: skipped ({refusal(err)})")
     if not args.no_llamacpp:

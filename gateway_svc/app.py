@@ -30,7 +30,7 @@ from gateway_svc.auth import forwarded_key
 from gateway_svc.bodies import JsonBody
 from gateway_svc.chat_template import ChatTemplate
 from gateway_svc.config import GatewayConfig
-from gateway_svc.convert import ResponseShape, Sample
+from gateway_svc.convert import Sample
 from gateway_svc.embeddings import embeddings_router
 from gateway_svc.errors import OpenAIError
 from gateway_svc.generation import (
@@ -55,6 +55,7 @@ from gateway_svc.openapi import (
 )
 from gateway_svc.responses.routes import ResponsesAnswer, responses_router
 from gateway_svc.responses.store import ResponseStore
+from gateway_svc.results import ResponseShape, Results
 from gateway_svc.scheduler_client import Scheduler
 from gateway_svc.tenancy import Tenancy
 from gateway_svc.tokenize import model_info, tokenize_router
@@ -243,7 +244,7 @@ async def _generate(
             else:
                 stream = shape.sse(generation, samples)
             return _GenerationStream(generation, stream, lambda: live.discard(generation))
-        results = convert.Results(samples)
+        results = Results(samples)
         async with _cancel_on_disconnect(request, generation.cancel):
             async for index, message in generation.events():
                 results.add(index, message)
@@ -329,7 +330,7 @@ async def _chunks(
     include_usage: bool,
     prompt_tokens: dict[int, int] | None,
 ) -> AsyncIterator[str]:
-    results = convert.Results(samples)
+    results = Results(samples)
 
     def event(chunk: dict[str, Any]) -> str:
         if prompt_tokens is not None:

@@ -29,8 +29,9 @@ import grpc
 import structlog
 
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.convert import Results, Sample
+from gateway_svc.convert import Sample
 from gateway_svc.errors import error_body, grpc_error, shutting_down, slow_reader
+from gateway_svc.results import Results
 from gateway_svc.scheduler_client import GenerateCall, Scheduler
 from proto import serving_pb2
 

@@ -1,27 +1,23 @@
-"""Scheduler configuration: flags, env vars (PAGEDSERVE_SCHEDULER_*), validation."""
+"""Scheduler configuration: flags, env vars (PAGEDSERVE_SCHEDULER_*), validation, and the
+settings derived from them. The flags of a topic with checks of its own live beside it:
+access.py, lora/flags.py, speculative/flags.py, structured/flags.py."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import structlog
 
+from scheduler_svc.access import AccessFlags
 from scheduler_svc.kv.free_queue import EVICTION_POLICIES
 from scheduler_svc.lora.flags import LoraFlags
 from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.validation import SCHEDULING_POLICIES
-from scheduler_svc.speculative.flags import SPECULATIVE_CONFIG_KEYS, speculative_options
-from scheduler_svc.speculative.ngram import NgramConfig
-from scheduler_svc.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
-from scheduler_svc.structured.limits import DEFAULT_MAX_CHARS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_RULES, GrammarLimits
-from scheduler_svc.structured.sandbox import DEFAULT_MEMORY_MB
+from scheduler_svc.speculative.flags import SpeculativeFlags
+from scheduler_svc.structured.flags import StructuredFlags
 from svc_common.defaults import DEFAULT_MODEL, model_dir_check
 from svc_common.log_setup import LOG_FORMATS
-from svc_common.peer_auth import is_loopback, load_keys, read_token_file, token_file_problem
 from svc_common.targets import Target, parse_targets, targets_check
-from svc_common.tls import file_checks, pair_check
-from svc_common.zmq_endpoints import ZMQ_ENDPOINTS, zmq_bind_is_local, zmq_binds, zmq_endpoint_ok
 
 log = structlog.get_logger(__name__)
 
@@ -31,11 +27,12 @@ DEFAULT_STEP_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
 # Which worker gets a new request (engine/router.py implements each).
 ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
-_NGRAM = NgramConfig()  # the speculative flags' defaults
 
 
 @dataclass
-class SchedulerConfig(LoraFlags):
+class SchedulerFlags:
+    """The serving flags: workers, model, step budget, queue, timeouts, routing, logs."""
+
     workers: str = field(
         default="127.0.0.1:50061",
         metadata={
@@ -112,32 +109,6 @@ class SchedulerConfig(LoraFlags):
     )
     dynamic_chunk_min: int = field(default=512, metadata={"help": "smallest dynamic prefill chunk"})
     dynamic_chunk_max: int = field(default=2048, metadata={"help": "largest dynamic prefill chunk"})
-    speculative_method: str = field(
-        default="",
-        metadata={
-            "help": "speculative decoding (vLLM's method names): ngram = decodes carry up to "
-            "--num-speculative-tokens drafts found by prompt lookup (n-grams of --ngram-min..--ngram-max tokens), "
-            "verified by the worker in the same forward; '' = off"
-        },
-    )
-    speculative_config: str = field(
-        default="",
-        metadata={
-            "help": "vLLM's JSON form of the speculative flags, instead of them: "
-            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
-            "(also disable_by_batch_size); a key left out takes its flag's default; an unknown method or key is "
-            "refused"
-        },
-    )
-    num_speculative_tokens: int = field(
-        default=_NGRAM.num_speculative_tokens, metadata={"help": "drafts per decode (vLLM's meaning)"}
-    )
-    ngram_min: int = field(default=_NGRAM.ngram_min, metadata={"help": "shortest n-gram matched (prompt_lookup_min)"})
-    ngram_max: int = field(default=_NGRAM.ngram_max, metadata={"help": "longest n-gram matched (prompt_lookup_max)"})
-    speculative_disable_by_batch_size: int = field(
-        default=_NGRAM.disable_by_batch_size,
-        metadata={"help": "no drafts while more requests than this run (vLLM's meaning): past it, overlap pays more"},
-    )
     max_model_len: int = field(default=0, metadata={"help": "prompt + output limit; 0 = the worker's (from its Info)"})
     max_waiting: int = field(default=1024, metadata={"help": "queued requests before RESOURCE_EXHAUSTED"})
     scheduling_policy: str = field(
@@ -174,43 +145,6 @@ class SchedulerConfig(LoraFlags):
         metadata={
             "help": "plan and send step N+1 while step N runs on the worker (overlapped scheduling); --no-async-scheduling: strict alternation"
         },
-    )
-    constrained_ahead: bool = field(
-        default=True,
-        metadata={
-            "help": "structured outputs with async scheduling: plan a constrained request's next token ahead like any "
-            "other, its token mask sent after it once the token it follows is known (late masks); "
-            "--no-constrained-ahead: such a request is not planned ahead (it decodes every other step)"
-        },
-    )
-    max_grammar_chars: int = field(
-        default=DEFAULT_MAX_CHARS,
-        metadata={"help": "longest structured-output constraint (JSON schema, regex, grammar, choices) in characters"},
-    )
-    max_grammar_rules: int = field(
-        default=DEFAULT_MAX_RULES,
-        metadata={
-            "help": "most rules and terminals in a structured-output grammar (the compiler recurses through them: "
-            "a 3,000-rule chain overflows its stack)"
-        },
-    )
-    max_grammar_depth: int = field(
-        default=DEFAULT_MAX_DEPTH,
-        metadata={
-            "help": "deepest nesting of (), [] and {} in a structured-output grammar, regex or JSON schema "
-            "(a schema level is two: the object and its properties)"
-        },
-    )
-    grammar_compile_timeout_s: float = field(
-        default=DEFAULT_COMPILE_TIMEOUT_S,
-        metadata={
-            "help": "longest a new constraint may take to compile, in the compile sandbox and then again in the "
-            "scheduler (a cold compile runs in both)"
-        },
-    )
-    grammar_compile_memory_mb: int = field(
-        default=DEFAULT_MEMORY_MB,
-        metadata={"help": "address-space limit of the compile sandbox's child process (the vocabulary included)"},
     )
     max_pinned_blocks: int = field(
         default=-1, metadata={"help": "blocks PinPrefix may hold per worker; -1 = half of the worker's pool"}
@@ -254,45 +188,6 @@ class SchedulerConfig(LoraFlags):
         },
     )
     max_message_mb: int = field(default=256, metadata={"help": "gRPC message size limit"})
-    tls_cert: str = field(
-        default="", metadata={"help": "PEM certificate for TLS on the client API (with --tls-key); default plaintext"}
-    )
-    tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
-    api_keys: str = field(
-        default="",
-        metadata={
-            "help": "comma-separated API keys; clients send 'authorization: Bearer KEY' (health stays open). Prefer the env var or --api-keys-file: flags show in ps"
-        },
-    )
-    api_keys_file: str = field(
-        default="", metadata={"help": "file with one API key per line (# comments); adds to --api-keys"}
-    )
-    worker_tls_ca: str = field(
-        default="", metadata={"help": "PEM CA that signed the workers' certificates: talk TLS to workers"}
-    )
-    worker_tls_cert: str = field(
-        default="", metadata={"help": "PEM client certificate for mutual TLS with the workers (with --worker-tls-key)"}
-    )
-    worker_tls_key: str = field(default="", metadata={"help": "PEM private key for --worker-tls-cert"})
-    internal_token_file: str = field(
-        default="",
-        metadata={
-            "help": "file holding the internal token the scheduler presents to its workers (their "
-            "--internal-token-file names the same file); with or instead of mutual TLS"
-        },
-    )
-    admin_keys: str = field(
-        default="",
-        metadata={
-            "help": "comma-separated admin keys: admin.v1 callers (AddWorker, DrainWorker, ListWorkers, "
-            "SubscribeKvEvents) and ZMQ KV-event subscribers present one ('authorization: Bearer KEY'; ZMQ PLAIN "
-            "password); never a client's key. Needed when --api-keys is set or --admin-host is not loopback. "
-            "Prefer --admin-keys-file or the env var: flags show in ps"
-        },
-    )
-    admin_keys_file: str = field(
-        default="", metadata={"help": "file with one admin key per line (# comments); adds to --admin-keys"}
-    )
     routing: str = field(
         default="prefix",
         metadata={
@@ -306,43 +201,20 @@ class SchedulerConfig(LoraFlags):
             "help": "prefix routing: how long a prompt prefix routed to a worker keeps drawing requests with the same prefix there before that worker has computed it; 0 = off"
         },
     )
-    admin_host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "address to bind the admin.v1 service (AddWorker, DrainWorker, ListWorkers)"},
-    )
-    admin_port: int = field(
-        default=0,
-        metadata={
-            "help": "port of the admin.v1 service; 0 = --port + 1 (the OS picks when --port is 0), so schedulers on different ports never collide; -1 = no admin service"
-        },
-    )
     metrics_port: int = field(
         default=0, metadata={"help": "serve Prometheus metrics on http://HOST:PORT/metrics (HOST = --host); 0 = off"}
     )
-    kv_events_buffer_steps: int = field(
-        default=1024,
-        metadata={
-            "help": "KV-event batches (one per engine step that changed the prefix index) kept per worker for subscribers that reconnect (admin.v1 SubscribeKvEvents, the ZMQ replay socket)"
-        },
-    )
-    kv_events_zmq: str = field(
-        default="",
-        metadata={
-            "help": "also publish KV events as vLLM does (ZMQ PUB, msgpack KVEventBatch), e.g. tcp://*:5557; worker of rank r on port + r. '' = off"
-        },
-    )
-    kv_events_zmq_replay: str = field(
-        default="",
-        metadata={
-            "help": "vLLM's ZMQ replay socket (ROUTER) for --kv-events-zmq, e.g. tcp://*:5657; worker of rank r on port + r. '' = none"
-        },
-    )
-    kv_events_zmq_topic: str = field(default="", metadata={"help": "ZMQ topic of the KV-event messages"})
     log_format: str = field(default="console", metadata={"help": "log line format", "choices": LOG_FORMATS})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     ready_file: str = field(
         default="", metadata={"help": "write {host, port, pid, admin_port} as JSON here once serving"}
     )
+
+
+@dataclass
+class SchedulerConfig(AccessFlags, LoraFlags, StructuredFlags, SpeculativeFlags, SchedulerFlags):
+    """Every flag, and what is derived from them. Dataclass fields run from the last base to
+    the first: --help and the flags page list the serving flags first, access last."""
 
     @property
     def worker_targets(self) -> list[Target]:
@@ -379,33 +251,15 @@ class SchedulerConfig(LoraFlags):
             (0 <= self.port <= 65535, "--port", "in 0..65535"),
             (self.routing_affinity_ttl_s >= 0, "--routing-affinity-ttl-s", ">= 0"),
             (
-                -1 <= self.admin_port <= 65535,
-                "--admin-port",
-                "in 1..65535, 0 for --port + 1, or -1 for no admin service",
-            ),
-            (
                 self.admin_port != 0 or self.port < 65535,
                 "--admin-port",
                 "set when --port is 65535 (--port + 1 is no port)",
             ),
             (0 <= self.metrics_port <= 65535, "--metrics-port", "in 1..65535, or 0 for no metrics endpoint"),
-            (self.kv_events_buffer_steps >= 1, "--kv-events-buffer-steps", ">= 1"),
-            (zmq_endpoint_ok(self.kv_events_zmq), "--kv-events-zmq", ZMQ_ENDPOINTS),
-            (zmq_endpoint_ok(self.kv_events_zmq_replay), "--kv-events-zmq-replay", ZMQ_ENDPOINTS),
-            (
-                not self.kv_events_zmq_replay or bool(self.kv_events_zmq),
-                "--kv-events-zmq-replay",
-                "used with --kv-events-zmq",
-            ),
             model_dir_check(self.tokenizer_dir, "--tokenizer" if self.tokenizer else "--model"),
             (self.max_model_len == 0 or self.max_model_len >= 2, "--max-model-len", "0 (the worker's) or >= 2"),
             (not self.classifier_from_token or self.pooling_runner, "--classifier-from-token", "with --runner pooling"),
             (self.max_num_seqs >= 0, "--max-num-seqs", ">= 1, or 0 for the worker's"),
-            (self.max_grammar_chars >= 1, "--max-grammar-chars", ">= 1"),
-            (self.max_grammar_rules >= 1, "--max-grammar-rules", ">= 1"),
-            (self.max_grammar_depth >= 1, "--max-grammar-depth", ">= 1"),
-            (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout-s", "> 0"),
-            (self.grammar_compile_memory_mb >= 256, "--grammar-compile-memory-mb", ">= 256"),
             (self.step_target_ms >= 0, "--step-target-ms", ">= 0 (0 = off)"),
             (self.max_pinned_blocks >= -1, "--max-pinned-blocks", ">= 0, or -1 for half the pool"),
             (0 <= self.max_pin_share_per_key <= 1, "--max-pin-share-per-key", "in 0..1"),
@@ -418,27 +272,9 @@ class SchedulerConfig(LoraFlags):
             (1 <= self.max_message_mb <= 2047, "--max-message-mb", "in 1..2047"),
             (1 <= self.max_request_mb <= 2047, "--max-request-mb", "in 1..2047"),
             (self.max_prompt_chars >= 0, "--max-prompt-chars", ">= 1, or 0 for what fits the context"),
-            pair_check(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key"),
-            pair_check(self.worker_tls_cert, self.worker_tls_key, "--worker-tls-cert", "--worker-tls-key"),
-            (not self.worker_tls_cert or bool(self.worker_tls_ca), "--worker-tls-cert", "used with --worker-tls-ca"),
-            (
-                token_file_problem(self.internal_token_file) is None,
-                "--internal-token-file",
-                str(token_file_problem(self.internal_token_file)),
-            ),
-            *file_checks(
-                {
-                    "--tls-cert": self.tls_cert,
-                    "--tls-key": self.tls_key,
-                    "--api-keys-file": self.api_keys_file,
-                    "--admin-keys-file": self.admin_keys_file,
-                    "--worker-tls-ca": self.worker_tls_ca,
-                    "--worker-tls-cert": self.worker_tls_cert,
-                    "--worker-tls-key": self.worker_tls_key,
-                }
-            ),
         ]
-        for ok, flag, valid in checks + self.lora_checks() + self._credential_checks():
+        checks += self.structured_checks() + self.access_checks() + self.lora_checks() + self.credential_checks()
+        for ok, flag, valid in checks:
             if not ok:
                 raise ValueError(f"{flag}: must be {valid}")
         if self.chunk_size > self.max_num_batched_tokens >= 1:  # one request's chunk never outgrows a step
@@ -452,74 +288,10 @@ class SchedulerConfig(LoraFlags):
         self.planner_config(max(self.max_model_len, 2), 1, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS).validate()
 
     @property
-    def client_keys(self) -> frozenset[str]:
-        """The API keys serving.v1 callers present (none: the client API is open)."""
-        return load_keys(self.api_keys, self.api_keys_file)
-
-    @property
-    def admin_key_set(self) -> frozenset[str]:
-        """The keys admin.v1 callers and ZMQ KV-event subscribers present."""
-        return load_keys(self.admin_keys, self.admin_keys_file)
-
-    @property
     def sized_step_target_ms(self) -> float:
         """A CPU worker's step target (engine/step_budget.py); 0 where the operator set the budget flags."""
         defaults = self.max_num_batched_tokens == self.chunk_size == DEFAULT_STEP_TOKENS
         return self.step_target_ms if defaults else 0.0
-
-    @property
-    def grammar_limits(self) -> GrammarLimits:
-        return GrammarLimits(self.max_grammar_chars, self.max_grammar_rules, self.max_grammar_depth)
-
-    def internal_token(self) -> str | None:
-        """What the scheduler presents to its workers, if it has one."""
-        return read_token_file(self.internal_token_file) if self.internal_token_file else None
-
-    def _credential_checks(self) -> list[tuple[bool, str, str]]:
-        """Who may reach admin.v1 and the KV events (they show every tenant's prompts): an admin key,
-        never a client's; without admin keys only loopback, and only while clients need no key either."""
-        if not all(path == "" or os.path.isfile(path) for path in (self.api_keys_file, self.admin_keys_file)):
-            return []  # the file checks above name the missing file
-        client, admin = self.client_keys, self.admin_key_set
-        open_admin = self.admin_port >= 0 and not admin
-        zmq_open = bool(self.kv_events_zmq) and not admin
-        or_off = "(or --admin-port -1: no admin service)"
-        return [
-            (not client & admin, "--admin-keys", "distinct from every --api-keys key: a client must not administer"),
-            (
-                not open_admin or is_loopback(self.admin_host),
-                "--admin-keys-file",
-                f"set when --admin-host {self.admin_host} is not loopback {or_off}",
-            ),
-            (
-                not open_admin or not client,
-                "--admin-keys-file",
-                "set when --api-keys is: otherwise any local process could drain workers and read every tenant's "
-                f"prompts from the KV events {or_off}",
-            ),
-            *(
-                (
-                    not zmq_open or (zmq_bind_is_local(endpoint) and not client),
-                    flag,
-                    "a loopback, ipc:// or inproc:// endpoint, with no --api-keys, unless --admin-keys-file is set "
-                    "(subscribers then present an admin key as their ZMQ PLAIN password)",
-                )
-                for flag, endpoint in (
-                    ("--kv-events-zmq", self.kv_events_zmq),
-                    ("--kv-events-zmq-replay", self.kv_events_zmq_replay),
-                )
-                if endpoint and zmq_binds(endpoint)
-            ),
-        ]
-
-    def speculative(self) -> NgramConfig | None:
-        """The drafts' options, from the flags or --speculative-config; None: off (speculative/flags.py)."""
-        defaults = SchedulerConfig()
-        return speculative_options(
-            {name: getattr(self, name) for name in SPECULATIVE_CONFIG_KEYS.values()},
-            {name: getattr(defaults, name) for name in SPECULATIVE_CONFIG_KEYS.values()},
-            self.speculative_config,
-        )
 
     def planner_config(self, max_model_len: int, block_size: int, max_num_seqs: int) -> PlannerConfig:
         """The planner's options for a worker holding `max_model_len` tokens per request in

@@ -20,10 +20,11 @@ from gateway_svc.anthropic.convert import chat_request, content_blocks, new_id, 
 from gateway_svc.anthropic.errors import anthropic_error
 from gateway_svc.anthropic.types import CountTokensRequest, MessagesRequest
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.convert import Results, Sample
+from gateway_svc.convert import Sample
 from gateway_svc.generation import Generation, answer_steps, guarded
 from gateway_svc.openai_types import ChatCompletionRequest
 from gateway_svc.openapi import ERROR_RESPONSES, GENERATION_RESPONSES
+from gateway_svc.results import Results
 
 RunChat = Callable[[ChatCompletionRequest, Request, Any], Awaitable[Response]]
 CountPrompt = Callable[[ChatCompletionRequest, Request], Awaitable[int]]

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from gateway_svc import structured
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.convert import Results, Sample
+from gateway_svc.convert import Sample
 from gateway_svc.errors import OpenAIError
 from gateway_svc.generation import Generation, answer_steps, guarded
 from gateway_svc.openai_types import ChatCompletionRequest
@@ -27,6 +27,7 @@ from gateway_svc.responses.items import ITEMS, chat_request, new_id, output_item
 from gateway_svc.responses.store import ResponseStore
 from gateway_svc.responses.stream import ResponseEvents
 from gateway_svc.responses.types import ResponsesRequest
+from gateway_svc.results import Results
 
 # The chat route's pipeline: (chat request, HTTP request, answer) -> the HTTP response.
 RunChat = Callable[[ChatCompletionRequest, Request, Any], Awaitable[Response]]

@@ -5,6 +5,7 @@ A ValueError names the flag or key at fault (the values' ranges: NgramConfig.pro
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from scheduler_svc.speculative.ngram import NgramConfig
@@ -20,6 +21,48 @@ SPECULATIVE_CONFIG_KEYS = {
     "prompt_lookup_max": "ngram_max",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
+_NGRAM = NgramConfig()  # the flags' defaults
+
+
+@dataclass
+class SpeculativeFlags:
+    """The flags themselves; SchedulerConfig inherits them."""
+
+    speculative_method: str = field(
+        default="",
+        metadata={
+            "help": "speculative decoding (vLLM's method names): ngram = decodes carry up to "
+            "--num-speculative-tokens drafts found by prompt lookup (n-grams of --ngram-min..--ngram-max tokens), "
+            "verified by the worker in the same forward; '' = off"
+        },
+    )
+    speculative_config: str = field(
+        default="",
+        metadata={
+            "help": "vLLM's JSON form of the speculative flags, instead of them: "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+            "(also disable_by_batch_size); a key left out takes its flag's default; an unknown method or key is "
+            "refused"
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=_NGRAM.num_speculative_tokens, metadata={"help": "drafts per decode (vLLM's meaning)"}
+    )
+    ngram_min: int = field(default=_NGRAM.ngram_min, metadata={"help": "shortest n-gram matched (prompt_lookup_min)"})
+    ngram_max: int = field(default=_NGRAM.ngram_max, metadata={"help": "longest n-gram matched (prompt_lookup_max)"})
+    speculative_disable_by_batch_size: int = field(
+        default=_NGRAM.disable_by_batch_size,
+        metadata={"help": "no drafts while more requests than this run (vLLM's meaning): past it, overlap pays more"},
+    )
+
+    def speculative(self) -> NgramConfig | None:
+        """The drafts' options, from the flags or --speculative-config; None: off."""
+        defaults = {f.name: f.default for f in fields(SpeculativeFlags)}
+        return speculative_options(
+            {name: getattr(self, name) for name in SPECULATIVE_CONFIG_KEYS.values()},
+            {name: defaults[name] for name in SPECULATIVE_CONFIG_KEYS.values()},
+            self.speculative_config,
+        )
 
 
 def speculative_options(flags: dict[str, Any], defaults: dict[str, Any], config_json: str) -> NgramConfig | None:

@@ -29,7 +29,7 @@ def default_vocab() -> GrammarVocab:
 
 @functools.cache
 def tiny_vocab(logits_width: int = 768) -> GrammarVocab:
-    from tools.tiny_checkpoints import train_tokenizer_json
+    from tools.tiny_tokenizer import train_tokenizer_json
 
     return GrammarVocab(train_tokenizer_json(), logits_width, [TINY_EOS])
 

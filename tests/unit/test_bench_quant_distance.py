@@ -3,8 +3,11 @@ bench/peers.py: pure logic, on hand-made token lists and records."""
 
 from __future__ import annotations
 
+import grpc
+import pytest
+
 from bench.peers import GGUF_SERVERS, WORKLOADS, Workload, gguf_kind, gguf_targets, shortened
-from bench.quant_distance import Distance, distance, first_divergence, until_stop
+from bench.quant_distance import Distance, distance, first_divergence, refusal, until_stop
 
 STOPS = frozenset({0, 2})
 
@@ -61,3 +64,13 @@ def test_the_targets_compare_each_file_with_llamacpp_on_it():
     assert "- Q8_0: 1 stream, 256 in, 128 out ITL p50 30.0 vs llama.cpp 20.0 ms = 1.50x (target <= 1.0x)" in text
     assert "32 streams, 256 in, 128 out output tok/s 300.0 vs llama.cpp 150.0 tok/s = 2.00x (target >= 1.5x)" in text
     assert "Q4_1" not in text  # no llama.cpp row to compare with
+
+
+def test_a_refusing_worker_is_reported_by_its_last_line_or_its_status_details():
+    started = RuntimeError("worker_svc did not start:\nloading\n\nValueError: --quant-activations: no Q6_K kernel\n")
+    assert refusal(started) == "ValueError: --quant-activations: no Q6_K kernel"
+    # A step that fails: a real gRPC error (nothing listens on port 1), reported by its details.
+    with grpc.insecure_channel("127.0.0.1:1") as channel, pytest.raises(grpc.RpcError) as failed:
+        channel.unary_unary("/worker.v1.Worker/Step")(b"", timeout=5)
+    assert isinstance(failed.value, grpc.Call) and failed.value.details()
+    assert refusal(failed.value) == failed.value.details().strip().splitlines()[-1][:300]

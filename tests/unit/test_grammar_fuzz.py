@@ -21,7 +21,7 @@ from scheduler_svc.structured.sandbox import CompileSandbox, SandboxVocab
 from tests.helpers.deep_constraints import nested_regex, nested_schema, rule_chain
 from tests.helpers.grammar_walk import TINY_EOS, tiny_vocab
 from tests.helpers.schema_strategies import SCHEMAS
-from tools.tiny_checkpoints import train_tokenizer_json
+from tools.tiny_tokenizer import train_tokenizer_json
 
 pytestmark = pytest.mark.slow
 

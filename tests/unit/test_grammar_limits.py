@@ -15,7 +15,7 @@ from scheduler_svc.structured.limits import GrammarLimits, nesting_depth
 from scheduler_svc.structured.sandbox import CompileSandbox, SandboxVocab, child_stack_bytes
 from tests.helpers.deep_constraints import nested_regex, nested_schema, rule_chain, schema_levels
 from tests.helpers.grammar_walk import TINY_EOS, tiny_vocab
-from tools.tiny_checkpoints import train_tokenizer_json
+from tools.tiny_tokenizer import train_tokenizer_json
 
 UNBOUNDED = GrammarLimits(max_chars=10**8, max_rules=10**8, max_depth=10**8)
 

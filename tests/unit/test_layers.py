@@ -19,10 +19,12 @@ ALLOWED: dict[str, set[str]] = {
     "text": set(),
     "speculative": set(),
     "structured": {"text"},
+    "access": set(),  # the TLS, key and admin-exposure flags and their checks
     "kv": {"request"},
     "lora": {"request"},  # the adapter registry and each worker's slots: pure bookkeeping, no torch
     "planning": {"request", "kv", "structured", "speculative", "lora"},
-    "config": {"request", "kv", "planning", "speculative", "structured", "lora"},  # the grammar limits' defaults
+    # config: the flag groups it inherits (access, lora, speculative, structured), the planner's options
+    "config": {"request", "kv", "planning", "speculative", "structured", "lora", "access"},
     "engine": {"request", "kv", "planning", "text", "structured", "config", "lora"},
     "api": {"request", "kv", "planning", "text", "structured", "config", "engine", "lora"},
     "observability": {"request", "kv", "planning", "engine", "lora"},

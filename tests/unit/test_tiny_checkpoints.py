@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tools import tiny_checkpoints as tc
+from tools import tiny_tokenizer as tt
 
 FAMILIES = sorted(tc.FAMILIES)
 EXPECTED = {  # family -> (model_type, kv heads, tied embeddings)
@@ -76,13 +77,13 @@ def test_builds_are_byte_identical(builds, family):
 
 
 def test_tokenizer_training_is_deterministic():
-    assert tc.train_tokenizer_json() == tc.train_tokenizer_json()
+    assert tt.train_tokenizer_json() == tt.train_tokenizer_json()
 
 
 def test_tokenizer_roundtrip_and_chat_template(builds):
     tok = AutoTokenizer.from_pretrained(builds["qwen3"][0])
     assert 512 <= len(tok) <= 1024
-    assert (tok.unk_token, tok.bos_token, tok.eos_token, tok.pad_token) == (tc.UNK, tc.BOS, tc.EOS, tc.PAD)
+    assert (tok.unk_token, tok.bos_token, tok.eos_token, tok.pad_token) == (tt.UNK, tt.BOS, tt.EOS, tt.PAD)
     for text in [tc.UNICODE_SAMPLE, "日本語のテキスト ✓ \x00\t\n  spaces", "def f(x):\n    return x ** 2\n"]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.unk_token_id not in ids
@@ -109,7 +110,7 @@ def test_gemma3_sliding_window_changes_the_output(builds):
     """Prompts well past the window must give different logits than full attention."""
     path = builds["gemma3"][0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(path)(tc.CORPUS[:200], return_tensors="pt")["input_ids"]
+    ids = AutoTokenizer.from_pretrained(path)(tt.CORPUS[:200], return_tensors="pt")["input_ids"]
     assert ids.shape[1] > 4 * model.config.sliding_window
     with torch.no_grad():
         windowed = model(ids).logits
@@ -133,7 +134,7 @@ def test_logits_have_spread(builds):
     for family in FAMILIES:
         path = builds[family][0]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        ids = AutoTokenizer.from_pretrained(path)(tc.CORPUS[:200], return_tensors="pt")["input_ids"]
+        ids = AutoTokenizer.from_pretrained(path)(tt.CORPUS[:200], return_tensors="pt")["input_ids"]
         with torch.no_grad():
             logits = model(ids).logits[0]
         assert torch.isfinite(logits).all()
