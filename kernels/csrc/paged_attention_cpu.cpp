@@ -12,15 +12,18 @@
 // softmax over one block at a time; the output is rounded to the query's dtype.
 //
 // Work item: a sequence's tile of up to kRowTile query rows, for all its KV heads
-// when there are enough sequences to keep every thread busy (the block's heads are
-// then read as one run), else for one KV head. Per block and KV head, K and V are
-// converted once into small fp32 buffers and used by all the item's rows and by every
-// query head of the KV head's group: a block is read from the cache once per item,
-// never copied into a gathered context. The next block is prefetched in software:
-// blocks lie anywhere in the cache, where the hardware prefetcher cannot follow.
-// Decode rows (a GQA group of query vectors per KV head) take dot products per key
-// (attend_block); a prefill tile with at least half a vector of query vectors per KV
-// head puts them across the vector lanes (attend_item_lanes), a matrix-shaped inner
+// when there are enough sequences to keep every thread busy, else for one KV head.
+// Per block and KV head, K and V serve all the item's rows and every query head of
+// the KV head's group: read where they lie when the cache's values are already the
+// query dtype's (fp32; bf16 for fp32 and bf16 queries), else converted once into small
+// fp32 buffers. A block is read from the cache once per item, never copied into a
+// gathered context, and the next block is prefetched in software: blocks lie anywhere
+// in the cache, where the hardware prefetcher cannot follow. Decode rows (a GQA group
+// of query vectors per KV head) take tiles of 4 keys x 3 query vectors (attend_queries;
+// attend_block for head dims other than 64 and 128), which replaced a dot product a
+// key (bench/results/cpu_attention_kernel.md). A prefill tile with at least
+// half a vector of query vectors per KV head puts them across the vector lanes
+// (attend_item_lanes), a matrix-shaped inner
 // kernel: 1.1-1.9x the reference over a long context and for fresh prompts, where the
 // row-at-a-time version was 0.67-0.77x (bench/results/cpu_attention.md).
 //
