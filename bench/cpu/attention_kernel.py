@@ -98,6 +98,10 @@ def tensors(
     return query, caches, tables.contiguous(), cu, torch.full((case.seqs,), case.context, dtype=torch.int32)
 
 
+HEADERS = ["step (30 layers)", "query/cache dtype", "before ms", "after ms", "after / before",
+           "max abs diff before", "after"]  # fmt: skip
+
+
 def run_case(case: Case, ops: dict[str, str], rounds: int) -> list[str]:
     query, caches, tables, cu, ctx = tensors(case)
     scale = query.shape[-1] ** -0.5
@@ -145,18 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     for case in CASES:
         rows.append(run_case(case, ops, args.rounds))
         print(" | ".join(rows[-1]), flush=True)
-    headers = ["step (30 layers)", "query/cache dtype", "before ms", "after ms", "after / before",
-               "max abs diff before", "after"]  # fmt: skip
-    table = markdown_table(headers, rows)
+    table = markdown_table(HEADERS, rows)
     print(table)
     if args.out:
-        body = (
+        write_result(
+            args.out,
+            "The CPU paged attention op, before and after",
             f"ms per step of 30 layers' attention: median of {args.rounds} interleaved rounds, CPU time of this "
-            f"thread, 1 torch thread; max abs diff: against the torch reference (the oracle), layer 0.\n\n{table}"
+            f"thread, 1 torch thread; max abs diff: against the torch reference (the oracle), layer 0.\n\n{table}",
+            "Load after: {:.2f} {:.2f} {:.2f}.".format(*os.getloadavg()),
+            module="cpu.attention_kernel",
         )
-        load = open("/proc/loadavg").read().split()[:3]
-        write_result(args.out, "The CPU paged attention op, before and after", body, f"Load after: {' '.join(load)}.",
-                     module="cpu.attention_kernel")  # fmt: skip
     return 0
 
 

@@ -12,27 +12,13 @@ import pytest
 import torch
 
 from kernels import cpu_ops, quant, reference
+from tests.helpers.attention_caches import make_cache
 
 SCALE = 0.3
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 CONTEXTS = [1, 3, 4, 5, 15, 16, 17, 33, 100, 129]  # inside a first tile, on and off block and tile edges
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernel could not be built here")
-
-
-def _cache(num_blocks, kv_heads, head_dim, block_size, cache_dtype, seed=0):
-    """A cache filled through reference.write_kv (a quantized one with its scales)."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, kv_heads, block_size, head_dim)
-    k_cache = torch.zeros(shape, dtype=cache_dtype)
-    v_cache = torch.zeros(shape, dtype=cache_dtype)
-    kv_scales = quant.KVScales.zeros(shape, cache_dtype, k_cache.device)
-    scales = {} if kv_scales is None else {"scales": kv_scales}
-    tokens = num_blocks * block_size
-    key = torch.randn(tokens, kv_heads, head_dim, generator=g) * 2 + 0.5
-    value = torch.randn(tokens, kv_heads, head_dim, generator=g)
-    reference.write_kv(key, value, k_cache, v_cache, torch.arange(tokens), **scales)
-    return k_cache, v_cache, scales
 
 
 def _tables(context_lens, num_blocks, block_size, seed=0):
@@ -63,7 +49,7 @@ def _blocks_for(block_size):
 def test_decode_tiles_match_the_reference(group, head_dim, block_size):
     kv_heads = 2
     blocks = _blocks_for(block_size)
-    k_cache, v_cache, _ = _cache(blocks, kv_heads, head_dim, block_size, torch.float32)
+    k_cache, v_cache, _ = make_cache(blocks, kv_heads, head_dim, torch.float32, block_size=block_size)
     tables, ctx = _tables(CONTEXTS, blocks, block_size)
     query = _query(len(CONTEXTS), kv_heads * group, head_dim, torch.float32)
     out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
@@ -86,7 +72,7 @@ CACHE_DTYPES = [
 )
 def test_decode_tiles_for_every_cache_dtype(dtype, cache_dtype, block_size):
     blocks = _blocks_for(block_size)
-    k_cache, v_cache, scales = _cache(blocks, 3, 64, block_size, cache_dtype)
+    k_cache, v_cache, scales = make_cache(blocks, 3, 64, cache_dtype, block_size=block_size)
     tables, ctx = _tables(CONTEXTS, blocks, block_size)
     query = _query(len(CONTEXTS), 9, 64, dtype)
     out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, **scales)
@@ -101,7 +87,7 @@ def test_row_wise_chunks_windows_and_cap(group, softcap, window):
     # vectors than half a vector of lanes); at group 3 the 1-row chunks do.
     query_lens, context_lens = [1, 2, 3, 1, 3], [1, 18, 40, 77, 130]
     blocks = 64
-    k_cache, v_cache, _ = _cache(blocks, 2, 64, 16, torch.float32)
+    k_cache, v_cache, _ = make_cache(blocks, 2, 64, torch.float32, block_size=16)
     width = max(-(-c // 16) for c in context_lens) + 1
     perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(5))[: len(context_lens) * width]
     tables = perm.view(len(context_lens), width).to(torch.int32)
