@@ -12,15 +12,18 @@
 // softmax over one block at a time; the output is rounded to the query's dtype.
 //
 // Work item: a sequence's tile of up to kRowTile query rows, for all its KV heads
-// when there are enough sequences to keep every thread busy (the block's heads are
-// then read as one run), else for one KV head. Per block and KV head, K and V are
-// converted once into small fp32 buffers and used by all the item's rows and by every
-// query head of the KV head's group: a block is read from the cache once per item,
-// never copied into a gathered context. The next block is prefetched in software:
-// blocks lie anywhere in the cache, where the hardware prefetcher cannot follow.
-// Decode rows (a GQA group of query vectors per KV head) take dot products per key
-// (attend_block); a prefill tile with at least half a vector of query vectors per KV
-// head puts them across the vector lanes (attend_item_lanes), a matrix-shaped inner
+// when there are enough sequences to keep every thread busy, else for one KV head.
+// Per block and KV head, K and V serve all the item's rows and every query head of
+// the KV head's group: read where they lie when the cache's values are already the
+// query dtype's (fp32; bf16 for fp32 and bf16 queries), else converted once into small
+// fp32 buffers. A block is read from the cache once per item, never copied into a
+// gathered context, and the next block is prefetched in software: blocks lie anywhere
+// in the cache, where the hardware prefetcher cannot follow. Decode rows (a GQA group
+// of query vectors per KV head) take tiles of 4 keys x 3 query vectors (attend_queries;
+// attend_block for head dims other than 64 and 128), which replaced a dot product a
+// key (bench/results/cpu_attention_kernel.md). A prefill tile with at least
+// half a vector of query vectors per KV head puts them across the vector lanes
+// (attend_item_lanes), a matrix-shaped inner
 // kernel: 1.1-1.9x the reference over a long context and for fresh prompts, where the
 // row-at-a-time version was 0.67-0.77x (bench/results/cpu_attention.md).
 //
@@ -176,14 +179,13 @@ struct WorkItem {
 constexpr int kMaxHeadDim = 512;
 
 // Attention of one query vector (head g of row r) over keys [lo, hi) of the block in
-// kb / vb: scores (capped where cap > 0), the online-softmax update of (m, l), and the
-// running output o. D > 0: head_dim as a compile-time constant, so q and o stay in registers.
-template <int D>
+// kb / vb, for a head_dim without a compiled tile (attend_queries serves 64 and 128):
+// scores (capped where cap > 0), the online-softmax update of (m, l), and the running
+// output o.
 inline void attend_block(const float* __restrict__ q_in, const float* __restrict__ kb,
                          const float* __restrict__ vb, int d, int lo, int hi, float cap, float* __restrict__ scores,
                          float& m, float& l, float* __restrict__ o_io) {
-  constexpr int kLocal = D > 0 ? D : kMaxHeadDim;
-  float q[kLocal], o[kLocal];
+  float q[kMaxHeadDim], o[kMaxHeadDim];
   for (int i = 0; i < d; ++i) q[i] = q_in[i];
   float block_max = kNegBig;
   for (int j = lo; j < hi; ++j) {
@@ -235,11 +237,20 @@ inline void prefetch_block(const CT* k_cache, const CT* v_cache, int64_t offset,
   }
 }
 
+// Whether a block of cache C is used where it lies, without the fp32 staging copy: its
+// values are already the query dtype's (fp32 as is, bf16 widened exactly by vload).
+template <typename Q, template <typename> class C>
+constexpr bool kInPlace = std::is_same_v<C<Q>, CF32<QF32>> || std::is_same_v<C<Q>, CBF16<QF32>> ||
+                          std::is_same_v<C<Q>, CBF16<QBF16>>;
+
 // Every block of the item's sequence that query positions [first_pos, first_pos + rows)
 // see (their sliding windows included), for each KV head of the item: that head's K and
-// V of the block read into kb / vb as fp32 [n][d], then body(h, j0, n) for its keys
-// j0 .. j0 + n - 1. The next block is prefetched while this one is read.
-template <typename Q, template <typename> class C, typename Body>
+// V of the block, [block_size][d], then body(h, j0, n, k, v, k_next, v_next) for its keys
+// j0 .. j0 + n - 1. InPlace: k and v point into the cache, and k_next / v_next to the
+// same head's rows of the next block (nullptr at the last), for the body to prefetch a
+// few rows at a time beside its arithmetic; else k and v are kb / vb, the block read as
+// fp32 rounded to the query's dtype, and the next block is prefetched here as it is read.
+template <typename Q, template <typename> class C, bool InPlace, typename Body>
 inline void for_each_block(const Args& a, const WorkItem& w, int first_pos, int rows, int d, float* kb, float* vb,
                            Body&& body) {
   using CT = typename C<Q>::T;
@@ -256,15 +267,157 @@ inline void for_each_block(const Args& a, const WorkItem& w, int first_pos, int 
     const int64_t phys = table[blk];
     const int j0 = blk * bs;
     const int n = std::min(bs, key_hi - j0);
-    if ((blk + 1) * bs < key_hi)
+    const bool has_next = (blk + 1) * bs < key_hi;
+    if (!InPlace && has_next)
       prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
     for (int h = 0; h < heads; ++h) {
       const int kv_head = w.head_begin + h;
       const int64_t base = phys * block_stride + kv_head * head_stride;
-      const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
-      read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, d, kb);
-      read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, d, vb);
-      body(h, j0, n);
+      if constexpr (InPlace) {
+        const int64_t next = has_next ? table[blk + 1] * block_stride + kv_head * head_stride : -1;
+        body(h, j0, n, k_cache + base, v_cache + base, next < 0 ? nullptr : k_cache + next,
+             next < 0 ? nullptr : v_cache + next);
+      } else {
+        const int64_t sbase = (phys * a.num_kv_heads + kv_head) * bs;
+        read_block<Q, C>(k_cache + base, a.k_scale, a.k_zero, sbase, n, d, kb);
+        read_block<Q, C>(v_cache + base, a.v_scale, a.v_zero, sbase, n, d, vb);
+        const float* none = nullptr;
+        body(h, j0, n, static_cast<const float*>(kb), static_cast<const float*>(vb), none, none);
+      }
+    }
+  }
+}
+
+// ---- decode rows: NQ query vectors of a KV head against a block's keys ----------------
+// Start fetching row j of a block (nullptr: none). A burst of a whole block's prefetches
+// fills the core's miss buffers and stalls it; a row beside each row's arithmetic does not.
+template <int D, typename KT>
+inline void prefetch_row(const KT* next, int j) {
+  if (next == nullptr) return;
+  const char* row = reinterpret_cast<const char*>(next + j * D);
+  for (int b = 0; b < D * static_cast<int>(sizeof(KT)); b += 64) __builtin_prefetch(row + b);
+}
+
+// Scores s[g][j] (row stride ss) of queries q [NQ][D] against keys [lo, hi) of a block k
+// [bs][D]: 4 keys x NQ queries a pass, each key vector loaded once for all NQ queries and
+// each of the 4 x NQ dot products in its own register (a dot product a key in one FMA
+// chain waited on the FMA latency per element vector), summed across lanes four at a
+// time. Full passes run while 4 keys lie in the block (scores past hi are ignored).
+template <int D, int NQ, typename KT>
+inline void score_tile(const float* __restrict__ q, const KT* __restrict__ k, const KT* k_next, int lo, int hi,
+                       int ss, int bs, float* __restrict__ s) {
+  constexpr int V = D / kLanes;
+  int j = lo;
+  for (; j < hi && j + 4 <= bs; j += 4) {
+    for (int t = 0; t < 4; ++t) prefetch_row<D>(k_next, j + t);
+    vfloat acc[NQ][4];
+    for (int g = 0; g < NQ; ++g)
+      for (int t = 0; t < 4; ++t) acc[g][t] = vfloat{};
+    for (int c = 0; c < V; ++c)
+      for (int t = 0; t < 4; ++t) {
+        const vfloat kv = vload(k + (j + t) * D + c * kLanes);
+        for (int g = 0; g < NQ; ++g) acc[g][t] += vload(q + g * D + c * kLanes) * kv;
+      }
+    for (int g = 0; g < NQ; ++g) {
+      const vfloat4 sums = vsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      std::memcpy(s + g * ss + j, &sums, sizeof sums);
+    }
+  }
+  for (; j < hi; ++j) {
+    prefetch_row<D>(k_next, j);
+    vfloat acc[NQ];
+    for (int g = 0; g < NQ; ++g) acc[g] = vfloat{};
+    for (int c = 0; c < V; ++c) {
+      const vfloat kv = vload(k + j * D + c * kLanes);
+      for (int g = 0; g < NQ; ++g) acc[g] += vload(q + g * D + c * kLanes) * kv;
+    }
+    for (int g = 0; g < NQ; ++g) s[g * ss + j] = vsum(acc[g]);
+  }
+}
+
+// The largest divisor of v that is at most cap (at least 1).
+constexpr int divisor_at_most(int v, int cap) {
+  int best = 1;
+  for (int c = 1; c <= v && c <= cap; ++c)
+    if (v % c == 0) best = c;
+  return best;
+}
+
+// o[g] = o[g] * corr[g] + sum_j p[g][j] v[j] over keys [lo, hi): NQ queries x CV vectors
+// of the output a pass, 12 accumulators (AVX2 has 16 registers), each V row loaded once
+// a pass for all NQ queries.
+template <int D, int NQ, typename KT>
+inline void pv_tile(const float* __restrict__ p, int ss, const KT* __restrict__ v, const KT* v_next, int lo, int hi,
+                    const float* corr, float* __restrict__ o) {
+  constexpr int V = D / kLanes, CV = divisor_at_most(V, std::max(1, 12 / NQ));
+  for (int c0 = 0; c0 < V; c0 += CV) {
+    vfloat acc[NQ][CV];
+    for (int g = 0; g < NQ; ++g)
+      for (int c = 0; c < CV; ++c) acc[g][c] = vload(o + g * D + (c0 + c) * kLanes) * corr[g];
+    for (int j = lo; j < hi; ++j) {
+      if (c0 == 0) prefetch_row<D>(v_next, j);
+      for (int c = 0; c < CV; ++c) {
+        const vfloat vv = vload(v + j * D + (c0 + c) * kLanes);
+        for (int g = 0; g < NQ; ++g) acc[g][c] += vv * p[g * ss + j];
+      }
+    }
+    for (int g = 0; g < NQ; ++g)
+      for (int c = 0; c < CV; ++c) vstore(o + g * D + (c0 + c) * kLanes, acc[g][c]);
+  }
+}
+
+// Attention of NQ query vectors of one KV head (q [NQ][D], scaled; running m, l, o) over
+// keys [lo, hi) of a block: scores (capped where cap > 0), the online-softmax update per
+// query a vector of keys at a time (the keys outside [lo, hi) masked), then P.V.
+// s: scratch [NQ][ss], ss >= bs a multiple of kLanes.
+template <int D, int NQ, typename KT>
+inline void attend_group(const float* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
+                         const KT* k_next, const KT* v_next, int bs, int ss, int lo, int hi, float cap,
+                         float* __restrict__ s, float* m, float* l, float* __restrict__ o) {
+  score_tile<D, NQ>(q, k, k_next, lo, hi, ss, bs, s);
+  const int c_lo = lo / kLanes * kLanes;
+  vint lane;
+  for (int t = 0; t < kLanes; ++t) lane[t] = t;
+  float corr[NQ];
+  for (int g = 0; g < NQ; ++g) {
+    float* __restrict__ sg = s + g * ss;
+    vfloat vm = vsplat(kNegBig);
+    for (int jc = c_lo; jc < hi; jc += kLanes) {
+      const vint key = lane + jc;
+      vfloat x = vload(sg + jc);
+      if (cap > 0.0f) x = cap * vtanh(x / cap);
+      x = (key >= lo && key < hi) ? x : vsplat(kNegBig);
+      vstore(sg + jc, x);
+      vm = vmax(vm, x);
+    }
+    const float m_new = std::max(m[g], vhmax(vm));
+    corr[g] = exp_neg(m[g] - m_new);
+    vfloat sum = vfloat{};
+    for (int jc = c_lo; jc < hi; jc += kLanes) {
+      const vint key = lane + jc;
+      const vfloat p = (key >= lo && key < hi) ? vexp_neg(vload(sg + jc) - m_new) : vfloat{};
+      vstore(sg + jc, p);
+      sum += p;
+    }
+    m[g] = m_new;
+    l[g] = l[g] * corr[g] + vsum(sum);
+  }
+  pv_tile<D, NQ>(s, ss, v, v_next, lo, hi, corr, o);
+}
+
+// attend_group for a run of nq query vectors, three at a time (4 keys x 3 queries: 12
+// score registers); the first three prefetch the next block's rows.
+template <int D, typename KT>
+inline void attend_queries(int nq, const float* q, const KT* k, const KT* v, const KT* k_next, const KT* v_next,
+                           int bs, int ss, int lo, int hi, float cap, float* s, float* m, float* l, float* o) {
+  for (int g = 0; g < nq; g += 3) {
+    const int at = g * D;
+    const KT* kn = g == 0 ? k_next : nullptr;
+    const KT* vn = g == 0 ? v_next : nullptr;
+    switch (std::min(3, nq - g)) {
+      case 3: attend_group<D, 3>(q + at, k, v, kn, vn, bs, ss, lo, hi, cap, s, m + g, l + g, o + at); break;
+      case 2: attend_group<D, 2>(q + at, k, v, kn, vn, bs, ss, lo, hi, cap, s, m + g, l + g, o + at); break;
+      default: attend_group<D, 1>(q + at, k, v, kn, vn, bs, ss, lo, hi, cap, s, m + g, l + g, o + at); break;
     }
   }
 }
@@ -279,8 +432,9 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
   const int q_len = a.cu_query_lens ? a.cu_query_lens[w.seq + 1] - q_begin : 1;
   const int ctx = a.context_lens[w.seq];
 
-  // scratch: q [nq][d] | acc [nq][d] | k, v [bs][d] | m, l [nq] | scores [bs]
-  scratch.resize(static_cast<size_t>(2 * nq * d + 2 * bs * d + 2 * nq + bs));
+  // scratch: q [nq][d] | acc [nq][d] | k, v [bs][d] | m, l [nq] | scores [3][ss]
+  const int ss = (bs + kLanes - 1) / kLanes * kLanes;
+  scratch.resize(static_cast<size_t>(2 * nq * d + 2 * bs * d + 2 * nq + 3 * ss));
   float* qf = scratch.data();
   float* acc = qf + nq * d;
   float* kb = acc + nq * d;
@@ -304,15 +458,23 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
 
   // Positions of the tile's rows: first_pos .. first_pos + rows - 1.
   const int first_pos = ctx - q_len + w.row_begin;
-  for_each_block<Q, C>(a, w, first_pos, rows, d, kb, vb, [&](int h, int j0, int n) {
+  // head_dim 64 / 128: the group's query vectors of a row share each key's loads
+  // (attend_queries), from the cache itself where its values need no rounding.
+  constexpr bool in_place = D > 0 && kInPlace<Q, C>;
+  for_each_block<Q, C, in_place>(a, w, first_pos, rows, d, kb, vb, [&](int h, int j0, int n, auto k, auto v, auto k_next, auto v_next) {
     for (int r = 0; r < rows; ++r) {
       const int pos = first_pos + r;
       const int lo = std::max(j0, a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0) - j0;
       const int hi = std::min(j0 + n, pos + 1) - j0;  // keys [lo, hi) of this block
       if (lo >= hi) continue;
-      for (int g = 0; g < group; ++g) {
-        const int qi = (h * rows + r) * group + g;
-        attend_block<D>(qf + qi * d, kb, vb, d, lo, hi, a.softcap, scores, m[qi], l[qi], acc + qi * d);
+      const int q0 = (h * rows + r) * group;
+      if constexpr (D > 0) {
+        attend_queries<D>(group, qf + q0 * d, k, v, k_next, v_next, bs, ss, lo, hi, a.softcap, scores, m + q0,
+                          l + q0, acc + q0 * d);
+      } else {
+        for (int g = 0; g < group; ++g)
+          attend_block(qf + (q0 + g) * d, k, v, d, lo, hi, a.softcap, scores, m[q0 + g], l[q0 + g],
+                       acc + (q0 + g) * d);
       }
     }
   });
@@ -337,8 +499,8 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
 // head_dim x keys FMAs per kLanes queries and no horizontal sum; the online softmax runs
 // per lane, and P.V accumulates each query's output row from V's rows. This is the
 // matrix-shaped inner kernel prefill over a long context needs (a row at a time it did
-// 16 x 3 dot products per key); decode rows (a group of 1-8 query vectors) keep
-// attend_block.
+// 16 x 3 dot products per key); decode rows (a group of 1-8 query vectors) take
+// attend_queries.
 template <int D>
 struct LaneTile {
   // Output rows accumulated per pass of P.V: as many as fit ~16 vector registers.
@@ -446,7 +608,7 @@ void attend_item_lanes(const Args& a, const WorkItem& w, std::vector<float>& scr
     std::memcpy(&pos[lg], p, sizeof p);
   }
 
-  for_each_block<Q, C>(a, w, first_pos, rows, D, kb, vb, [&](int h, int j0, int n) {
+  for_each_block<Q, C, false>(a, w, first_pos, rows, D, kb, vb, [&](int h, int j0, int n, const float*, const float*, const float*, const float*) {
     for (int lg = 0; lg < lane_groups; ++lg) {
       const size_t at = static_cast<size_t>(h) * lane_groups + lg;
       vfloat mv = vload(m + at * kLanes), lv = vload(l + at * kLanes);

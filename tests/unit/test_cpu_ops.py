@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_build, cpu_ops, quant, reference
+from tests.helpers.attention_caches import make_cache
 
 SCALE = 0.3  # deliberately not head_dim ** -0.5
 ATOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -31,22 +32,6 @@ DTYPES = [
 DTYPE_IDS = [f"q{str(q)[6:]}-kv{str(c)[6:]}" for q, c in DTYPES]
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernel could not be built here")
-
-
-def make_cache(num_blocks, kv_heads, head_dim, cache_dtype, block_size=16, seed=0):
-    """A filled cache: K/V written through reference.write_kv, so a quantized cache
-    holds real 8-bit values with their per-token scales (and zero points)."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, kv_heads, block_size, head_dim)
-    k_cache = torch.zeros(shape, dtype=cache_dtype)
-    v_cache = torch.zeros(shape, dtype=cache_dtype)
-    kv_scales = quant.KVScales.zeros(shape, cache_dtype, k_cache.device)
-    scales = {} if kv_scales is None else {"scales": kv_scales}
-    tokens = num_blocks * block_size
-    key = torch.randn(tokens, kv_heads, head_dim, generator=g) * 2 + 0.5
-    value = torch.randn(tokens, kv_heads, head_dim, generator=g)
-    reference.write_kv(key, value, k_cache, v_cache, torch.arange(tokens), **scales)
-    return k_cache, v_cache, scales
 
 
 def make_batch(query_lens, context_lens, num_blocks, block_size=16, extra_columns=0, seed=0):

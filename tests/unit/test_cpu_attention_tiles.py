@@ -1,0 +1,99 @@
+"""The C++ CPU attention's decode-row tiles (paged_attention_cpu.cpp: score_tile /
+pv_tile, head_dim 64 and 128) against the torch reference, the oracle: GQA ratios whose
+query vectors split into the kernel's runs of three (1, 3, 4, 8), block sizes where a
+block holds no 4-key tile, half a vector or several, contexts off the block edges, the
+fp32 and bf16 caches the kernel reads in place and the staged fp16 / fp8 / int8 ones,
+query rows that stay row-wise (M > 1 at one query head per KV head), sliding windows
+and the score cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, quant, reference
+from tests.helpers.attention_caches import make_cache
+
+SCALE = 0.3
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+CONTEXTS = [1, 3, 4, 5, 15, 16, 17, 33, 100, 129]  # inside a first tile, on and off block and tile edges
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernel could not be built here")
+
+
+def _tables(context_lens, num_blocks, block_size, seed=0):
+    """Random non-overlapping block tables, one padding column."""
+    width = max(-(-c // block_size) for c in context_lens) + 1
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[: len(context_lens) * width]
+    return perm.view(len(context_lens), width).to(torch.int32), torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _query(rows, heads, head_dim, dtype, seed=1):
+    return torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _assert_close(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = ATOL[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _blocks_for(block_size):
+    """Enough blocks for _tables' non-overlapping tables of CONTEXTS."""
+    return len(CONTEXTS) * (max(-(-c // block_size) for c in CONTEXTS) + 1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_decode_tiles_match_the_reference(group, head_dim, block_size):
+    kv_heads = 2
+    blocks = _blocks_for(block_size)
+    k_cache, v_cache, _ = make_cache(blocks, kv_heads, head_dim, torch.float32, block_size=block_size)
+    tables, ctx = _tables(CONTEXTS, blocks, block_size)
+    query = _query(len(CONTEXTS), kv_heads * group, head_dim, torch.float32)
+    out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE))
+
+
+CACHE_DTYPES = [
+    (torch.bfloat16, torch.bfloat16),  # read in place, widened by a shift
+    (torch.float32, torch.bfloat16),  # in place too: bf16 is exact in fp32
+    (torch.bfloat16, torch.float32),  # staged: rounded to bf16 first, as the reference
+    (torch.float16, torch.float16),
+    (torch.float32, quant.FP8_DTYPE),
+    (torch.bfloat16, torch.int8),
+]
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", CACHE_DTYPES, ids=[f"q{q}-kv{c}".replace("torch.", "") for q, c in CACHE_DTYPES]
+)
+def test_decode_tiles_for_every_cache_dtype(dtype, cache_dtype, block_size):
+    blocks = _blocks_for(block_size)
+    k_cache, v_cache, scales = make_cache(blocks, 3, 64, cache_dtype, block_size=block_size)
+    tables, ctx = _tables(CONTEXTS, blocks, block_size)
+    query = _query(len(CONTEXTS), 9, 64, dtype)
+    out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, **scales)
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE, **scales))
+
+
+@pytest.mark.parametrize("window", [0, 3, 16, 21])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("group", [1, 3])
+def test_row_wise_chunks_windows_and_cap(group, softcap, window):
+    # Chunks of 1-3 rows at one query head per KV head stay row-wise (fewer query
+    # vectors than half a vector of lanes); at group 3 the 1-row chunks do.
+    query_lens, context_lens = [1, 2, 3, 1, 3], [1, 18, 40, 77, 130]
+    blocks = 64
+    k_cache, v_cache, _ = make_cache(blocks, 2, 64, torch.float32, block_size=16)
+    width = max(-(-c // 16) for c in context_lens) + 1
+    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(5))[: len(context_lens) * width]
+    tables = perm.view(len(context_lens), width).to(torch.int32)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    query = _query(sum(query_lens), 2 * group, 64, torch.float32)
+    args = (query, k_cache, v_cache, tables, cu, ctx, SCALE, window)
+    out = cpu_ops.paged_prefill_attention(*args, softcap=softcap)
+    _assert_close(out, reference.paged_prefill_attention(*args, softcap=softcap))
