@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -84,7 +85,19 @@ VARIANTS: dict[str, dict[str, object]] = {
     "Q4_1 gguf fp32": dict(dtype="float32", model=SHIPPED_GGUF),
     "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
     "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8"),
+    # The C++ layer loop off (PAGEDSERVE_LAYER_LOOP=0 at load): the Python loop per layer.
+    "all fp32 python loop": dict(dtype="float32", layer_loop="0"),
+    "Q4_1 gguf fp32 python loop": dict(dtype="float32", model=SHIPPED_GGUF, layer_loop="0"),
 }
+
+
+def variant_worker(name: str, num_blocks: int, threads: int) -> Worker:
+    config = WorkerConfig(model=str(MODEL_DIR), num_blocks=num_blocks, num_threads=threads)
+    fields = dict(VARIANTS[name])
+    os.environ["PAGEDSERVE_LAYER_LOOP"] = str(fields.pop("layer_loop", "1"))  # read at load
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return Worker(config)
 
 
 def build_step(shape: StepShape, step_id: int, vocab: int) -> StepInput:
@@ -196,10 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = max(blocks_needed(STEPS[s]) for s in args.steps)
     workers = {}
     for name in args.variants:
-        config = WorkerConfig(model=str(MODEL_DIR), num_blocks=num_blocks, num_threads=args.threads)
-        for key, value in VARIANTS[name].items():
-            setattr(config, key, value)
-        workers[name] = Worker(config)
+        workers[name] = variant_worker(name, num_blocks, args.threads)
     step_ms: dict[str, dict[str, float]] = {}
     splits: dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]] = {}
     for step_name in args.steps:
