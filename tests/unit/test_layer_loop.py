@@ -27,11 +27,13 @@ BLOCK = 16
 PROMPT_A = [5, 17, 99, 3, 250, 42, 8, 77, 130, 19, 61]
 PROMPT_B = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
 TABLES = {0: [3, 0], 1: [5, 6]}
+SLOTS = {0: [2], 1: [0]}  # a contiguous cache: one slot of max_model_len positions per sequence
 
 
-def seq(seq_id: int, tokens: list[int], start: int) -> Seq:
-    table = TABLES[seq_id]
-    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
+def seq(w: Worker, seq_id: int, tokens: list[int], start: int) -> Seq:
+    table = SLOTS[seq_id] if w.info.kv_layout == "contiguous" else TABLES[seq_id]
+    bs = w.info.block_size
+    slots = [table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
     return Seq(seq_id, tokens, start, table, slots, sample=True, return_logits=True)
 
 
@@ -69,7 +71,7 @@ def run(w: Worker) -> tuple[list[torch.Tensor], int]:
         w.model.layer_loop = counted  # type: ignore[assignment]
     logits = []
     for step_id, rows in enumerate(STEPS, start=1):
-        out = w.step(step_input(step_id, [], [seq(*row) for row in rows]))
+        out = w.step(step_input(step_id, [], [seq(w, *row) for row in rows]))
         sampled_logits = [s.logits for s in sampled(out)]
         assert all(r is not None for r in sampled_logits)
         logits.append(torch.stack(sampled_logits))  # type: ignore[arg-type]
@@ -115,6 +117,10 @@ def test_loop_equals_the_python_loop_on_gguf_blocks(tmp_path, qtype, monkeypatch
 def test_loop_equals_the_python_loop_with_int8_activations(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "tiny-Q4_1.gguf", "Q4_1", seed=4)
     assert_same(path, "float32", monkeypatch, quant_activations="int8")
+
+
+def test_loop_equals_the_python_loop_over_a_contiguous_cache(monkeypatch):
+    assert_same(tiny_checkpoint("llama"), "float32", monkeypatch, kv_layout="contiguous", max_batch=4, max_model_len=64)
 
 
 def test_a_quantized_cache_keeps_the_python_loop_step_by_step(monkeypatch):
