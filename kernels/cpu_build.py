@@ -40,6 +40,7 @@ SOURCES = (
     CSRC / "moe_cpu.cpp",
     CSRC / "lora_cpu.cpp",
     CSRC / "wquant_cpu.cpp",
+    CSRC / "decoder_loop_cpu.cpp",
 )
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -90,6 +91,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # llama.cpp's most used preset (Q4_K, some tensors Q6_K), as bench.peers --gguf makes it
     # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
     "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
+    # The C++ layer loop off (PAGEDSERVE_LAYER_LOOP=0 at load): the Python loop per layer.
+    "all fp32 python loop": dict(dtype="float32", layer_loop="0"),
+    "Q4_1 gguf fp32 python loop": dict(dtype="float32", model=SHIPPED_GGUF, layer_loop="0"),
 }
 
 
@@ -100,6 +104,15 @@ def model_present(variant: str) -> bool:
         return True
     emit(section="skipped", variant=variant, reason=f"{model} is absent: `python -m bench.peers --gguf` makes it")
     return False
+
+
+def variant_worker(name: str, num_blocks: int, threads: int) -> Worker:
+    config = WorkerConfig(model=str(MODEL_DIR), num_blocks=num_blocks, num_threads=threads)
+    fields = dict(VARIANTS[name])
+    os.environ["PAGEDSERVE_LAYER_LOOP"] = str(fields.pop("layer_loop", "1"))  # read at load
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return Worker(config)
 
 
 def build_step(shape: StepShape, step_id: int, vocab: int) -> StepInput:
@@ -212,10 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = [name for name in args.variants if model_present(name)]
     workers = {}
     for name in args.variants:
-        config = WorkerConfig(model=str(MODEL_DIR), num_blocks=num_blocks, num_threads=args.threads)
-        for key, value in VARIANTS[name].items():
-            setattr(config, key, value)
-        workers[name] = Worker(config)
+        workers[name] = variant_worker(name, num_blocks, args.threads)
     step_ms: dict[str, dict[str, float]] = {}
     splits: dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]] = {}
     for step_name in args.steps:

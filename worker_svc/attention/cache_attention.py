@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.attention.kv_cache import KVCachePool
+from kernels import cpu_ops
+from kernels.decoder_loop import LoopStep
+from worker_svc.attention.kv_cache import ContiguousKVCache, KVCachePool, PagedKVCache
 from worker_svc.attention.metadata import AttentionGroup, AttentionMetadata
 from worker_svc.attention.prefill_route import fresh_prefill_attention, sdpa_takes
+
+# The caches the C++ element-wise ops write in place (cpu_ops.rope_write_kv's).
+_LOOP_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 class CacheAttention:
@@ -34,6 +43,32 @@ class CacheAttention:
         for kind, group in metadata.groups:
             self._groups.append((kind, group, slice(start, start + group.num_tokens)))
             start += group.num_tokens
+
+    def loop_step(self) -> LoopStep | None:
+        """This step as the C++ layer loop takes it (kernels/decoder_loop.py), or None
+        where its layers attend otherwise: several groups (each attended apart), a fresh
+        prefill the SDPA route may take, a quantized cache, ops other than the C++ ones."""
+        cache = self.cache
+        if not isinstance(cache, (PagedKVCache, ContiguousKVCache)) or len(self._groups) != 1:
+            return None
+        if cache.ops is not cpu_ops or cache.dtype not in _LOOP_CACHE_DTYPES:
+            return None
+        kind, group, _ = self._groups[0]
+        if cache.scales is not None or (kind == "fresh" and self.route == "sdpa") or not cache.k.is_cpu:
+            return None
+        # A contiguous cache's table is each sequence's slot (the ops read [S, 1]).
+        tables = group.block_tables[:, :1] if cache.layout == "contiguous" else group.block_tables
+        slots = self.metadata.slot_mapping
+        return LoopStep(
+            k_cache=cache.k,
+            v_cache=cache.v,
+            slot_mapping=slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.long().contiguous(),
+            block_tables=_int32(tables),
+            cu_query_lens=None if kind == "decode" else _int32(group.cu_query_lens),
+            context_lens=_int32(group.context_lens),
+            scale=float(self.scale),
+            softcap=float(self.softcap),
+        )
 
     def __call__(
         self,

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
 from kernels import reference
+from kernels.decoder_loop import LoopStep
 from kernels.gguf_quant import QuantizedWeight
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.gguf import is_gguf, read_gguf
+from worker_svc.models.layer_loop import build_layer_loop
+from worker_svc.models.layer_weights import LayerWeights
 from worker_svc.models.layers import rms_norm
 from worker_svc.models.linear import Gated, Projection, Weight, dense, embed_rows, place
 from worker_svc.models.moe import SparseMoe, load_sparse_moe
@@ -53,6 +55,14 @@ class Attention(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class LoopAttention(Protocol):
+    """An Attention that can hand a step to the C++ layer loop (kernels/decoder_loop.py):
+    its step's tensors, or None where this step must run the Python loop."""
+
+    def loop_step(self) -> LoopStep | None: ...
+
+
 # The projection hook (LoRA, worker_svc/lora/slots.py): (layer, group, projection) ->
 # the projection the layer calls instead, for the groups qkv, o, gate_up (before the
 # activation) and down.
@@ -71,21 +81,6 @@ class LayerOps(Protocol):
 
     @property
     def add_rms_norm(self) -> AddRmsNorm: ...
-
-
-@dataclass
-class LayerWeights:
-    qkv: Projection  # q, k, v projections fused: one matmul
-    o: Projection
-    gate_up: Projection | None  # act(gate) * up: the gate and up projections fused with the activation
-    down: Projection | None  # (both None in a mixture-of-experts layer: `moe`)
-    attn_norm: torch.Tensor | None  # before attention (None: OLMo 2 norms only after)
-    mlp_norm: torch.Tensor | None  # before the MLP
-    post_attn_norm: torch.Tensor | None = None  # Gemma sandwich norms, OLMo 2 post-norms
-    post_mlp_norm: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    moe: Projection | None = None  # a sparse mixture-of-experts block in place of the MLP
 
 
 # Where each family's layer norms sit (spec.norms), by checkpoint name: before
@@ -135,6 +130,9 @@ class DecoderModel:
         self.q_size = spec.num_q_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.heads = [spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads]  # of the fused q, k, v projection
+        # Whether a step's layers run in one C++ call, decided here once (models/layer_loop.py);
+        # `layer_loop_label` says which loop runs, or why not the C++ one.
+        self.layer_loop, self.layer_loop_label = build_layer_loop(spec, layers, ops, dtype, self.device)
 
     @classmethod
     def load(
@@ -269,9 +267,15 @@ class DecoderModel:
             delta = delta * torch.tensor(spec.embed_scale, dtype=self.dtype)
         rope = [rope_cos_sin(positions, table, inv, self.dtype) for table, inv in self.ropes]
         residual: torch.Tensor | None = None  # the first layer's stream is the embedding itself
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope[spec.layer_rope[i]]
-            delta, residual = self._layer(i, layer, delta, residual, cos, sin, attention)
+        loop = self.layer_loop
+        step = attention.loop_step() if loop is not None and isinstance(attention, LoopAttention) else None
+        if loop is not None and step is not None:  # _layer's ops, in one call: bit-identical
+            cos, sin = rope[0]
+            delta, residual = loop(delta, cos, sin, step)
+        else:
+            for i, layer in enumerate(self.layers):
+                cos, sin = rope[spec.layer_rope[i]]
+                delta, residual = self._layer(i, layer, delta, residual, cos, sin, attention)
         hidden, _ = self.ops.add_rms_norm(delta, residual, self.final_norm, spec.rms_norm_eps)
         return hidden
 

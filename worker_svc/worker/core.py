@@ -154,6 +154,7 @@ class Worker:
             linears="C++ (packed at load)" if self.cpu_linears else "torch",
             weights=self.model.weight_format,
             quant_activations=config.quant_activations,
+            layer_loop=self.model.layer_loop_label,
         )
         if not eager and graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device) if backend.graph_safe else None
