@@ -89,3 +89,20 @@ def test_a_source_that_closes_mid_way_fails_the_reader():
         list(direct.receive("127.0.0.1:1", port, b"s" * direct.SECRET_BYTES, 2, 10))
     thread.join(10)
     listener.close()
+
+
+def test_a_frame_of_more_blocks_than_asked_for_is_refused_before_it_is_read():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def garbled():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(direct.SECRET_BYTES)
+            conn.sendall(direct._HEADER.pack(0, 3, 100))
+
+    thread = threading.Thread(target=garbled)
+    thread.start()
+    with pytest.raises(TransferFailed, match="a frame of 3 blocks of 100 bytes after 0 blocks"):
+        list(direct.receive("127.0.0.1:1", listener.getsockname()[1], b"s" * direct.SECRET_BYTES, 2, 10))
+    thread.join(10)
+    listener.close()

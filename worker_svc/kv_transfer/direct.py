@@ -20,14 +20,14 @@ from worker_svc.kv_transfer.chunk import Chunk, TransferFailed
 
 SECRET_BYTES = 32
 _HEADER = struct.Struct("<IIq")  # first, count, block_bytes
+_MAX_FRAME_BYTES = 1 << 30  # a garbled header must not make the reader allocate without bound
 
 
 class DirectSender:
     """The source's end: listen for the one reader that presents `secret`."""
 
     def __init__(self, host: str, secret: bytes, timeout_s: float) -> None:
-        if len(secret) != SECRET_BYTES:
-            raise TransferFailed(f"direct_secret: {len(secret)} bytes, not {SECRET_BYTES}")
+        check_secret(secret)
         self._secret = secret
         self._timeout_s = timeout_s
         self._listener = socket.create_server((host.strip("[]"), 0), family=_family(host))
@@ -63,6 +63,11 @@ class DirectSender:
         raise TransferFailed(f"no reader presented the secret within {self._timeout_s:g} s")
 
 
+def check_secret(secret: bytes) -> None:
+    if len(secret) != SECRET_BYTES:
+        raise TransferFailed(f"direct_secret: {len(secret)} bytes, not {SECRET_BYTES}")
+
+
 def receive(address: str, port: int, secret: bytes, total_blocks: int, timeout_s: float) -> Iterator[Chunk]:
     """The reader's end: connect to the source's host at `port`, present `secret`, and
     yield its frames until `total_blocks` blocks came; each chunk's data is a view of
@@ -77,6 +82,8 @@ def receive(address: str, port: int, secret: bytes, total_blocks: int, timeout_s
             while done < total_blocks:
                 first, count, block_bytes = _HEADER.unpack(_read_exactly(conn, header))
                 size = count * block_bytes
+                if not 0 < count <= total_blocks - done or not 0 < size <= _MAX_FRAME_BYTES:
+                    raise TransferFailed(f"a frame of {count} blocks of {block_bytes} bytes after {done} blocks")
                 if size > len(buffer):
                     buffer = bytearray(size)
                 yield Chunk(first, count, block_bytes, _read_exactly(conn, memoryview(buffer)[:size]))

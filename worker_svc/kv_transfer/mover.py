@@ -15,7 +15,7 @@ import structlog
 
 from worker_svc.kv_transfer.chunk import Chunk, TransferFailed
 from worker_svc.kv_transfer.codec import BlockCodec
-from worker_svc.kv_transfer.direct import DirectSender
+from worker_svc.kv_transfer.direct import DirectSender, check_secret
 from worker_svc.kv_transfer.transport import BlockSource
 from worker_svc.step.errors import InvalidStep
 
@@ -73,12 +73,14 @@ class BlockMover:
             raise TransferFailed(f"instance_id: this worker is {self.instance_id}, not {instance_id}: it restarted")
         ids = self._checked("block_ids", block_ids)
         if direct_secret:
-            return self._direct(ids, DirectSender(self.host, direct_secret, self.timeout_s))
+            check_secret(direct_secret)
+            return self._direct(ids, direct_secret)
         return self._chunks(ids)
 
-    def _direct(self, ids: list[int], sender: DirectSender) -> Iterator[Chunk]:
+    def _direct(self, ids: list[int], secret: bytes) -> Iterator[Chunk]:
         """The port first (the call sends it before asking for more), then every chunk
         over the connection the reader opens; the call ends once they are sent."""
+        sender = DirectSender(self.host, secret, self.timeout_s)  # listens only once the call streams
         try:
             yield Chunk(0, 0, self.codec.block_bytes, b"", sender.port)
             sender.send(self._chunks(ids))
