@@ -160,19 +160,23 @@ class KvHandoff:
             self._release(target, transfer)
         if not still or not unchanged:
             return  # ended, or preempted or requeued on its prefill worker: it goes on there, and moves again later
-        taken, streams = src.hand_off(request.request_id)
-        taken.kv_handoff_at = 0
+        decode, received = target, False
         try:
-            target.adopt(taken)
-        except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
-            log.warning("decode worker refused a moved request", request_id=taken.request_id, error=str(exc))
-            if transfer is not None and keep:
-                self._release(target, transfer)
-            target = src  # it recomputes where it was prefilled, from that worker's prefix cache
-            target.adopt(taken)
-        else:
-            if transfer is not None and keep:
-                self._receive(target, taken, transfer)
+            taken, streams = src.hand_off(request.request_id)
+            taken.kv_handoff_at = 0
+            try:
+                target.adopt(taken)
+            except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
+                log.warning("decode worker refused a moved request", request_id=taken.request_id, error=str(exc))
+                target = src  # it recomputes where it was prefilled, from that worker's prefix cache
+                target.adopt(taken)
+            else:
+                if transfer is not None and keep:
+                    self._receive(target, taken, transfer)
+                    received = True
+        finally:
+            if transfer is not None and keep and not received:
+                self._release(decode, transfer)  # the request went elsewhere, or a bug: they hold nothing of its
         target.adopt_streams(streams)
         self.moved(taken, target)
         target.counters.kv_transfers.handoffs += target is not src
