@@ -21,7 +21,8 @@ runs on the prefill worker and its KV moves to the decode worker. The long promp
 tokens (greedy) must be identical in both.
 
 Transfer. Two workers of the model; the decode one pulls N blocks from the prefill
-one (FetchBlocks -> ReadBlocks over gRPC on this machine) for N in --transfer-blocks,
+one (FetchBlocks -> ReadBlocks on this machine; no TLS, so the bytes take the direct
+connection of worker_svc/kv_transfer/direct.py) for N in --transfer-blocks,
 timed at the caller: GB/s at the largest N, and the per-call and per-block costs
 from a least-squares line through (N, time). The split of a call: the stream from
 the source (FetchBlocksResponse.read_ms: gather, encode, gRPC, decode), the writes

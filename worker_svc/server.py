@@ -23,9 +23,10 @@ from svc_common.peer_auth import peer_interceptors, read_token_file
 from svc_common.ready_file import write_ready_file
 from svc_common.tls import channel_credentials, server_credentials
 from worker_svc.config import WorkerConfig
+from worker_svc.kv_transfer.chunk import Chunk, TransferFailed
 from worker_svc.kv_transfer.codec import BlockCodec
 from worker_svc.kv_transfer.mover import BlockMover, FetchOrder
-from worker_svc.kv_transfer.transport import Chunk, GrpcBlockSource, TransferFailed, encode_chunk
+from worker_svc.kv_transfer.transport import GrpcBlockSource, encode_chunk
 from worker_svc.lora import AdapterRefused
 from worker_svc.step.errors import InvalidStep, StaleStep, StepOutOfMemory, WorkerDown
 from worker_svc.step.input import (
@@ -249,12 +250,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext) -> Iterator[Chunk]:
         try:
-            chunks = self.mover.serve(list(request.block_ids), request.instance_id)
+            chunks = self.mover.serve(list(request.block_ids), request.instance_id, request.direct_secret)
         except InvalidStep as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferFailed as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        yield from chunks  # serialized by encode_chunk (see serve())
+        try:
+            yield from chunks  # serialized by encode_chunk (see serve())
+        except (TransferFailed, OSError) as exc:  # a direct read's reader never came, or went away
+            log.warning("blocks not sent", transfer_id=request.transfer_id, error=str(exc))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"sending blocks: {exc}")
 
     def StepMasks(
         self, request: worker_pb2.StepMasksRequest, context: grpc.ServicerContext
@@ -354,7 +359,8 @@ def block_mover(worker: Worker, config: WorkerConfig) -> BlockMover:
     refusal = None
     if worker.parallel is not None or worker.cache.layout != "paged":
         refusal = "this worker's blocks cannot move: a tensor-parallel or contiguous cache (its --kv-role is both)"
-    return BlockMover(BlockCodec(worker.cache.tensors), worker.info.instance_id, source, refusal)
+    codec = BlockCodec(worker.cache.tensors)
+    return BlockMover(codec, worker.info.instance_id, source, refusal, config.host, _TRANSFER_TIMEOUT_S)
 
 
 def serve(worker: Worker, config: WorkerConfig) -> WorkerServer:

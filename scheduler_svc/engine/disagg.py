@@ -6,11 +6,13 @@ the blocks is new. On the decode worker's pool the scheduler takes the full bloc
 of the computed prompt under a scratch id: those the decode worker's prefix index
 already holds are shared (no bytes move), the rest are allocated, and the decode
 worker pulls them from the prefill worker by id (worker.v1 FetchBlocks ->
-ReadBlocks). Once written they are indexed under their hashes and released, and
-the request is added to the decode worker's planner like any moved request: its
-admission finds the blocks as a prefix hit and computes only the last partial
-block and the first token (fewer than block_size + 1 tokens), then samples the
-second. The prefill worker's blocks are freed into its prefix cache.
+ReadBlocks). Once written they are indexed under their hashes (where the decode
+worker has a prefix cache) and stay held for the request, which is added to the
+decode worker's planner like any moved request: its admission takes the blocks as
+its computed prefix (planning/received.py; with or without prefix caching, and
+safe from eviction meanwhile) and computes only the last partial block and the
+first token (fewer than block_size + 1 tokens), then samples the second. The
+prefill worker's blocks are freed into its prefix cache.
 
 Failures recompute, as everywhere: a transfer that fails (the prefill worker died,
 restarted, or the decode worker refused) indexes nothing, and the request still
@@ -153,20 +155,28 @@ class KvHandoff:
         # restarted: then nothing read is trusted.
         still = src.planner.requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
         unchanged = _Generations.of(src, target, request) == before
-        if transfer is not None:
-            self._release(target, transfer, keep=moved and still and unchanged and target.healthy)
-        if not still:
-            return
-        if not unchanged:
-            return  # preempted or requeued on its prefill worker: it goes on there, and moves again later
-        taken, streams = src.hand_off(request.request_id)
-        taken.kv_handoff_at = 0
+        keep = moved and still and unchanged and target.healthy
+        if transfer is not None and not keep:
+            self._release(target, transfer)
+        if not still or not unchanged:
+            return  # ended, or preempted or requeued on its prefill worker: it goes on there, and moves again later
+        decode, received = target, False
         try:
-            target.adopt(taken)
-        except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
-            log.warning("decode worker refused a moved request", request_id=taken.request_id, error=str(exc))
-            target = src  # it recomputes where it was prefilled, from that worker's prefix cache
-            target.adopt(taken)
+            taken, streams = src.hand_off(request.request_id)
+            taken.kv_handoff_at = 0
+            try:
+                target.adopt(taken)
+            except (QueueFull, RequestRejected, WorkerUnavailable) as exc:
+                log.warning("decode worker refused a moved request", request_id=taken.request_id, error=str(exc))
+                target = src  # it recomputes where it was prefilled, from that worker's prefix cache
+                target.adopt(taken)
+            else:
+                if transfer is not None and keep:
+                    self._receive(target, taken, transfer)
+                    received = True
+        finally:
+            if transfer is not None and keep and not received:
+                self._release(decode, transfer)  # the request went elsewhere, or a bug: they hold nothing of its
         target.adopt_streams(streams)
         self.moved(taken, target)
         target.counters.kv_transfers.handoffs += target is not src
@@ -260,16 +270,19 @@ class KvHandoff:
         counters.seconds += time.perf_counter() - started
         return True
 
-    def _release(self, target: EngineCore, transfer: _Transfer, keep: bool) -> None:
-        """keep: the blocks hold the prompt's KV now, so they enter the decode worker's
-        prefix index (where the request's admission finds them); else they are freed
-        holding nothing."""
+    def _receive(self, target: EngineCore, request: Request, transfer: _Transfer) -> None:
+        """The blocks hold the prompt's KV now: indexed under their hashes (the decode
+        worker's prefix cache, when it has one) and held for the request until its
+        admission there takes them (planning/received.py)."""
         kv = target.planner.kv
-        rid = transfer.scratch.request_id
-        if keep:
-            kv.cache_full_blocks(transfer.scratch, transfer.full_tokens)
-        kv.free(transfer.scratch)
-        target.planner.held.discard(rid)
+        kv.cache_full_blocks(transfer.scratch, transfer.full_tokens)
+        target.planner.held.discard(transfer.scratch.request_id)
+        target.planner.received.attach(request.request_id, transfer.scratch)
+
+    def _release(self, target: EngineCore, transfer: _Transfer) -> None:
+        """Free the transfer's blocks holding nothing (it failed, or its request cannot take them)."""
+        target.planner.kv.free(transfer.scratch)
+        target.planner.held.discard(transfer.scratch.request_id)
 
 
 def _same_kv(a: EngineCore, b: EngineCore) -> bool:

@@ -36,11 +36,17 @@ async def pin_on_core(
 
 
 async def _compute(core: EngineCore, prompt_ids: list[int], cache_salt: str | None, seq_id: int) -> None:
-    """Run the prefix as a one-token request: its full blocks end up in the index."""
+    """Run the prefix as a one-token request: its full blocks end up in the index.
+    Its admission finds what either KV tier holds (a second-tier block is copied up,
+    not computed). A prefix ending on a block boundary gets one token more, so that
+    its last block may be a hit too (the last token of a prompt is always computed)."""
+    ids = list(prompt_ids)
+    if len(ids) % core.planner.kv.block_size == 0 and len(ids) < core.planner.max_len:
+        ids.append(ids[-1])  # any token: it only follows the blocks that are pinned
     warm = Request(
         f"pin-{uuid.uuid4().hex}",
         seq_id,
-        list(prompt_ids),
+        ids,
         SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True),
         cache_salt=cache_salt,
     )

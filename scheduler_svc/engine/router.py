@@ -13,7 +13,8 @@ Prefix-aware policy (`PrefixRouter`)
    but gets nothing new; an UNHEALTHY one gets nothing.
 2. For each eligible worker, `kv.get_computed_blocks(request)` gives the longest
    prefix of the prompt that worker's prefix index holds (no side effects on
-   the pool). That is ground truth, but only for blocks already *computed*.
+   the pool), in either KV tier (kv/tiers.py: a second-tier hit is copied up,
+   not computed). That is ground truth, but only for blocks already *computed*.
 3. Affinity, for prefixes not computed yet: a burst of requests with the same
    system prompt arriving in one instant would all miss in step 2 (nothing is
    computed before the first step runs) and be spread by load, each worker
@@ -29,7 +30,8 @@ Prefix-aware policy (`PrefixRouter`)
    older than the TTL is ignored -- by then the real index has taken over.
 4. The worker with the longest expected prefix (max of 2 and 3) wins, if that
    prefix is at least `min_prefix_fraction` of the prompt (default 0: any full
-   block counts). Ties -- and misses -- go to the least loaded worker: fewest
+   block counts). Among equal prefixes the one with fewer blocks in the second
+   tier wins (each costs a copy up); ties -- and misses -- go to the least loaded worker: fewest
    running + waiting sequences, then most free blocks, then most free blocks
    that hold no cached prefix (so misses spread over idle workers instead of
    evicting one worker's cached prompts), then candidate order. A miss of a
@@ -261,7 +263,7 @@ class PrefixRouter(_BaseRouter):
     # ---- routing --------------------------------------------------------
     def route(self, request: Request, candidates: Sequence[Candidate]) -> RoutingDecision:
         eligible = self._eligible(candidates)
-        hashes, cached = self._probe(request, eligible)
+        hashes, cached, below = self._probe(request, eligible)
         now = self._clock()
         affinity = self._affinity_hits(hashes, eligible[0].kv.block_size, now)
         expected = {c.address: max(cached[c.address], affinity.get(c.address, 0)) for c in eligible}
@@ -271,7 +273,8 @@ class PrefixRouter(_BaseRouter):
         holder = self._least_loaded(holders) if (holders := [c for c in eligible if c.holds(request)]) else least
         miss = (holder, RouteReason.ADAPTER) if holder is not least and not self._overloaded(holder, least) else None
         if best_tokens > 0 and best_tokens >= self.min_prefix_fraction * request.num_prompt_tokens:
-            chosen = self._least_loaded([c for c in eligible if expected[c.address] == best_tokens])
+            best = [c for c in eligible if expected[c.address] == best_tokens]
+            chosen = min(best, key=lambda c: (below[c.address], c.load_key()))
             reason = RouteReason.PREFIX if cached[chosen.address] == best_tokens else RouteReason.AFFINITY
             if chosen is not least and self._overloaded(chosen, least):
                 chosen, reason = least, RouteReason.BALANCE
@@ -293,8 +296,11 @@ class PrefixRouter(_BaseRouter):
             and chosen.num_seqs > self.balance_rel_threshold * least.num_seqs
         )
 
-    def _probe(self, request: Request, eligible: Sequence[Candidate]) -> tuple[list[bytes], dict[str, int]]:
-        """Cached prefix tokens per worker, and the prompt's block hashes (for the affinity)."""
+    def _probe(
+        self, request: Request, eligible: Sequence[Candidate]
+    ) -> tuple[list[bytes], dict[str, int], dict[str, int]]:
+        """The prompt's block hashes (for the affinity), and per worker its cached prefix
+        tokens (both tiers) and how many of those blocks are in the second tier."""
         groups: dict[tuple[int, tuple[object, ...]], list[Candidate]] = {}
         for c in eligible:
             groups.setdefault((c.kv.block_size, c.kv.extra_keys), []).append(c)
@@ -302,14 +308,16 @@ class PrefixRouter(_BaseRouter):
         # cache is filled once for the planner too. Several: scratch copies.
         shared = len(groups) == 1
         cached: dict[str, int] = {}
+        below: dict[str, int] = {}
         hashes: list[bytes] | None = None
         for members in groups.values():
             probe = request if shared else _scratch_copy(request)
             for c in members:
-                cached[c.address] = c.kv.get_computed_blocks(probe)[1]
+                hits, cached[c.address] = c.kv.get_computed_blocks(probe)
+                below[c.address] = sum(1 for b in hits if b < 0)  # tier2_handle ids
             if hashes is None:
                 hashes = list(probe.block_hashes)
-        return hashes or [], cached
+        return hashes or [], cached, below
 
     # ---- affinity -------------------------------------------------------
     def _affinity_hits(self, hashes: list[bytes], block_size: int, now: float) -> dict[str, int]:

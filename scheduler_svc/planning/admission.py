@@ -11,6 +11,7 @@ from scheduler_svc.lora.slots import AdapterSlots
 from scheduler_svc.planning.budget import StepBudget
 from scheduler_svc.planning.config import PlannerConfig
 from scheduler_svc.planning.queues import RequestQueues
+from scheduler_svc.planning.received import ReceivedKV
 from scheduler_svc.planning.validation import (
     RequestRejected,
     check_constrained,
@@ -24,11 +25,17 @@ from scheduler_svc.request import Request, RequestStatus
 
 class Admission:
     def __init__(
-        self, config: PlannerConfig, kv: KVManager, queues: RequestQueues, adapters: AdapterSlots | None = None
+        self,
+        config: PlannerConfig,
+        kv: KVManager,
+        queues: RequestQueues,
+        received: ReceivedKV,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.queues = queues
+        self.received = received  # blocks a KV transfer wrote for a waiting request: its prefix
         self.adapters = adapters  # the worker's LoRA slots: a request starts once its adapter is resident
         self.resumed_tokens = 0  # tokens of preempted requests found in the prefix index on readmission
         self.recomputed_tokens = 0  # tokens of preempted requests computed again
@@ -57,7 +64,7 @@ class Admission:
             request = queues.next_waiting(self._ready)
             if request is None:
                 return
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            hits, num_hit_tokens = self.received.prefix(request, *self.kv.get_computed_blocks(request))
             want = min(
                 request.num_tokens - num_hit_tokens, self.config.chunk_limit(self.kv.free_fraction), budget.tokens_left
             )
@@ -65,6 +72,7 @@ class Admission:
                 budget.deferred = budget.deferred or budget.ahead
                 return
             queues.waiting.remove(request)
+            self.received.release(request.request_id)  # its table shares them now
             request.num_computed_tokens = num_hit_tokens
             if request.num_preemptions == 0 and not request.kv_handoffs:  # a moved KV is no hit of its own
                 request.num_cached_prompt_tokens = num_hit_tokens

@@ -75,6 +75,7 @@ from scheduler_svc.planning.plan import (
 from scheduler_svc.planning.pooling import returns_logits, row_pooling
 from scheduler_svc.planning.preemption import Preemption
 from scheduler_svc.planning.queues import QueueFull, RequestQueues
+from scheduler_svc.planning.received import ReceivedKV
 from scheduler_svc.planning.results import StepResults, check_samples
 from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.request import FinishReason, Request, RequestStatus
@@ -122,13 +123,14 @@ class Planner:
         self._queues = RequestQueues(config.scheduling_policy, config.max_waiting)
         self._in_flight = InFlight()
         self.adapters = adapters
-        self._admission = Admission(config, self.kv, self._queues, adapters)
+        self.received = ReceivedKV(self.kv)
+        self._admission = Admission(config, self.kv, self._queues, self.received, adapters)
         self._preemption = Preemption(self.kv, self._queues)
         self._drafts = DraftHooks(self.drafter, self.kv, self._in_flight, self.max_len)
         self._results = StepResults(self.kv, self._queues, self.drafter, self.max_len, self.finish)
         self._next_step_id = 0
         # Ids that hold blocks outside the queues: blocks a KV transfer writes into
-        # (engine/disagg.py) until they are indexed and released. Audited as live.
+        # (engine/disagg.py) until they are handed to `received`. Audited as live.
         self.held: set[str] = set()
 
     # ---- queue ----------------------------------------------------------
@@ -204,6 +206,7 @@ class Planner:
             self._queues.remove(request, reason)
             self._drafts.drop(request_id)
             self._in_flight.release(request, self.kv)
+        self.received.release(request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         return True
 
@@ -349,6 +352,7 @@ class Planner:
             self.kv.free(request)
             self._queues.to_front(request)
         self.running.clear()
+        self.received.release_all()
         self.kv.transfers_lost()
         if reset_prefix_cache:
             self.kv.reset_prefix_cache()
@@ -361,6 +365,7 @@ class Planner:
         self._queues.remove(request, FinishReason.ABORT)  # a request that moves has no children
         self._drafts.drop(request_id)
         self._in_flight.release(request, self.kv)
+        self.received.release(request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.kv_handoffs += 1
@@ -382,7 +387,8 @@ class Planner:
         """KV bookkeeping (KVCacheManager.audit) plus: waiting requests hold no
         blocks; running ones hold exactly the blocks their computed tokens need."""
         ended = [r.request_id for r in self._in_flight.ended]
-        self.kv.audit(live_request_ids=[r.request_id for r in self.running] + ended + sorted(self.held))
+        held = sorted(self.held) + self.received.held_ids
+        self.kv.audit(live_request_ids=[r.request_id for r in self.running] + ended + held)
         problems = [f"waiting {r.request_id} holds blocks" for r in self.waiting if self.kv.block_table(r.request_id)]
         for request in self.running:
             have = len(self.kv.block_table(request.request_id))

@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterator
 
 from worker_svc.__main__ import main
+from worker_svc.kv_transfer.chunk import Chunk
 from worker_svc.kv_transfer.mover import BlockMover
-from worker_svc.kv_transfer.transport import Chunk
 
 
 def _delay(seconds: float) -> None:

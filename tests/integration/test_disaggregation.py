@@ -120,6 +120,21 @@ def test_prefix_the_decode_worker_holds_is_not_moved_again(pair, model):
     assert (stats.kv_transfers, stats.kv_handoffs) == (1, 2)
 
 
+def test_without_prefix_caching_the_decode_worker_computes_only_each_prompts_tail(pair, model):
+    # No index to find the moved blocks in: the request takes them as its prefix all the same.
+    cases = [(ids, 5) for ids in prompts(4, 4, 40, 90)]
+    with scheduler(pair, "--no-prefix-caching") as (_, client):
+        results = generate_all(client, cases)
+        stats = wait_idle(client)
+    for (ids, max_tokens), got in zip(cases, results):
+        assert got.token_ids == hf_greedy(model, ids, max_tokens)
+    full_tokens = sum(len(ids) // BLOCK * BLOCK for ids, _ in cases)
+    assert (stats.kv_handoffs, stats.kv_transfer_blocks) == (4, full_tokens // BLOCK)
+    # On the decode worker: the moved tokens resumed, only the tail and first token computed.
+    assert stats.resumed_tokens == full_tokens
+    assert stats.recomputed_tokens == sum(len(ids) + 1 for ids, _ in cases) - full_tokens
+
+
 def test_preemption_on_the_decode_worker_stays_exact(pair, model):
     # 6 x (30 + 400 tokens) want ~162 blocks of the decode worker's 128: they preempt each other there.
     cases = [(ids, 400) for ids in prompts(3, 6, 25, 35)]

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.cluster import hf_greedy, load_model, wait_idle
@@ -115,3 +116,23 @@ def test_a_restarted_worker_lost_its_tier_two_so_contexts_are_recomputed(tmp_pat
     assert_exact(reference, prompts, second)
     assert [r.cached_prompt_tokens for r in second] == [0] * 6  # neither tier survived the restart
     assert stats.offload_blocks_cached > 0  # the new instance's tier 2 fills again
+
+
+def test_pinning_a_prefix_that_lives_only_in_tier_two_copies_it_up_and_pins_it(tmp_path, reference):
+    share = ("--max-pin-share-per-key", "0.5")  # 3 of the 12 blocks, over the default share
+    with tiered(tmp_path, num_blocks=12, scheduler_args=share) as cluster, SchedulerClient(cluster.address) as client:
+        turn(client, 0)
+        spilled = wait_idle(client)
+        assert (spilled.blocks_offloaded, spilled.blocks_onloaded) == (9, 0)  # contexts 0, 1, 2 went down
+        pin = client.stub.PinPrefix(serving_pb2.PinPrefixRequest(prompt_token_ids=CONTEXTS[0]), timeout=120)
+        pinned = wait_idle(client)
+        prompts, second = turn(client, 1)  # every other context passes through tier 1 around the pin
+        stats = wait_idle(client)
+        assert_clean(cluster)
+    assert (pin.pinned_tokens, pin.workers) == (48, 1)
+    # Its three blocks were copied up, none computed: the pin's request ran one token.
+    assert pinned.blocks_onloaded == 3 and pinned.tokens_computed - spilled.tokens_computed == 1
+    assert pinned.blocks_pinned == 3
+    assert_exact(reference, prompts, second)
+    assert second[0].cached_prompt_tokens == 48  # from the pinned blocks, still in tier 1
+    assert stats.blocks_pinned == 3

@@ -11,22 +11,13 @@ import pytest
 import torch
 
 from proto import worker_pb2
+from tests.helpers.kv_blocks import BLOCK, BLOCKS, HEAD_DIM, HEADS, LAYERS, filled_cache
 from worker_svc.attention.kv_cache import PagedKVCache
+from worker_svc.kv_transfer.chunk import Chunk, TransferFailed
 from worker_svc.kv_transfer.codec import BlockCodec
 from worker_svc.kv_transfer.mover import BlockMover, FetchOrder
-from worker_svc.kv_transfer.transport import Chunk, TransferFailed, decode_chunk, encode_chunk
+from worker_svc.kv_transfer.transport import decode_chunk, encode_chunk
 from worker_svc.step.errors import InvalidStep
-
-LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 12, 2, 4, 8
-
-
-def filled_cache(dtype: torch.dtype, seed: int) -> PagedKVCache:
-    cache = PagedKVCache(LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM, dtype, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
-    for tensor in cache.tensors:
-        raw = torch.randint(0, 255, tensor.shape + (tensor.element_size(),), generator=gen, dtype=torch.uint8)
-        tensor.view(torch.uint8).copy_(raw.reshape(tensor.view(torch.uint8).shape))
-    return cache
 
 
 class LocalSource:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import structlog
 
+from worker_svc.kv_transfer.chunk import Chunk, TransferFailed
 from worker_svc.kv_transfer.codec import BlockCodec
-from worker_svc.kv_transfer.transport import BlockSource, Chunk, TransferFailed
+from worker_svc.kv_transfer.direct import DirectSender, check_secret
+from worker_svc.kv_transfer.transport import BlockSource
 from worker_svc.step.errors import InvalidStep
 
 log = structlog.get_logger(__name__)
@@ -44,21 +46,46 @@ class FetchResult:
 
 
 class BlockMover:
-    def __init__(self, codec: BlockCodec, instance_id: str, source: BlockSource, refusal: str | None = None) -> None:
+    def __init__(
+        self,
+        codec: BlockCodec,
+        instance_id: str,
+        source: BlockSource,
+        refusal: str | None = None,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+    ) -> None:
         """refusal: why this worker cannot move blocks at all (a tensor-parallel or
-        contiguous cache), said to whoever asks; None if it can."""
+        contiguous cache), said to whoever asks; None if it can. host: where a direct
+        read's port listens (the worker's own --host); timeout_s: how long it waits."""
         self.codec = codec
         self.instance_id = instance_id
         self.source = source
         self.refusal = refusal
+        self.host = host
+        self.timeout_s = timeout_s
 
-    def serve(self, block_ids: Sequence[int], instance_id: str) -> Iterator[Chunk]:
-        """ReadBlocks: the blocks' bytes, CHUNK_BYTES at a time (see _chunks). Checked before the first chunk."""
+    def serve(self, block_ids: Sequence[int], instance_id: str, direct_secret: bytes = b"") -> Iterator[Chunk]:
+        """ReadBlocks: the blocks' bytes, CHUNK_BYTES at a time (see _chunks), or with a
+        direct_secret over a direct connection (_direct). Checked before the first chunk."""
         self._check_movable()
         if instance_id != self.instance_id:
             raise TransferFailed(f"instance_id: this worker is {self.instance_id}, not {instance_id}: it restarted")
         ids = self._checked("block_ids", block_ids)
+        if direct_secret:
+            check_secret(direct_secret)
+            return self._direct(ids, direct_secret)
         return self._chunks(ids)
+
+    def _direct(self, ids: list[int], secret: bytes) -> Iterator[Chunk]:
+        """The port first (the call sends it before asking for more), then every chunk
+        over the connection the reader opens; the call ends once they are sent."""
+        sender = DirectSender(self.host, secret, self.timeout_s)  # listens only once the call streams
+        try:
+            yield Chunk(0, 0, self.codec.block_bytes, b"", sender.port)
+            sender.send(self._chunks(ids))
+        finally:
+            sender.close()
 
     def _chunks(self, ids: list[int]) -> Iterator[Chunk]:
         """Each chunk's data is a view of one gather buffer the stream keeps: valid until

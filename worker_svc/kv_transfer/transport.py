@@ -7,9 +7,9 @@ source's --tls-client-names must then list)."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -17,20 +17,10 @@ import grpc
 from proto import worker_pb2
 from svc_common.grpc_options import channel_options
 from svc_common.peer_auth import bearer_metadata
+from worker_svc.kv_transfer import direct
+from worker_svc.kv_transfer.chunk import Chunk, TransferFailed
 
 READ_BLOCKS_METHOD = f"/{worker_pb2.DESCRIPTOR.services_by_name['Worker'].full_name}/ReadBlocks"
-
-
-class TransferFailed(RuntimeError):
-    """The blocks could not be read from their source (gone, restarted, refused, garbled)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    first: int  # index into the requested ids of the chunk's first block
-    count: int
-    block_bytes: int
-    data: bytes | memoryview
 
 
 class BlockSource(Protocol):
@@ -57,11 +47,27 @@ class GrpcBlockSource:
     def read(
         self, address: str, instance_id: str, block_ids: list[int], transfer_id: int, tls_server_name: str = ""
     ) -> Iterator[Chunk]:
-        request = worker_pb2.ReadBlocksRequest(transfer_id=transfer_id, instance_id=instance_id, block_ids=block_ids)
+        """Without TLS the bytes come over a direct connection (kv_transfer/direct.py)."""
+        secret = secrets.token_bytes(direct.SECRET_BYTES) if self._credentials is None else b""
+        request = worker_pb2.ReadBlocksRequest(
+            transfer_id=transfer_id, instance_id=instance_id, block_ids=block_ids, direct_secret=secret
+        )
         try:
-            yield from self._read_blocks(address, tls_server_name)(
+            stream = self._read_blocks(address, tls_server_name)(
                 request, timeout=self._timeout_s, metadata=self._metadata
             )
+            if not secret:
+                yield from stream
+                return
+            try:
+                opening = next(stream, None)
+                if opening is None or not opening.direct_port:
+                    raise TransferFailed(f"{address} named no port for a direct read")
+                yield from direct.receive(address, opening.direct_port, secret, len(block_ids), self._timeout_s)
+                for _ in stream:  # the source's status once it has sent everything
+                    raise TransferFailed(f"{address} sent a chunk on the call of a direct read")
+            finally:
+                stream.cancel()  # a no-op once the call ended; else the source stops sending
         except grpc.RpcError as err:
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.Call) else str(err)
             raise TransferFailed(f"reading blocks from {address}: {why}") from None
@@ -93,11 +99,14 @@ class GrpcBlockSource:
 # bytes are a BlocksChunk: any protobuf client parses them, and the server registers
 # ReadBlocks with encode_chunk as its serializer.
 _DATA_FIELD = 4  # BlocksChunk.data
+_DIRECT_PORT_FIELD = 230  # BlocksChunk.direct_port
 _VARINT, _LENGTH_DELIMITED = 0, 2
 
 
 def encode_chunk(chunk: Chunk) -> bytes:
-    head = worker_pb2.BlocksChunk(first=chunk.first, count=chunk.count, block_bytes=chunk.block_bytes)
+    head = worker_pb2.BlocksChunk(
+        first=chunk.first, count=chunk.count, block_bytes=chunk.block_bytes, direct_port=chunk.direct_port
+    )
     tag = _varint(_DATA_FIELD << 3 | _LENGTH_DELIMITED)
     return b"".join((head.SerializeToString(), tag, _varint(len(chunk.data)), chunk.data))
 
@@ -122,7 +131,7 @@ def decode_chunk(message: bytes) -> Chunk:
             at += size
         else:
             raise TransferFailed(f"a blocks chunk carries field {number} of wire type {kind}")
-    return Chunk(fields.get(1, 0), fields.get(2, 0), fields.get(3, 0), data)
+    return Chunk(fields.get(1, 0), fields.get(2, 0), fields.get(3, 0), data, fields.get(_DIRECT_PORT_FIELD, 0))
 
 
 def _varint(value: int) -> bytes:
