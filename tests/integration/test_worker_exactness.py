@@ -1,8 +1,9 @@
 """Worker.Step over real gRPC vs transformers on the same checkpoint (fp32).
 
-Every family runs: a one-step prefill, the same prompt in uneven chunks that
-cross block boundaries, then greedy decode steps, all on random non-contiguous
-block tables; logits at every sampled position must match transformers' forward.
+Each family (make test keeps four, WORKER_FAMILIES) runs: a one-step prefill, the
+same prompt in uneven chunks that cross block boundaries, then greedy decode steps,
+all on random non-contiguous block tables; logits at every sampled position must
+match transformers' forward.
 """
 
 from __future__ import annotations
