@@ -1,8 +1,9 @@
 """Worker.Step over real gRPC vs transformers on the same checkpoint (fp32).
 
-Every family runs: a one-step prefill, the same prompt in uneven chunks that
-cross block boundaries, then greedy decode steps, all on random non-contiguous
-block tables; logits at every sampled position must match transformers' forward.
+Each family (make test keeps four, WORKER_FAMILIES) runs: a one-step prefill, the
+same prompt in uneven chunks that cross block boundaries, then greedy decode steps,
+all on random non-contiguous block tables; logits at every sampled position must
+match transformers' forward.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import TINY_FAMILIES, tiny_checkpoint
+from tests.helpers.sweeps import sweep
 from tests.helpers.worker_client import by_seq, logits_of, seq_step
 from tests.helpers.worker_under_test import NUM_BLOCKS, WorkerUnderTest
 
@@ -24,7 +26,14 @@ TINY_ATOL = 1e-4
 DEFAULT_MODEL_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=TINY_FAMILIES + ("default",))
+# A worker process per family: make test keeps llama (llama3 rope, GQA), qwen3_mqa
+# (q/k norms, one KV head), gemma3 (sliding windows) and the real default model; the
+# other tiny families repeat those paths over gRPC, and their forward is checked
+# against transformers in process by test_chunked_prefill.py in every make test.
+WORKER_FAMILIES = sweep(TINY_FAMILIES + ("default",), keep=("llama", "qwen3_mqa", "gemma3", "default"))
+
+
+@pytest.fixture(scope="module", params=WORKER_FAMILIES)
 def worker(request, default_model):
     if request.param == "default":
         w = WorkerUnderTest(default_model, DEFAULT_MODEL_ATOL)

@@ -22,6 +22,7 @@ from kernels import (
     reference,
 )
 from kernels import triton as triton_ops
+from tests.helpers.sweeps import sweep
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -278,11 +279,17 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PREFILL_CASES))
-@pytest.mark.parametrize(
-    "q_heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 16), (5, 1, 80)], ids=["mha-d64", "gqa-d16", "mqa5-d80"]
-)
-def test_prefill_matches_reference(case, q_heads, kv_heads, head_dim):
+PREFILL_HEADS = {"mha-d64": (4, 4, 64), "gqa-d16": (8, 2, 16), "mqa5-d80": (5, 1, 80)}
+# make test keeps a diagonal: every batch shape once and every head layout (MHA, GQA,
+# MQA with an odd group and a head_dim that is no power of two) once; each kernel
+# branch those select runs. The rest of the product repeats them (make test-slow).
+PREFILL_KEEP = {("no-cache", "mha-d64"), ("chunked", "gqa-d16"), ("mixed", "mqa5-d80"), ("all-decode", "gqa-d16")}
+PREFILL_SWEEP = [(case, heads) for case in PREFILL_CASES for heads in PREFILL_HEADS]
+
+
+@pytest.mark.parametrize("case,heads", sweep(PREFILL_SWEEP, PREFILL_KEEP, ids=[f"{c}-{h}" for c, h in PREFILL_SWEEP]))
+def test_prefill_matches_reference(case, heads):
+    q_heads, kv_heads, head_dim = PREFILL_HEADS[heads]
     query_lens, contexts = zip(*PREFILL_CASES[case])
     k_cache, v_cache = _kv_cache(256, kv_heads, head_dim, torch.float32)
     tables, cu, ctx = _batch(query_lens, contexts, 256)
