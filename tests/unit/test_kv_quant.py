@@ -28,6 +28,7 @@ from kernels import (
 )
 from kernels import triton as triton_ops
 from kernels.quant import KVScales
+from tests.helpers.sweeps import sweep
 from worker_svc.attention.kv_cache import PagedKVCache
 
 DEVICE = torch.device("cpu" if triton_ops.interpreter_enabled() else "cuda")
@@ -287,12 +288,29 @@ def test_attention_vs_fp32_reference(dtype, kind):
     )
 
 
+ATTENTION_LAYOUTS = [
+    ("decode", 0, (8, 2, 64)),
+    ("decode", 8, (4, 1, 32)),
+    ("prefill", 0, (4, 4, 32)),
+    ("prefill", 9, (8, 2, 64)),
+]
+TRITON_ATTENTION_CASES = [(dtype, *layout) for dtype in QDTYPES for layout in ATTENTION_LAYOUTS]
+TRITON_ATTENTION_IDS = [
+    f"{q}-{c}" for q in QIDS for c in ["decode-gqa", "decode-mqa-window", "prefill-mha", "prefill-gqa-window"]
+]
+
+
+# make test keeps a diagonal: every layout once (decode and prefill, with and without a
+# window, MHA / GQA / MQA) and each quantized dtype on both decode and prefill; the other
+# four cases (each an interpreted Triton run) repeat those paths and run in make test-slow.
 @pytest.mark.parametrize(
-    "kind,window,heads",
-    [("decode", 0, (8, 2, 64)), ("decode", 8, (4, 1, 32)), ("prefill", 0, (4, 4, 32)), ("prefill", 9, (8, 2, 64))],
-    ids=["decode-gqa", "decode-mqa-window", "prefill-mha", "prefill-gqa-window"],
+    "dtype,kind,window,heads",
+    sweep(
+        TRITON_ATTENTION_CASES,
+        keep=[TRITON_ATTENTION_CASES[i] for i in (0, 2, 5, 7)],
+        ids=TRITON_ATTENTION_IDS,
+    ),
 )
-@pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)
 def test_triton_attention_matches_torch(dtype, kind, window, heads):
     q_heads, kv_heads, head_dim = heads
     query_lens, contexts = _case(kind)
