@@ -8,6 +8,7 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -106,3 +107,43 @@ def test_a_frame_of_more_blocks_than_asked_for_is_refused_before_it_is_read():
         list(direct.receive("127.0.0.1:1", listener.getsockname()[1], b"s" * direct.SECRET_BYTES, 2, 10))
     thread.join(10)
     listener.close()
+
+
+def frames_source(frames: list[bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A source that sends each payload as a one-block frame as fast as the reader takes it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def send():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(direct.SECRET_BYTES)
+            for i, payload in enumerate(frames):
+                conn.sendall(direct._HEADER.pack(i, 1, len(payload)) + payload)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return listener, thread
+
+
+def test_a_chunk_stays_intact_while_the_next_frames_arrive():
+    """The receiving thread runs ahead into the other buffer, never into the one the
+    caller holds: each chunk still reads as sent after the source sent everything."""
+    payloads = [bytes([i]) * 4096 for i in range(1, 7)]
+    listener, thread = frames_source(payloads)
+    received = []
+    for chunk in direct.receive("127.0.0.1:1", listener.getsockname()[1], b"s" * direct.SECRET_BYTES, 6, 10):
+        time.sleep(0.05)  # the receiving thread meanwhile reads the next frame into the other buffer
+        received.append(bytes(chunk.data))
+    thread.join(10)
+    listener.close()
+    assert received == payloads
+
+
+def test_a_reader_abandoned_mid_way_stops_its_thread():
+    listener, thread = frames_source([b"z" * 4096] * 8)
+    frames = direct.receive("127.0.0.1:1", listener.getsockname()[1], b"s" * direct.SECRET_BYTES, 8, 10)
+    assert next(frames).first == 0
+    frames.close()  # the caller failed writing it (say): the connection and the thread go
+    thread.join(10)
+    listener.close()
+    assert not [t for t in threading.enumerate() if t.name == "kv-direct-receive"]
