@@ -192,7 +192,7 @@ def contiguous_prefill_attention(
     )  # fmt: skip
 
 
-def _fp32(t: Tensor) -> Tensor:
+def fp32(t: Tensor) -> Tensor:
     """t as contiguous fp32. Checked first: .float() and .contiguous() are dispatched ops
     even where they return t, host time of every layer of every step."""
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
@@ -208,7 +208,7 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
         return reference.add_rms_norm(x, residual, weight, eps)
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    normed, summed = torch.ops.pagedserve_cpu.add_rms_norm(x, residual, _fp32(weight), float(eps))
+    normed, summed = torch.ops.pagedserve_cpu.add_rms_norm(x, residual, fp32(weight), float(eps))
     return normed, summed
 
 

@@ -64,19 +64,14 @@ def _loop_layer(spec: ModelSpec, i: int, w: LayerWeights) -> LoopLayer:
     if w.attn_norm is None or w.mlp_norm is None or w.gate_up is None or w.down is None:
         raise NotTaken(f"layer {i} is not a pre-norm gated MLP layer")
     return LoopLayer(
-        attn_norm=_fp32(w.attn_norm),
-        mlp_norm=_fp32(w.mlp_norm),
+        attn_norm=cpu_ops.fp32(w.attn_norm),  # as add_rms_norm hands a norm weight over
+        mlp_norm=cpu_ops.fp32(w.mlp_norm),
         window=spec.layer_windows[i],
         qkv=_projection(w.qkv),
         o=_projection(w.o),
         gate_up=_projection(w.gate_up),
         down=_projection(w.down),
     )
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    """As cpu_ops.add_rms_norm hands a norm weight to its kernel."""
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def _projection(p: Projection) -> LoopProjection:
