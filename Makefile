@@ -223,7 +223,7 @@ bench-quant-distance: setup setup-test model ## greedy tokens' distance from the
 # PyPI, puts what such a machine lacks in .cache/gpu-check, which gpu-check installs
 # there (into /tmp, beside the machine's torch, never replacing it).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)## make gpu-check: the python to run it under
-GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance pyzmq uvicorn \
+GPU_WHEELS := grpcio grpcio-health-checking grpcio-reflection protobuf structlog llguidance gguf pyzmq uvicorn \
     fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api sniffio
 GPU_CARRY := .cache/gpu-check
 .PHONY: gpu-check gpu-wheels

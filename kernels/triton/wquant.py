@@ -87,8 +87,8 @@ def _dequant_gemm_kernel(
             w = _int4_tile(w_ptr, scale_ptr, zero_ptr, gidx_ptr, rn, rk, mask, K, scale_cols, block_in, HAS_GIDX)
         else:
             w = _scaled_tile(w_ptr, scale_ptr, rn, rk, mask, K, block_out, block_in, scale_cols, FP8)
-        if FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        if FP32:  # ieee: tl.dot's default rounds fp32 inputs to tf32 on a GPU (10 mantissa bits)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:  # the reference's weights: dequantized, then rounded to x's dtype
             acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
     _store_tile(y_ptr, acc, rm, rn, M, N)
@@ -165,11 +165,12 @@ def has_fp8_mm(device: torch.device) -> bool:
 
 def fp8_linear(x: Tensor, weight: ScaledWeight) -> Tensor:
     """x quantized to fp8 per token times an fp8 weight scaled per channel: torch._scaled_mm
-    (fp32 sums, both scales applied to them) where the GPU has FP8, else the reference."""
+    (fp32 sums, both scales applied to them) where the GPU has FP8 and the weight's sides
+    are multiples of 16, else the reference."""
     if weight.data.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear takes float8_e4m3fn weights, not {weight.data.dtype}")
-    if not has_fp8_mm(x.device) or x.shape[0] == 0:
-        return wquant_act.w8a8_linear(x, weight)
+    if not has_fp8_mm(x.device) or x.shape[0] == 0 or weight.in_features % 16 or weight.out_features % 16:
+        return wquant_act.w8a8_linear(x, weight)  # _scaled_mm takes only multiples of 16
     xq, sx = wquant_act.quantize_rows_fp8(x)
     scale_w = weight.channel_scales().unsqueeze(0)  # [1, out]: row-wise scaling
     out: Tensor = torch._scaled_mm(xq, weight.data.t(), scale_a=sx, scale_b=scale_w, out_dtype=x.dtype)
