@@ -63,7 +63,7 @@ CARRIED = REPO / ".cache" / "gpu-check"  # what `make gpu-wheels` prepares to ca
 SITE = Path("/tmp/pagedserve-gpu-site")  # the carried wheels, installed beside the machine's own packages
 RESULT = REPO / "bench" / "results" / "gpu_check.md"
 STATE = REPO / "bench" / "results" / "gpu_check.json"  # every step's last result on this GPU
-STEPS = ("tests", "sanitizer", "resources", "smoke", "bench", "wquant", "gguf")
+STEPS = ("tests", "sanitizer", "resources", "smoke", "bench", "wquant", "gguf", "kvcopy")
 TEST_FILES = [
     "tests/unit/test_triton_kernels.py",
     "tests/unit/test_kv_quant.py",
@@ -407,6 +407,15 @@ def step_gguf(args: argparse.Namespace) -> StepResult:
     return _gemm_step("gguf", "bench.gguf_gemm", 420, "bench/results/gguf_gemm.md", args)
 
 
+def step_kvcopy(args: argparse.Namespace) -> StepResult:
+    """Host <-> device KV block copies of the second tier, beside plain pinned copies
+    (bench/kv_offload_copy.py, issue 41)."""
+    status, output = _run([sys.executable, "-m", "bench.kv_offload_copy"], _limit(args, 120))
+    table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
+    summary = "GB/s in bench/results/kv_offload_copy.md" if status == 0 else f"exit {status}"
+    return StepResult("kvcopy", status == 0, 0, summary, table or _tail(output))
+
+
 def _tail(output: str) -> str:
     return "```\n" + output[-OUTPUT_TAIL:].strip() + "\n```"
 
@@ -419,6 +428,7 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], StepResult]] = {
     "bench": step_bench,
     "wquant": step_wquant,
     "gguf": step_gguf,
+    "kvcopy": step_kvcopy,
 }
 
 

@@ -36,7 +36,7 @@ $py -c 'from bench.gpu_serving import ensure_checkpoint; ensure_checkpoint()' >>
 timeout "$(left "$bench")" $py -m bench.gpu_check --only smoke --timeout-s "$(left $((bench + 10)))" >"$out/smoke.log" 2>&1
 wait $tests $sanitizer $resources
 
-timeout "$(left 15)" $py -m bench.gpu_check --only bench wquant gguf --timeout-s "$(left 25)" >"$out/bench.log" 2>&1
+timeout "$(left 15)" $py -m bench.gpu_check --only bench wquant gguf kvcopy --timeout-s "$(left 25)" >"$out/bench.log" 2>&1
 
-tar czf "$out/results.tgz" bench/results/gpu_serving.* bench/results/gguf_gemm.* bench/results/wquant_gemm_gpu.* bench/results/gpu_check.* 2>/dev/null
+tar czf "$out/results.tgz" bench/results/gpu_serving.* bench/results/gguf_gemm.* bench/results/wquant_gemm_gpu.* bench/results/kv_offload_copy.* bench/results/gpu_check.* 2>/dev/null
 tail -n 12 bench/results/gpu_check.md 2>/dev/null
