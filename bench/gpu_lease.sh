@@ -3,7 +3,9 @@
 # lends 15 minutes of device time, 10 a command), so every step is bounded by one
 # deadline and what it measured is in $OUT even when a step runs out of time:
 #
-#   bash bench/gpu_lease.sh SECONDS [BENCH_SECONDS]
+#   PAGEDSERVE_COMMIT=<git rev-parse --short HEAD, here> bash bench/gpu_lease.sh SECONDS [BENCH_SECONDS]
+#
+# (the copy there may carry stale git metadata: name the commit from here)
 #
 # 7 files come back in $OUT; carry .cache/gpu-check (from `make gpu-wheels`). The
 # timed benchmark gets the last BENCH_SECONDS (default 330) to itself.
