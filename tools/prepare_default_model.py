@@ -85,19 +85,27 @@ def convert(out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
-def write_sidecar(gguf: Path) -> Path:
-    """The GGUF's tokenizer files, chat template, config and generation config, in its sidecar folder."""
+def write_sidecar(gguf: Path, out: Path | None = None) -> Path:
+    """The GGUF's tokenizer files, chat template, config and generation config, in its
+    sidecar folder, or in `out` (a container's volume, the services' /models/model:
+    written in place, tokenizer.json last, as the mount point cannot be renamed onto)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    out = sidecar_dir(gguf)
-    if (out / "tokenizer.json").is_file():
-        return out
+    target = out or sidecar_dir(gguf)
+    if (target / "tokenizer.json").is_file():
+        return target
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}") if out is None else target / f".tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
     cfg.save_pretrained(tmp)
     GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+    if out is not None:
+        for name in sorted(os.listdir(tmp), key=lambda n: n == "tokenizer.json"):
+            os.replace(tmp / name, out / name)
+        tmp.rmdir()
+        return out
+    out = target
     try:
         os.replace(tmp, out)
     except OSError:  # another process wrote the same files first: theirs are whole, drop ours
@@ -153,7 +161,7 @@ def _prepare(flags: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=f"where to write (default {DEFAULT_MODEL}; --sidecar: the cache)")
     parser.add_argument("--gguf", type=Path, default=None, help="with --sidecar: this GGUF (default: the shipped one)")
     parser.add_argument("--sidecar", action="store_true", help="write the GGUF's tokenizer and config; print where")
     parser.add_argument("--serve", metavar="MODEL", help="print the worker's flags for MODEL ('': the default)")
@@ -164,14 +172,15 @@ def main() -> None:
         print(shlex.join(["--model", served.model, *served.worker_args]))
         return
     if args.sidecar:
-        print(write_sidecar(args.gguf or find_gguf()))
+        print(write_sidecar(args.gguf or find_gguf(), args.out))
         return
-    if (args.out / "config.json").exists():
-        print(f"{args.out} already prepared")
+    out = args.out or DEFAULT_OUT
+    if (out / "config.json").exists():
+        print(f"{out} already prepared")
         return
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    convert(args.out)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -126,3 +126,38 @@ def test_auto_dtype_of_a_gguf_is_the_devices_choice(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert auto_dtype("bfloat16", "cpu", gguf) == "bfloat16" and auto_dtype("float32", "cpu", gguf) == "float32"
+
+
+class _Saved:
+    """Stands for transformers' tokenizer / config objects: save_pretrained writes one file each."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def save_pretrained(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / self.name).write_text("{}")
+
+
+def test_a_sidecar_into_a_containers_volume_is_written_in_place(monkeypatch, tmp_path):
+    """--sidecar --out /models/model: the folder is a mount point (it cannot be renamed
+    onto), so the files move into it, tokenizer.json (what readers look for) last."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _Saved("tokenizer.json"))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: _Saved("config.json"))
+    monkeypatch.setattr(
+        transformers.GenerationConfig, "from_model_config", lambda cfg: _Saved("generation_config.json")
+    )
+    moved: list[str] = []
+    replace = prepare_default_model.os.replace
+    monkeypatch.setattr(prepare_default_model.os, "replace", lambda a, b: moved.append(Path(b).name) or replace(a, b))
+    volume = tmp_path / "model"
+    volume.mkdir()
+    gguf = tmp_path / "m.gguf"
+    assert prepare_default_model.write_sidecar(gguf, volume) == volume
+    assert sorted(p.name for p in volume.iterdir()) == ["config.json", "generation_config.json", "tokenizer.json"]
+    assert moved[-1] == "tokenizer.json"
+    moved.clear()
+    prepare_default_model.write_sidecar(gguf, volume)
+    assert moved == []  # there already: written once
