@@ -52,7 +52,7 @@ def labels(workload: dict) -> dict[str, str]:
 
 
 def test_the_overlay_is_the_only_one_and_its_manifests_match_the_schemas():
-    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == ["disaggregated"]
+    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == ["cpu", "disaggregated"]  # cpu: test_k8s_cpu.py
     for doc in DOCS:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     base = {(d["kind"], d["metadata"]["name"]) for d in BASE}
