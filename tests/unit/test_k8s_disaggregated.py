@@ -29,6 +29,7 @@ from tests.helpers.k8s import (
     render,
     selects,
     service,
+    worker_settings,
 )
 from tools.certs import make
 from worker_svc.config import WorkerConfig
@@ -100,17 +101,8 @@ def test_pool_settings_parse_and_validate(role, monkeypatch, default_model, tmp_
         if "$(POD_NAMESPACE)" in e.get("value", ""):
             assert "POD_NAMESPACE" in defined, f"{e['name']} uses $(POD_NAMESPACE) before it is defined"
         defined.add(e["name"])
-    files = make(["pagedserve-worker.ns1.svc.cluster.local"], 1)
-    for name, content in (
-        ("tls.crt", files["worker.crt"]),
-        ("tls.key", files["worker.key"]),
-        ("ca.crt", files["ca.crt"]),
-    ):
-        (tmp_path / name).write_bytes(content)
-    for name, value in env_values(c).items():
-        if name.startswith("PAGEDSERVE_WORKER_"):
-            value = value.replace("$(POD_NAMESPACE)", "ns1").replace("/etc/pagedserve/tls", str(tmp_path))
-            monkeypatch.setenv(name, str(default_model) if value == MODEL_MOUNT else value)
+    for name, value in worker_settings(c, tmp_path, {MODEL_MOUNT: str(default_model)}).items():
+        monkeypatch.setenv(name, value)
     config = parse_config(WorkerConfig, "PAGEDSERVE_WORKER", "worker", [])
     assert config.kv_role == role
 
