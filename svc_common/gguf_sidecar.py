@@ -12,11 +12,24 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
+
+# The tensor type llama.cpp's tools append to a file's name (model.Q4_1.gguf, model-Q4_K_M.gguf, model-f16.gguf).
+_TYPE_SUFFIX = re.compile(r"[.-](I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
 
 
 def is_gguf_path(path: str | Path) -> bool:
     return str(path).endswith(".gguf")
+
+
+def served_name(path: str | Path) -> str:
+    """The model id a launcher gives the gateway: a directory's name, or a GGUF file's
+    name without .gguf and without the tensor type llama.cpp names it by (the format
+    is in /v1/models' weight_format): SmolLM2-135M-Instruct.Q4_1.gguf serves as
+    SmolLM2-135M-Instruct, the id of its converted checkpoint."""
+    name = Path(path).name
+    return _TYPE_SUFFIX.sub("", name.removesuffix(".gguf")) if is_gguf_path(path) else name
 
 
 def sidecar_dir(gguf: str | Path) -> Path:

@@ -4,7 +4,7 @@
 `--cells C`, C schedulers each with their own N workers, and the gateway in
 front of all of them (`--schedulers`): the multi-scheduler topology.
 
-    python -m tools.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 2 --port 50051
+    python -m tools.cluster_ctl up --workers 2 --port 50051    # the default model (local_cluster.py)
     python -m tools.cluster_ctl up --model models/SmolLM2-135M-Instruct --workers 1 --cells 2
     python -m tools.cluster_ctl status
     python -m tools.cluster_ctl down
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from svc_common.cli import module_prog
-from svc_common.gguf_sidecar import model_files
 from tools.ports import free_port
-from tools.processes import ClusterSecrets, flag_value, kv_roles, prepare_kernels
+from tools.prepare_default_model import served_model
+from tools.processes import ClusterSecrets, flag_value, gateway_model_args, kv_roles, prepare_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_ORDER = ("gateway", "scheduler", "worker")  # front to back: no new work reaches a stopped service
@@ -154,10 +154,14 @@ def up(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # Workers share the machine's cores instead of each taking all of them.
     env.setdefault("PAGEDSERVE_WORKER_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.workers)))
-    model = str(Path(args.model).resolve())
+    served = served_model(args.model, shlex.split(args.worker_args))
+    model = str(Path(served.model).resolve())
+    if not Path(model).exists():
+        print(f"--model {model}: no such file or directory (make cluster MODEL=path)", file=sys.stderr)
+        return 2
     # Workers take steps only from their scheduler; admin.v1 needs the admin key (both new each `up`).
     secrets = ClusterSecrets.create(run_dir / "secrets")
-    worker_args = ["--model", model, *secrets.worker_args, *shlex.split(args.worker_args)]
+    worker_args = ["--model", model, *secrets.worker_args, *served.worker_args]
     addresses: dict[str, str] = {}
     try:
         prepare_kernels(shlex.split(args.worker_args))  # before the workers' start-up clock runs
@@ -183,11 +187,10 @@ def up(args: argparse.Namespace) -> int:
             # Several cells: the gateway routes each request to one scheduler (gateway_svc/scheduler_pool.py).
             front = ["--schedulers", targets] if args.cells > 1 else ["--scheduler", targets]
             metrics = ",".join(f"{args.host}:{flag_value(s.args, '--metrics-port')}" for s in schedulers)
-            tokenizer_dir = str(model_files(model))  # a GGUF model: the folder extracted from it once
             gateway = Service(
                 "gateway",
                 "gateway_svc",
-                [*front, "--scheduler-metrics", metrics, "--model-dir", tokenizer_dir, *shlex.split(args.gateway_args)],
+                [*front, "--scheduler-metrics", metrics, *gateway_model_args(model), *shlex.split(args.gateway_args)],
                 args.host,
                 args.gateway_port,
             )
@@ -362,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="start workers, scheduler and gateway in the background")
     p_up.add_argument("--run-dir", default=argparse.SUPPRESS)
-    p_up.add_argument("--model", required=True, help="the model to serve: a checkpoint directory (make cluster MODEL=)")
+    p_up.add_argument(
+        "--model",
+        default="",
+        help="the model to serve: a checkpoint directory or a .gguf file (make cluster MODEL=); default: the shipped "
+        "GGUF on CPU workers, its converted checkpoint on CUDA ones (tools/prepare_default_model.py)",
+    )
     p_up.add_argument("--workers", type=int, default=2, help="workers per cell")
     p_up.add_argument(
         "--prefill",
@@ -408,8 +416,6 @@ def main(argv: list[str] | None = None) -> int:
             args.workers = len(kv_roles(args.workers, args.prefill, args.decode))  # PREFILL + DECODE, if set
         except ValueError as exc:
             parser.error(f"--prefill/--decode: {exc}")
-        if not Path(args.model).exists():
-            parser.error(f"--model {args.model}: no such file or directory (make cluster MODEL=path)")
         return up(args)
     run_dir = Path(args.run_dir).resolve()
     if args.command == "down":

@@ -2,9 +2,10 @@
 processes on 127.0.0.1 and supervise them until Ctrl-C / SIGTERM (what
 `make serve` runs).
 
-    python -m tools.local_cluster --model models/SmolLM2-135M-Instruct --workers 1 --port 50051 \\
-        --gateway-port 8000
+    python -m tools.local_cluster --workers 1 --port 50051 --gateway-port 8000
 
+* Without --model: the default for the workers' device (tools/prepare_default_model.py:
+  the shipped GGUF on a CPU, its converted checkpoint on CUDA), prepared once first.
 * Every port is checked before anything loads; a taken one is one line naming
   the Makefile variable or flag that moves it.
 * A service that dies is started again on its port, after a backoff (1 s,
@@ -36,7 +37,9 @@ from pathlib import Path
 from types import FrameType
 
 from svc_common.cli import module_prog
+from svc_common.gguf_sidecar import served_name
 from tools.ports import PortTaken, PortUse, check_ports, free_port
+from tools.prepare_default_model import served_model
 from tools.processes import Cluster, ServiceProcess, die_with_parent, flag_value, kv_roles
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -142,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         args.workers = len(kv_roles(args.workers, args.prefill, args.decode))  # PREFILL + DECODE, if set
     except ValueError as exc:
         _parser().error(f"--prefill/--decode: {exc}")
-    if not Path(args.model).exists():
-        _parser().error(f"--model {args.model}: no such file or directory (make serve MODEL=path)")
     parent = os.getppid()
     die_with_parent(signal.SIGTERM)  # `make` (our parent: the recipe execs us) died: drain and stop
     if os.getppid() != parent:
@@ -157,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     except PortTaken as exc:
         print(f"make serve: {exc}", file=sys.stderr)
         return 1
+    served = served_model(args.model, shlex.split(args.worker_args))  # after the ports: this may take a while
+    args.model = served.model
+    if not Path(args.model).exists():
+        _parser().error(f"--model {args.model}: no such file or directory (make serve MODEL=path)")
     with_gateway = args.gateway_port >= 0
     cluster = Cluster(
         Path(args.model),
-        shlex.split(args.worker_args),
+        served.worker_args,
         scheduler_args,
         num_workers=args.workers,
         inherit_output=True,
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signals.serving = True
     model_id = flag_value(gateway_args, "--model-name") or flag_value(gateway_args, "--served-model-name")
-    print(_banner(args, cluster, model_id or Path(args.model).name, with_gateway), flush=True)
+    print(_banner(args, cluster, model_id or served_name(args.model), with_gateway), flush=True)
     supervisor = Supervisor(_names(cluster))
     code = 0
     while not signals.stop.wait(0.5):
@@ -210,7 +215,12 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", required=True, help="the model to serve: a checkpoint directory (make serve MODEL=)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="the model to serve: a checkpoint directory or a .gguf file (make serve MODEL=); default: the shipped "
+        "GGUF on CPU workers, its converted checkpoint on CUDA ones (tools/prepare_default_model.py)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument(
         "--prefill",

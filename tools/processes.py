@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from svc_common.gguf_sidecar import model_files
+from svc_common.gguf_sidecar import is_gguf_path, model_files, served_name
 
 REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -353,8 +353,7 @@ class Cluster:
                 scrape = ["--scheduler-metrics", f"127.0.0.1:{self.metrics_port}"] if self.metrics_port else []
                 self.gateway = ServiceProcess(
                     "gateway_svc",
-                    # A GGUF model's tokenizer and chat template: the folder extracted from it once.
-                    ["--scheduler", self.scheduler.address, "--model-dir", str(model_files(self.model_dir)), *scrape]
+                    ["--scheduler", self.scheduler.address, *gateway_model_args(self.model_dir), *scrape]
                     + self.gateway_args,
                     inherit_output=self.inherit_output,
                     bind_port=self.gateway_port,
@@ -398,8 +397,7 @@ def prepare_kernels(worker_args: Sequence[str] = (), timeout_s: float = 3600.0) 
     build that fails is the workers' business (they warn and run the reference ops)."""
     from kernels import cpu_build  # torch-free until it loads the library
 
-    device = flag_value(worker_args, "--device") or os.environ.get("PAGEDSERVE_WORKER_DEVICE", "cpu")
-    if not cpu_build.enabled() or device.startswith("cuda") or cpu_build.LIBRARY.built():
+    if not cpu_build.enabled() or worker_device(worker_args).startswith("cuda") or cpu_build.LIBRARY.built():
         return
     print(
         "[kernels] building the C++ CPU kernels before the workers start (once per machine and source; "
@@ -420,6 +418,19 @@ def prepare_kernels(worker_args: Sequence[str] = (), timeout_s: float = 3600.0) 
         build.kill()
         build.wait()
         raise
+
+
+def worker_device(worker_args: Sequence[str]) -> str:
+    """The --device the workers started with these flags run on (the flag, else their env var, else cpu)."""
+    return flag_value(worker_args, "--device") or os.environ.get("PAGEDSERVE_WORKER_DEVICE", "cpu")
+
+
+def gateway_model_args(model: Path | str) -> list[str]:
+    """The gateway's --model-dir (its chat template; a GGUF model's: the folder extracted
+    from it once) and, for a GGUF file, the model id (svc_common.gguf_sidecar.served_name:
+    else the id would be that folder's hashed name). Flags given after these win."""
+    named = ["--served-model-name", served_name(model)] if is_gguf_path(model) else []
+    return ["--model-dir", str(model_files(model)), *named]
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

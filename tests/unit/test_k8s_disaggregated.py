@@ -29,6 +29,7 @@ from tests.helpers.k8s import (
     render,
     selects,
     service,
+    worker_settings,
 )
 from tools.certs import make
 from worker_svc.config import WorkerConfig
@@ -52,7 +53,7 @@ def labels(workload: dict) -> dict[str, str]:
 
 
 def test_the_overlay_is_the_only_one_and_its_manifests_match_the_schemas():
-    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == ["disaggregated"]
+    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == ["cpu", "disaggregated"]  # cpu: test_k8s_cpu.py
     for doc in DOCS:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     base = {(d["kind"], d["metadata"]["name"]) for d in BASE}
@@ -100,17 +101,8 @@ def test_pool_settings_parse_and_validate(role, monkeypatch, default_model, tmp_
         if "$(POD_NAMESPACE)" in e.get("value", ""):
             assert "POD_NAMESPACE" in defined, f"{e['name']} uses $(POD_NAMESPACE) before it is defined"
         defined.add(e["name"])
-    files = make(["pagedserve-worker.ns1.svc.cluster.local"], 1)
-    for name, content in (
-        ("tls.crt", files["worker.crt"]),
-        ("tls.key", files["worker.key"]),
-        ("ca.crt", files["ca.crt"]),
-    ):
-        (tmp_path / name).write_bytes(content)
-    for name, value in env_values(c).items():
-        if name.startswith("PAGEDSERVE_WORKER_"):
-            value = value.replace("$(POD_NAMESPACE)", "ns1").replace("/etc/pagedserve/tls", str(tmp_path))
-            monkeypatch.setenv(name, str(default_model) if value == MODEL_MOUNT else value)
+    for name, value in worker_settings(c, tmp_path, {MODEL_MOUNT: str(default_model)}).items():
+        monkeypatch.setenv(name, value)
     config = parse_config(WorkerConfig, "PAGEDSERVE_WORKER", "worker", [])
     assert config.kv_role == role
 

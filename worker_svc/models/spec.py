@@ -153,7 +153,10 @@ def auto_dtype(resolved: str, device_type: str, model_dir: str | Path) -> str:
     torch_dtype/dtype where the device computes in it natively. On CUDA a float16
     checkpoint stays float16 (bf16 would cut 3 bits off every weight's mantissa) and
     a bfloat16 or float32 one is served in bfloat16; the CPU keeps its choice (fp16
-    is not native there)."""
+    is not native there). A GGUF file has no config.json: its blocks are no float
+    dtype to keep, so the device's choice stands."""
+    if Path(model_dir).suffix == ".gguf":
+        return resolved
     config = json.loads((Path(model_dir) / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
     if device_type == "cuda" and stored == "float16":
