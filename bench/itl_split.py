@@ -3,14 +3,16 @@ llama.cpp's on the same GGUF): where a generated token's wall time and CPU time 
 the worker's step, the Step RPC, the scheduler, its Generate stream, the gateway and the
 client, in one run.
 
-    python -m bench.itl_split [--gguf Q4_1] [--rounds 3] [--requests 2] [--max-tokens 128]
+    python -m bench.itl_split [--gguf Q4_1] [--event-loops uvloop asyncio] [--rounds 3] [--requests 2]
 
 pagedserve as `make serve` runs it on the shipped GGUF (bench.peers' `pagedserve`, the same
-`--model FILE.gguf --dtype float32` command, plus a known --metrics-port). Each round, one
-stream of 256-token prompts (bench.peers' prompts), greedy, ignore_eos, through two paths
-one after the other (who goes first flips every round):
+`--model FILE.gguf --dtype float32` command, plus a known --metrics-port), once per event
+loop the scheduler and gateway run on (PAGEDSERVE_EVENT_LOOP, svc_common/event_loop.py),
+all of them up at once (an idle one costs the others almost nothing). Each round, one
+stream of 256-token prompts (bench.peers' prompts), greedy, ignore_eos, through two paths:
 * gateway: the official openai client, /v1/completions streamed (bench.peers' driver);
-* direct: SchedulerClient.stream, the scheduler's serving.v1 Generate (sync gRPC).
+* direct: SchedulerClient.stream, the scheduler's serving.v1 Generate (sync gRPC);
+each on each cluster (the order of clusters and paths flips every round).
 
 Wall time per token (ms, means over the round's tokens):
 * forward: the worker's forward (the layers, not its input building or sampling) as its
@@ -45,6 +47,7 @@ import statistics
 import time
 import urllib.request
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -276,32 +279,25 @@ def report(records: list[dict[str, Any]], wire: dict[str, dict[str, float]], arg
         values: list[float] = [r[part].get(key, 0.0) for r in records if (r["loop"], r["path"]) == (loop, path)]
         return statistics.median(values)
 
-    wall_keys = ["forward", "scheduler ITL", "client ITL"]
-    wall = markdown_table(
-        ["event loop", "path", *[f"{k} ms" for k in wall_keys], "client ITL - forward ms"],
-        [
+    def table(part: str, keys: list[str], unit: str, last: str, value: Callable[[str, str], float]) -> str:
+        """One row per (loop, path): the medians of `keys` in `part`, then `last` = value(loop, path)."""
+        return markdown_table(
+            ["event loop", "path", *[f"{k} {unit}" for k in keys], last],
             [
-                loop,
-                path,
-                *[f"{median_of(loop, path, 'wall', k):.2f}" for k in wall_keys],
-                f"{median_of(loop, path, 'wall', 'client ITL') - median_of(loop, path, 'wall', 'forward'):.2f}",
-            ]
-            for loop, path in variants
-        ],
-    )
+                [loop, path, *[f"{median_of(loop, path, part, k):.2f}" for k in keys], f"{value(loop, path):.2f}"]
+                for loop, path in variants
+            ],
+        )
+
+    def outside_forward(loop: str, path: str) -> float:
+        return median_of(loop, path, "wall", "client ITL") - median_of(loop, path, "wall", "forward")
+
+    def scheduler_and_gateway(loop: str, path: str) -> float:
+        return sum(median_of(loop, path, "process", n) for n in ("scheduler_svc", "gateway_svc"))
+
+    wall = table("wall", ["forward", "scheduler ITL", "client ITL"], "ms", "client ITL - forward ms", outside_forward)
     names = ["worker_svc", "scheduler_svc", "gateway_svc", "client"]
-    cpu = markdown_table(
-        ["event loop", "path", *[f"{n} CPU ms/token" for n in names], "scheduler + gateway"],
-        [
-            [
-                loop,
-                path,
-                *[f"{median_of(loop, path, 'process', n):.2f}" for n in names],
-                f"{sum(median_of(loop, path, 'process', n) for n in names[1:3]):.2f}",
-            ]
-            for loop, path in variants
-        ],
-    )
+    cpu = table("process", names, "CPU ms/token", "scheduler + gateway", scheduler_and_gateway)
     threads = thread_table([r for r in records if r["path"] == "gateway"])
     trips = markdown_table(
         ["Step RPC transport", *next(iter(wire.values())).keys()],
