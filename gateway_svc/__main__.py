@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
 
 from gateway_svc.config import GatewayConfig
+from svc_common import event_loop
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
 
@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> None:
         argv,
     )
     configure_logging(config.log_format, config.log_level)
+    try:
+        event_loop.chosen()
+    except ValueError as exc:
+        sys.exit(f"gateway: {exc}")
     from gateway_svc.server import GatewayServer, PortInUse  # FastAPI/uvicorn load after the CLI is validated
 
     # uvicorn handles SIGINT/SIGTERM while serving (graceful shutdown: server.py drains)
@@ -26,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        asyncio.run(GatewayServer(config).serve())
+        event_loop.run(GatewayServer(config).serve())
     except PortInUse as exc:
         sys.exit(f"gateway: {exc.strerror}")
 

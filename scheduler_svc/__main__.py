@@ -20,6 +20,7 @@ from scheduler_svc.observability.metrics import METRICS, engine_hooks
 from scheduler_svc.observability.stats import stats_fields
 from scheduler_svc.planning.pooling import classifier_pooling, model_pooling
 from scheduler_svc.text.tokenizer import load_tokenizer
+from svc_common import event_loop
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
 from svc_common.peer_auth import is_loopback
@@ -164,7 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     configure_logging(config.log_format, config.log_level)
     try:
-        asyncio.run(serve(config))
+        event_loop.chosen()
+    except ValueError as exc:
+        sys.exit(f"scheduler: {exc}")
+    try:
+        event_loop.run(serve(config))
     except (StartupError, OSError) as exc:  # OSError: cannot bind, unreadable key file
         log.error("start-up failed", error=str(exc))
         sys.exit(2)

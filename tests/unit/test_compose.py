@@ -321,6 +321,7 @@ SLIM_IMAGES = {
             "tokenizers": "tokenizers",
             "prometheus_client": "prometheus_client",
             "uvicorn": "uvicorn",
+            "uvloop": "uvloop",
             "rich": "rich",
             "zmq": "pyzmq",
             "msgpack": "msgpack",
@@ -339,6 +340,7 @@ SLIM_IMAGES = {
             "starlette": "fastapi",
             "pydantic": "fastapi",
             "uvicorn": "uvicorn",
+            "uvloop": "uvloop",
             "jinja2": "jinja2",
             "prometheus_client": "prometheus_client",
             "tokenizers": "tokenizers",  # prefix routing over several schedulers
@@ -400,6 +402,7 @@ def test_worker_image_installs_everything_its_code_imports():
         "tokenizers": "tokenizers",
         "numpy": "numpy",
         "gguf": "gguf",  # --model FILE.gguf
+        "uvloop": "uvloop",  # svc_common/event_loop.py (the worker never runs it)
     }
     imports = third_party_imports(["worker_svc", "kernels", "svc_common", "proto"])
     # torch comes from its own index in the Dockerfile; triton with the CUDA torch (GPU builds only).
