@@ -13,35 +13,15 @@ CPU seconds (user + system), the median over rounds.
 from __future__ import annotations
 
 import argparse
-import os
-import resource
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 from bench.harness.machine import announce, load_average
 from bench.harness.results import fmt, markdown_table, median, write_result
-from bench.harness.services import REPO
+from bench.harness.services import run_timed_tool
 
 STEPS = {
     "GGUF served as it is: its tokenizer extracted (--sidecar)": ["--sidecar"],
     "checkpoint served: the GGUF converted (make model)": ["--out", "{tmp}/checkpoint"],
 }
-
-
-def run(flags: list[str], tmp: Path) -> tuple[float, float]:
-    """Wall and CPU seconds of one tools.prepare_default_model run."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_GGUF_CACHE": str(tmp / "gguf")}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    args = [f.format(tmp=tmp) for f in flags]
-    subprocess.run([sys.executable, "-m", "tools.prepare_default_model", *args], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -54,8 +34,7 @@ def main() -> None:
     loads = [load_average()]
     for _ in range(args.rounds):
         for name, flags in STEPS.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                wall, cpu = run(flags, Path(tmp))
+            wall, cpu = run_timed_tool("tools.prepare_default_model", flags)
             walls[name].append(wall)
             cpus[name].append(cpu)
             print(f"{name}: {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)

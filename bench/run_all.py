@@ -124,6 +124,18 @@ BENCHMARKS = [
         "embeddings", ("--batches", "1", "64"), "issue 39: embeddings/s at batch 1 and 64 vs transformers", plot=False
     ),
     Benchmark(
+        "itl_split",
+        ("--rounds", "1", "--calls", "200"),
+        "issue 38: one stream's time per token: worker forward, scheduler, gateway, client",
+        plot=False,
+    ),
+    Benchmark(
+        "first_start",
+        ("--rounds", "1"),
+        "issue 38: a first make serve's model preparation, the GGUF's tokenizer vs the conversion",
+        plot=False,
+    ),
+    Benchmark(
         "loop",
         ("--max-tokens", "64", "--repeats", "1"),
         "serving loop: tiny model, 1-1024 streams, vs the baseline revision (git worktree)",
@@ -136,8 +148,8 @@ BENCHMARKS = [
 # report of the compiled kernels that gpu_check and tests/unit/test_kernel_resources.py read.
 HELPERS = {"__init__", "run_all", "stream_ceiling", "structured_schemas", "gpu_check", "kernel_resources"}
 # Benchmarks that need a GPU: `make bench-gpu` (gpu_serving) and `make gpu-check`'s
-# wquant and gguf steps run them, not `make bench`.
-GPU_ONLY = {"gpu_serving", "wquant_gemm", "gguf_gemm"}
+# wquant, gguf and kvcopy steps run them, not `make bench`.
+GPU_ONLY = {"gpu_serving", "wquant_gemm", "gguf_gemm", "kv_offload_copy"}
 # Benchmarks with a make target of their own (they install peers or run for long).
 OWN_TARGET = {"peers", "quant_distance"}
 

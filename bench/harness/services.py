@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -38,11 +39,27 @@ __all__ = [
     "require_model",
     "rev_of",
     "run_in_tree",
+    "run_timed_tool",
     "tiny_model",
     "worker_info",
 ]
 
 DEFAULT_MODEL = REPO / defaults.DEFAULT_MODEL
+
+
+def run_timed_tool(module: str, args: list[str]) -> tuple[float, float]:
+    """Wall and CPU seconds (the child's user + system) of `python -m MODULE ARGS` run to
+    its end from this tree, each run in a fresh temporary folder: `{tmp}` in ARGS names it,
+    and PAGEDSERVE_GGUF_CACHE points into it (nothing cached between runs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_GGUF_CACHE": f"{tmp}/gguf"}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        argv = [sys.executable, "-m", module, *(a.format(tmp=tmp) for a in args)]
+        subprocess.run(argv, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def require_model(path: str | Path) -> Path:

@@ -24,31 +24,17 @@ from gateway_svc.config import GatewayConfig
 from scheduler_svc.config import SchedulerConfig
 from svc_common.cli import env_name, parse_config
 from svc_common.defaults import DEFAULT_MODEL
+from tests.helpers.compose import COMPOSE, DOCKER, MODEL_MOUNT, REPO, env_of, interpolate
 from tools.certs import SCHEDULER_CLIENT_NAME
 from worker_svc.config import WorkerConfig
 
-REPO = Path(__file__).resolve().parents[2]
-COMPOSE = REPO / "docker-compose.yml"
-DOCKER = REPO / "docker"
 CONFIGS = {
     "worker": (WorkerConfig, "PAGEDSERVE_WORKER"),
     "scheduler": (SchedulerConfig, "PAGEDSERVE_SCHEDULER"),
     "gateway": (GatewayConfig, "PAGEDSERVE_GATEWAY"),
 }
-MODEL_MOUNT = "/models/model"
 SECRETS_MOUNT = "/secrets"
 ONE_SHOT = "secrets"  # makes the CA, certificates and admin key, then exits
-
-
-def interpolate(value):
-    """${VAR:-default} / ${VAR} as Compose does, with the variables unset (the defaults)."""
-    if isinstance(value, str):
-        return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
-    if isinstance(value, list):
-        return [interpolate(v) for v in value]
-    if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +55,6 @@ def kind(name: str, service: dict) -> str:
 
 def services_of(compose: dict, wanted: str) -> dict[str, dict]:
     return {n: s for n, s in compose["services"].items() if kind(n, s) == wanted}
-
-
-def env_of(service: dict) -> dict[str, str]:
-    env = service["environment"]
-    if isinstance(env, list):
-        env = dict(e.split("=", 1) for e in env)
-    return {k: str(v) for k, v in env.items()}
 
 
 def test_topology_one_scheduler_two_workers_one_gateway(compose):

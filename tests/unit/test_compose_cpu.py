@@ -15,7 +15,7 @@ import yaml
 
 from svc_common.cli import parse_config
 from svc_common.defaults import DEFAULT_GGUF
-from tests.unit.test_compose import COMPOSE, DOCKER, MODEL_MOUNT, REPO, env_of, interpolate
+from tests.helpers.compose import COMPOSE, DOCKER, MODEL_MOUNT, REPO, env_of, interpolate
 from tools.prepare_default_model import shipped_gguf
 from worker_svc.config import WorkerConfig
 
