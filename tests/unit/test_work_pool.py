@@ -49,19 +49,22 @@ def pool() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def pooled_and_alone(call: Callable[[], torch.Tensor], tries: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """The call with the pool off, then on until a helper took a chunk of it (a loaded
-    machine may not schedule the helper in time for one small call)."""
+def pooled_and_alone(call: Callable[[], torch.Tensor], seconds: float = 10.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call with the pool off, then on until a helper took a chunk of it: a parked
+    helper wakes after the first calls are over (tens of us, longer on a loaded
+    machine), then spins and takes chunks of the next."""
     cpu_ops.use_work_pool(False)
     alone = call()
     cpu_ops.use_work_pool(True)
-    for _ in range(tries):
+    calls, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
         before = cpu_ops.work_pool_info().helper_chunks
         pooled = call()
+        calls += 1
         assert torch.equal(pooled, alone)
         if cpu_ops.work_pool_info().helper_chunks > before:
             return pooled, alone
-    raise AssertionError(f"no helper took a chunk in {tries} calls")
+    raise AssertionError(f"no helper took a chunk in {calls} calls ({seconds} s)")
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
@@ -141,7 +144,8 @@ def helper_cpu_ticks() -> int:
 
 def test_an_idle_helper_is_parked_not_spinning(pool):
     weight = random_blocks("Q4_1", out_features=512, in_features=64, seed=2)
-    pooled_and_alone(lambda: quant_cpu_ops.quant_linear(torch.randn(1, 64), weight))
+    x = torch.randn(1, 64)
+    pooled_and_alone(lambda: quant_cpu_ops.quant_linear(x, weight))
     assert cpu_ops.work_pool_info().running >= 1
     time.sleep(0.2)  # past its spin (100 us by default)
     before = helper_cpu_ticks()
@@ -155,6 +159,7 @@ import os, sys, torch
 from kernels import cpu_ops, quant_cpu_ops
 from tests.helpers.gguf_blocks import random_blocks
 
+assert cpu_ops.available()
 torch.set_num_threads(1)
 cpu_ops.work_pool_chunk(64)
 weight = random_blocks("Q4_1", out_features=1024, in_features=256, seed=7)
