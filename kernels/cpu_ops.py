@@ -303,11 +303,12 @@ class WorkPoolInfo:
     enabled: bool  # PAGEDSERVE_WORK_POOL=0 at start, or use_work_pool(False), turn it off
     running: int  # helpers started (at the first pooled call)
     helper_chunks: int  # chunks the helpers have run, ever: how much of the work they took
+    backoffs: int  # times a caller waited long for a descheduled helper and went alone for a while
 
 
 def work_pool_info() -> WorkPoolInfo:
-    helpers, enabled, running, chunks = torch.ops.pagedserve_cpu.work_pool_info()
-    return WorkPoolInfo(helpers, bool(enabled), running, chunks)
+    helpers, enabled, running, chunks, backoffs = torch.ops.pagedserve_cpu.work_pool_info()
+    return WorkPoolInfo(helpers, bool(enabled), running, chunks, backoffs)
 
 
 def use_work_pool(on: bool) -> bool:

@@ -10,7 +10,7 @@
 // returns once `done` counts every chunk, after which no helper touches its context.
 //
 // Ops (torch.ops.pagedserve_cpu): work_pool_info() -> [helpers, enabled, running
-// helpers, chunks the helpers ran]; work_pool_enable(bool) -> bool (was it on);
+// helpers, chunks the helpers ran, times the calls went alone after a slow helper]; work_pool_enable(bool) -> bool (was it on);
 // work_pool_chunk(weights) -> the previous weights per chunk (0: leave it).
 
 #include "work_pool.h"
@@ -41,6 +41,13 @@ constexpr int kMaxHelpers = 7;            // beyond ~8 threads a decode's GEMV i
 constexpr int64_t kDefaultSpinUs = 100;
 constexpr int64_t kDefaultChunkWork = int64_t{1} << 15;   // covers the gaps between a step's kernels, not a step's end
 constexpr auto kWaitBeforeSleep = std::chrono::microseconds(20);
+// A caller that slept this long for a helper's chunk found the helper descheduled: on a
+// machine whose cores are all busy, every call would pay a scheduling delay (ms) for
+// a few us of help, so the calls run alone for a while, twice as long after each such
+// wait in a row (at most kMaxBackoff), and try the helpers again.
+constexpr auto kSlowWait = std::chrono::microseconds(200);
+constexpr auto kFirstBackoff = std::chrono::milliseconds(10);
+constexpr auto kMaxBackoff = std::chrono::milliseconds(1000);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -71,12 +78,15 @@ class Pool {
         spin_(std::chrono::microseconds(std::max<int64_t>(0, env_int("PAGEDSERVE_WORK_POOL_SPIN_US", kDefaultSpinUs)))),
         enabled_(env_int("PAGEDSERVE_WORK_POOL", 1) != 0) {}
 
-  bool usable() const { return helpers_ > 0 && enabled_.load(std::memory_order_relaxed); }
+  bool usable() const {
+    return helpers_ > 0 && enabled_.load(std::memory_order_relaxed) &&
+           std::chrono::steady_clock::now().time_since_epoch().count() >= alone_until_.load(std::memory_order_relaxed);
+  }
   bool set_enabled(bool on) { return enabled_.exchange(on); }
   int64_t chunk_work() const { return chunk_work_.load(std::memory_order_relaxed); }
   int64_t set_chunk_work(int64_t weights) { return weights > 0 ? chunk_work_.exchange(weights) : chunk_work(); }
   std::vector<int64_t> info() const {
-    return {helpers_, enabled_.load() ? 1 : 0, running_.load(), helper_chunks_.load()};
+    return {helpers_, enabled_.load() ? 1 : 0, running_.load(), helper_chunks_.load(), backoffs_.load()};
   }
 
   void run(int64_t n, int64_t grain, ChunkFn fn, const void* ctx) {
@@ -97,7 +107,15 @@ class Pool {
     wake_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(wake_);
     work(state_.load(std::memory_order_relaxed), epoch, fn, ctx, n, grain);
-    wait_done(static_cast<uint32_t>((n + grain - 1) / grain));
+    const auto waited = wait_done(static_cast<uint32_t>((n + grain - 1) / grain));
+    if (waited > kSlowWait) {
+      const auto now = std::chrono::steady_clock::now();
+      alone_until_.store((now + backoff_).time_since_epoch().count(), std::memory_order_relaxed);
+      backoff_ = std::min<std::chrono::nanoseconds>(2 * backoff_, kMaxBackoff);
+      backoffs_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      backoff_ = kFirstBackoff;
+    }
     busy_.store(false, std::memory_order_release);
   }
 
@@ -121,7 +139,8 @@ class Pool {
   // then asleep: a helper descheduled mid-chunk (its core taken by the scheduler or the
   // gateway) is then pulled onto this idle core by the kernel's load balancing, where a
   // spinning or yielding caller would keep it waiting for its own core (milliseconds).
-  void wait_done(uint32_t chunks) {
+  // Returns how long it waited.
+  std::chrono::nanoseconds wait_done(uint32_t chunks) {
     const auto since = std::chrono::steady_clock::now();
     for (int i = 1; done_.load(std::memory_order_acquire) < chunks; ++i) {
       cpu_relax();
@@ -135,6 +154,7 @@ class Pool {
       caller_asleep_.store(false, std::memory_order_relaxed);
     }
     std::atomic_thread_fence(std::memory_order_acquire);
+    return std::chrono::steady_clock::now() - since;
   }
 
   // Takes and runs the chunks of job `epoch` from state `s` on; the chunks it ran.
@@ -202,6 +222,9 @@ class Pool {
   std::atomic<bool> busy_{false};
   std::atomic<int> running_{0};
   std::atomic<int64_t> helper_chunks_{0};
+  std::atomic<int64_t> backoffs_{0};
+  std::atomic<std::chrono::steady_clock::rep> alone_until_{0};  // steady_clock ticks
+  std::chrono::nanoseconds backoff_{kFirstBackoff};             // the caller's (busy_ held)
   alignas(64) std::atomic<uint64_t> state_{0};
   alignas(64) std::atomic<uint32_t> done_{0};  // chunks finished (a futex word: 32 bits)
   std::atomic<bool> caller_asleep_{false};

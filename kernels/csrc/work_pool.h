@@ -10,7 +10,8 @@
 // core the process may use, but one; started once; spinning briefly after a call and
 // then parked on a futex, so an idle pool keeps no core busy) take chunks when they are
 // scheduled. A descheduled helper costs the caller only the chunk it has taken: the
-// caller finishes every chunk nobody took and then waits for the taken ones.
+// caller finishes every chunk nobody took and then waits for the taken ones (and where
+// that wait was long, the calls go alone for a while: work_pool.cpp).
 //
 // Every item is computed by one thread exactly as a single thread computes it, so the
 // results are the same bits with the pool on or off (tests/unit/test_work_pool.py).
