@@ -40,12 +40,15 @@ constexpr uint64_t kClosed = kIndexMask;  // no chunk can be taken: a job is bei
 constexpr int kMaxHelpers = 7;            // beyond ~8 threads a decode's GEMV is memory-bound
 constexpr int64_t kDefaultSpinUs = 100;
 constexpr int64_t kDefaultChunkWork = int64_t{1} << 15;   // covers the gaps between a step's kernels, not a step's end
-constexpr auto kWaitBeforeSleep = std::chrono::microseconds(20);
+// A chunk takes a few us: a helper that has not finished one in this long is
+// descheduled. Until then the caller spins: asleep, its (virtual) core would take
+// 50-100 us to wake (measured: a 20 us spin cost a 33 ms step 7 ms).
+constexpr auto kWaitBeforeSleep = std::chrono::microseconds(100);
 // A caller that slept this long for a helper's chunk found the helper descheduled: on a
 // machine whose cores are all busy, every call would pay a scheduling delay (ms) for
 // a few us of help, so the calls run alone for a while, twice as long after each such
 // wait in a row (at most kMaxBackoff), and try the helpers again.
-constexpr auto kSlowWait = std::chrono::microseconds(200);
+constexpr auto kSlowWait = kWaitBeforeSleep;
 constexpr auto kFirstBackoff = std::chrono::milliseconds(10);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(1000);
 
@@ -135,7 +138,7 @@ class Pool {
     }
   }
 
-  // Every chunk is taken: waits for those a helper is still running. Briefly spinning,
+  // Every chunk is taken: waits for those a helper is still running. Spinning for a while,
   // then asleep: a helper descheduled mid-chunk (its core taken by the scheduler or the
   // gateway) is then pulled onto this idle core by the kernel's load balancing, where a
   // spinning or yielding caller would keep it waiting for its own core (milliseconds).
