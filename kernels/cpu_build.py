@@ -14,6 +14,8 @@ False after one warning, and kernels/cpu_ops.py falls back to the reference ops.
     python -m kernels.cpu_build   build now (make setup, and the launchers before any
                                   worker starts), a line per compile unit
     PAGEDSERVE_CPU_KERNELS=0      never build nor load them (the reference ops run)
+    PAGEDSERVE_WORK_POOL=0        the weight-streaming kernels never share their rows
+                                  with helper threads (csrc/work_pool.h; for measuring)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SOURCES = (
     CSRC / "lora_cpu.cpp",
     CSRC / "wquant_cpu.cpp",
     CSRC / "decoder_loop_cpu.cpp",
+    CSRC / "work_pool.cpp",
 )
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.

@@ -12,7 +12,10 @@ kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
   and the mixture-of-experts op over the selected experts only (moe_cpu.cpp):
   ``pack_experts`` once at load, ``fused_moe`` (kernels/moe_reference.py's) per call;
   and the batched LoRA op, grouped by adapter slot (lora_cpu.cpp): ``lora``
-  (kernels/lora_reference.py's).
+  (kernels/lora_reference.py's);
+* the work pool those weight-streaming kernels share at small steps
+  (kernels/csrc/work_pool.h): ``work_pool_info``, ``use_work_pool``,
+  ``work_pool_chunk`` (tests and benchmarks switch it; the worker leaves it on).
 
 A drop-in for kernels.reference wherever the worker picks an op module (like
 kernels.triton on CUDA); write_kv and copy_blocks are the reference's. Where the
@@ -22,6 +25,8 @@ tests/unit/test_cpu_ops.py compares the two for every cache dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,6 +49,9 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rope_write_kv",
+    "use_work_pool",
+    "work_pool_chunk",
+    "work_pool_info",
     "write_kv",
 ]
 
@@ -287,3 +295,29 @@ def lora(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
         return lora_reference.lora(x, a, b, slots)
     y: Tensor = torch.ops.pagedserve_cpu.lora(x, a, b, slots)
     return y
+
+
+@dataclass(frozen=True)
+class WorkPoolInfo:
+    helpers: int  # threads beside the caller: the cores this process may use, but one (capped)
+    enabled: bool  # PAGEDSERVE_WORK_POOL=0 at start, or use_work_pool(False), turn it off
+    running: int  # helpers started (at the first pooled call)
+    helper_chunks: int  # chunks the helpers have run, ever: how much of the work they took
+    backoffs: int  # times a caller waited long for a descheduled helper and went alone for a while
+
+
+def work_pool_info() -> WorkPoolInfo:
+    helpers, enabled, running, chunks, backoffs = torch.ops.pagedserve_cpu.work_pool_info()
+    return WorkPoolInfo(helpers, bool(enabled), running, chunks, backoffs)
+
+
+def use_work_pool(on: bool) -> bool:
+    """Turns the pool on or off for this process; whether it was on."""
+    was: bool = torch.ops.pagedserve_cpu.work_pool_enable(on)
+    return was
+
+
+def work_pool_chunk(weights: int) -> int:
+    """Sets the weights per chunk (0: leaves it); the previous value."""
+    previous: int = torch.ops.pagedserve_cpu.work_pool_chunk(weights)
+    return previous

@@ -91,6 +91,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     # llama.cpp's most used preset (Q4_K, some tensors Q6_K), as bench.peers --gguf makes it
     # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
     "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
+    "Q8_0 gguf fp32": dict(dtype="float32", model=str(made_gguf("Q8_0"))),
     # The C++ layer loop off (PAGEDSERVE_LAYER_LOOP=0 at load): the Python loop per layer.
     "all fp32 python loop": dict(dtype="float32", layer_loop="0"),
     "Q4_1 gguf fp32 python loop": dict(dtype="float32", model=SHIPPED_GGUF, layer_loop="0"),

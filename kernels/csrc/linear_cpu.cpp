@@ -51,6 +51,7 @@
 
 #include "cpu_vec.h"
 #include "linear_cpu.h"
+#include "work_pool.h"
 
 namespace {
 
@@ -329,8 +330,8 @@ void run(const Problem& p) {
   const int64_t blocks = s.blocks();
   for (int64_t m0 = 0; m0 < p.M; m0 += kMacroRows) {
     const int64_t m1 = std::min(p.M, m0 + kMacroRows);
-    // Each thread streams a run of whole blocks.
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { sweep<T, XF>(p, xs, ldxs, m0, m1, b0, b1); });
+    // Each chunk is a run of whole blocks, streamed by one thread (work_pool.h).
+    share_items(blocks, kBlock * kp * (m1 - m0), [&](int64_t b0, int64_t b1) { sweep<T, XF>(p, xs, ldxs, m0, m1, b0, b1); });
   }
 }
 

@@ -35,6 +35,7 @@
 
 #include "cpu_vec.h"
 #include "gguf_formats.h"
+#include "work_pool.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_INT8_AVX2 1
 #include "quant_int8_avx2.h"
@@ -164,7 +165,7 @@ constexpr int kRows = 4;  // weight rows decoded together (generic path)
 template <Format F, typename T>
 void run_generic(const QuantizedX& x, const FormatInfo& fi, const uint8_t* data, int64_t N, T* y) {
   const int64_t K = x.K, row_bytes = K / fi.elems * fi.bytes, blocks = K / fi.elems, subs = K / 16;
-  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t g0, int64_t g1) {
+  share_items((N + kRows - 1) / kRows, kRows * K * x.M, [&](int64_t g0, int64_t g1) {
     std::vector<int8_t> q(kRows * K);
     std::vector<float> dw(kRows * subs), mw(kRows * subs);
     for (int64_t g = g0; g < g1; ++g) {
@@ -232,7 +233,7 @@ void avx2_tile(const uint8_t* data, int64_t row_bytes, const QuantizedX& x, int6
     for (int n = 0; n < NR; ++n) store(y + (m0 + r) * N + n0 + n, out[r * NR + n]);
 }
 
-// The output rows split over the threads in groups of kNR; a group's weight rows (a few
+// The output rows shared out over the threads (work_pool.h) in groups of kNR; a group's weight rows (a few
 // hundred bytes each) stay in L1 while every row of x passes under them, so the weights
 // are read from memory once per call. A few rows of x (a decode): MR = 1 or 2 by 4
 // weight rows; more (a batch): 4 by 2, each decoded block serving 4 rows of x.
@@ -261,7 +262,7 @@ void tiles_over_rows(const uint8_t* data, int64_t row_bytes, const QuantizedX& x
 template <Format F, typename T>
 void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
   const int64_t row_bytes = x.K / 32 * (F == Format::kQ8_0 ? 34 : (F == Format::kQ4_0 ? 18 : 20));
-  at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t g0, int64_t g1) {
+  share_items((N + kNR - 1) / kNR, kNR * x.K * x.M, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * kNR, n1 = std::min(N, g1 * kNR);
     if (x.M < 4)
       tiles_over_rows<F, 2, 4>(data, row_bytes, x, n0, n1, y, N);

@@ -8,7 +8,8 @@
 // output. The weights are read once per chunk of x rows: a decode step (one to a few
 // rows) reads each block once, and its time is the blocks' read plus their decode,
 // which is what makes the quantized bytes worth it (Q4_1: 20 bytes per 32 weights
-// where fp32 reads 128). The threads split the output rows.
+// where fp32 reads 128). The threads share the output rows out (work_pool.h: at a
+// decode's small step, the caller and the pool's helpers take chunks as they come).
 //
 // Decoding is exactly the reference's arithmetic: the fp16 scales widened exactly, then
 // the same fp32 products and sums in the same order, with floating-point contraction
@@ -44,6 +45,7 @@
 
 #include "cpu_vec.h"
 #include "gguf_formats.h"
+#include "work_pool.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_FUSED_QUANT 1
 #include "quant_kquant_avx2.h"
@@ -248,7 +250,7 @@ void run_fused_rows(const float* xs, int64_t M, int64_t K, const uint8_t* data, 
   std::vector<float> sums(fused::needs_sums<F>() ? static_cast<size_t>(M * K / 4) : 0);
   if (fused::needs_sums<F>()) fused::block_sums(xs, M, K, sums.data());
   const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
-  at::parallel_for(0, (N + kFusedNR - 1) / kFusedNR, 1, [&](int64_t g0, int64_t g1) {
+  share_items((N + kFusedNR - 1) / kFusedNR, kFusedNR * K * M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kFusedNR;
       const bool whole = n0 + kFusedNR <= N;
@@ -281,7 +283,7 @@ void dense_rows(const float* w, int64_t K, const float* xs, int64_t M, int64_t n
 template <Format F, typename T>
 void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
-  at::parallel_for(0, (N + kFusedNR - 1) / kFusedNR, 1, [&](int64_t g0, int64_t g1) {
+  share_items((N + kFusedNR - 1) / kFusedNR, kFusedNR * K * M, [&](int64_t g0, int64_t g1) {
     std::vector<float> w(static_cast<size_t>(kFusedNR * K));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kFusedNR;
@@ -329,7 +331,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
   const int64_t groups = (N + kRows - 1) / kRows;
   for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
     const int64_t m1 = std::min(M, m0 + kMChunk);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    share_items(groups, kRows * K * (m1 - m0), [&](int64_t g0, int64_t g1) {
       std::vector<float> w(static_cast<size_t>(kRows * K));
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t n0 = g * kRows;

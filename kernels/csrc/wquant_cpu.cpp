@@ -25,7 +25,7 @@
 // decoding is paid once per weight per call, the GEMM runs at the dense kernel's pace.
 //
 // 8-lane GCC vectors: AVX2 registers, half an AVX-512 one (compiles and runs there),
-// split by the compiler where the build has neither. The threads split the output rows.
+// split by the compiler where the build has neither. The threads share the output rows out (work_pool.h).
 //
 // Op (torch.ops.pagedserve_cpu): wquant_linear(x, data, scale, zero, kind, block_out,
 // block_in) -> y; x [M, K] fp32 or bf16 with contiguous rows; data uint8 [N, K / 2]
@@ -50,7 +50,11 @@
 #include <immintrin.h>
 #endif
 
+#include "work_pool.h"
+
 namespace {
+
+using pagedserve_cpu::share_items;
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -233,7 +237,7 @@ void rows_tile_into(const Weights<S>& w, const float* xs, int64_t m0, int64_t n0
 
 template <Kind KD, typename S, typename T>
 void run_rows(const Weights<S>& w, const float* xs, int64_t M, int64_t N, T* y) {
-  at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t g0, int64_t g1) {
+  share_items((N + kNR - 1) / kNR, kNR * w.K * M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kNR;
       const bool whole = n0 + kNR <= N;
