@@ -113,6 +113,9 @@ class TensorParallelGroup:
             torch.cuda.set_device(self.device)
         else:  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (self.spec.num_threads or torch.get_num_threads()) // self.size))
+            # the kernels' work pool (kernels/csrc/work_pool.cpp) would give each rank helpers
+            # on the cores the other ranks' threads hold; read at its first use, after this
+            os.environ["PAGEDSERVE_WORK_POOL"] = "0"
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
             init_method=init_method,
