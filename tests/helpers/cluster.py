@@ -3,11 +3,14 @@ output as the reference, and the scheduler's stats once it has gone idle."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scheduler_svc.client import SchedulerClient
+from tools.processes import ServiceProcess
 
 if TYPE_CHECKING:
     from tools.processes import Cluster
@@ -71,3 +74,20 @@ def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
     time.sleep(1.5)
     assert cluster.scheduler is not None
     assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def scheduler_of(
+    model_dir: Path, workers: list[ServiceProcess], *args: str
+) -> Iterator[tuple[ServiceProcess, SchedulerClient]]:
+    """A scheduler of a test's own in front of workers its module started once (a
+    worker's start is most of a short test's time). A new scheduler knows none of the
+    workers' blocks, so nothing one test cached reaches the next. On the way out its
+    log must show no internal error."""
+    addresses = ",".join(w.address for w in workers)
+    with ServiceProcess("scheduler_svc", ["--model", str(model_dir), "--workers", addresses, *args]) as proc:
+        with SchedulerClient(proc.address) as client:
+            yield proc, client
+        log = proc.log_path.read_text(errors="replace")
+        for sign in ("Traceback", "engine core failed", "engine audit failed"):
+            assert sign not in log, log[-4000:]

@@ -37,13 +37,13 @@ DEVICE = torch.device("cpu" if interpreter_enabled() else "cuda")
 FORMATS = sorted(BLOCK_FORMATS)
 OUT = 70  # a multiple of no output tile (8 for the GEMV, 64 for the GEMM)
 # Under the interpreter a super-block format (256 weights, K-quant scales) costs 3-8x a
-# 32-weight one per case. make test keeps every 32-weight format in every case and
+# 32-weight one per case. There make test keeps every 32-weight format in every case and
 # each super-block format where it meets a kernel's path once: its decode bit for bit
 # through one of the two kernels (each kernel decodes one super-block format at least),
 # its fp32 product through both (1 and 7 tokens); the rest repeat those paths (make
-# test-slow). A GPU (make gpu-check) runs what make test keeps.
+# test-slow). Compiled on a GPU (make gpu-check) every case runs.
 SUPER_BLOCK = [q for q in FORMATS if BLOCK_FORMATS[q][0] == 256]
-SMALL_BLOCK = [q for q in FORMATS if q not in SUPER_BLOCK]
+EVERY_CASE = [q for q in FORMATS if q not in SUPER_BLOCK or not interpreter_enabled()]
 
 
 def weight(qtype: str, seed: int, blocks: int | None = None):
@@ -57,7 +57,7 @@ def run(x: torch.Tensor, w) -> torch.Tensor:  # type: ignore[no-untyped-def]
     return gguf_gemm.quant_linear(x.to(DEVICE), w).cpu()
 
 
-@pytest.mark.parametrize("qtype", sweep(FORMATS, keep=[*SMALL_BLOCK, "Q6_K"]))
+@pytest.mark.parametrize("qtype", sweep(FORMATS, keep=[*EVERY_CASE, "Q6_K"]))
 def test_the_gemm_decodes_every_weight_as_the_reference(qtype):
     """x = I: y = W.T, each output one decoded weight times 1 plus zeros, so exact."""
     w = weight(qtype, seed=1)
@@ -66,7 +66,7 @@ def test_the_gemm_decodes_every_weight_as_the_reference(qtype):
     assert torch.equal(got.T, w.dequantize().cpu())
 
 
-@pytest.mark.parametrize("qtype", sweep(FORMATS, keep=[*SMALL_BLOCK, "Q4_K", "Q5_K"]))
+@pytest.mark.parametrize("qtype", sweep(FORMATS, keep=[*EVERY_CASE, "Q4_K", "Q5_K"]))
 def test_the_gemv_decodes_every_weight_as_the_reference(qtype):
     w = weight(qtype, seed=2)
     columns = torch.tensor([0, 31, 37, w.in_features - 1])  # block edges, a middle, the last
@@ -82,7 +82,7 @@ FP32_CASES = [(q, t) for q in FORMATS for t in (1, 3, 7, 37)]  # GEMV, GEMV, GEM
     ("qtype", "tokens"),
     sweep(
         FP32_CASES,
-        keep=[(q, t) for q, t in FP32_CASES if q in SMALL_BLOCK or t in (1, 7)],
+        keep=[(q, t) for q, t in FP32_CASES if q in EVERY_CASE or t in (1, 7)],
         ids=[f"{q}-{t}" for q, t in FP32_CASES],
     ),
 )
@@ -104,7 +104,7 @@ BF16_CASES = [(q, t) for q in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K") for t in 
     ("qtype", "tokens"),
     sweep(
         BF16_CASES,
-        keep=[(q, t) for q, t in BF16_CASES if q in SMALL_BLOCK or (q, t) in (("Q4_K", 37), ("Q6_K", 2))],
+        keep=[(q, t) for q, t in BF16_CASES if q in EVERY_CASE or (q, t) in (("Q4_K", 37), ("Q6_K", 2))],
         ids=[f"{q}-{t}" for q, t in BF16_CASES],
     ),
 )
