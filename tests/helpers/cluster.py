@@ -7,14 +7,9 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from scheduler_svc.client import SchedulerClient
-from tools.processes import ServiceProcess
-
-if TYPE_CHECKING:
-    from tools.processes import Cluster
-
+from tools.processes import Cluster, ServiceProcess
 
 # A scheduler drafting with every row that runs (the batch rule would stop at 2 by
 # default), n-grams short enough for the tiny random models' repetitive text.
@@ -65,15 +60,17 @@ def wait_idle(client: SchedulerClient, timeout_s: float = 10.0):
         time.sleep(0.05)
 
 
-def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
+def assert_pool_clean(client: SchedulerClient, cluster: Cluster | ServiceProcess) -> None:
     """Idle with every block back (the pool's counters), and the engine's own audit of
-    its pool, which runs once it is idle (health interval 1 s), found nothing."""
+    its pool, which runs once it is idle (health interval 1 s), found nothing.
+    `cluster`: a Cluster, or the scheduler process itself."""
     stats = wait_idle(client)
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
     assert stats.blocks_allocated_total == stats.blocks_freed_total
     time.sleep(1.5)
-    assert cluster.scheduler is not None
-    assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")
+    scheduler = cluster.scheduler if isinstance(cluster, Cluster) else cluster
+    assert scheduler is not None
+    assert "engine audit failed" not in scheduler.log_path.read_text(errors="replace")
 
 
 @contextlib.contextmanager
