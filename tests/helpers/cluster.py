@@ -3,15 +3,13 @@ output as the reference, and the scheduler's stats once it has gone idle."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from scheduler_svc.client import SchedulerClient
-
-if TYPE_CHECKING:
-    from tools.processes import Cluster
-
+from tools.processes import Cluster, ServiceProcess
 
 # A scheduler drafting with every row that runs (the batch rule would stop at 2 by
 # default), n-grams short enough for the tiny random models' repetitive text.
@@ -62,12 +60,31 @@ def wait_idle(client: SchedulerClient, timeout_s: float = 10.0):
         time.sleep(0.05)
 
 
-def assert_pool_clean(client: SchedulerClient, cluster: Cluster) -> None:
+def assert_pool_clean(client: SchedulerClient, cluster: Cluster | ServiceProcess) -> None:
     """Idle with every block back (the pool's counters), and the engine's own audit of
-    its pool, which runs once it is idle (health interval 1 s), found nothing."""
+    its pool, which runs once it is idle (health interval 1 s), found nothing.
+    `cluster`: a Cluster, or the scheduler process itself."""
     stats = wait_idle(client)
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
     assert stats.blocks_allocated_total == stats.blocks_freed_total
     time.sleep(1.5)
-    assert cluster.scheduler is not None
-    assert "engine audit failed" not in cluster.scheduler.log_path.read_text(errors="replace")
+    scheduler = cluster.scheduler if isinstance(cluster, Cluster) else cluster
+    assert scheduler is not None
+    assert "engine audit failed" not in scheduler.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def scheduler_of(
+    model_dir: Path, workers: list[ServiceProcess], *args: str
+) -> Iterator[tuple[ServiceProcess, SchedulerClient]]:
+    """A scheduler of a test's own in front of workers its module started once (a
+    worker's start is most of a short test's time). A new scheduler knows none of the
+    workers' blocks, so nothing one test cached reaches the next. On the way out its
+    log must show no internal error."""
+    addresses = ",".join(w.address for w in workers)
+    with ServiceProcess("scheduler_svc", ["--model", str(model_dir), "--workers", addresses, *args]) as proc:
+        with SchedulerClient(proc.address) as client:
+            yield proc, client
+        log = proc.log_path.read_text(errors="replace")
+        for sign in ("Traceback", "engine core failed", "engine audit failed"):
+            assert sign not in log, log[-4000:]

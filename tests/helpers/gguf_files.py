@@ -21,9 +21,12 @@ def write_tiny_gguf(
     tied: bool = True,
     overrides: dict[str, str] | None = None,
     architecture: str = "llama",
+    token_scores: bool = False,
 ) -> Path:
     """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
-    (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have."""
+    (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have;
+    `token_scores`: the vocabulary's scores too, which transformers' GGUF tokenizer
+    conversion needs (tools/prepare_default_model.py's sidecar)."""
     overrides = overrides or {}
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
@@ -41,6 +44,8 @@ def write_tiny_gguf(
     writer.add_token_list([f"<t{i}>" for i in range(VOCAB)])
     writer.add_token_types([1] * VOCAB)
     writer.add_token_merges([])
+    if token_scores:
+        writer.add_token_scores([0.0] * VOCAB)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 

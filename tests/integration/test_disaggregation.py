@@ -136,8 +136,10 @@ def test_without_prefix_caching_the_decode_worker_computes_only_each_prompts_tai
 
 
 def test_preemption_on_the_decode_worker_stays_exact(pair, model):
-    # 6 x (30 + 400 tokens) want ~162 blocks of the decode worker's 128: they preempt each other there.
-    cases = [(ids, 400) for ids in prompts(3, 6, 25, 35)]
+    # 12 x (30 + 180 tokens) want ~168 blocks of the decode worker's 128: they preempt each other
+    # there. Twelve shorter requests rather than six of 400 tokens: under half the decode
+    # steps for the same overflow.
+    cases = [(ids, 180) for ids in prompts(3, 12, 25, 35)]
     with scheduler(pair, *CHUNKED) as (proc, client):
         results = generate_all(client, cases, ignore_eos=True)
         records = finished_records(proc)

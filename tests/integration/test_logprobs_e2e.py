@@ -1,9 +1,10 @@
 """Logprobs, prompt logprobs and the sampling controls through REAL worker +
 scheduler processes (float32 tiny Llama), against transformers in float32.
 
-Two clusters: the default (whole-prompt chunks, overlapped scheduling) and one
-that prefills in chunks of 8 tokens with strict alternation. Both must give
-transformers' numbers; the chunked one the same prompt logprobs as one-shot.
+Two schedulers, one after the other in front of one worker: the default
+(whole-prompt chunks, overlapped scheduling) and one that prefills in chunks of 8
+tokens with strict alternation. Both must give transformers' numbers; the chunked
+one the same prompt logprobs as one-shot.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from scheduler_svc.client import SchedulerClient
-from tests.helpers.cluster import hf_greedy, wait_idle
+from tests.helpers.cluster import hf_greedy, scheduler_of, wait_idle
 from tests.helpers.logprob_reference import LOGPROB_ATOL, position_logprobs, reference_greedy
-from tests.helpers.procs import Cluster
+from tests.helpers.procs import ServiceProcess
 
 WAIT_S = 60.0
 EOS = 2
@@ -32,16 +32,26 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+@pytest.fixture(scope="module")
+def worker(model_dir):
+    """The module's worker (a worker's start is most of this file's time); its
+    schedulers run one at a time, and none knows the blocks another left."""
+    with ServiceProcess("worker_svc", ["--model", str(model_dir), "--dtype", "float32", "--num-blocks", "64"]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def one_shot_prompt_logprobs(model_dir, worker):
+    """Prompt logprobs from a scheduler that prefills the prompt in one chunk."""
+    with scheduler_of(model_dir, [worker], "--max-model-len", "256") as (_, client):
+        return client.generate(prompt_token_ids=PROMPT, max_tokens=0, prompt_logprobs=5, timeout=WAIT_S)
+
+
+# one_shot_prompt_logprobs first: its scheduler has stopped before this one starts (two
+# schedulers at once would both allocate the worker's blocks).
 @pytest.fixture(scope="module", params=list(CLUSTERS))
-def client(request, model_dir):
-    with (
-        Cluster(
-            model_dir,
-            ["--dtype", "float32", "--num-blocks", "64"],
-            ["--max-model-len", "256", *CLUSTERS[request.param]],
-        ) as c,
-        SchedulerClient(c.address) as client,
-    ):
+def client(request, model_dir, worker, one_shot_prompt_logprobs):
+    with scheduler_of(model_dir, [worker], "--max-model-len", "256", *CLUSTERS[request.param]) as (_, client):
         yield client
         stats = wait_idle(client)
         assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0), stats
@@ -98,17 +108,6 @@ def test_prompt_logprobs_ignore_a_cached_prefix(client, model, tokenizer):
         for p in range(1, len(prompt)):
             assert_entry(out.prompt_logprobs[p], prompt[p], reference[p - 1], 1, tokenizer)
     assert client.generate(prompt_token_ids=prompt, max_tokens=1, timeout=WAIT_S).cached_prompt_tokens == 32
-
-
-@pytest.fixture(scope="module")
-def one_shot_prompt_logprobs(model_dir):
-    """Prompt logprobs from a cluster that prefills the prompt in one chunk."""
-    with (
-        Cluster(model_dir, ["--dtype", "float32", "--num-blocks", "64"], ["--max-model-len", "256"]) as c,
-        SchedulerClient(c.address) as client,
-    ):
-        out = client.generate(prompt_token_ids=PROMPT, max_tokens=0, prompt_logprobs=5, timeout=WAIT_S)
-    return out
 
 
 def test_chunked_prefill_gives_the_one_shot_prompt_logprobs(client, one_shot_prompt_logprobs):

@@ -1,6 +1,7 @@
 """A 20,000-token prompt prefilled in chunks while 8 streams decode: the decodes
 never stall, progress arrives in order up to the total, the answer equals
-transformers; cancelling a long prefill frees its blocks."""
+transformers; cancelling a long prefill frees its blocks. Both tests share one
+worker, each with a scheduler of its own."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import Cluster
+from tests.helpers.cluster import hf_greedy, scheduler_of, wait_idle
+from tests.helpers.procs import ServiceProcess
 
+MODEL = tiny_checkpoint("llama_long")
 LONG = 20_000
 BUDGET = 2048
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with ServiceProcess("worker_svc", ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "1400"]) as proc:
+        yield proc
 
 
 def steps_from_log(text: str) -> list[list[str]]:
@@ -33,27 +41,11 @@ def steps_from_log(text: str) -> list[list[str]]:
     return steps
 
 
-def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
-    model_dir = tiny_checkpoint("llama_long")
+def test_long_prefill_interleaves_with_decodes_and_matches_transformers(worker):
     rng = random.Random(3)
     long_prompt = [rng.randrange(4, 700) for _ in range(LONG)]
-    with (
-        Cluster(
-            model_dir,
-            ["--dtype", "float32", "--num-blocks", "1400"],
-            [
-                "--max-num-batched-tokens",
-                str(BUDGET),
-                "--max-model-len",
-                "32768",
-                "--log-level",
-                "debug",
-                "--log-format",
-                "json",
-            ],
-        ) as cluster,
-        SchedulerClient(cluster.address) as client,
-    ):
+    flags = ["--max-num-batched-tokens", str(BUDGET), "--max-model-len", "32768", "--log-level", "debug"]
+    with scheduler_of(MODEL, [worker], *flags, "--log-format", "json") as (scheduler, client):
         decodes, results = [], {}
 
         def decode(i):
@@ -78,9 +70,9 @@ def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
         for t in decodes:
             t.join(120)
         stats = wait_idle(client)
-        log = cluster.scheduler.log_path.read_text()
+        log = scheduler.log_path.read_text()
 
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     assert long.token_ids == hf_greedy(ref, long_prompt, 3)
     processed = [p for p, _ in long.progress]
     assert processed == sorted(processed) and long.progress[-1] == (LONG, LONG) and len(long.progress) >= LONG // BUDGET
@@ -100,17 +92,11 @@ def test_long_prefill_interleaves_with_decodes_and_matches_transformers():
     assert stats.blocks_used == 0
 
 
-def test_cancelling_a_long_prefill_frees_its_blocks_and_service_goes_on():
+def test_cancelling_a_long_prefill_frees_its_blocks_and_service_goes_on(worker):
     rng = random.Random(5)
     prompt = [rng.randrange(4, 700) for _ in range(LONG)]
-    with (
-        Cluster(
-            tiny_checkpoint("llama_long"),
-            ["--dtype", "float32", "--num-blocks", "1400"],
-            ["--max-num-batched-tokens", "1024", "--max-model-len", "32768"],
-        ) as cluster,
-        SchedulerClient(cluster.address) as client,
-    ):
+    flags = ["--max-num-batched-tokens", "1024", "--max-model-len", "32768"]
+    with scheduler_of(MODEL, [worker], *flags) as (_, client):
         stream = client.stream(prompt_token_ids=prompt, max_tokens=2, timeout=120)
         first = next(stream)  # a progress message: the prefill is under way
         assert first.prefill_progress.total_tokens == LONG and first.prefill_progress.processed_tokens < LONG

@@ -1,5 +1,8 @@
 """Prefix caching, parallel samples and pinning through real processes, with
-greedy tokens checked against transformers."""
+greedy tokens checked against transformers. The tests whose pool size does not
+matter share one worker, each with a scheduler of its own (a new scheduler knows
+none of the worker's blocks: nothing cached carries over); the tight-pool and long
+tests start their own."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from transformers import AutoModelForCausalLM
 from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import hf_greedy, wait_idle
-from tests.helpers.procs import Cluster
+from tests.helpers.cluster import hf_greedy, scheduler_of, wait_idle
+from tests.helpers.procs import Cluster, ServiceProcess
 
+MODEL = tiny_checkpoint("llama")
 rng = random.Random(4)
 SYSTEMS = [[rng.randrange(4, 700) for _ in range(40)] for _ in range(2)]
 CASES = [(SYSTEMS[i % 2] + [rng.randrange(4, 700) for _ in range(3 + i)], 6 + i) for i in range(6)]
@@ -26,6 +30,14 @@ CASES = [(SYSTEMS[i % 2] + [rng.randrange(4, 700) for _ in range(3 + i)], 6 + i)
 def reference():
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32).eval()
     return lambda ids, n: hf_greedy(model, ids, n)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """tiny llama, 64 blocks: room for every request of the tests that share it."""
+    args = ["--model", str(MODEL), "--dtype", "float32", "--num-blocks", "64"]
+    with ServiceProcess("worker_svc", args) as proc:
+        yield proc
 
 
 def run_all(client, cases, concurrent=True):
@@ -40,12 +52,9 @@ def run_all(client, cases, concurrent=True):
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
-def test_greedy_tokens_with_and_without_prefix_caching_equal_transformers(caching, reference):
+def test_greedy_tokens_with_and_without_prefix_caching_equal_transformers(caching, reference, worker):
     flags = [] if caching else ["--no-prefix-caching"]
-    with (
-        Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "64"], flags) as cluster,
-        SchedulerClient(cluster.address) as client,
-    ):
+    with scheduler_of(MODEL, [worker], *flags) as (_, client):
         first = run_all(client, CASES[:2], concurrent=False)  # computes both system prompts
         rest = run_all(client, CASES[2:])
         stats = wait_idle(client)
@@ -57,12 +66,9 @@ def test_greedy_tokens_with_and_without_prefix_caching_equal_transformers(cachin
     assert stats.blocks_used == 0
 
 
-def test_parallel_greedy_samples_fork_from_a_shared_partial_block(reference):
+def test_parallel_greedy_samples_fork_from_a_shared_partial_block(reference, worker):
     prompt = SYSTEMS[0][:21]  # the fork parent computes 20 tokens: one full block and 4 in a shared one
-    with (
-        Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"]) as cluster,
-        SchedulerClient(cluster.address) as client,
-    ):
+    with scheduler_of(MODEL, [worker]) as (_, client):
         replies = list(client.stream(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, n=4, timeout=60))
         stats = wait_idle(client)
     want = reference(prompt, 8)
@@ -76,11 +82,8 @@ def test_parallel_greedy_samples_fork_from_a_shared_partial_block(reference):
     assert stats.tokens_computed == 20 + 4 * 8
 
 
-def test_seeded_parallel_samples_are_distinct_and_reproducible():
-    with (
-        Cluster(tiny_checkpoint("llama"), ["--dtype", "float32", "--num-blocks", "32"]) as cluster,
-        SchedulerClient(cluster.address) as client,
-    ):
+def test_seeded_parallel_samples_are_distinct_and_reproducible(worker):
+    with scheduler_of(MODEL, [worker]) as (_, client):
 
         def samples():
             replies = client.stream(

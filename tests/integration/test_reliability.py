@@ -5,7 +5,6 @@ that survive a fault must still equal transformers' tokens, none repeated."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 import signal
@@ -18,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import worker_pb2, worker_pb2_grpc
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, load_model, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, hf_greedy, load_model, scheduler_of, wait_idle
 from tests.helpers.procs import ServiceProcess
 from tests.helpers.recorder import Recorder, join, wait_for
 from tests.helpers.worker_client import sampled_rows, seq_step, step_request
@@ -44,19 +43,6 @@ def worker(shared_worker):
     if shared_worker.proc.poll() is not None:
         shared_worker.restart()
     return shared_worker
-
-
-@contextlib.contextmanager
-def scheduler(workers: list[ServiceProcess], *args: str):
-    """A scheduler process; on the way out, its log must show no internal error."""
-    with ServiceProcess(
-        "scheduler_svc", ["--model", str(MODEL), "--workers", ",".join(w.address for w in workers), *args]
-    ) as proc:
-        with SchedulerClient(proc.address) as client:
-            yield proc, client
-        log = full_log(proc)
-        for sign in ("Traceback", "engine core failed", "engine audit failed"):
-            assert sign not in log, log[-4000:]
 
 
 def start_streams(client: SchedulerClient, count: int, max_tokens: int, seed: int) -> list[Recorder]:
@@ -106,7 +92,7 @@ def queue_is(client: SchedulerClient, running: int, waiting: int) -> bool:
 
 # ---- worker failure -----------------------------------------------------------
 def test_worker_killed_mid_stream_and_restarted_streams_continue_exact(worker, reference):
-    with scheduler([worker], "--worker-timeout-s", "60", "--health-interval-s", "0.2") as (proc, client):
+    with scheduler_of(MODEL, [worker], "--worker-timeout-s", "60", "--health-interval-s", "0.2") as (proc, client):
         recorders = start_streams(client, count=4, max_tokens=160, seed=1)
         wait_for_tokens(recorders, 3)
         worker.kill()
@@ -123,7 +109,7 @@ def test_worker_killed_mid_stream_and_restarted_streams_continue_exact(worker, r
 
 def test_idle_scheduler_notices_a_restarted_worker(worker, reference):
     prompt = list(range(100, 164))  # 4 full blocks: cached after the first request
-    with scheduler([worker], "--health-interval-s", "0.2") as (proc, client):
+    with scheduler_of(MODEL, [worker], "--health-interval-s", "0.2") as (proc, client):
         first = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0)
         assert client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0).cached_prompt_tokens == 48
         worker.kill()
@@ -138,7 +124,7 @@ def test_idle_scheduler_notices_a_restarted_worker(worker, reference):
 
 def test_two_workers_failover_moves_streams_to_the_survivor(worker, reference):
     with ServiceProcess("worker_svc", WORKER_ARGS) as second:
-        with scheduler([worker, second], "--worker-timeout-s", "60") as (proc, client):
+        with scheduler_of(MODEL, [worker, second], "--worker-timeout-s", "60") as (proc, client):
             recorders = start_streams(client, count=4, max_tokens=160, seed=2)
             wait_for_tokens(recorders, 3)
             second.kill()  # not restarted: its streams must move to `worker`
@@ -158,7 +144,7 @@ def test_failover_under_speculative_decoding_keeps_every_stream_exact(worker, re
     with ServiceProcess("worker_svc", WORKER_ARGS) as second:
         # Round robin: the prompts share a prefix, which prefix routing would send to one worker.
         flags = ["--worker-timeout-s", "60", "--routing", "round-robin", *SPEC_FLAGS]
-        with scheduler([worker, second], *flags) as (proc, client):
+        with scheduler_of(MODEL, [worker, second], *flags) as (proc, client):
             # A run of token 171: the tiny Llama then alternates 468, 171, so the lookup drafts
             # and the model accepts (tests/integration/test_spec_serving.py).
             recorders = [Recorder(client, [171] * 21 + [5 + i], 300) for i in range(4)]
@@ -176,7 +162,7 @@ def test_failover_under_speculative_decoding_keeps_every_stream_exact(worker, re
 
 
 def test_worker_not_back_within_timeout_ends_streams_unavailable_then_recovers(worker, reference):
-    with scheduler([worker], "--worker-timeout-s", "1.5", "--health-interval-s", "0.2") as (proc, client):
+    with scheduler_of(MODEL, [worker], "--worker-timeout-s", "1.5", "--health-interval-s", "0.2") as (proc, client):
         recorders = start_streams(client, count=2, max_tokens=240, seed=3)
         wait_for_tokens(recorders, 3)
         killed_at = time.monotonic()
@@ -210,7 +196,7 @@ def test_worker_not_back_within_timeout_ends_streams_unavailable_then_recovers(w
 
 # ---- graceful shutdown --------------------------------------------------------
 def test_scheduler_sigterm_drains_running_and_queued_requests_then_exits_0(worker, reference):
-    with scheduler([worker], "--max-num-seqs", "2", "--drain-timeout-s", "60") as (proc, client):
+    with scheduler_of(MODEL, [worker], "--max-num-seqs", "2", "--drain-timeout-s", "60") as (proc, client):
         recorders = start_streams(client, count=4, max_tokens=120, seed=4)  # two run, two queue
         wait_for(lambda: queue_is(client, running=2, waiting=2), 30, "two streams running and two queued")
         proc.proc.send_signal(signal.SIGTERM)
@@ -229,7 +215,7 @@ def test_scheduler_sigterm_drains_running_and_queued_requests_then_exits_0(worke
 
 
 def test_scheduler_sigterm_past_drain_timeout_ends_streams_unavailable(worker):
-    with scheduler([worker], "--max-num-seqs", "1", "--drain-timeout-s", "0.5") as (proc, client):
+    with scheduler_of(MODEL, [worker], "--max-num-seqs", "1", "--drain-timeout-s", "0.5") as (proc, client):
         recorders = start_streams(client, count=2, max_tokens=450, seed=5)
         wait_for(lambda: queue_is(client, running=1, waiting=1), 30, "one stream running and one queued")
         signalled = time.monotonic()

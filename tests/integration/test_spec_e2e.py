@@ -21,9 +21,9 @@ from transformers import AutoTokenizer
 
 from scheduler_svc.client import SchedulerClient
 from tests.helpers.checkpoints import tiny_checkpoint
-from tests.helpers.cluster import SPEC_FLAGS, assert_pool_clean, hf_greedy, load_model, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, assert_pool_clean, hf_greedy, load_model, scheduler_of, wait_idle
 from tests.helpers.logprob_reference import reference_greedy
-from tests.helpers.procs import Cluster, free_port
+from tests.helpers.procs import Cluster, ServiceProcess, free_port
 from tests.helpers.sweeps import sweep
 
 MODES = {"async": [], "sync": ["--no-async-scheduling"]}
@@ -42,8 +42,17 @@ def spec_totals(metrics_url: str) -> dict[str, float]:
     return totals
 
 
+@pytest.fixture(scope="module")
+def llama_worker():
+    """The tiny llama's worker, 24 blocks, for the tests of this module that use it, each
+    with a scheduler of its own (one at a time; none knows the blocks another left)."""
+    args = ["--model", str(tiny_checkpoint("llama")), "--dtype", "float32", "--num-blocks", "24"]
+    with ServiceProcess("worker_svc", args) as proc:
+        yield proc
+
+
 @pytest.mark.parametrize("mode", sweep(MODES, keep=["async"]))  # sync: make test-slow
-def test_tiny_model_tokens_are_exact_with_speculation(mode):
+def test_tiny_model_tokens_are_exact_with_speculation(mode, llama_worker):
     """A random model rarely agrees with a lookup, so most drafts are rejected: the
     rejection paths (trim, no indexing of rejected positions) under load."""
     model_dir = tiny_checkpoint("llama")
@@ -54,10 +63,8 @@ def test_tiny_model_tokens_are_exact_with_speculation(mode):
         motif = [rng.randrange(4, 700) for _ in range(rng.randrange(3, 9))]
         cases.append((motif * rng.randrange(2, 6) + motif[: rng.randrange(0, 3)], rng.randrange(4, 30)))
     port = free_port()
-    cluster = Cluster(
-        model_dir, ["--dtype", "float32", "--num-blocks", "24"], [*SCHEDULER, *MODES[mode], "--metrics-port", str(port)]
-    )
-    with cluster, SchedulerClient(cluster.address) as client:
+    flags = [*SCHEDULER, *MODES[mode], "--metrics-port", str(port)]
+    with scheduler_of(model_dir, [llama_worker], *flags) as (scheduler, client):
 
         def run(case, opt_out):
             ids, n = case
@@ -75,7 +82,7 @@ def test_tiny_model_tokens_are_exact_with_speculation(mode):
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)  # accepted drafts' too
         totals = spec_totals(f"http://127.0.0.1:{port}/metrics")
         assert totals["pagedserve_spec_decode_drafts_total"] > 0
-        assert_pool_clean(client, cluster)
+        assert_pool_clean(client, scheduler)
 
 
 def test_a_copying_prompt_accepts_drafts_in_fewer_steps(default_model):
@@ -132,7 +139,7 @@ REFERENCE_NAMES = {"presence_penalty": "presence", "frequency_penalty": "frequen
 SEEDED = dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.001, presence_penalty=0.3, logit_bias={100: 7.0})
 
 
-def test_processed_and_seeded_sampled_requests_draft_exactly():
+def test_processed_and_seeded_sampled_requests_draft_exactly(llama_worker):
     """Greedy requests with penalties, logit bias and min_tokens: transformers' tokens
     under the same processing, with speculation and opted out. Seeded sampled
     requests (filters, penalties, bias): the same tokens on every run with
@@ -142,10 +149,7 @@ def test_processed_and_seeded_sampled_requests_draft_exactly():
     ref = load_model(model_dir)
     prompt = [(37 * i + 11) % 700 + 4 for i in range(30)]
     port = free_port()
-    cluster = Cluster(
-        model_dir, ["--dtype", "float32", "--num-blocks", "48"], [*SPEC_FLAGS, "--metrics-port", str(port)]
-    )
-    with cluster, SchedulerClient(cluster.address) as client:
+    with scheduler_of(model_dir, [llama_worker], *SPEC_FLAGS, "--metrics-port", str(port)) as (scheduler, client):
 
         def run(params: dict, opt_out: bool):
             return client.generate(
@@ -171,4 +175,4 @@ def test_processed_and_seeded_sampled_requests_draft_exactly():
         assert len({tuple(o) for o in outputs}) == 3  # sampled: each seed its own tokens
         totals = spec_totals(f"http://127.0.0.1:{port}/metrics")
         assert totals["pagedserve_spec_decode_accepted_tokens_total"] > greedy_accepted  # sampled drafts accepted too
-        assert_pool_clean(client, cluster)
+        assert_pool_clean(client, scheduler)

@@ -19,10 +19,10 @@ import pytest
 from proto import serving_pb2
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.structured import Constraint
-from tests.helpers.cluster import SPEC_FLAGS, wait_idle
+from tests.helpers.cluster import SPEC_FLAGS, scheduler_of, wait_idle
 from tests.helpers.grammar_reference import reference
 from tests.helpers.sweeps import sweep
-from tools.processes import Cluster
+from tools.processes import Cluster, ServiceProcess
 
 WAIT_S = 120.0
 MODES = {"late masks": [], "held back": ["--no-constrained-ahead"], "sync": ["--no-async-scheduling"]}
@@ -83,11 +83,17 @@ def _generate_all(client: SchedulerClient, cases: list[tuple[list[int], int]]) -
 
 # The two mask paths in `make test`; the synchronous scheduler's is `make test-slow`'s (it
 # sends every mask with its step, as "held back" does).
+@pytest.fixture(scope="module")
+def crowded_worker(model_dir):
+    """28 blocks, shared by the modes' cases below (each with a scheduler of its own)."""
+    with ServiceProcess("worker_svc", ["--model", str(model_dir), "--dtype", "float32", "--num-blocks", "28"]) as proc:
+        yield proc
+
+
 @pytest.mark.parametrize("mode", sweep(MODES, keep=["late masks", "held back"]))
-def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model_dir, model, compiler):
+def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model_dir, model, compiler, crowded_worker):
     cases = _cases()
-    worker = ["--dtype", "float32", "--num-blocks", "28"]
-    with Cluster(model_dir, worker, SCHEDULER + MODES[mode]) as cluster, SchedulerClient(cluster.address) as client:
+    with scheduler_of(model_dir, [crowded_worker], *SCHEDULER, *MODES[mode]) as (scheduler, client):
         results = _generate_all(client, cases)
         samples: dict[int, list[int]] = {i: [] for i in range(CROWDING_SAMPLES)}
         for reply in client.stream(
@@ -100,7 +106,7 @@ def test_greedy_constrained_output_equals_transformers_with_the_mask(mode, model
         ):
             samples[reply.index].extend(reply.token_ids)
         stats = wait_idle(client)
-        log = cluster.scheduler.log()
+        log = scheduler.log()
     for (prompt, kind), got in zip(cases, results):
         _, constraint, max_tokens = CONSTRAINTS[kind]
         want = reference(model, compiler, prompt, constraint, max_tokens)

@@ -10,6 +10,7 @@ from scheduler_svc.text.tokenizer import load_tokenizer
 from svc_common.defaults import model_dir_check
 from svc_common.gguf_sidecar import sidecar_dir
 from tests.helpers.checkpoints import DEFAULT_MODEL
+from tests.helpers.gguf_files import write_tiny_gguf
 from tools.prepare_default_model import shipped_gguf, write_sidecar
 
 GGUF = shipped_gguf()
@@ -36,13 +37,16 @@ def test_the_scheduler_tokenizes_a_gguf_as_its_converted_checkpoint(tmp_path, mo
     assert not model_dir_check(str(tmp_path / "missing.gguf"), "--model")[0]
 
 
-def test_a_sidecar_written_first_by_another_process_is_kept(tmp_path, monkeypatch):
+def test_a_sidecar_written_first_by_another_process_is_kept(tmp_path, tmp_path_factory, monkeypatch):
     """Two processes extracting one GGUF at once: the second's rename finds the folder
-    already whole and keeps it (os.replace onto a non-empty folder fails)."""
+    already whole and keeps it (os.replace onto a non-empty folder fails). Over a tiny
+    GGUF: converting the shipped one's 49k-token vocabulary again took 65 s at load 10,
+    and the test above extracts that one already."""
     import os
 
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q8_0", token_scores=True)
     monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path))
-    out = sidecar_dir(GGUF)
+    out = sidecar_dir(gguf)
     replace = os.replace
 
     def the_other_process_wins(src, dst):
@@ -51,6 +55,6 @@ def test_a_sidecar_written_first_by_another_process_is_kept(tmp_path, monkeypatc
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", the_other_process_wins)
-    assert write_sidecar(GGUF) == out
+    assert write_sidecar(gguf) == out
     assert (out / "tokenizer.json").read_text() == "{}"  # theirs, whole
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # ours removed

@@ -26,6 +26,7 @@ from kernels.triton.common import interpreter_enabled
 from tests.helpers.gguf_blocks import random_blocks
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.gguf_tokens import BLOCK_SIZE, PROMPT, reference_tokens, worker_tokens
+from tests.helpers.sweeps import sweep
 from tools.processes import REPO
 from worker_svc.config import WorkerConfig
 from worker_svc.models import linear
@@ -35,6 +36,14 @@ from worker_svc.worker import Worker
 DEVICE = torch.device("cpu" if interpreter_enabled() else "cuda")
 FORMATS = sorted(BLOCK_FORMATS)
 OUT = 70  # a multiple of no output tile (8 for the GEMV, 64 for the GEMM)
+# Under the interpreter a super-block format (256 weights, K-quant scales) costs 3-8x a
+# 32-weight one per case. There make test keeps every 32-weight format in every case and
+# each super-block format where it meets a kernel's path once: its decode bit for bit
+# through one of the two kernels (each kernel decodes one super-block format at least),
+# its fp32 product through both (1 and 7 tokens); the rest repeat those paths (make
+# test-slow). Compiled on a GPU (make gpu-check) every case runs.
+SUPER_BLOCK = [q for q in FORMATS if BLOCK_FORMATS[q][0] == 256]
+EVERY_CASE = [q for q in FORMATS if q not in SUPER_BLOCK or not interpreter_enabled()]
 
 
 def weight(qtype: str, seed: int, blocks: int | None = None):
@@ -48,7 +57,7 @@ def run(x: torch.Tensor, w) -> torch.Tensor:  # type: ignore[no-untyped-def]
     return gguf_gemm.quant_linear(x.to(DEVICE), w).cpu()
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", sweep(FORMATS, keep=[*EVERY_CASE, "Q6_K"]))
 def test_the_gemm_decodes_every_weight_as_the_reference(qtype):
     """x = I: y = W.T, each output one decoded weight times 1 plus zeros, so exact."""
     w = weight(qtype, seed=1)
@@ -57,7 +66,7 @@ def test_the_gemm_decodes_every_weight_as_the_reference(qtype):
     assert torch.equal(got.T, w.dequantize().cpu())
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", sweep(FORMATS, keep=[*EVERY_CASE, "Q4_K", "Q5_K"]))
 def test_the_gemv_decodes_every_weight_as_the_reference(qtype):
     w = weight(qtype, seed=2)
     columns = torch.tensor([0, 31, 37, w.in_features - 1])  # block edges, a middle, the last
@@ -66,8 +75,17 @@ def test_the_gemv_decodes_every_weight_as_the_reference(qtype):
     assert torch.equal(got.T, w.dequantize().cpu()[:, columns])
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 7, 37])  # GEMV, GEMV, GEMM of 16 rows, of 32
-@pytest.mark.parametrize("qtype", FORMATS)
+FP32_CASES = [(q, t) for q in FORMATS for t in (1, 3, 7, 37)]  # GEMV, GEMV, GEMM of 16 rows, of 32
+
+
+@pytest.mark.parametrize(
+    ("qtype", "tokens"),
+    sweep(
+        FP32_CASES,
+        keep=[(q, t) for q, t in FP32_CASES if q in EVERY_CASE or t in (1, 7)],
+        ids=[f"{q}-{t}" for q, t in FP32_CASES],
+    ),
+)
 def test_matches_the_reference_fp32(qtype, tokens):
     w = weight(qtype, seed=3)
     x = torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(tokens))
@@ -78,8 +96,18 @@ def test_matches_the_reference_fp32(qtype, tokens):
     torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [2, 37])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+BF16_CASES = [(q, t) for q in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K") for t in (2, 37)]
+
+
+# bf16 rounds the decoded weights and x alike: each super-block format once, on either kernel.
+@pytest.mark.parametrize(
+    ("qtype", "tokens"),
+    sweep(
+        BF16_CASES,
+        keep=[(q, t) for q, t in BF16_CASES if q in EVERY_CASE or (q, t) in (("Q4_K", 37), ("Q6_K", 2))],
+        ids=[f"{q}-{t}" for q, t in BF16_CASES],
+    ),
+)
 def test_matches_the_reference_bf16(qtype, tokens):
     w = weight(qtype, seed=4)
     x = torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
