@@ -24,7 +24,7 @@ from kernels.gguf_quant import BLOCK_FORMATS
 from tests.helpers.gguf_blocks import random_blocks
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.worker_steps import Seq, sampled, step_input
-from tests.unit.test_wquant_cpu import WEIGHTS
+from tests.helpers.wquant_weights import WEIGHTS
 from worker_svc.config import WorkerConfig
 from worker_svc.worker import Worker
 
@@ -155,7 +155,7 @@ def test_an_idle_helper_is_parked_not_spinning(pool):
 
 
 CHILD = """
-import os, sys, torch
+import os, sys, time, torch
 from kernels import cpu_ops, quant_cpu_ops
 from tests.helpers.gguf_blocks import random_blocks
 
@@ -169,7 +169,10 @@ alone = quant_cpu_ops.quant_linear(x, weight)
 cpu_ops.use_work_pool(True)
 
 def pooled_equal() -> bool:
-    for _ in range(50):
+    # by time, not calls: on a loaded machine a parked helper wakes late, and after a long
+    # wait for it the pool goes alone for up to a second
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
         before = cpu_ops.work_pool_info().helper_chunks
         if not torch.equal(quant_cpu_ops.quant_linear(x, weight), alone):
             return False
