@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from svc_common.gguf_sidecar import is_gguf_path
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.families import family_of
 from worker_svc.models.moe import MoeSpec
@@ -155,7 +156,7 @@ def auto_dtype(resolved: str, device_type: str, model_dir: str | Path) -> str:
     a bfloat16 or float32 one is served in bfloat16; the CPU keeps its choice (fp16
     is not native there). A GGUF file has no config.json: its blocks are no float
     dtype to keep, so the device's choice stands."""
-    if Path(model_dir).suffix == ".gguf":
+    if is_gguf_path(model_dir):
         return resolved
     config = json.loads((Path(model_dir) / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
