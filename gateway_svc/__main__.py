@@ -9,6 +9,7 @@ from gateway_svc.config import GatewayConfig
 from svc_common import event_loop
 from svc_common.cli import parse_config
 from svc_common.log_setup import configure_logging
+from svc_common.malloc_tuning import return_large_blocks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         event_loop.chosen()
     except ValueError as exc:
         sys.exit(f"gateway: {exc}")
+    return_large_blocks()
     from gateway_svc.server import GatewayServer, PortInUse  # FastAPI/uvicorn load after the CLI is validated
 
     # uvicorn handles SIGINT/SIGTERM while serving (graceful shutdown: server.py drains)

@@ -16,16 +16,8 @@ steps, which a serving process reaches anyway.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+from svc_common.malloc_tuning import M_MMAP_THRESHOLD, M_TOP_PAD, M_TRIM_THRESHOLD, apply
 
-import structlog
-
-log = structlog.get_logger("worker_svc.allocator")
-
-_M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
-_M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 TOP_PAD_BYTES = 64 << 20
@@ -33,23 +25,9 @@ TOP_PAD_BYTES = 64 << 20
 
 def keep_freed_memory() -> bool:
     """Apply the settings; False (and a log line) where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
-        log.info("malloc tuning skipped: no glibc mallopt", libc=name)
-        return False
-    settings = (
-        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-        (_M_TOP_PAD, TOP_PAD_BYTES),
-    )
-    applied = all(mallopt(option, value) == 1 for option, value in settings)
-    log.debug(
-        "malloc tuned",
-        mmap_threshold=MMAP_THRESHOLD_BYTES,
-        trim_threshold=TRIM_THRESHOLD_BYTES,
-        top_pad=TOP_PAD_BYTES,
-        applied=applied,
-    )
-    return applied
+    settings = {
+        M_MMAP_THRESHOLD: MMAP_THRESHOLD_BYTES,
+        M_TRIM_THRESHOLD: TRIM_THRESHOLD_BYTES,
+        M_TOP_PAD: TOP_PAD_BYTES,
+    }
+    return apply(settings, "worker: freed memory kept")

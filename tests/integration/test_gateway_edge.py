@@ -149,7 +149,9 @@ def stall_wave(cell: Cluster, connections: int, sent: int) -> list[bytes]:
 def test_a_stalled_body_is_cut_with_408_and_its_memory_freed(cell):
     """On dd5cf58 nothing cut a stalled body: 300 of them were all open after 95 s, 40 took
     the gateway from 110 to 525 MB. Here each wave of 20 (2 MB each) is answered 408 within
-    the two 2 s windows, and three waves leave the gateway's RSS where one left it."""
+    the two 2 s windows, and three waves leave the gateway's RSS where one left it: its large
+    bodies are mmapped and returned on free (svc_common/malloc_tuning.py), where glibc's
+    adaptive threshold had left 3 to 44 MB of them in the heap."""
     started = time.monotonic()
     first = stall_wave(cell, 20, 2 * MB)
     assert time.monotonic() - started < 2 * TIMEOUT_S + 10.0
@@ -160,7 +162,7 @@ def test_a_stalled_body_is_cut_with_408_and_its_memory_freed(cell):
     for _ in range(2):
         assert all(a.startswith(b"HTTP/1.1 408") for a in stall_wave(cell, 20, 2 * MB))
     grown = rss_bytes(cell.gateway) - after_one
-    assert grown < 30 * MB, f"RSS grew {grown / MB:.0f} MB over two more waves of 40 MB each"
+    assert grown < 15 * MB, f"RSS grew {grown / MB:.0f} MB over two more waves of 40 MB each"
     assert httpx.get(f"{cell.gateway_url}/health", timeout=WAIT_S).status_code == 200
 
 
