@@ -16,6 +16,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from svc_common.gguf_sidecar import is_gguf_path
+from worker_svc.models.config_cache import cached_config
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.families import family_of
 from worker_svc.models.moe import MoeSpec
@@ -95,7 +96,7 @@ def read_config(model_dir: str | Path) -> PretrainedConfig:
         if path.suffix == ".gguf":
             cfg: PretrainedConfig = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             return cfg
-        cfg = AutoConfig.from_pretrained(model_dir)
+        cfg = cached_config(path / "config.json", lambda: AutoConfig.from_pretrained(model_dir))
     except (ValueError, KeyError) as exc:  # a model_type transformers itself does not know
         raise UnsupportedModel(f"{path.name}: {exc}") from exc
     quant_scheme(cfg)  # refuses, naming the field, what is not served
