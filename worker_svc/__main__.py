@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     server.shutdown(config.drain_timeout_s)
     worker.close()
     log.info("worker stopped")
+    # Drained and closed: nothing is left to run. The interpreter's teardown (joining
+    # gRPC's and the kernels' threads, finalizing torch's modules) took 0.8-0.9 s more
+    # of every stop and restart, and a supervisor waits for the exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
