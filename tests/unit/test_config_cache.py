@@ -3,6 +3,7 @@ resolved config from the cache, and gets the same ModelSpec for every family."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def test_the_key_is_the_bytes_and_the_transformers_version(cache, monkeypatch):
     first = config_cache.entry_path(text)
     assert config_cache.entry_path(text) == first
     assert config_cache.entry_path(text + b" ") != first
-    monkeypatch.setattr(transformers, "__version__", "0.0.0")
+    assert config_cache.transformers_version() == importlib.metadata.version("transformers")
+    monkeypatch.setattr(config_cache, "transformers_version", lambda: "0.0.0")
     assert config_cache.entry_path(text) != first
 
 

@@ -38,9 +38,13 @@ def cache_root() -> Path:
     return Path(os.environ.get(ENV, Path.home() / ".cache" / "pagedserve" / "configs"))
 
 
+def transformers_version() -> str:
+    return transformers.__version__
+
+
 def entry_path(config_json: bytes) -> Path:
     digest = hashlib.sha256(config_json)
-    digest.update(f"\0transformers {transformers.__version__}\0format {FORMAT}".encode())
+    digest.update(f"\0transformers {transformers_version()}\0format {FORMAT}".encode())
     return cache_root() / f"{digest.hexdigest()}.json"
 
 
