@@ -52,6 +52,7 @@ the mask from: before the step is sent when the row's input is known
 from __future__ import annotations
 
 import math
+import secrets
 from collections import deque
 
 from scheduler_svc.kv.block_manager import LeakError
@@ -79,6 +80,8 @@ from scheduler_svc.planning.received import ReceivedKV
 from scheduler_svc.planning.results import StepResults, check_samples
 from scheduler_svc.planning.speculation import Drafter
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+
+STEP_ID_BITS = 48  # two schedulers' first ids collide once in 2**48; uint64 on the wire
 
 # The planner's API, with the typed objects of a step (plan.py) and its settings (config.py).
 __all__ = [
@@ -128,7 +131,12 @@ class Planner:
         self._preemption = Preemption(self.kv, self._queues)
         self._drafts = DraftHooks(self.drafter, self.kv, self._in_flight, self.max_len)
         self._results = StepResults(self.kv, self._queues, self.drafter, self.max_len, self.finish)
-        self._next_step_id = 0
+        # A random start, not 0: a worker outlives its scheduler (a restart, a standby taking
+        # over, the tests' schedulers one after another in front of one worker), and it
+        # matches a planned-ahead step's previous_step_id against the last step it ran.
+        # Starting at 0, a new scheduler's step 1 could run right after the old
+        # scheduler's step 0, before its own ("sampled nothing in step 0", seen in CI).
+        self._next_step_id = secrets.randbits(STEP_ID_BITS)
         # Ids that hold blocks outside the queues: blocks a KV transfer writes into
         # (engine/disagg.py) until they are handed to `received`. Audited as live.
         self.held: set[str] = set()

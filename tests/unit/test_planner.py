@@ -21,6 +21,19 @@ def make(num_blocks=64, caching=True, **config):
     return Planner(PlannerConfig(**config), kv), FakeWorker(num_blocks, BS, VOCAB)
 
 
+def test_each_planner_numbers_its_steps_from_its_own_random_start():
+    """A worker outlives its scheduler: the next one's steps must not reuse the ids the
+    worker last ran (it matches a planned-ahead step's previous_step_id against them)."""
+    firsts = set()
+    for _ in range(3):
+        planner, _worker = make()
+        planner.add(req("a", [5, 6, 7], max_tokens=2))
+        first = planner.schedule()
+        firsts.add(first.step_id)
+        assert planner.schedule().step_id == first.step_id + 1  # planned ahead, the next id
+    assert len(firsts) == 3
+
+
 # ---- config and admission validation --------------------------------------------
 def test_config_defaults_and_validation():
     cfg = PlannerConfig()

@@ -116,6 +116,20 @@ def test_late_masks_wait_for_their_step_and_stale_ones_are_dropped():
         mailbox.take(9)
 
 
+def test_a_new_schedulers_lower_step_ids_keep_their_masks_over_anothers_leftovers():
+    """Step ids start anywhere (planner.py); what steps that failed before taking their
+    masks left is what goes, oldest first, never a newer step's masks."""
+    mailbox = LateMasks(wait_s=0.05)
+    masks = TokenMasks(np.array([1]), _masks(1, 0.5, seed=0))
+    for leftover in (1000, 1001, 1002, 1003):
+        mailbox.put(leftover, masks, "step_masks.masks")
+    mailbox.put(7, masks, "previous_step_masks")
+    assert mailbox.take(7) == (masks, "previous_step_masks")
+    with pytest.raises(StaleStep):  # the oldest leftover made room for step 7's
+        mailbox.take(1000)
+    assert mailbox.take(1003) == (masks, "step_masks.masks")
+
+
 def _masked_step(masks: TokenMasks | None, late_rows=(), sample=(True, True)):
     seqs = [Seq(i + 1, [5, 6], 0, [i], [16 * i, 16 * i + 1], sample=s) for i, s in enumerate(sample)]
     step = step_input(1, [], seqs)

@@ -28,7 +28,9 @@ class LateMasks:
     def put(self, step_id: int, masks: TokenMasks, field_name: str) -> None:
         with self._ready:
             self._masks[step_id] = (masks, field_name)
-            for old in sorted(self._masks)[:-_KEEP]:
+            # The oldest put go first, not the lowest ids: a new scheduler's step ids
+            # start anywhere (planner.py), below what a previous one left.
+            for old in list(self._masks)[:-_KEEP]:
                 del self._masks[old]
             self._ready.notify_all()
 
