@@ -93,7 +93,7 @@ def read_config(model_dir: str | Path) -> PretrainedConfig:
     refuses by name what is not served."""
     path = Path(model_dir)
     try:
-        if path.suffix == ".gguf":
+        if is_gguf_path(path):
             cfg: PretrainedConfig = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             return cfg
         cfg = cached_config(path / "config.json", lambda: AutoConfig.from_pretrained(model_dir))
@@ -191,7 +191,7 @@ def _rope_tables(
 def _eos_ids(model_dir: str | Path, cfg: PretrainedConfig) -> tuple[int, ...]:
     from transformers import GenerationConfig
 
-    if Path(model_dir).suffix == ".gguf":  # no generation config in a GGUF: the metadata's eos
+    if is_gguf_path(model_dir):  # no generation config in a GGUF: the metadata's eos
         return _as_ids(cfg.eos_token_id)
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
