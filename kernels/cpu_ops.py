@@ -15,7 +15,9 @@ kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
   (kernels/lora_reference.py's);
 * the work pool those weight-streaming kernels share at small steps
   (kernels/csrc/work_pool.h): ``work_pool_info``, ``use_work_pool``,
-  ``work_pool_chunk`` (tests and benchmarks switch it; the worker leaves it on).
+  ``work_pool_chunk`` (tests and benchmarks switch it; the worker leaves it on); and
+  their software prefetch of the weight rows ahead (kernels/csrc/weight_prefetch.h):
+  ``use_weight_prefetch`` (likewise).
 
 A drop-in for kernels.reference wherever the worker picks an op module (like
 kernels.triton on CUDA); write_kv and copy_blocks are the reference's. Where the
@@ -49,6 +51,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rope_write_kv",
+    "use_weight_prefetch",
     "use_work_pool",
     "work_pool_chunk",
     "work_pool_info",
@@ -314,6 +317,13 @@ def work_pool_info() -> WorkPoolInfo:
 def use_work_pool(on: bool) -> bool:
     """Turns the pool on or off for this process; whether it was on."""
     was: bool = torch.ops.pagedserve_cpu.work_pool_enable(on)
+    return was
+
+
+def use_weight_prefetch(on: bool) -> bool:
+    """Turns the weight-streaming kernels' software prefetch (csrc/weight_prefetch.h) on or
+    off for this process; whether it was on. Results are the same bits either way."""
+    was: bool = torch.ops.pagedserve_cpu.weight_prefetch_enable(on)
     return was
 
 

@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "gguf_formats.h"
+#include "weight_prefetch.h"
 
 namespace pagedserve_cpu {
 namespace fused {
@@ -195,6 +196,7 @@ inline void tile32(const uint8_t* w, int64_t row_bytes, int64_t K, const float* 
                    int64_t ldo) {
   Accumulators<MR, NR> acc;
   for (int64_t b = 0; b < K / 32; ++b) {
+    prefetch_ahead(w, NR * row_bytes, b, K / 32);
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w + n * row_bytes + b * block_bytes<F>();
       __m256 q[4];

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "weight_prefetch.h"
+
 namespace pagedserve_cpu {
 namespace qdot {
 
@@ -74,6 +76,7 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t K, const int8_t* q
     for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   const int64_t blocks = K / 32;
   for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_ahead(w, NR * row_bytes, b, blocks);
     __m256i wq[NR];
     __m256 dw[NR];
     for (int n = 0; n < NR; ++n) {

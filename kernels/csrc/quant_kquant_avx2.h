@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "gguf_formats.h"
+#include "weight_prefetch.h"
 #include "quant_fused_avx2.h"
 
 namespace pagedserve_cpu {
@@ -142,7 +143,8 @@ template <Format F, int MR, int NR>
 inline void tile_k(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xs, float* out,
                    int64_t ldo) {
   Accumulators<MR, NR> acc;
-  for (int64_t b = 0; b < K / 256; ++b)
+  for (int64_t b = 0; b < K / 256; ++b) {
+    prefetch_ahead(w, NR * row_bytes, b, K / 256);
     for (int n = 0; n < NR; ++n)
       for_each_run<F>(w + n * row_bytes + b * block_bytes<F>(),
                       [&](int e, const __m256* q, const float* s, const float* mn) {
@@ -166,6 +168,7 @@ inline void tile_k(const uint8_t* w, int64_t row_bytes, int64_t K, const float* 
                           }
                         }
                       });
+  }
   acc.sums(out, ldo);
 }
 
