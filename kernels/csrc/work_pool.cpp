@@ -98,6 +98,7 @@ class Pool {
       return;
     }
     if (running_.load(std::memory_order_relaxed) == 0) start();
+    caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
     const uint32_t epoch = static_cast<uint32_t>(state_.load(std::memory_order_relaxed) >> 32) + 1;
     state_.store(static_cast<uint64_t>(epoch) << 32 | kClosed, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);
@@ -138,16 +139,19 @@ class Pool {
     }
   }
 
-  // Every chunk is taken: waits for those a helper is still running. Spinning for a while,
-  // then asleep: a helper descheduled mid-chunk (its core taken by the scheduler or the
-  // gateway) is then pulled onto this idle core by the kernel's load balancing, where a
+  // Every chunk is taken: waits for those a helper is still running. Spinning for a while
+  // (not at all where the helper shares this core), then asleep: a helper descheduled
+  // mid-chunk (its core taken by the scheduler or the gateway) is then pulled onto this
+  // idle core by the kernel's load balancing, where a
   // spinning or yielding caller would keep it waiting for its own core (milliseconds).
   // Returns how long it waited.
   std::chrono::nanoseconds wait_done(uint32_t chunks) {
     const auto since = std::chrono::steady_clock::now();
     for (int i = 1; done_.load(std::memory_order_acquire) < chunks; ++i) {
       cpu_relax();
-      if (i % 64 == 0 && std::chrono::steady_clock::now() - since > kWaitBeforeSleep) break;
+      if (i % 64 == 0 && (std::chrono::steady_clock::now() - since > kWaitBeforeSleep ||
+                          helper_cpu_.load(std::memory_order_relaxed) == caller_cpu_.load(std::memory_order_relaxed)))
+        break;
     }
     for (;;) {
       const uint32_t done = done_.load(std::memory_order_seq_cst);
@@ -194,18 +198,22 @@ class Pool {
       const uint64_t again = state_.load(std::memory_order_relaxed);
       if ((again >> 32) != epoch || (again & kIndexMask) == kClosed) continue;  // a newer job: read that one
       seen = epoch;
+      helper_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
       helper_chunks_.fetch_add(work(again, epoch, fn, ctx, n, grain), std::memory_order_relaxed);
     }
   }
 
-  // The state once its epoch is not `seen`: spinning for spin_, then parked.
+  // The state once its epoch is not `seen`: spinning for spin_ (until it finds itself on
+  // the caller's core), then parked.
   uint64_t next_job(uint32_t seen) {
     const auto since = std::chrono::steady_clock::now();
     for (int i = 1;; ++i) {
       const uint64_t s = state_.load(std::memory_order_acquire);
       if (static_cast<uint32_t>(s >> 32) != seen) return s;
       cpu_relax();
-      if (i % 64 == 0 && std::chrono::steady_clock::now() - since > spin_) break;
+      if (i % 64 == 0 && (std::chrono::steady_clock::now() - since > spin_ ||
+                          sched_getcpu() == caller_cpu_.load(std::memory_order_relaxed)))
+        break;
     }
     for (;;) {
       const uint32_t ticket = wake_.load(std::memory_order_seq_cst);
@@ -231,6 +239,12 @@ class Pool {
   alignas(64) std::atomic<uint64_t> state_{0};
   alignas(64) std::atomic<uint32_t> done_{0};  // chunks finished (a futex word: 32 bits)
   std::atomic<bool> caller_asleep_{false};
+  // The cores the last call and the helper's last job started on (sched_getcpu). Where the
+  // other cores are busy (in serving: the scheduler, the gateway, the client), the kernel
+  // may run both on one core: a spin there only holds the core the other one needs, so
+  // neither spins while they share it (served one-stream forward ~6 % faster, measured
+  // with bench.itl_split round by round).
+  std::atomic<int> caller_cpu_{-1}, helper_cpu_{-2};
   alignas(64) std::atomic<ChunkFn> fn_{nullptr};
   std::atomic<const void*> ctx_{nullptr};
   std::atomic<int64_t> n_{0}, grain_{1};
