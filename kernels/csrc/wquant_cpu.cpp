@@ -209,7 +209,9 @@ void rows_tile(const Weights<S>& w, const float* xs, int64_t m0, int64_t n0, flo
     int32_t z[NR];
     for (int n = 0; n < NR; ++n) s[n] = rows[n].scale_of(block), z[n] = rows[n].zero_of(block);
     for (int64_t k = k0; k < k1; k += kChunk) {
-      pagedserve_cpu::prefetch_ahead(rows[0].bytes, NR * w.row_bytes, k / kChunk, K / kChunk);
+      // INT4 is bound by its decode, not by memory: there the prefetch measured 0.90-1.18x.
+      if constexpr (KD != Kind::kInt4)
+        pagedserve_cpu::prefetch_ahead(rows[0].bytes, NR * w.row_bytes, k / kChunk, K / kChunk);
       for (int n = 0; n < NR; ++n) {
         v8f a, b;
         decode16<KD>(rows[n].bytes, k, z[n], s[n], a, b);
