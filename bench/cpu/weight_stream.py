@@ -13,6 +13,9 @@ kernel alone on one core).
 The roofline is the same thread's plain sweep over a buffer of the same size (torch's
 sum over fp32): the bandwidth one core gets from memory.
 
+INT4's GEMV does not prefetch (it is bound by its decode, not by memory): its row shows
+how far the same code moves between rounds.
+
 Part 2 runs the worker's whole decode step (bench/cpu/worker_step.py's variants, the
 work pool as the worker runs it) with the prefetch off and on, round by round.
 
@@ -33,13 +36,14 @@ import numpy as np
 import torch
 
 from bench.cpu.worker_step import STEPS, VARIANTS, blocks_needed, build_step, emit, model_present, variant_worker
+from bench.harness.off_on import off_and_on
 from bench.harness.results import fmt, markdown_table, write_result
 from kernels import cpu_ops
+from kernels.gguf_quant import BLOCK_FORMATS
 from svc_common.cpu_features import read_cpu_features
 
 # (out, in) of one SmolLM2-135M layer's projections: q, k, v, o, gate, up, down.
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 GROUP = 64  # the int4 weights' group along the input
 
 
@@ -52,8 +56,9 @@ class Case:
 
 def gguf_case(qtype: str, op: str) -> Callable[[int, int, np.random.Generator], Callable[[torch.Tensor], torch.Tensor]]:
     def make(out: int, inp: int, rng: np.random.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
-        blocks = rng.integers(0, 256, size=(out, inp // 32, GGUF_BLOCK_BYTES[qtype]), dtype=np.uint8)
-        scales = np.full((out, inp // 32), 0.01, dtype=np.float16).view(np.uint8).reshape(out, inp // 32, 2)
+        elems, nbytes = BLOCK_FORMATS[qtype]
+        blocks = rng.integers(0, 256, size=(out, inp // elems, nbytes), dtype=np.uint8)
+        scales = np.full((out, inp // elems), 0.01, dtype=np.float16).view(np.uint8).reshape(out, inp // elems, 2)
         blocks[:, :, 0:2] = scales  # finite scales (random bytes can be inf or NaN)
         if qtype == "Q4_1":
             blocks[:, :, 2:4] = scales
@@ -75,11 +80,17 @@ def wquant_case(kind: str) -> Callable[[int, int, np.random.Generator], Callable
     return make
 
 
+def gguf_bytes_per_weight(qtype: str) -> float:
+    elems, nbytes = BLOCK_FORMATS[qtype]
+    return nbytes / elems
+
+
 CASES = {
-    "Q4_1, fp32 x": Case("Q4_1, fp32 x", 20 / 32, gguf_case("Q4_1", "quant_linear")),
-    "Q4_1, int8 x": Case("Q4_1, int8 x", 20 / 32, gguf_case("Q4_1", "quant_linear_int8")),
-    "Q8_0, fp32 x": Case("Q8_0, fp32 x", 34 / 32, gguf_case("Q8_0", "quant_linear")),
-    "Q8_0, int8 x": Case("Q8_0, int8 x", 34 / 32, gguf_case("Q8_0", "quant_linear_int8")),
+    "Q4_1, fp32 x": Case("Q4_1, fp32 x", gguf_bytes_per_weight("Q4_1"), gguf_case("Q4_1", "quant_linear")),
+    "Q4_1, int8 x": Case("Q4_1, int8 x", gguf_bytes_per_weight("Q4_1"), gguf_case("Q4_1", "quant_linear_int8")),
+    "Q8_0, fp32 x": Case("Q8_0, fp32 x", gguf_bytes_per_weight("Q8_0"), gguf_case("Q8_0", "quant_linear")),
+    "Q8_0, int8 x": Case("Q8_0, int8 x", gguf_bytes_per_weight("Q8_0"), gguf_case("Q8_0", "quant_linear_int8")),
+    # INT4's GEMV does not prefetch (decode-bound): its row is the noise of the switch.
     "INT4 g64 (AWQ/GPTQ)": Case("INT4 g64 (AWQ/GPTQ)", 0.5, wquant_case("int4")),
     "INT8 per channel": Case("INT8 per channel", 1.0, wquant_case("int8")),
 }
@@ -113,23 +124,14 @@ def case_pass(case: Case, megabytes: int) -> tuple[Callable[[], None], int, int]
     return one_pass, int(layers * layer_weights * case.bytes_per_weight), layers * layer_weights
 
 
-def alternating(run: Callable[[], float], rounds: int) -> dict[bool, float]:
-    """Median of `run()` with the prefetch off and on, which goes first alternating."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for on in (False, True):
-        cpu_ops.use_weight_prefetch(on)
-        run()  # warm
-    for r in range(rounds):
-        for on in (r % 2 == 0, r % 2 == 1):
-            cpu_ops.use_weight_prefetch(on)
-            times[on].append(run())
-    cpu_ops.use_weight_prefetch(True)
-    return {on: statistics.median(ts) for on, ts in times.items()}
+def off_and_on_median(run: Callable[[], float], rounds: int) -> dict[bool, float]:
+    """Median of `run()` with the prefetch off and on (bench.harness.off_on)."""
+    return {on: statistics.median(ts) for on, ts in off_and_on(cpu_ops.use_weight_prefetch, run, rounds).items()}
 
 
 def gemv_row(name: str, megabytes: int, rounds: int, roofline: float) -> list[str]:
     one_pass, nbytes, weights = case_pass(CASES[name], megabytes)
-    s = alternating(lambda: _seconds(one_pass), rounds)
+    s = off_and_on_median(lambda: _seconds(one_pass), rounds)
     emit(section="gemv", case=name, bytes=nbytes, off_ms=s[False] * 1e3, on_ms=s[True] * 1e3)
     return (
         [name, f"{nbytes / 1e6:.0f}"]
@@ -142,7 +144,7 @@ def step_row(name: str, step_name: str, rounds: int) -> list[str]:
     shape = STEPS[step_name]
     w = variant_worker(name, blocks_needed(shape), threads=1)
     ids = iter(range(1, 1 << 30))
-    s = alternating(lambda: _seconds(lambda: w.step(build_step(shape, next(ids), w.info.vocab_size))), rounds)
+    s = off_and_on_median(lambda: _seconds(lambda: w.step(build_step(shape, next(ids), w.info.vocab_size))), rounds)
     emit(section="step", variant=name, step=step_name, off_ms=s[False] * 1e3, on_ms=s[True] * 1e3)
     return [name, step_name, fmt(s[False] * 1e3), fmt(s[True] * 1e3), f"{s[False] / s[True]:.2f}x"]
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 from bench.cpu.worker_step import STEPS, VARIANTS, blocks_needed, build_step, emit, model_present, variant_worker
+from bench.harness.off_on import off_and_on
 from bench.harness.results import fmt, markdown_table, write_result
 from kernels import cpu_ops
 from svc_common.cpu_features import read_cpu_features
@@ -44,15 +45,8 @@ def step_times(w: Worker, step_id: int, step_name: str) -> tuple[float, float, f
 def measure(w: Worker, step_name: str, rounds: int) -> dict[bool, tuple[float, ...]]:
     """Median (wall, thread CPU, process CPU) ms per step, pool off and on, alternating
     which goes first from round to round."""
-    times: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
-    for on in (False, True):
-        cpu_ops.use_work_pool(on)
-        w.step(build_step(STEPS[step_name], 1, w.info.vocab_size))  # warm
-    for r in range(rounds):
-        for on in (r % 2 == 0, r % 2 == 1):
-            cpu_ops.use_work_pool(on)
-            times[on].append(step_times(w, r + 2, step_name))
-    cpu_ops.use_work_pool(True)
+    ids = iter(range(1, 1 << 30))
+    times = off_and_on(cpu_ops.use_work_pool, lambda: step_times(w, next(ids), step_name), rounds)
     return {on: tuple(statistics.median(t[i] for t in ts) for i in range(3)) for on, ts in times.items()}
 
 

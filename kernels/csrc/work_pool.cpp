@@ -142,9 +142,8 @@ class Pool {
   // Every chunk is taken: waits for those a helper is still running. Spinning for a while
   // (not at all where the helper shares this core), then asleep: a helper descheduled
   // mid-chunk (its core taken by the scheduler or the gateway) is then pulled onto this
-  // idle core by the kernel's load balancing, where a
-  // spinning or yielding caller would keep it waiting for its own core (milliseconds).
-  // Returns how long it waited.
+  // idle core by the kernel's load balancing, where a spinning or yielding caller would
+  // keep it waiting for its own core (milliseconds). Returns how long it waited.
   std::chrono::nanoseconds wait_done(uint32_t chunks) {
     const auto since = std::chrono::steady_clock::now();
     for (int i = 1; done_.load(std::memory_order_acquire) < chunks; ++i) {
