@@ -57,6 +57,21 @@ def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
     assert_within_fp32_sums(got_bf16.float(), xb.float(), weight, rel=2.0**-8)
 
 
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_a_batch_over_panels_of_output_rows(qtype: str):
+    """99 output rows: a batch decodes them in panels of several groups of 4 (the last
+    panel and group partial); each output is still one tile's sum, so the bits do not
+    depend on the panel an output row falls in."""
+    k = 2 * BLOCK_FORMATS[qtype][0]
+    weight = random_blocks(qtype, out_features=99, in_features=k, seed=5)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(5))
+    y = quant_cpu_ops.quant_linear(x, weight)
+    assert_within_fp32_sums(y, x, weight)
+    for first, last in ((0, 4), (40, 48), (96, 99)):
+        alone = quant_cpu_ops.quant_linear(x, weight.rows(torch.arange(first, last)))
+        assert torch.equal(alone, y[:, first:last])
+
+
 def assert_within_fp32_sums(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, rel: float = 0.0) -> None:
     """got is x @ W.T up to fp32 summation error: |got - exact| <= 1e-6 * (|x| @ |W|.T) (about
     16 ulps of the sum of the magnitudes) + rel * |exact|."""
