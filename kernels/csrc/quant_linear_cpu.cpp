@@ -25,8 +25,9 @@
 // (the 32-weight formats) or quant_kquant_avx2.h's (Q4_K, Q5_K, Q6_K) instead: at a
 // decode's few rows of x the blocks go from their bytes into the products in registers,
 // never written out (the path above decoded a Q4_1 step slower than fp32 read its
-// weights: 51.1 vs 46.1 ms); at more rows they are decoded once per group of weight
-// rows and multiplied by a 3 x 4 GEMM tile.
+// weights: 51.1 vs 46.1 ms); at more rows they are decoded once per panel of weight
+// rows (sized for L2) and multiplied by a 3 x 4 dot-product tile, and from kPrefillFrom
+// rows (a prefill) also packed 16 columns wide for panel_gemm_avx2.h's broadcast tile.
 //
 // Op (torch.ops.pagedserve_cpu): quant_linear(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
@@ -48,6 +49,7 @@
 #include "work_pool.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_FUSED_QUANT 1
+#include "panel_gemm_avx2.h"
 #include "quant_kquant_avx2.h"
 #endif
 
@@ -244,6 +246,7 @@ constexpr int kFusedMR = 2;
 // registers (4 x 2 loaded more per FMA: 1.25x the time; 4 x 4 spills).
 constexpr int kBatchMR = 3;
 constexpr int64_t kBatchFrom = 4;  // rows of x from which decoding once beats decoding per pair of rows
+constexpr int64_t kPrefillFrom = 48;  // rows of x from which packing the decoded rows pays (equal at 32, 1.2x at 64)
 
 template <Format F, typename T>
 void run_fused_rows(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
@@ -294,11 +297,12 @@ void panel_rows(const float* w, int64_t K, const float* xs, int64_t M, int64_t n
 // every row of x under it. Before, x (a prefill's is megabytes) passed under each group
 // of 4 rows, so it was read from L3 once per 4 output columns: ~90 GFLOP/s against MKL's
 // ~140 on two AVX2 cores. Each output is still one dense_tile's sum, so the same bits.
-constexpr int64_t kPanelBytes = 192 * 1024;
+constexpr int64_t kPanelBytes = 256 * 1024;
 constexpr int64_t kPanelsPerThread = 4;  // enough panels that two threads end together
 
-int64_t panel_groups(int64_t K, int64_t groups) {
-  const int64_t fit = std::max<int64_t>(1, kPanelBytes / (kFusedNR * K * static_cast<int64_t>(sizeof(float))));
+// Groups of `group_floats` decoded weights per panel, out of `groups`.
+int64_t panel_groups(int64_t group_floats, int64_t groups) {
+  const int64_t fit = std::max<int64_t>(1, kPanelBytes / (group_floats * static_cast<int64_t>(sizeof(float))));
   const int64_t spread = std::max<int64_t>(1, groups / (kPanelsPerThread * 2));
   return std::min(fit, spread);
 }
@@ -307,7 +311,7 @@ template <Format F, typename T>
 void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
   const int64_t groups = (N + kFusedNR - 1) / kFusedNR;
-  const int64_t panel_rows_n = panel_groups(K, groups) * kFusedNR;
+  const int64_t panel_rows_n = panel_groups(kFusedNR * K, groups) * kFusedNR;
   const int64_t panels = (N + panel_rows_n - 1) / panel_rows_n;
   share_items(panels, panel_rows_n * K * M, [&](int64_t p0, int64_t p1) {
     std::vector<float> w(static_cast<size_t>(panel_rows_n * K));
@@ -319,12 +323,31 @@ void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data,
   });
 }
 
+// A prefill's batch: panel_gemm_avx2.h's packed tiles over panels of panel::kCols-row groups.
+template <Format F, typename T>
+void run_fused_prefill(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
+  const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
+  const int64_t groups = (N + panel::kCols - 1) / panel::kCols;
+  const int64_t per_panel = panel_groups(panel::kCols * K, groups);
+  const auto decode = [&](int64_t n0, int n, float* out) {
+    fused::decode_rows<F>(data + n0 * row_bytes, row_bytes, n, K, out);
+  };
+  const auto put = [&](int64_t m, int64_t n, float v) { store(y + m * N + n, v); };
+  share_items((groups + per_panel - 1) / per_panel, per_panel * panel::kCols * K * M, [&](int64_t p0, int64_t p1) {
+    panel::Buffers buffers(per_panel, K);
+    for (int64_t p = p0; p < p1; ++p)
+      panel::multiply(xs, M, K, N, p * per_panel, std::min(groups, (p + 1) * per_panel), buffers, decode, put);
+  });
+}
+
 template <Format F, typename T>
 void run_fused(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   if (M < kBatchFrom)
     run_fused_rows<F>(xs, M, K, data, N, y);
-  else
+  else if (M < kPrefillFrom)
     run_fused_batch<F>(xs, M, K, data, N, y);
+  else
+    run_fused_prefill<F>(xs, M, K, data, N, y);
 }
 #endif
 

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from kernels import cpu_ops
 from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
 from tests.helpers.gguf_files import write_tiny_gguf
-from tests.helpers.gguf_tokens import BLOCK_SIZE, reference_tokens, worker_tokens
+from tests.helpers.gguf_tokens import BLOCK_SIZE, LONG_PROMPT, reference_tokens, worker_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.models.linear import Concat, QuantLinear
 from worker_svc.worker import Worker
@@ -31,6 +31,13 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     head, table = worker.model.lm_head, worker.model.embed
     assert isinstance(head, QuantLinear) and isinstance(table, QuantizedWeight)  # tied: the head multiplies
     assert head.weight.data.data_ptr() == table.data.data_ptr()  # the embedding's blocks, not a copy of them
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_a_long_prompt_through_the_prefill_tiles(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, seed=3 * len(qtype) + ord(qtype[1]))
+    worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
+    assert worker_tokens(worker, LONG_PROMPT) == reference_tokens(path, LONG_PROMPT)
 
 
 def test_mixed_formats_and_an_untied_head(tmp_path):

@@ -44,7 +44,7 @@ def test_every_row_count_from_a_decode_to_a_batch(qtype: str):
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
-@pytest.mark.parametrize("rows", [1, 5, 70])  # a decode, a verification chunk, more than one chunk of x rows
+@pytest.mark.parametrize("rows", [1, 5, 70])  # a decode, a verification chunk, a prefill (packed tiles)
 def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
     k = 2 * BLOCK_FORMATS[qtype][0]
     weight = random_blocks(qtype, out_features=37, in_features=k, seed=rows)
@@ -58,16 +58,17 @@ def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
-def test_a_batch_over_panels_of_output_rows(qtype: str):
-    """99 output rows: a batch decodes them in panels of several groups of 4 (the last
-    panel and group partial); each output is still one tile's sum, so the bits do not
-    depend on the panel an output row falls in."""
+@pytest.mark.parametrize("rows", [20, 60])  # a batch (dot-product tiles), a prefill (packed, broadcast tiles)
+def test_a_batch_over_panels_of_output_rows(qtype: str, rows: int):
+    """300 output rows: a batch decodes them in panels of several groups (the last panel
+    and group partial); each output is still one tile's sum, so its bits do not depend
+    on the panel it falls in."""
     k = 2 * BLOCK_FORMATS[qtype][0]
-    weight = random_blocks(qtype, out_features=99, in_features=k, seed=5)
-    x = torch.randn(20, k, generator=torch.Generator().manual_seed(5))
+    weight = random_blocks(qtype, out_features=300, in_features=k, seed=5)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
     y = quant_cpu_ops.quant_linear(x, weight)
     assert_within_fp32_sums(y, x, weight)
-    for first, last in ((0, 4), (40, 48), (96, 99)):
+    for first, last in ((0, 4), (40, 57), (288, 300)):
         alone = quant_cpu_ops.quant_linear(x, weight.rows(torch.arange(first, last)))
         assert torch.equal(alone, y[:, first:last])
 
