@@ -26,8 +26,8 @@
 // decode's few rows of x the blocks go from their bytes into the products in registers,
 // never written out (the path above decoded a Q4_1 step slower than fp32 read its
 // weights: 51.1 vs 46.1 ms); at more rows they are decoded once per panel of weight
-// rows (sized for L2) and multiplied by a 3 x 4 dot-product tile, and from kPrefillFrom
-// rows (a prefill) also packed 16 columns wide for panel_gemm_avx2.h's broadcast tile.
+// rows (sized for L2) and multiplied by a 3 x 4 dot-product tile, and from kPackedFrom
+// rows also packed 16 columns wide for panel_gemm_avx2.h's broadcast tile.
 //
 // Op (torch.ops.pagedserve_cpu): quant_linear(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
@@ -246,7 +246,9 @@ constexpr int kFusedMR = 2;
 // registers (4 x 2 loaded more per FMA: 1.25x the time; 4 x 4 spills).
 constexpr int kBatchMR = 3;
 constexpr int64_t kBatchFrom = 4;  // rows of x from which decoding once beats decoding per pair of rows
-constexpr int64_t kPrefillFrom = 48;  // rows of x from which packing the decoded rows pays (equal at 32, 1.2x at 64)
+// Rows of x from which packing pays; against the dot-product tile, one thread, Q4_1
+// 576 x 1536: 0.7x at 4 rows, 1.0x at 8, 1.0-1.3x at 16, 1.2-1.3x at 32.
+constexpr int64_t kPackedFrom = 16;
 
 template <Format F, typename T>
 void run_fused_rows(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
@@ -323,9 +325,9 @@ void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data,
   });
 }
 
-// A prefill's batch: panel_gemm_avx2.h's packed tiles over panels of panel::kCols-row groups.
+// A larger batch: panel_gemm_avx2.h's packed tiles over panels of panel::kCols-row groups.
 template <Format F, typename T>
-void run_fused_prefill(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
+void run_fused_packed(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   const int64_t row_bytes = K / fused::block_elems<F>() * fused::block_bytes<F>();
   const int64_t groups = (N + panel::kCols - 1) / panel::kCols;
   const int64_t per_panel = panel_groups(panel::kCols * K, groups);
@@ -344,10 +346,10 @@ template <Format F, typename T>
 void run_fused(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   if (M < kBatchFrom)
     run_fused_rows<F>(xs, M, K, data, N, y);
-  else if (M < kPrefillFrom)
+  else if (M < kPackedFrom)
     run_fused_batch<F>(xs, M, K, data, N, y);
   else
-    run_fused_prefill<F>(xs, M, K, data, N, y);
+    run_fused_packed<F>(xs, M, K, data, N, y);
 }
 #endif
 

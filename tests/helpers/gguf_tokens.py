@@ -13,7 +13,7 @@ from tests.helpers.worker_steps import Seq, sampled, step_input
 from worker_svc.worker import Worker
 
 PROMPT = [5, 17, 99, 3, 250, 42, 8, 77, 130, 19, 61]
-# 60 rows of x in the prefill: the kernels' prefill tiles (quant_linear_cpu.cpp: from 48)
+# 60 rows of x in the prefill: the kernels' packed tiles (quant_linear_cpu.cpp: from 16 rows)
 LONG_PROMPT = [(7 * i + 3) % 240 + 2 for i in range(60)]
 NEW_TOKENS = 8
 BLOCK_SIZE = 16

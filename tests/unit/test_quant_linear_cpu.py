@@ -58,7 +58,7 @@ def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
-@pytest.mark.parametrize("rows", [20, 60])  # a batch (dot-product tiles), a prefill (packed, broadcast tiles)
+@pytest.mark.parametrize("rows", [8, 60])  # a batch (dot-product tiles), a larger one (packed, broadcast tiles)
 def test_a_batch_over_panels_of_output_rows(qtype: str, rows: int):
     """300 output rows: a batch decodes them in panels of several groups (the last panel
     and group partial); each output is still one tile's sum, so its bits do not depend
