@@ -8,10 +8,13 @@
 // and the only difference is the fp32 rounding of the scale products and their sums.
 //
 // Why: a weight's decode is a few integer instructions per 32 weights (no widening to
-// fp32), and at batch one vpmaddubsw multiplies 32 weight-activation pairs where an fp32
-// FMA multiplies 8 (quant_linear_cpu.cpp, the fp32 path, is what --quant-activations none
-// and the exactness tests run). The price is x's rounding to 8 bits per 32-block: the
-// tokens move off the fp32 path's (bench/results/cpu_gguf_step.md: how far).
+// fp32), which is what bounds a decode step's few rows (quant_linear_cpu.cpp, the fp32
+// path, is what --quant-activations none and the exactness tests run). The price is x's
+// rounding to 8 bits per 32-block: the tokens move off the fp32 path's
+// (bench/results/cpu_gguf_step.md: how far). From kScaledFrom rows the decode is paid
+// once per panel and the multiply bounds the step: there x's quants, scaled back to fp32,
+// go through the fp32 path's packed tiles (one AVX2 core, Q4_1 576 x 1536: 32 rows
+// 53-56 GFLOP/s against the int8 tiles' 29-43, 256 rows 47-61 against 27-31).
 //
 // Where the build has AVX2, FMA and F16C, the formats of the shipped models (Q8_0, Q4_0,
 // Q4_1) run quant_int8_avx2.h's tiles over the blocks as the file has them. The others
@@ -35,6 +38,7 @@
 
 #include "cpu_vec.h"
 #include "gguf_formats.h"
+#include "quant_linear_cpu.h"
 #include "work_pool.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_INT8_AVX2 1
@@ -272,6 +276,19 @@ void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
 }
 #endif
 
+// From kScaledFrom rows of x (a prefill, a step of many streams), x's quants are scaled
+// back to fp32 (d * q, rounded once) and multiplied by the fp32 path's packed tiles: the
+// same x's quants and scales as the int8 tiles, so the same product up to fp32
+// rounding, the bound the tests hold both to.
+constexpr int64_t kScaledFrom = 16;
+
+at::Tensor scaled_back(const QuantizedX& x) {
+  at::Tensor out = at::empty({x.M, x.K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < x.M * x.K; ++i) o[i] = x.d[i / 32] * static_cast<float>(x.q[i]);
+  return out;
+}
+
 at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype,
                              int64_t out_features) {
   const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear_int8");
@@ -283,6 +300,10 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
     constexpr Format F = decltype(format)::value;
     const auto with = [&](auto* xp, auto* yp) {
       const QuantizedX xq = quantize_x(xp, x.stride(0), x.size(0), K);
+      if (xq.M >= kScaledFrom) {
+        y.copy_(quant_linear(scaled_back(xq), data, qtype, out_features));
+        return;
+      }
 #ifdef PAGEDSERVE_INT8_AVX2
       if constexpr (avx2_format<F>()) {
         run_avx2<F>(xq, d, out_features, yp);

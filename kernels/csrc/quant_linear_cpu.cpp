@@ -46,6 +46,7 @@
 
 #include "cpu_vec.h"
 #include "gguf_formats.h"
+#include "quant_linear_cpu.h"
 #include "work_pool.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_FUSED_QUANT 1
@@ -391,6 +392,10 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, co
 #endif
 }
 
+}  // namespace
+
+namespace pagedserve_cpu {
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype, int64_t out_features) {
   const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear");
   const int64_t K = x.size(1);
@@ -409,10 +414,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string
   return y;
 }
 
-}  // namespace
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor data, str qtype, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("quant_linear", &pagedserve_cpu::quant_linear); }
