@@ -64,26 +64,54 @@ struct QuantizedX {
 // (x * 127) / amax, another rounding than the reference's, and a tie would round apart.
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
+// One 32-block of x quantized: its quants into q; returns its scale. The same fp32
+// operations in vectors where x is fp32 (the scalar loop called libm's nearbyint per
+// element: a third of a prefill's int8 multiply); round to nearest even either way.
+template <typename T>
+float quantize_block(const T* x, int8_t* q) {
+#ifdef PAGEDSERVE_INT8_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    alignas(32) int32_t lanes[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_cvtps_epi32(r));
+      for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<int8_t>(lanes[j]);
+    }
+    return amax / 127.0f;
+  }
+#endif
+  float v[32];
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    if constexpr (std::is_same_v<T, float>)
+      v[i] = x[i];
+    else
+      v[i] = bf16_to_float(x[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+  return amax / 127.0f;
+}
+
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t ldx, int64_t M, int64_t K) {
   QuantizedX out{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<int32_t>(M * K / 16),
                  std::vector<float>(M * K / 32)};
-  float v[32];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) {
-        const T e = x[m * ldx + b * 32 + i];
-        if constexpr (std::is_same_v<T, float>)
-          v[i] = e;
-        else
-          v[i] = bf16_to_float(e);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-      out.d[m * (K / 32) + b] = amax / 127.0f;
       int8_t* q = out.q.data() + m * K + b * 32;
-      for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+      out.d[m * (K / 32) + b] = quantize_block(x + m * ldx + b * 32, q);
       for (int h = 0; h < 2; ++h) {
         int32_t s = 0;
         for (int i = 0; i < 16; ++i) s += q[h * 16 + i];
@@ -92,6 +120,23 @@ QuantizedX quantize_x(const T* x, int64_t ldx, int64_t M, int64_t K) {
       out.ds[m * (K / 32) + b] = out.d[m * (K / 32) + b] *
                                  static_cast<float>(out.sum16[m * (K / 16) + b * 2] + out.sum16[m * (K / 16) + b * 2 + 1]);
     }
+  return out;
+}
+
+// x's quants scaled back to fp32 (d * q, rounded once) [M, K], the rows shared by the
+// threads: at a prefill's rows, done on one thread this took a third of the multiply.
+template <typename T>
+at::Tensor scaled_back(const T* x, int64_t ldx, int64_t M, int64_t K) {
+  at::Tensor out = at::empty({M, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  share_items(M, K * 4, [&](int64_t m0, int64_t m1) {
+    int8_t q[32];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float d = quantize_block(x + m * ldx + b * 32, q);
+        for (int i = 0; i < 32; ++i) o[m * K + b * 32 + i] = d * static_cast<float>(q[i]);
+      }
+  });
   return out;
 }
 #pragma GCC pop_options
@@ -282,13 +327,6 @@ void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
 // rounding, the bound the tests hold both to.
 constexpr int64_t kScaledFrom = 16;
 
-at::Tensor scaled_back(const QuantizedX& x) {
-  at::Tensor out = at::empty({x.M, x.K}, at::kFloat);
-  float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < x.M * x.K; ++i) o[i] = x.d[i / 32] * static_cast<float>(x.q[i]);
-  return out;
-}
-
 at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype,
                              int64_t out_features) {
   const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear_int8");
@@ -299,11 +337,11 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
   const auto go = [&](auto format) {
     constexpr Format F = decltype(format)::value;
     const auto with = [&](auto* xp, auto* yp) {
-      const QuantizedX xq = quantize_x(xp, x.stride(0), x.size(0), K);
-      if (xq.M >= kScaledFrom) {
-        y.copy_(quant_linear(scaled_back(xq), data, qtype, out_features));
+      if (x.size(0) >= kScaledFrom) {
+        y.copy_(quant_linear(scaled_back(xp, x.stride(0), x.size(0), K), data, qtype, out_features));
         return;
       }
+      const QuantizedX xq = quantize_x(xp, x.stride(0), x.size(0), K);
 #ifdef PAGEDSERVE_INT8_AVX2
       if constexpr (avx2_format<F>()) {
         run_avx2<F>(xq, d, out_features, yp);
