@@ -331,16 +331,19 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
                              int64_t out_features) {
   const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear_int8");
   const int64_t K = x.size(1);
+  if (x.size(0) >= kScaledFrom) {
+    const at::Tensor x_hat =
+        x.scalar_type() == at::kFloat
+            ? scaled_back(x.data_ptr<float>(), x.stride(0), x.size(0), K)
+            : scaled_back(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0), K);
+    return quant_linear(x_hat, data, qtype, out_features).to(x.scalar_type());
+  }
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0 || out_features == 0) return y;
   const uint8_t* d = data.data_ptr<uint8_t>();
   const auto go = [&](auto format) {
     constexpr Format F = decltype(format)::value;
     const auto with = [&](auto* xp, auto* yp) {
-      if (x.size(0) >= kScaledFrom) {
-        y.copy_(quant_linear(scaled_back(xp, x.stride(0), x.size(0), K), data, qtype, out_features));
-        return;
-      }
       const QuantizedX xq = quantize_x(xp, x.stride(0), x.size(0), K);
 #ifdef PAGEDSERVE_INT8_AVX2
       if constexpr (avx2_format<F>()) {
