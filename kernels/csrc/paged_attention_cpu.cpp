@@ -38,6 +38,7 @@
 #include <omp.h>
 
 #include "cpu_vec.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <array>
@@ -657,27 +658,39 @@ std::vector<WorkItem> work_items(const Args& a, int threads) {
 }
 
 template <typename Q, template <typename> class C>
-void run(const Args& a) {
-  const std::vector<WorkItem> items = work_items(a, at::get_num_threads());
-  const int n = static_cast<int>(items.size());
-  const int threads = std::max(1, std::min(at::get_num_threads(), n));
+void attend_one(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
+  // Enough query vectors per KV head to fill the lanes: the matrix-shaped tile.
   const int group = a.num_heads / a.num_kv_heads;
+  const bool lanes = a.cu_query_lens != nullptr && (w.row_end - w.row_begin) * group >= kLanes / 2;
+  if (a.head_dim == 64) {
+    lanes ? attend_item_lanes<Q, C, 64>(a, w, scratch) : attend_item<Q, C, 64>(a, w, scratch);
+  } else if (a.head_dim == 128) {
+    lanes ? attend_item_lanes<Q, C, 128>(a, w, scratch) : attend_item<Q, C, 128>(a, w, scratch);
+  } else {
+    attend_item<Q, C, 0>(a, w, scratch);
+  }
+}
+
+template <typename Q, template <typename> class C>
+void run(const Args& a) {
+  const int torch_threads = at::get_num_threads();
+  const std::vector<WorkItem> items = work_items(a, torch_threads == 1 ? pool::team() : torch_threads);
+  const int n = static_cast<int>(items.size());
+  if (torch_threads == 1) {
+    // A small step's one torch thread (svc_common/cpu_features.py's plan): the work
+    // pool's helpers take items as they come, one item per chunk (each is worth one).
+    share_items(n, pool::chunk_work(), [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scratch;
+      for (int64_t i = begin; i < end; ++i) attend_one<Q, C>(a, items[i], scratch);
+    });
+    return;
+  }
+  const int threads = std::max(1, std::min(torch_threads, n));
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) {
-      const WorkItem& w = items[i];
-      // Enough query vectors per KV head to fill the lanes: the matrix-shaped tile.
-      const bool lanes = a.cu_query_lens != nullptr && (w.row_end - w.row_begin) * group >= kLanes / 2;
-      if (a.head_dim == 64) {
-        lanes ? attend_item_lanes<Q, C, 64>(a, w, scratch) : attend_item<Q, C, 64>(a, w, scratch);
-      } else if (a.head_dim == 128) {
-        lanes ? attend_item_lanes<Q, C, 128>(a, w, scratch) : attend_item<Q, C, 128>(a, w, scratch);
-      } else {
-        attend_item<Q, C, 0>(a, w, scratch);
-      }
-    }
+    for (int i = 0; i < n; ++i) attend_one<Q, C>(a, items[i], scratch);
   }
 }
 

@@ -38,17 +38,27 @@ using pagedserve_cpu::pool::ChunkFn;
 constexpr uint64_t kIndexMask = 0xFFFFFFFFu;
 constexpr uint64_t kClosed = kIndexMask;  // no chunk can be taken: a job is being written
 constexpr int kMaxHelpers = 7;            // beyond ~8 threads a decode's GEMV is memory-bound
-constexpr int64_t kDefaultSpinUs = 100;
-constexpr int64_t kDefaultChunkWork = int64_t{1} << 15;   // covers the gaps between a step's kernels, not a step's end
+// A helper spins this long after a call before it parks: through the gaps between a
+// step's kernels and the ~2 ms between two decode steps of one stream. Parked, it took
+// 50-100 us to wake at each step's first calls and again after any gap it slept through,
+// by when a small GEMV was done without it: one stream's served ITL was 15.6 ms with a
+// 100 us spin, 12.6 with 5 ms (Q4_1, 2-core EPYC, side by side; llama.cpp 10.7).
+constexpr int64_t kDefaultSpinUs = 5000;
+// Weights per chunk, ~15 us of a fused quantized tile: each chunk is a fresh stream for
+// the hardware prefetcher, so shorter ones read the weights slower (one stream's step:
+// 10.4 ms at 2^15, 9.1 at 2^17, 9.8 at 2^19); the threads still end within a chunk.
+constexpr int64_t kDefaultChunkWork = int64_t{1} << 17;
 // A chunk takes a few us: a helper that has not finished one in this long is
 // descheduled. Until then the caller spins: asleep, its (virtual) core would take
 // 50-100 us to wake (measured: a 20 us spin cost a 33 ms step 7 ms).
 constexpr auto kWaitBeforeSleep = std::chrono::microseconds(100);
-// A caller that slept this long for a helper's chunk found the helper descheduled: on a
-// machine whose cores are all busy, every call would pay a scheduling delay (ms) for
-// a few us of help, so the calls run alone for a while, twice as long after each such
-// wait in a row (at most kMaxBackoff), and try the helpers again.
-constexpr auto kSlowWait = kWaitBeforeSleep;
+// A caller that slept this long for a helper's chunk found the helper descheduled for a
+// scheduler's time slice: on a machine whose cores are all busy, every call would pay
+// that for a few us of help, so the calls run alone for a while, twice as long after
+// each such wait in a row (at most kMaxBackoff), and try the helpers again. Shorter
+// waits are the serving processes' brief turns on the helper's core (at 100 us, one
+// stream's calls went alone for much of each step: served ITL 15.2 vs 12.5 ms at 1 ms).
+constexpr auto kSlowWait = std::chrono::milliseconds(1);
 constexpr auto kFirstBackoff = std::chrono::milliseconds(10);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(1000);
 
@@ -86,6 +96,7 @@ class Pool {
            std::chrono::steady_clock::now().time_since_epoch().count() >= alone_until_.load(std::memory_order_relaxed);
   }
   bool set_enabled(bool on) { return enabled_.exchange(on); }
+  int helpers() const { return helpers_; }
   int64_t chunk_work() const { return chunk_work_.load(std::memory_order_relaxed); }
   int64_t set_chunk_work(int64_t weights) { return weights > 0 ? chunk_work_.exchange(weights) : chunk_work(); }
   std::vector<int64_t> info() const {
@@ -283,6 +294,8 @@ bool usable() {
 }
 
 int64_t chunk_work() { return the_pool().chunk_work(); }
+
+int team() { return usable() ? 1 + the_pool().helpers() : 1; }
 
 void run(int64_t n, int64_t grain, ChunkFn fn, const void* ctx) { the_pool().run(n, grain, fn, ctx); }
 

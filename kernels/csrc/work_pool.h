@@ -7,7 +7,7 @@
 // the gateway for a few ms per token: two threads measured slower than one (issue 38).
 // Here the items (groups of output rows) are cut into chunks handed out through one
 // atomic counter. The calling thread always works; persistent helper threads (one per
-// core the process may use, but one; started once; spinning briefly after a call and
+// core the process may use, but one; started once; spinning a few ms after a call and
 // then parked on a futex, so an idle pool keeps no core busy) take chunks when they are
 // scheduled. A descheduled helper costs the caller only the chunk it has taken: the
 // caller finishes every chunk nobody took and then waits for the taken ones (and where
@@ -41,6 +41,10 @@ bool usable();
 // line moving between cores (~0.1-0.2 us) stays a few percent. Tests make it tiny so
 // that a tiny model's calls are cut into many chunks.
 int64_t chunk_work();
+
+// The threads a call may share its chunks with: the caller and the helpers (1 where the
+// pool is not usable from this thread).
+int team();
 
 // fn(ctx, begin, end) over [0, n) in chunks of `grain` items, on the caller and the
 // helpers; returns when every chunk is done.

@@ -1,7 +1,7 @@
 """The work pool of the weight-streaming kernels (kernels/csrc/work_pool.h): with it on,
 every kernel returns the bits it returns on one thread (each output is computed by one
 thread, as before), for every GGUF format, int8 activations, the packed fp32/bf16
-linear, the INT4/INT8/FP8 kernels and the C++ layer loop; the helpers really take
+linear, the INT4/INT8/FP8 kernels, the decode attention and the C++ layer loop; the helpers really take
 chunks (the chunks are made tiny so that small weights are cut into many); the pool
 stays out of the way where torch runs a team of threads; an idle helper is parked, not
 spinning; a forked child and a process's exit are clean."""
@@ -21,6 +21,7 @@ import torch
 
 from kernels import cpu_ops, quant_cpu_ops, wquant_cpu
 from kernels.gguf_quant import BLOCK_FORMATS
+from tests.helpers.attention_caches import make_cache
 from tests.helpers.gguf_blocks import random_blocks
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.worker_steps import Seq, sampled, step_input
@@ -98,6 +99,16 @@ def test_pooled_wquant_kernels_return_the_single_thread_bits(pool, name):
     pooled_and_alone(lambda: wquant_cpu.wquant_linear(x, weight))
 
 
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_pooled_decode_attention_returns_the_single_thread_bits(pool, seqs):
+    """One item per KV head and sequence, each attended by one thread."""
+    k_cache, v_cache, _ = make_cache(16, 3, 64, torch.float32, block_size=16)
+    tables = torch.randperm(16, generator=torch.Generator().manual_seed(seqs))[: 4 * seqs].view(seqs, 4).int()
+    context_lens = torch.tensor([50, 17, 64][:seqs], dtype=torch.int32)
+    query = torch.randn(seqs, 9, 64, generator=torch.Generator().manual_seed(seqs))
+    pooled_and_alone(lambda: cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K"])
 def test_the_layer_loop_pooled_returns_the_single_thread_bits(pool, tmp_path, qtype, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_LAYER_LOOP", "1")
@@ -147,7 +158,7 @@ def test_an_idle_helper_is_parked_not_spinning(pool):
     x = torch.randn(1, 64)
     pooled_and_alone(lambda: quant_cpu_ops.quant_linear(x, weight))
     assert cpu_ops.work_pool_info().running >= 1
-    time.sleep(0.2)  # past its spin (100 us by default)
+    time.sleep(0.2)  # past its spin (5 ms by default)
     before = helper_cpu_ticks()
     time.sleep(1.0)
     # A spinning helper would burn ~100 ticks a second; a parked one none (1: a tick's edge).
