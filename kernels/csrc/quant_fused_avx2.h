@@ -51,6 +51,12 @@ constexpr int block_elems() {
   return F == Format::kQ4_K || F == Format::kQ5_K || F == Format::kQ6_K ? 256 : 32;
 }
 
+// The bytes of one weight row of K weights.
+template <Format F>
+constexpr int64_t row_bytes(int64_t K) {
+  return K / block_elems<F>() * block_bytes<F>();
+}
+
 template <Format F>
 constexpr bool affine() {  // d * q + m: the tile adds m * sum(x) per block
   return F == Format::kQ4_1 || F == Format::kQ5_1;
