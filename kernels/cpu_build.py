@@ -45,6 +45,7 @@ SOURCES = (
     CSRC / "decoder_loop_cpu.cpp",
     CSRC / "work_pool.cpp",
     CSRC / "weight_prefetch.cpp",
+    CSRC / "sampling_cpu.cpp",
 )
 # Reassociation lets the dot products reduce with a shuffle tree (strict IEEE order
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.

@@ -12,7 +12,8 @@ kernels/csrc/ (built once per CPU by kernels/cpu_build.py):
   and the mixture-of-experts op over the selected experts only (moe_cpu.cpp):
   ``pack_experts`` once at load, ``fused_moe`` (kernels/moe_reference.py's) per call;
   and the batched LoRA op, grouped by adapter slot (lora_cpu.cpp): ``lora``
-  (kernels/lora_reference.py's);
+  (kernels/lora_reference.py's); and a sampled row's argmax and log-sum-exp in one read
+  of its logits (sampling_cpu.cpp): ``argmax_logsumexp``;
 * the work pool those weight-streaming kernels share at small steps
   (kernels/csrc/work_pool.h): ``work_pool_info``, ``use_work_pool``,
   ``work_pool_chunk`` (tests and benchmarks switch it; the worker leaves it on); and
@@ -298,6 +299,14 @@ def lora(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
         return lora_reference.lora(x, a, b, slots)
     y: Tensor = torch.ops.pagedserve_cpu.lora(x, a, b, slots)
     return y
+
+
+def argmax_logsumexp(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """reference.argmax_logsumexp in one read of the logits (csrc/sampling_cpu.cpp)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.shape[1] or not _kernel_takes(logits):
+        return reference.argmax_logsumexp(logits)
+    index, lse = torch.ops.pagedserve_cpu.argmax_logsumexp(logits if logits.stride(1) == 1 else logits.contiguous())
+    return index, lse
 
 
 @dataclass(frozen=True)

@@ -421,3 +421,9 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, thresholds:
     scaled = logits / temperature[:, None]
     scores = add_noise(scaled, keys, prune=logits.device.type == "cpu")
     return scores.masked_fill(scaled < thresholds[:, None], -torch.inf).argmax(dim=-1)
+
+
+def argmax_logsumexp(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of logits [N, V] float32: the first index of the largest value (the greedy
+    token) and the log-sum-exp (a token's logprob is its logit minus it)."""
+    return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)

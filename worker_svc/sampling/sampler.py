@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 from worker_svc.sampling.logits_processing import (
     add_logit_bias_,
     apply_penalties_,
@@ -85,7 +85,7 @@ class Sampler:
         num = len(params)
         raw = logits[:num]
         processed = self._process(raw, params)
-        tokens = raw.argmax(dim=-1)
+        tokens, lse = cpu_ops.argmax_logsumexp(raw)  # lse: of the raw logits, for every logprob below
         if processed is not None:
             rows, block = processed
             tokens[rows] = block.argmax(dim=-1)
@@ -94,8 +94,6 @@ class Sampler:
             race = self.gumbel_argmax or device_gumbel_argmax(logits.device)
             sampled = _sample(raw, rows_block, filter_rows, min_p_rows, processed, race)
             tokens = torch.where(rows_block[:, _GREEDY] > 0, tokens, sampled)
-        # logsumexp instead of log_softmax: one reduction, no [N, vocab] output.
-        lse = torch.logsumexp(raw, dim=-1)
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         parts = [torch.stack([tokens.double(), logprobs.double()], dim=1)]
         if not params.asks_logprob_indices:
