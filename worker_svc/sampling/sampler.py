@@ -116,7 +116,7 @@ class Sampler:
     def _score(logits: torch.Tensor, prompt: PromptScoring, indices: LogprobIndices) -> list[torch.Tensor]:
         """(target id, logprob) per row, then the alternatives of the rows that want them."""
         targets = indices.prompt_targets
-        lse = torch.logsumexp(logits, dim=-1)
+        _, lse = cpu_ops.argmax_logsumexp(logits)
         logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse
         parts = [torch.stack([targets.double(), logprobs.double()], dim=1)]
         if indices.prompt_top_rows.numel():
