@@ -15,21 +15,54 @@ namespace pagedserve_cpu {
 
 enum class Format { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
 
+// Bytes per block: one home for the layouts' sizes (the kernels' strides and the op
+// checks both take them from here).
+template <Format F>
+constexpr int block_bytes() {
+  switch (F) {
+    case Format::kQ8_0: return 34;
+    case Format::kQ4_0: return 18;
+    case Format::kQ4_1: return 20;
+    case Format::kQ5_0: return 22;
+    case Format::kQ5_1: return 24;
+    case Format::kQ4_K: return 144;
+    case Format::kQ5_K: return 176;
+    case Format::kQ6_K: return 210;
+  }
+  return 0;
+}
+
+template <Format F>
+constexpr int block_elems() {  // weights per block
+  return F == Format::kQ4_K || F == Format::kQ5_K || F == Format::kQ6_K ? 256 : 32;
+}
+
+// The bytes of one weight row of K weights.
+template <Format F>
+constexpr int64_t row_bytes(int64_t K) {
+  return K / block_elems<F>() * block_bytes<F>();
+}
+
 struct FormatInfo {
   Format format;
   int elems;  // weights per block
   int bytes;  // bytes per block
 };
 
+template <Format F>
+constexpr FormatInfo info_of() {
+  return {F, block_elems<F>(), block_bytes<F>()};
+}
+
 inline FormatInfo format_of(const std::string& name, const char* op) {
-  if (name == "Q8_0") return {Format::kQ8_0, 32, 34};
-  if (name == "Q4_0") return {Format::kQ4_0, 32, 18};
-  if (name == "Q4_1") return {Format::kQ4_1, 32, 20};
-  if (name == "Q5_0") return {Format::kQ5_0, 32, 22};
-  if (name == "Q5_1") return {Format::kQ5_1, 32, 24};
-  if (name == "Q4_K") return {Format::kQ4_K, 256, 144};
-  if (name == "Q5_K") return {Format::kQ5_K, 256, 176};
-  if (name == "Q6_K") return {Format::kQ6_K, 256, 210};
+  if (name == "Q8_0") return info_of<Format::kQ8_0>();
+  if (name == "Q4_0") return info_of<Format::kQ4_0>();
+  if (name == "Q4_1") return info_of<Format::kQ4_1>();
+  if (name == "Q5_0") return info_of<Format::kQ5_0>();
+  if (name == "Q5_1") return info_of<Format::kQ5_1>();
+  if (name == "Q4_K") return info_of<Format::kQ4_K>();
+  if (name == "Q5_K") return info_of<Format::kQ5_K>();
+  if (name == "Q6_K") return info_of<Format::kQ6_K>();
   TORCH_CHECK(false, op, ": GGUF format ", name, " is not decoded here");
 }
 

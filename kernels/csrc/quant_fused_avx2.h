@@ -32,32 +32,6 @@ namespace pagedserve_cpu {
 namespace fused {
 
 template <Format F>
-constexpr int block_bytes() {
-  switch (F) {
-    case Format::kQ8_0: return 34;
-    case Format::kQ4_0: return 18;
-    case Format::kQ4_1: return 20;
-    case Format::kQ5_0: return 22;
-    case Format::kQ5_1: return 24;
-    case Format::kQ4_K: return 144;
-    case Format::kQ5_K: return 176;
-    case Format::kQ6_K: return 210;
-  }
-  return 0;
-}
-
-template <Format F>
-constexpr int block_elems() {
-  return F == Format::kQ4_K || F == Format::kQ5_K || F == Format::kQ6_K ? 256 : 32;
-}
-
-// The bytes of one weight row of K weights.
-template <Format F>
-constexpr int64_t row_bytes(int64_t K) {
-  return K / block_elems<F>() * block_bytes<F>();
-}
-
-template <Format F>
 constexpr bool affine() {  // d * q + m: the tile adds m * sum(x) per block
   return F == Format::kQ4_1 || F == Format::kQ5_1;
 }

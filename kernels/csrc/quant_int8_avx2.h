@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gguf_formats.h"
 #include "weight_prefetch.h"
 
 namespace pagedserve_cpu {
@@ -70,7 +71,7 @@ inline float hsum8(__m256 v) {
 template <Format F, int MR, int NR>
 inline void tile(const uint8_t* w, int64_t row_bytes, int64_t K, const int8_t* qx, const float* dx, float* out,
                  int64_t ldo) {
-  constexpr int kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_0 ? 18 : 20);
+  constexpr int kBytes = block_bytes<F>();
   __m256 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();

@@ -256,7 +256,7 @@ constexpr bool avx2_format() {
 template <Format F, int MR, int NR>
 void affine_terms(const uint8_t* w, int64_t row_bytes, const QuantizedX& x, int64_t m0, float* out) {
   if constexpr (F != Format::kQ8_0) {
-    constexpr int kBytes = F == Format::kQ4_0 ? 18 : 20;
+    constexpr int kBytes = block_bytes<F>();
     const int64_t blocks = x.K / 32;
     float acc[MR][NR] = {};
     for (int64_t b = 0; b < blocks; ++b)
@@ -310,7 +310,7 @@ void tiles_over_rows(const uint8_t* data, int64_t row_bytes, const QuantizedX& x
 
 template <Format F, typename T>
 void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
-  const int64_t row_bytes = x.K / 32 * (F == Format::kQ8_0 ? 34 : (F == Format::kQ4_0 ? 18 : 20));
+  const int64_t row_bytes = pagedserve_cpu::row_bytes<F>(x.K);
   share_items((N + kNR - 1) / kNR, kNR * x.K * x.M, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * kNR, n1 = std::min(N, g1 * kNR);
     if (x.M < 4)

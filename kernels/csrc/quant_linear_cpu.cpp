@@ -255,7 +255,7 @@ template <Format F, typename T>
 void run_fused_rows(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
   std::vector<float> sums(fused::needs_sums<F>() ? static_cast<size_t>(M * K / 4) : 0);
   if (fused::needs_sums<F>()) fused::block_sums(xs, M, K, sums.data());
-  const int64_t row_bytes = fused::row_bytes<F>(K);
+  const int64_t row_bytes = pagedserve_cpu::row_bytes<F>(K);
   share_items((N + kFusedNR - 1) / kFusedNR, kFusedNR * K * M, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kFusedNR;
@@ -312,7 +312,7 @@ int64_t panel_groups(int64_t group_floats, int64_t groups) {
 
 template <Format F, typename T>
 void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
-  const int64_t row_bytes = fused::row_bytes<F>(K);
+  const int64_t row_bytes = pagedserve_cpu::row_bytes<F>(K);
   const int64_t groups = (N + kFusedNR - 1) / kFusedNR;
   const int64_t panel_rows_n = panel_groups(kFusedNR * K, groups) * kFusedNR;
   const int64_t panels = (N + panel_rows_n - 1) / panel_rows_n;
@@ -329,7 +329,7 @@ void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data,
 // A larger batch: panel_gemm_avx2.h's packed tiles over panels of panel::kCols-row groups.
 template <Format F, typename T>
 void run_fused_packed(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
-  const int64_t row_bytes = fused::row_bytes<F>(K);
+  const int64_t row_bytes = pagedserve_cpu::row_bytes<F>(K);
   const int64_t groups = (N + panel::kCols - 1) / panel::kCols;
   const int64_t per_panel = panel_groups(panel::kCols * K, groups);
   const auto decode = [&](int64_t n0, int n, float* out) {
