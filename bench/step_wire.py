@@ -81,9 +81,9 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
 def measure_case(repeats: int, seqs: int, tokens: int, start: int, blocks: int) -> dict[str, float]:
     from proto import worker_pb2
     from scheduler_svc.engine.worker_client import plan_to_proto, result_from_proto
-    from worker_svc.server import step_from_proto, step_to_proto
     from worker_svc.step.output import SampledRows, StepOutput
     from worker_svc.step.validation import Limits, validate
+    from worker_svc.step_proto import step_from_proto, step_to_proto
 
     plan = plan_of(seqs, tokens, start, blocks)
     limits = Limits(VOCAB, seqs * blocks, BLOCK_SIZE, 4096)

@@ -112,9 +112,9 @@ class StepDriver:
         worker's code on this step's bytes, timed in this process."""
         import numpy as np
 
-        from worker_svc.server import step_from_proto, step_to_proto
         from worker_svc.step.output import SampledRows, StepOutput
         from worker_svc.step.validation import Limits, validate
+        from worker_svc.step_proto import step_from_proto, step_to_proto
 
         info = self.info
         limits = Limits(info.vocab_size, info.num_blocks, info.block_size, info.max_model_len, info.kv_layout)

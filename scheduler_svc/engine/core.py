@@ -32,6 +32,7 @@ from scheduler_svc.engine.errors import SchedulerBug, WorkerCallFailed
 from scheduler_svc.engine.kv_events import WorkerKvEvents
 from scheduler_svc.engine.sent import SentStep, abandon
 from scheduler_svc.engine.step_budget import SpeedBudget
+from scheduler_svc.engine.step_stream import StepStream
 from scheduler_svc.engine.streams import RequestStream
 from scheduler_svc.engine.timing import EngineHooks, RequestTiming
 from scheduler_svc.engine.worker_client import WorkerClient, WorkerInfo
@@ -88,6 +89,7 @@ class EngineCore(WorkerLink):
         self._refused_instance = ""
         self._audited_at_step = 0
         self._wakeup = asyncio.Event()
+        self._stream: StepStream | None = None  # the run of overlapped steps' (_run_steps)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -135,8 +137,10 @@ class EngineCore(WorkerLink):
         forward), as long as the planner can plan ahead. A step whose late masks
         wait on the applied step's tokens gets them before that step is streamed:
         with the next step planned ahead, or in a StepMasks call of their own."""
-        in_flight = deque([await self._send(first)])
+        stream = self._stream = StepStream(self.client)
+        in_flight: deque[SentStep] = deque()
         try:
+            in_flight.append(await self._send(first))
             while in_flight:
                 await self._plan_ahead(in_flight)
                 following = in_flight[1] if len(in_flight) > 1 else None
@@ -149,6 +153,7 @@ class EngineCore(WorkerLink):
                 self._dispatch(updates)
         finally:
             await abandon(in_flight, self.client, self.grammars)
+            await stream.close()
 
     async def _plan_ahead(self, in_flight: deque[SentStep]) -> None:
         """With one step in flight, plan and send the next (async scheduling)."""
@@ -168,9 +173,14 @@ class EngineCore(WorkerLink):
         if after is not None and after.late_masks is not None and not after.masks_delivered:
             plan.previous_masks = await after.late_masks  # computed while this plan was made
             after.masks_delivered = True
-        sent = SentStep(plan, started, asyncio.create_task(self.client.step(plan)))
+        assert self._stream is not None, "steps go out within a run of steps (_run_steps)"
+        sent = SentStep(plan, started, asyncio.create_task(self._stream.step(plan)))
         sent.mask_ms = (time.perf_counter() - started) * 1e3 if plan.masks is not None else 0.0
-        await asyncio.sleep(0)  # let the call encode and go out before the next step is planned
+        try:
+            await asyncio.sleep(0)  # let the step encode and go out before the next is planned
+        except asyncio.CancelledError:  # the run is stopping before it holds this step: no one will wait for it
+            sent.call.cancel()
+            raise
         return sent
 
     async def _start_late_masks(self, step: SentStep) -> None:

@@ -28,6 +28,20 @@ _TRANSIENT = frozenset(
     }
 )
 
+
+def refused(address: str, code_name: str, details: str) -> WorkerCallFailed:
+    """A step the worker answered with a refusal on its stream: as if its call had ended
+    with that status code (by name)."""
+    code = grpc.StatusCode.__members__.get(code_name, grpc.StatusCode.UNKNOWN)
+    return WorkerCallFailed(address, code in _TRANSIENT, code.name, details)
+
+
+def stream_ended(address: str, details: str) -> WorkerCallFailed:
+    """A step whose stream ended before its reply: the worker went away, or broke the
+    stream's order (transient: reconnect and recompute)."""
+    return WorkerCallFailed(address, True, grpc.StatusCode.UNAVAILABLE.name, details)
+
+
 _POOLING = {
     RowPooling.NONE: worker_pb2.POOLING_NONE,
     RowPooling.LAST: worker_pb2.POOLING_LAST,
@@ -340,16 +354,12 @@ class WorkerClient:
                 worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as err:
-            raise self._failure(err) from None
+            raise self.failure(err) from None
         return info_from_proto(self.address, reply)
 
-    async def step(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
-        """Raises WorkerCallFailed."""
-        try:
-            reply = await self.stub.Step(plan_to_proto(plan), timeout=timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as err:
-            raise self._failure(err) from None
-        return result_from_proto(reply)
+    def open_step_stream(self) -> grpc.aio.StreamStreamCall:
+        """A StepStream call (engine/step_stream.py sends and reads it)."""
+        return self.stub.StepStream(metadata=self._metadata)
 
     async def step_masks(self, step_id: int, masks: PlanMasks, timeout_s: float | None = None) -> None:
         """The late masks of step `step_id` (its mask_follows rows). Raises WorkerCallFailed."""
@@ -357,7 +367,7 @@ class WorkerClient:
         try:
             await self.stub.StepMasks(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
-            raise self._failure(err) from None
+            raise self.failure(err) from None
 
     async def load_adapter(self, slot: int, name: str, files: Mapping[str, bytes], timeout_s: float) -> None:
         """Place an adapter's files in a slot (never while a step runs: the core calls this
@@ -367,7 +377,7 @@ class WorkerClient:
         try:
             await self.stub.LoadAdapter(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
-            raise self._failure(err) from None
+            raise self.failure(err) from None
 
     async def fetch_blocks(
         self,
@@ -393,10 +403,10 @@ class WorkerClient:
         try:
             reply = await self.stub.FetchBlocks(request, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
-            raise self._failure(err) from None
+            raise self.failure(err) from None
         return TransferResult(reply.blocks, reply.bytes, reply.read_ms, reply.write_ms)
 
-    def _failure(self, err: grpc.aio.AioRpcError) -> WorkerCallFailed:
+    def failure(self, err: grpc.aio.AioRpcError) -> WorkerCallFailed:
         code = err.code()
         return WorkerCallFailed(self.address, code in _TRANSIENT, code.name, err.details() or "")
 

@@ -72,6 +72,11 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.step_id, self.info.instance_id, self.fake.last_sampled, samples.num_accepted, samples.draft_logprobs
         )
 
+    async def StepStream(self, request_iterator, context):
+        """Each step as Step runs it (a test's patched Step too); Step's abort ends the stream."""
+        async for request in request_iterator:
+            yield worker_pb2.StepReply(response=await self.Step(request, context))
+
 
 async def start_fake_worker(num_blocks: int, vocab_size: int, **kw) -> tuple[grpc.aio.Server, str, FakeWorkerServicer]:
     server = grpc.aio.server()

@@ -36,8 +36,9 @@ ALLOWED: dict[str, set[str]] = {
 # columns, its validation, its result, its errors) is the bottom every room
 # shares; `attention` and `models` need nothing of the worker; `runner` drives
 # them and `sampling`; `parallel` wraps models and the sampler and gets the
-# worker only through the factory `worker` hands it; `server` is the only
-# worker.v1 conversion; `__main__` composes.
+# worker only through the factory `worker` hands it; `server` (with `step_proto`, the
+# Step messages' conversions, and `step_rpc`, the Step calls) is the only worker.v1
+# conversion; `__main__` composes.
 WORKER_ALLOWED: dict[str, set[str]] = {
     "step": set(),
     "models": set(),
@@ -52,7 +53,9 @@ WORKER_ALLOWED: dict[str, set[str]] = {
     "config": {"parallel", "affinity"},  # parallel/layout.py: does the model split over the ranks
     "worker": {"step", "attention", "sampling", "runner", "models", "parallel", "config", "kv_offload", "lora"},
     "kv_transfer": {"step"},  # block bytes and their transport (disaggregation)
-    "server": {"step", "config", "worker", "lora", "kv_transfer"},  # lora: AdapterRefused, answered INVALID_ARGUMENT
+    "step_proto": {"step"},
+    "step_rpc": {"step", "worker", "step_proto"},
+    "server": {"step", "config", "worker", "lora", "kv_transfer", "step_proto", "step_rpc"},  # lora: AdapterRefused
     "__main__": {"step", "config", "allocator", "affinity", "worker", "server"},
 }
 
