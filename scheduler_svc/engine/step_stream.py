@@ -16,8 +16,8 @@ from proto import worker_pb2
 from scheduler_svc.engine.worker_client import (
     StepResult,
     WorkerClient,
+    call_failed,
     plan_to_proto,
-    refused,
     result_from_proto,
     stream_ended,
 )
@@ -85,5 +85,5 @@ class StepStream:
 
     def _result(self, reply: worker_pb2.StepReply) -> StepResult:
         if reply.HasField("refusal"):
-            raise refused(self._client.address, reply.refusal.code, reply.refusal.details)
+            raise call_failed(self._client.address, reply.refusal.code, reply.refusal.details)
         return result_from_proto(reply.response)

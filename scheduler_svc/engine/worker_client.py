@@ -29,9 +29,9 @@ _TRANSIENT = frozenset(
 )
 
 
-def refused(address: str, code_name: str, details: str) -> WorkerCallFailed:
-    """A step the worker answered with a refusal on its stream: as if its call had ended
-    with that status code (by name)."""
+def call_failed(address: str, code_name: str, details: str) -> WorkerCallFailed:
+    """A call to the worker that ended with this status code (by name), or a step it
+    refused on its stream with that code: transient or not by the code."""
     code = grpc.StatusCode.__members__.get(code_name, grpc.StatusCode.UNKNOWN)
     return WorkerCallFailed(address, code in _TRANSIENT, code.name, details)
 
@@ -407,8 +407,7 @@ class WorkerClient:
         return TransferResult(reply.blocks, reply.bytes, reply.read_ms, reply.write_ms)
 
     def failure(self, err: grpc.aio.AioRpcError) -> WorkerCallFailed:
-        code = err.code()
-        return WorkerCallFailed(self.address, code in _TRANSIENT, code.name, err.details() or "")
+        return call_failed(self.address, err.code().name, err.details() or "")
 
     async def close(self) -> None:
         await self.channel.close()
