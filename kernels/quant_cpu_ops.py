@@ -1,16 +1,18 @@
 """The C++ CPU kernels over GGUF blocks, with kernels/gguf_quant.py's reference
 signatures: quant_linear(x, weight) (fp32 activations, kernels/csrc/quant_linear_cpu.cpp)
-and quant_linear_int8(x, weight) (int8 activations, kernels/csrc/quant_int8_cpu.cpp)."""
+and quant_linear_int8(x, weight) (int8 activations, kernels/csrc/quant_int8_cpu.cpp),
+which also multiplies a weight packed for it at load (pack_int8: Int8Panels)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kernels import cpu_build
-from kernels.gguf_quant import QuantizedWeight
+from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
 from kernels.gguf_quant import quant_linear as reference_quant_linear
 from kernels.gguf_quant import quant_linear_int8 as reference_quant_linear_int8
 
@@ -23,13 +25,65 @@ def takes(weight: QuantizedWeight) -> bool:
     return weight.qtype in CPU_FORMATS and weight.data.device.type == "cpu" and cpu_build.load()
 
 
+@dataclass(frozen=True)
+class Int8Panels:
+    """A GGUF weight packed for the int8 panel GEMM (kernels/csrc/quant_int8_panel.h), in
+    the file's bytes, permuted: each full group of `lanes` rows is, block by block, the
+    rows' fp16 scales (Q4_1: then their m), then their quants as 4-byte lanes, lane n
+    of quant vector g holding row n's quant bytes 4g..4g+3 (Q8_0's + 128). The rows
+    after the last full group stay as the file has them. `qtype` names the layout, as
+    quant_linear_int8 takes it."""
+
+    format: str
+    lanes: int
+    out_features: int
+    in_features: int
+    data: Tensor
+
+    @property
+    def qtype(self) -> str:
+        return f"{self.format}x{self.lanes}"
+
+    def unpacked(self) -> QuantizedWeight:
+        """The weight as the file has it (this layout's definition, the tests' oracle)."""
+        lanes, size = self.lanes, BLOCK_FORMATS[self.format][1]
+        full, blocks = self.out_features // lanes * lanes, self.in_features // 32
+        scale_bytes = 4 if self.format == "Q4_1" else 2
+        groups = self.data[:full].reshape(full // lanes, blocks, lanes * size)
+        scales = groups[..., : scale_bytes * lanes].reshape(-1, blocks, scale_bytes // 2, lanes, 2)
+        quants = groups[..., scale_bytes * lanes :].reshape(-1, blocks, (size - scale_bytes) // 4, lanes, 4)
+        if self.format == "Q8_0":
+            quants = quants ^ 0x80
+        rows = torch.cat(  # [group, lane, block, bytes]
+            [scales.permute(0, 3, 1, 2, 4).flatten(3), quants.permute(0, 3, 1, 2, 4).flatten(3)], dim=-1
+        )
+        data = torch.cat([rows.reshape(full, -1), self.data[full:]])
+        return QuantizedWeight(self.format, self.out_features, self.in_features, data)
+
+    def dequantize(self) -> Tensor:
+        return self.unpacked().dequantize()
+
+
+def pack_int8(weight: QuantizedWeight) -> QuantizedWeight | Int8Panels:
+    """The weight packed for quant_linear_int8 where its panel GEMM takes the format in
+    this build (Q8_0 with VNNI, Q4_0, Q4_1 with AVX2; bench/results/int8_panel.md:
+    what it gains), else the weight as it is."""
+    if not takes(weight):
+        return weight
+    lanes = int(torch.ops.pagedserve_cpu.int8_pack_lanes(weight.qtype))
+    if lanes == 0:
+        return weight
+    data = torch.ops.pagedserve_cpu.pack_int8(weight.data, weight.qtype)
+    return Int8Panels(weight.qtype, lanes, weight.out_features, weight.in_features, data)
+
+
 def quant_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     """x [T, in] @ dequantize(weight).T -> [T, out] in x's dtype: fp32 products of x
     and the decoded weights, summed in fp32, rounded once to x's dtype."""
     return _call(torch.ops.pagedserve_cpu.quant_linear, reference_quant_linear, x, weight)
 
 
-def quant_linear_int8(x: Tensor, weight: QuantizedWeight) -> Tensor:
+def quant_linear_int8(x: Tensor, weight: QuantizedWeight | Int8Panels) -> Tensor:
     """x [T, in], quantized to int8 per 32-block, @ dequantize(weight).T -> [T, out] in
     x's dtype: integer dot products per block, scaled and summed in fp32."""
     return _call(torch.ops.pagedserve_cpu.quant_linear_int8, reference_quant_linear_int8, x, weight)
@@ -39,11 +93,11 @@ def _call(
     op: Callable[..., Tensor],
     reference: Callable[[Tensor, QuantizedWeight], Tensor],
     x: Tensor,
-    weight: QuantizedWeight,
+    weight: QuantizedWeight | Int8Panels,
 ) -> Tensor:
     """The op where it takes x's dtype (fp32, bf16; rows made contiguous), else the reference."""
     if x.dtype not in (torch.float32, torch.bfloat16):
-        return reference(x, weight)
+        return reference(x, weight.unpacked() if isinstance(weight, Int8Panels) else weight)
     if x.stride(-1) != 1:
         x = x.contiguous()
     return op(x, weight.data, weight.qtype, weight.out_features)

@@ -54,15 +54,21 @@ class Case:
     make: Callable[[int, int, np.random.Generator], Callable[[torch.Tensor], torch.Tensor]]
 
 
+def random_gguf(qtype: str, out: int, inp: int, rng: np.random.Generator) -> torch.Tensor:
+    """uint8 [out, inp / block * block bytes]: random Q8_0 / Q4_0 / Q4_1 blocks with finite
+    scales (random bytes can be inf or NaN)."""
+    elems, nbytes = BLOCK_FORMATS[qtype]
+    blocks = rng.integers(0, 256, size=(out, inp // elems, nbytes), dtype=np.uint8)
+    scales = np.full((out, inp // elems), 0.01, dtype=np.float16).view(np.uint8).reshape(out, inp // elems, 2)
+    blocks[:, :, 0:2] = scales
+    if qtype == "Q4_1":
+        blocks[:, :, 2:4] = scales
+    return torch.from_numpy(blocks.reshape(out, -1).copy())
+
+
 def gguf_case(qtype: str, op: str) -> Callable[[int, int, np.random.Generator], Callable[[torch.Tensor], torch.Tensor]]:
     def make(out: int, inp: int, rng: np.random.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
-        elems, nbytes = BLOCK_FORMATS[qtype]
-        blocks = rng.integers(0, 256, size=(out, inp // elems, nbytes), dtype=np.uint8)
-        scales = np.full((out, inp // elems), 0.01, dtype=np.float16).view(np.uint8).reshape(out, inp // elems, 2)
-        blocks[:, :, 0:2] = scales  # finite scales (random bytes can be inf or NaN)
-        if qtype == "Q4_1":
-            blocks[:, :, 2:4] = scales
-        data = torch.from_numpy(blocks.reshape(out, -1).copy())
+        data = random_gguf(qtype, out, inp, rng)
         kernel = getattr(torch.ops.pagedserve_cpu, op)
         return lambda x: kernel(x, data, qtype, out)
 

@@ -92,6 +92,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
     "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
     "Q8_0 gguf fp32": dict(dtype="float32", model=str(made_gguf("Q8_0"))),
+    "Q8_0 gguf int8": dict(dtype="float32", model=str(made_gguf("Q8_0")), quant_activations="int8"),
     # The C++ layer loop off (PAGEDSERVE_LAYER_LOOP=0 at load): the Python loop per layer.
     "all fp32 python loop": dict(dtype="float32", layer_loop="0"),
     "Q4_1 gguf fp32 python loop": dict(dtype="float32", model=SHIPPED_GGUF, layer_loop="0"),

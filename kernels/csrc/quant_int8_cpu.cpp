@@ -11,20 +11,25 @@
 // fp32), which is what bounds a decode step's few rows (quant_linear_cpu.cpp, the fp32
 // path, is what --quant-activations none and the exactness tests run). The price is x's
 // rounding to 8 bits per 32-block: the tokens move off the fp32 path's
-// (bench/results/cpu_gguf_step.md: how far). From kScaledFrom rows the decode is paid
-// once per panel and the multiply bounds the step: there x's quants, scaled back to fp32,
-// go through the fp32 path's packed tiles (one AVX2 core, Q4_1 576 x 1536: 32 rows
-// 53-56 GFLOP/s against the int8 tiles' 29-43, 256 rows 47-61 against 27-31).
+// (bench/results/cpu_gguf_step.md: how far).
 //
-// Where the build has AVX2, FMA and F16C, the formats of the shipped models (Q8_0, Q4_0,
-// Q4_1) run quant_int8_avx2.h's tiles over the blocks as the file has them. The others
-// (Q5_0, Q5_1, the K-quants), and every format on a build without AVX2, decode a group of
-// weight rows into int8 quants with a scale and an offset per 16 weights, then multiply
-// them by every row of x with plain loops the compiler vectorizes.
+// Where the build has AVX2, FMA and F16C, the formats of the shipped models (Q8_0 where
+// the build has VNNI too, Q4_0, Q4_1) run quant_int8_panel.h's panel GEMM: over a weight
+// packed at load (pack_int8: the worker packs every one but a tied head), or, from
+// kPanelFrom rows of x, over groups of rows repacked per call. Fewer rows of the file's
+// layout run quant_int8_avx2.h's tiles over the blocks as they are. The other formats
+// (Q5_0, Q5_1, the K-quants), and every format on a build without AVX2, decode a group
+// of weight rows into int8 quants with a scale and an offset per 16 weights, then
+// multiply them by every row of x with plain loops the compiler vectorizes; from
+// kScaledFrom rows, x's quants scaled back to fp32 go through the fp32 path's packed
+// tiles instead, where the decode is paid once per panel.
 //
-// Op (torch.ops.pagedserve_cpu): quant_linear_int8(x, data, qtype, out_features) -> y;
+// Ops (torch.ops.pagedserve_cpu): quant_linear_int8(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
-// y [M, N] in x's dtype, rounded once from the fp32 sums.
+// y [M, N] in x's dtype, rounded once from the fp32 sums; qtype a GGUF type's name, or a
+// packed layout's ("Q8_0x16": the format and the panels' lanes). int8_pack_lanes(qtype)
+// -> the lanes this build packs the format into (0: not packed); pack_int8(data, qtype)
+// -> data packed, the same shape (kernels/quant_cpu_ops.py's Int8Panels: the layout).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,103 +48,13 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_INT8_AVX2 1
 #include "quant_int8_avx2.h"
+#include "quant_int8_panel.h"
 #endif
+#include "quant_int8_x.h"
 
 namespace {
 
 using namespace pagedserve_cpu;
-
-// x quantized: quants [M][K], a scale per 32-block [M][K / 32], the sums of the quants
-// per 16 [M][K / 16] (the factor of the offsets and the affine formats' m), and per
-// 32-block the scale times the sum (ds [M][K / 32], as llama.cpp's Q8_1 keeps it).
-struct QuantizedX {
-  int64_t M, K;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> sum16;
-  std::vector<float> ds;
-};
-
-// Without reassociation (the build allows it): GCC may fold x * (127 / amax) into
-// (x * 127) / amax, another rounding than the reference's, and a tie would round apart.
-#pragma GCC push_options
-#pragma GCC optimize("no-associative-math")
-// One 32-block of x quantized: its quants into q; returns its scale. The same fp32
-// operations in vectors where x is fp32 (the scalar loop called libm's nearbyint per
-// element: a third of a prefill's int8 multiply); round to nearest even either way.
-template <typename T>
-float quantize_block(const T* x, int8_t* q) {
-#ifdef PAGEDSERVE_INT8_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 v[4], top = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
-    }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-    const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
-    alignas(32) int32_t lanes[8];
-    for (int i = 0; i < 4; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_cvtps_epi32(r));
-      for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<int8_t>(lanes[j]);
-    }
-    return amax / 127.0f;
-  }
-#endif
-  float v[32];
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) {
-    if constexpr (std::is_same_v<T, float>)
-      v[i] = x[i];
-    else
-      v[i] = bf16_to_float(x[i]);
-    amax = std::max(amax, std::fabs(v[i]));
-  }
-  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
-  return amax / 127.0f;
-}
-
-template <typename T>
-QuantizedX quantize_x(const T* x, int64_t ldx, int64_t M, int64_t K) {
-  QuantizedX out{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<int32_t>(M * K / 16),
-                 std::vector<float>(M * K / 32)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / 32; ++b) {
-      int8_t* q = out.q.data() + m * K + b * 32;
-      out.d[m * (K / 32) + b] = quantize_block(x + m * ldx + b * 32, q);
-      for (int h = 0; h < 2; ++h) {
-        int32_t s = 0;
-        for (int i = 0; i < 16; ++i) s += q[h * 16 + i];
-        out.sum16[m * (K / 16) + b * 2 + h] = s;
-      }
-      out.ds[m * (K / 32) + b] = out.d[m * (K / 32) + b] *
-                                 static_cast<float>(out.sum16[m * (K / 16) + b * 2] + out.sum16[m * (K / 16) + b * 2 + 1]);
-    }
-  return out;
-}
-
-// x's quants scaled back to fp32 (d * q, rounded once) [M, K], the rows shared by the
-// threads: at a prefill's rows, done on one thread this took a third of the multiply.
-template <typename T>
-at::Tensor scaled_back(const T* x, int64_t ldx, int64_t M, int64_t K) {
-  at::Tensor out = at::empty({M, K}, at::kFloat);
-  float* o = out.data_ptr<float>();
-  share_items(M, K * 4, [&](int64_t m0, int64_t m1) {
-    int8_t q[32];
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < K / 32; ++b) {
-        const float d = quantize_block(x + m * ldx + b * 32, q);
-        for (int i = 0; i < 32; ++i) o[m * K + b * 32 + i] = d * static_cast<float>(q[i]);
-      }
-  });
-  return out;
-}
-#pragma GCC pop_options
 
 // A block's quants as int8 with, per 16 weights, a scale and an offset: w = dw * q + mw.
 template <Format F>
@@ -319,37 +234,125 @@ void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
       tiles_over_rows<F, 4, 2>(data, row_bytes, x, n0, n1, y, N);
   });
 }
+
+// The panel GEMM (quant_int8_panel.h): the output rows shared out over the threads a
+// group of panel::kLanes at a time. Each group is a panel packed at load (pack_int8), or
+// is repacked here once and serves every row of x, kMR rows at a time: from kPanelFrom
+// rows of x, where that beats the tiles.
+constexpr int64_t kPanelFrom = 4;
+constexpr int kMR = panel::kLanes == 16 ? 8 : 4;  // x's rows per pass: what the registers hold
+
+template <Format F, int MR, typename T>
+void panel_rows(const uint8_t* pan, bool streamed, const QuantizedX& x, int64_t m, int64_t n0, int rows, T* y,
+                int64_t N) {
+  constexpr int L = panel::kLanes;
+  const int64_t blocks = x.K / 32;
+  alignas(64) float out[MR * L];
+  panel::multiply<F, MR>(pan, streamed, blocks, x.K, x.q.data() + m * x.K, x.d.data() + m * blocks,
+                         x.ds.data() + m * blocks, x.sum32.data() + m * blocks, out);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < rows; ++n) store(y + (m + r) * N + n0 + n, out[r * L + n]);
+}
+
+// packed: the data's full groups are panels (pack_int8); a last partial group is as the
+// file has it.
+template <Format F, typename T>
+void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed, T* y) {
+  constexpr int L = panel::kLanes;
+  const int64_t blocks = x.K / 32, row_bytes = pagedserve_cpu::row_bytes<F>(x.K);
+  share_items((N + L - 1) / L, L * x.K * x.M, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> buffer;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * L;
+      const int rows = static_cast<int>(std::min<int64_t>(L, N - n0));
+      const bool streamed = packed && rows == L;
+      const uint8_t* pan = data + n0 * row_bytes;
+      if (!streamed) {
+        buffer.resize(blocks * panel::block_stride<F>());
+        panel::repack<F>(data, row_bytes, blocks, n0, rows, buffer.data());
+        pan = buffer.data();
+      }
+      int64_t m = 0;
+      for (; m + kMR <= x.M; m += kMR) panel_rows<F, kMR>(pan, streamed, x, m, n0, rows, y, N);
+      for (; m < x.M; ++m) panel_rows<F, 1>(pan, streamed, x, m, n0, rows, y, N);
+    }
+  });
+}
+
+// The weight with its full groups of panel::kLanes rows packed into panels, in as many
+// bytes; the rows after them as they are.
+template <Format F>
+at::Tensor pack_groups(const at::Tensor& data, int64_t N, int64_t K) {
+  constexpr int L = panel::kLanes;
+  const int64_t blocks = K / 32, row_bytes = pagedserve_cpu::row_bytes<F>(K);
+  at::Tensor out = data.clone();
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  share_items(N / L, L * K, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) panel::repack<F>(src, row_bytes, blocks, g * L, L, dst + g * L * row_bytes);
+  });
+  return out;
+}
 #endif
 
-// From kScaledFrom rows of x (a prefill, a step of many streams), x's quants are scaled
-// back to fp32 (d * q, rounded once) and multiplied by the fp32 path's packed tiles: the
-// same x's quants and scales as the int8 tiles, so the same product up to fp32
-// rounding, the bound the tests hold both to.
+// From kScaledFrom rows of x (a prefill, a step of many streams) in a format without
+// panels, x's quants are scaled back to fp32 (d * q, rounded once) and multiplied by the
+// fp32 path's packed tiles: the same x's quants and scales as the int8 tiles, so the
+// same product up to fp32 rounding, the bound the tests hold both to.
 constexpr int64_t kScaledFrom = 16;
+
+// A packed weight's qtype names its layout: the file's format and the panels' lanes
+// ("Q8_0x16"), so a weight packed by one build is refused by another.
+struct Layout {
+  std::string format;
+  bool packed;
+};
+
+Layout layout_of(c10::string_view qtype) {
+  std::string name(qtype);
+#ifdef PAGEDSERVE_INT8_AVX2
+  const std::string suffix = "x" + std::to_string(panel::kLanes);
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+    return {name.substr(0, name.size() - suffix.size()), true};
+#endif
+  return {name, false};
+}
+
+// The panels' lanes where the panel GEMM takes `format` in this build, else 0.
+int64_t panel_lanes(const FormatInfo& fi) {
+  int64_t lanes = 0;
+#ifdef PAGEDSERVE_INT8_AVX2
+  dispatch(fi.format, [&](auto format) { lanes = panel::panel_takes<decltype(format)::value>() ? panel::kLanes : 0; });
+#endif
+  return lanes;
+}
 
 at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype,
                              int64_t out_features) {
-  const FormatInfo fi = checked_format(x, data, qtype, out_features, "quant_linear_int8");
-  const int64_t K = x.size(1);
-  if (x.size(0) >= kScaledFrom) {
+  const Layout layout = layout_of(qtype);
+  const FormatInfo fi = checked_format(x, data, layout.format, out_features, "quant_linear_int8");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(!layout.packed || panel_lanes(fi) > 0, "quant_linear_int8: ", layout.format, " is not packed here");
+  const bool by_panel = panel_lanes(fi) > 0 && (layout.packed || M >= kPanelFrom);
+  if (M >= kScaledFrom && !by_panel) {
     const at::Tensor x_hat =
         x.scalar_type() == at::kFloat
-            ? scaled_back(x.data_ptr<float>(), x.stride(0), x.size(0), K)
-            : scaled_back(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0), K);
+            ? scaled_back(x.data_ptr<float>(), x.stride(0), M, K)
+            : scaled_back(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K);
     return quant_linear(x_hat, data, qtype, out_features).to(x.scalar_type());
   }
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  if (x.size(0) == 0 || out_features == 0) return y;
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  if (M == 0 || out_features == 0) return y;
   const uint8_t* d = data.data_ptr<uint8_t>();
   const auto go = [&](auto format) {
     constexpr Format F = decltype(format)::value;
     const auto with = [&](auto* xp, auto* yp) {
-      const QuantizedX xq = quantize_x(xp, x.stride(0), x.size(0), K);
+      const QuantizedX xq = quantize_x(xp, x.stride(0), M, K);
 #ifdef PAGEDSERVE_INT8_AVX2
-      if constexpr (avx2_format<F>()) {
-        run_avx2<F>(xq, d, out_features, yp);
-        return;
+      if constexpr (panel::panel_takes<F>()) {
+        if (by_panel) return run_panel<F>(xq, d, out_features, layout.packed, yp);
       }
+      if constexpr (avx2_format<F>()) return run_avx2<F>(xq, d, out_features, yp);
 #endif
       run_generic<F>(xq, fi, d, out_features, yp);
     };
@@ -362,10 +365,38 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
   return y;
 }
 
+int64_t int8_pack_lanes(c10::string_view qtype) {
+  const std::string name(qtype);
+  return panel_lanes(format_of(name, "int8_pack_lanes"));
+}
+
+// data [N, K / 32 * block_bytes] as the file has it -> the same bytes packed for
+// quant_linear_int8 under the qtype "<qtype>x<int8_pack_lanes(qtype)>".
+at::Tensor pack_int8(const at::Tensor& data, c10::string_view qtype) {
+  const FormatInfo fi = format_of(std::string(qtype), "pack_int8");
+  TORCH_CHECK(panel_lanes(fi) > 0, "pack_int8: ", std::string(qtype), " is not packed here");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
+                  data.size(1) % fi.bytes == 0,
+              "pack_int8: data must be uint8 [N, K / ", fi.elems, " * ", fi.bytes, "]");
+  at::Tensor out;
+#ifdef PAGEDSERVE_INT8_AVX2
+  dispatch(fi.format, [&](auto format) {
+    constexpr Format F = decltype(format)::value;
+    if constexpr (panel::panel_takes<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("quant_linear_int8(Tensor x, Tensor data, str qtype, int out_features) -> Tensor");
+  m.def("int8_pack_lanes(str qtype) -> int", &int8_pack_lanes);
+  m.def("pack_int8(Tensor data, str qtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("quant_linear_int8", &quant_linear_int8); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("quant_linear_int8", &quant_linear_int8);
+  m.impl("pack_int8", &pack_int8);
+}

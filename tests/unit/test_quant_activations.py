@@ -6,9 +6,11 @@ mean nothing."""
 from __future__ import annotations
 
 import pytest
+import torch
 from structlog.testing import capture_logs
 
 from kernels import cpu_ops
+from kernels.quant_cpu_ops import Int8Panels
 from tests.helpers.checkpoints import tiny_checkpoint
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.gguf_tokens import BLOCK_SIZE, worker_tokens
@@ -34,6 +36,27 @@ def test_int8_reaches_every_quantized_linear_and_the_kernel_gives_the_reference_
     for projection in (layer.qkv, layer.o, layer.gate_up.linear, layer.down, fused.model.lm_head):  # type: ignore[attr-defined]
         assert isinstance(projection, QuantLinear) and projection.int8
         assert projection.kernel == ("cpu" if cpu_ops.available() else "")
+    assert worker_tokens(fused) == worker_tokens(int8_worker(path, eager=True))
+
+
+@pytest.mark.skipif(
+    not cpu_ops.available() or not torch.ops.pagedserve_cpu.int8_pack_lanes("Q4_1"),
+    reason="the C++ CPU kernels could not be built here, or without AVX2 (no panels)",
+)
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_packs_the_weights_at_load_but_a_tied_head_and_gives_the_same_tokens(tmp_path, tied):
+    """Q4_1's projections packed into panels (quant_cpu_ops.Int8Panels) at load; a tied
+    head stays in the file's layout, which the embedding reads rows of. The tokens are
+    the per-op forward's, which multiplies the file's blocks with the torch reference."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_1", seed=6, tied=tied)
+    fused = int8_worker(path, eager=False)
+    layer = fused.model.layers[0]
+    for projection in (layer.qkv, layer.o, layer.gate_up.linear, layer.down):  # type: ignore[attr-defined]
+        assert isinstance(projection.weight, Int8Panels) and projection.weight.format == "Q4_1"
+    head = fused.model.lm_head
+    assert isinstance(head, QuantLinear) and isinstance(head.weight, Int8Panels) is not tied
+    if tied:
+        assert head.weight is fused.model.embed
     assert worker_tokens(fused) == worker_tokens(int8_worker(path, eager=True))
 
 

@@ -120,3 +120,49 @@ def test_wrong_shapes_are_refused():
         op(torch.randn(1, 48), weight.data, "Q8_0", 4)
     with pytest.raises(RuntimeError, match="IQ4_NL is not decoded"):
         op(torch.randn(1, 64), weight.data, "IQ4_NL", 4)
+
+
+# the formats this build packs into panels (Q8_0 needs VNNI; none without AVX2)
+PANEL_FORMATS = [
+    q for q in ("Q8_0", "Q4_0", "Q4_1") if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
+]
+
+
+@pytest.mark.parametrize("qtype", PANEL_FORMATS)
+def test_a_packed_weight_holds_the_file_s_bytes(qtype: str):
+    """pack_int8 permutes the bytes (Int8Panels.unpacked, written from the layout's
+    description, puts them back); the rows past the last full group stay as they are."""
+    weight = random_blocks(qtype, out_features=37, in_features=96, seed=7)
+    packed = quant_cpu_ops.pack_int8(weight)
+    assert isinstance(packed, quant_cpu_ops.Int8Panels) and packed.lanes in (8, 16)
+    assert packed.data.shape == weight.data.shape and not torch.equal(packed.data, weight.data)
+    assert torch.equal(packed.unpacked().data, weight.data)
+    tail = 37 // packed.lanes * packed.lanes
+    assert torch.equal(packed.data[tail:], weight.data[tail:])
+
+
+@pytest.mark.parametrize("qtype", PANEL_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 40])
+def test_a_packed_weight_multiplies_as_the_file_s(qtype: str, rows: int):
+    """Within the reference's bound at every row count, and the same bits as the file's
+    layout where that takes the panels too (from 4 rows: a group repacked per call)."""
+    weight = random_blocks(qtype, out_features=37, in_features=96, seed=rows)
+    packed = quant_cpu_ops.pack_int8(weight)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = quant_cpu_ops.quant_linear_int8(x, packed)
+    assert_within_fp32_scale_sums(got, x, weight)
+    if rows >= 4:
+        assert torch.equal(got, quant_cpu_ops.quant_linear_int8(x, weight))
+    got_bf16 = quant_cpu_ops.quant_linear_int8(x.bfloat16(), packed)
+    assert_within_fp32_scale_sums(got_bf16.float(), x.bfloat16().float(), weight, rel=2.0**-8)
+    assert torch.equal(quant_cpu_ops.quant_linear_int8(x.half(), packed), quant_linear_int8(x.half(), weight))
+
+
+def test_a_layout_this_build_does_not_pack_is_refused():
+    weight = random_blocks("Q5_0", out_features=16, in_features=64, seed=3)
+    assert quant_cpu_ops.pack_int8(weight) is weight  # no panels for Q5_0: the file's layout
+    op = torch.ops.pagedserve_cpu.quant_linear_int8
+    with pytest.raises(RuntimeError, match="Q8_0x7 is not decoded"):
+        op(torch.randn(1, 64), random_blocks("Q8_0", out_features=4, in_features=64, seed=2).data, "Q8_0x7", 4)
+    with pytest.raises(RuntimeError, match="pack_int8: Q5_0 is not packed here"):
+        torch.ops.pagedserve_cpu.pack_int8(weight.data, "Q5_0")

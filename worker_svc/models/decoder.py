@@ -253,7 +253,7 @@ class DecoderModel:
         final_norm = norm("model.norm.weight")
         assert final_norm is not None
         check_consumed(tensors, spec.model_type)
-        head = projection([lm_head], None, cpu_linears, qa)
+        head = projection([lm_head], None, cpu_linears, qa, shared=spec.tie_word_embeddings)
         model = cls(spec, embed_weight, layers, final_norm, head, ops, dtype)
         if formats:
             model.weight_format = "gguf " + "+".join(formats)

@@ -27,7 +27,7 @@ build whichever a weight needs, so the decoder has one path for both.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -162,16 +162,22 @@ class QuantLinear:
     (kernels/triton/gguf_gemm.py) and on the CPU where the C++ kernel takes the
     format, else the reference (dequantize on every call, then multiply).
     activations "int8": x quantized per 32-block and integer dot products
-    (--quant-activations; the C++ kernel, else its reference)."""
+    (--quant-activations; the C++ kernel, else its reference), the C++ kernel's weight
+    packed for it at load (quant_cpu_ops.pack_int8) unless `shared` (a tied head's blocks
+    are the embedding table's too, which reads rows in the file's layout)."""
 
-    def __init__(self, weight: QuantizedWeight, cpu_kernel: bool = False, activations: str = "none"):
-        self.weight = weight
+    def __init__(
+        self, weight: QuantizedWeight, cpu_kernel: bool = False, activations: str = "none", shared: bool = False
+    ):
+        self.weight: QuantizedWeight | quant_cpu_ops.Int8Panels = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.kernel = quant_kernel(weight.data.device, cpu_kernel and quant_cpu_ops.takes(weight))
-        self.op = quant_op(self.kernel)
+        self.op: Callable[[torch.Tensor, Any], torch.Tensor] = quant_op(self.kernel)
         self.int8 = activations == "int8"
         if self.int8:
             self.op = quant_cpu_ops.quant_linear_int8 if self.kernel == "cpu" else quant_linear_int8
+            if self.kernel == "cpu" and not shared:
+                self.weight = quant_cpu_ops.pack_int8(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.weight)
@@ -229,10 +235,12 @@ def embed_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return F.embedding(ids, table if isinstance(table, torch.Tensor) else dense(table, dtype))
 
 
-def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False, quant_activations: str = "none") -> Projection:
+def make_linear(
+    parts: Sequence[Weight], cpu_kernel: bool = False, quant_activations: str = "none", shared: bool = False
+) -> Projection:
     """The projection by the parts' rows stacked (q, k, v: one matmul): one Linear over
     tensors, one QuantLinear over blocks of one format, else one per part.
-    quant_activations: QuantLinear's activations."""
+    quant_activations, shared: QuantLinear's activations and shared."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         tensors = [p for p in parts if isinstance(p, torch.Tensor)]
         return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), cpu_kernel=cpu_kernel)
@@ -242,8 +250,8 @@ def make_linear(parts: Sequence[Weight], cpu_kernel: bool = False, quant_activat
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     stacked = stack(blocks) if len(blocks) == len(parts) else None
     if stacked is not None:
-        return QuantLinear(stacked, cpu_kernel, quant_activations)
-    return Concat([make_linear([p], cpu_kernel, quant_activations) for p in parts])
+        return QuantLinear(stacked, cpu_kernel, quant_activations, shared)
+    return Concat([make_linear([p], cpu_kernel, quant_activations, shared) for p in parts])
 
 
 def gated_linear(

@@ -25,10 +25,15 @@ class Biased:
 
 
 def projection(
-    parts: Sequence[Weight], bias: torch.Tensor | None, cpu_kernel: bool, quant_activations: str = "none"
+    parts: Sequence[Weight],
+    bias: torch.Tensor | None,
+    cpu_kernel: bool,
+    quant_activations: str = "none",
+    shared: bool = False,
 ) -> Projection:
-    """The parts' rows stacked (q, k, v: one multiply; models/linear.py's factory)."""
-    linear = make_linear(parts, cpu_kernel=cpu_kernel, quant_activations=quant_activations)
+    """The parts' rows stacked (q, k, v: one multiply; models/linear.py's factory).
+    shared: the weight is read elsewhere too (a tied head), so kept in the file's layout."""
+    linear = make_linear(parts, cpu_kernel=cpu_kernel, quant_activations=quant_activations, shared=shared)
     return linear if bias is None else Biased(linear, bias)
 
 

@@ -1,0 +1,180 @@
+// The int8-activation product at a batch's rows (quant_int8_cpu.cpp, from kPanelFrom rows
+// of x) over the 32-weight formats of the shipped models (Q8_0, Q4_0, Q4_1): llama.cpp's
+// repacked GEMM, with the repacking done per call.
+//
+// A group of kLanes weight rows is repacked into a panel: each 32-block becomes 8 vectors
+// whose lane n holds row n's quants 4g..4g+3 (g = 0..7) as unsigned bytes, then the rows'
+// scales and offsets as fp32. One dpbusd per 4 of x's quants (broadcast to every lane)
+// then adds kLanes rows' partial dot products, and a block's kLanes integer sums are
+// scaled with one convert and one FMA per row of x. quant_int8_avx2.h's tile pays the
+// convert and the scale per (row of x, weight row) pair, 8 lanes' partials of one pair,
+// and so is no faster than the fp32 path at a batch's rows; this is ~2.5x (AVX-512 VNNI,
+// bench/results/int8_panel.md).
+//
+// The panel is built per call (a few instructions per weight, amortized over x's rows),
+// so the weights stay as the file has them: the decode's tiles, the fp32 path and a tied
+// embedding read the same bytes, and the resident memory is the file's.
+//
+// The unsigned operand: Q8_0's quants + 128, Q4's nibbles. A block's integer sum starts
+// at -bias times the sum of x's quants over the block (bias 128 for Q8_0, 8 for Q4_0), so
+// it ends as the exact dot product of the signed quants; Q4_1's m multiplies x's scaled
+// block sum (ds) in fp32, as the tile's affine terms do. Without VNNI the dot product is
+// vpmaddubsw's, which saturates pairs past 32767: Q8_0's 255 * 127 * 2 would, so Q8_0
+// takes the panel only where the build has VNNI (panel_takes).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_formats.h"
+#include "quant_int8_avx2.h"
+#include "weight_prefetch.h"
+
+namespace pagedserve_cpu {
+namespace panel {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kLanes = 16;
+constexpr bool kVnni = true;
+using VI = __m512i;
+using VF = __m512;
+inline VI set1_i(int32_t v) { return _mm512_set1_epi32(v); }
+inline VI dot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VF to_f(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF set1_f(float v) { return _mm512_set1_ps(v); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VF mul_f(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF fma_f(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store_f(float* p, VF v) { _mm512_store_ps(p, v); }
+#else
+constexpr int kLanes = 8;
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+using VI = __m256i;
+using VF = __m256;
+inline VI set1_i(int32_t v) { return _mm256_set1_epi32(v); }
+inline VI dot(VI acc, VI u, VI s) { return _mm256_add_epi32(acc, qdot::dot_u8_s8(u, s)); }
+inline VF to_f(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF set1_f(float v) { return _mm256_set1_ps(v); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VF mul_f(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF fma_f(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
+#endif
+
+template <Format F>
+constexpr bool panel_takes() {
+  return F == Format::kQ4_0 || F == Format::kQ4_1 || (F == Format::kQ8_0 && kVnni);
+}
+
+template <Format F>
+constexpr int32_t bias() {
+  return F == Format::kQ8_0 ? 128 : (F == Format::kQ4_0 ? 8 : 0);
+}
+
+// A panel block: the kLanes rows' fp16 scales (Q4_1: then their m), then the quants as
+// vectors of kLanes 4-byte lanes: Q8_0's 8 (lane n of vector g: row n's quants 4g..4g+3,
+// + 128), Q4's 4 (lane n of vector j: row n's quant bytes 4j..4j+3, whose low nibbles are
+// weights 4j..4j+3 and high ones 16 + 4j..). kLanes blocks of the file in as many bytes.
+template <Format F>
+constexpr int64_t header_bytes() {
+  return (F == Format::kQ4_1 ? 4 : 2) * kLanes;
+}
+template <Format F>
+constexpr int64_t block_stride() {
+  return static_cast<int64_t>(block_bytes<F>()) * kLanes;
+}
+
+// Rows n0 .. n0 + rows (rows <= kLanes) of the file's blocks repacked into `panel`
+// (blocks * block_stride bytes); the lanes past `rows` get zero scales. Row by row: the
+// group's rows are one run of memory, which the hardware prefetcher follows (the rows
+// side by side, a block of each in turn, ran at half the speed), and each row asks for
+// its share of the group kPrefetchTiles on (weight_prefetch.h): a row (~600 bytes) is
+// too short for the prefetcher to ramp up.
+template <Format F>
+void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, int rows, uint8_t* panel) {
+  constexpr int kBytes = block_bytes<F>();
+  constexpr int kScales = F == Format::kQ4_1 ? 2 : 1;
+  constexpr int kGroups = F == Format::kQ8_0 ? 8 : 4;
+  for (int n = 0; n < kLanes; ++n) {
+    const uint8_t* row = data + (n0 + n) * row_bytes;
+    prefetch_ahead(data + n0 * row_bytes, kLanes * row_bytes, n, kLanes);
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* p = panel + b * block_stride<F>();
+      uint8_t* q = p + header_bytes<F>();
+      if (n >= rows) {
+        for (int s = 0; s < kScales; ++s) std::memset(p + (s * kLanes + n) * 2, 0, 2);
+        for (int g = 0; g < kGroups; ++g) std::memset(q + g * 4 * kLanes + 4 * n, 0, 4);
+        continue;
+      }
+      const uint8_t* blk = row + b * kBytes;
+      for (int s = 0; s < kScales; ++s) std::memcpy(p + (s * kLanes + n) * 2, blk + 2 * s, 2);
+      const uint8_t* qs = blk + 2 * kScales;
+      for (int g = 0; g < kGroups; ++g) {
+        uint32_t four;
+        std::memcpy(&four, qs + 4 * g, 4);
+        if constexpr (F == Format::kQ8_0) four ^= 0x80808080u;
+        std::memcpy(q + g * 4 * kLanes + 4 * n, &four, 4);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+inline VF halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VI load_u(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline VI high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+#else
+inline VF halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI load_u(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VI low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline VI high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+#endif
+
+// out[r][0:kLanes] = rows 0 .. MR of x times a panel's kLanes weight rows (a repacked
+// group, or one packed at load: `streamed`, read from memory, the next groups prefetched).
+// qx: x's quants (K apart), dx / ds: their block scales and scaled sums, s32: the sums of
+// their quants per block (blocks apart each).
+template <Format F, int MR>
+void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, const int8_t* qx, const float* dx,
+              const float* ds, const int32_t* s32, float* out) {
+  VF acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = zero_f();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = panel + b * block_stride<F>();
+    const uint8_t* q = p + header_bytes<F>();
+    if (streamed) prefetch_ahead(panel, blocks * block_stride<F>(), b, blocks);
+    VI w[8];
+    if constexpr (F == Format::kQ8_0) {
+      for (int g = 0; g < 8; ++g) w[g] = load_u(q + g * 4 * kLanes);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const VI v = load_u(q + j * 4 * kLanes);
+        w[j] = low_nibbles(v);
+        w[4 + j] = high_nibbles(v);
+      }
+    }
+    const VF dw = halves(p);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = qx + r * K + b * 32;
+      VI sum = set1_i(-bias<F>() * s32[r * blocks + b]);
+      for (int g = 0; g < 8; ++g) {
+        int32_t four;
+        std::memcpy(&four, xq + 4 * g, 4);
+        sum = dot(sum, w[g], set1_i(four));
+      }
+      acc[r] = fma_f(to_f(sum), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
+      if constexpr (F == Format::kQ4_1) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_f(out + r * kLanes, acc[r]);
+}
+
+}  // namespace panel
+}  // namespace pagedserve_cpu
