@@ -236,19 +236,19 @@ void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
 }
 
 // The panel GEMM (quant_int8_panel.h): the output rows shared out over the threads a
-// group of panel::kLanes at a time. Each group is a panel packed at load (pack_int8), or
+// group of int8_panel::kLanes at a time. Each group is a panel packed at load (pack_int8), or
 // is repacked here once and serves every row of x, kMR rows at a time: from kPanelFrom
 // rows of x, where that beats the tiles.
 constexpr int64_t kPanelFrom = 4;
-constexpr int kMR = panel::kLanes == 16 ? 8 : 4;  // x's rows per pass: what the registers hold
+constexpr int kMR = int8_panel::kLanes == 16 ? 8 : 4;  // x's rows per pass: what the registers hold
 
 template <Format F, int MR, typename T>
 void panel_rows(const uint8_t* pan, bool streamed, const QuantizedX& x, int64_t m, int64_t n0, int rows, T* y,
                 int64_t N) {
-  constexpr int L = panel::kLanes;
+  constexpr int L = int8_panel::kLanes;
   const int64_t blocks = x.K / 32;
   alignas(64) float out[MR * L];
-  panel::multiply<F, MR>(pan, streamed, blocks, x.K, x.q.data() + m * x.K, x.d.data() + m * blocks,
+  int8_panel::multiply<F, MR>(pan, streamed, blocks, x.K, x.q.data() + m * x.K, x.d.data() + m * blocks,
                          x.ds.data() + m * blocks, x.sum32.data() + m * blocks, out);
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < rows; ++n) store(y + (m + r) * N + n0 + n, out[r * L + n]);
@@ -258,7 +258,7 @@ void panel_rows(const uint8_t* pan, bool streamed, const QuantizedX& x, int64_t 
 // file has it.
 template <Format F, typename T>
 void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed, T* y) {
-  constexpr int L = panel::kLanes;
+  constexpr int L = int8_panel::kLanes;
   const int64_t blocks = x.K / 32, row_bytes = pagedserve_cpu::row_bytes<F>(x.K);
   share_items((N + L - 1) / L, L * x.K * x.M, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> buffer;
@@ -268,8 +268,8 @@ void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed,
       const bool streamed = packed && rows == L;
       const uint8_t* pan = data + n0 * row_bytes;
       if (!streamed) {
-        buffer.resize(blocks * panel::block_stride<F>());
-        panel::repack<F>(data, row_bytes, blocks, n0, rows, buffer.data());
+        buffer.resize(blocks * int8_panel::block_stride<F>());
+        int8_panel::repack<F>(data, row_bytes, blocks, n0, rows, buffer.data());
         pan = buffer.data();
       }
       int64_t m = 0;
@@ -279,17 +279,17 @@ void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed,
   });
 }
 
-// The weight with its full groups of panel::kLanes rows packed into panels, in as many
+// The weight with its full groups of int8_panel::kLanes rows packed into panels, in as many
 // bytes; the rows after them as they are.
 template <Format F>
 at::Tensor pack_groups(const at::Tensor& data, int64_t N, int64_t K) {
-  constexpr int L = panel::kLanes;
+  constexpr int L = int8_panel::kLanes;
   const int64_t blocks = K / 32, row_bytes = pagedserve_cpu::row_bytes<F>(K);
   at::Tensor out = data.clone();
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   share_items(N / L, L * K, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) panel::repack<F>(src, row_bytes, blocks, g * L, L, dst + g * L * row_bytes);
+    for (int64_t g = g0; g < g1; ++g) int8_panel::repack<F>(src, row_bytes, blocks, g * L, L, dst + g * L * row_bytes);
   });
   return out;
 }
@@ -311,7 +311,7 @@ struct Layout {
 Layout layout_of(c10::string_view qtype) {
   std::string name(qtype);
 #ifdef PAGEDSERVE_INT8_AVX2
-  const std::string suffix = "x" + std::to_string(panel::kLanes);
+  const std::string suffix = "x" + std::to_string(int8_panel::kLanes);
   if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
     return {name.substr(0, name.size() - suffix.size()), true};
 #endif
@@ -322,7 +322,7 @@ Layout layout_of(c10::string_view qtype) {
 int64_t panel_lanes(const FormatInfo& fi) {
   int64_t lanes = 0;
 #ifdef PAGEDSERVE_INT8_AVX2
-  dispatch(fi.format, [&](auto format) { lanes = panel::panel_takes<decltype(format)::value>() ? panel::kLanes : 0; });
+  dispatch(fi.format, [&](auto format) { lanes = int8_panel::panel_takes<decltype(format)::value>() ? int8_panel::kLanes : 0; });
 #endif
   return lanes;
 }
@@ -349,7 +349,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
     const auto with = [&](auto* xp, auto* yp) {
       const QuantizedX xq = quantize_x(xp, x.stride(0), M, K);
 #ifdef PAGEDSERVE_INT8_AVX2
-      if constexpr (panel::panel_takes<F>()) {
+      if constexpr (int8_panel::panel_takes<F>()) {
         if (by_panel) return run_panel<F>(xq, d, out_features, layout.packed, yp);
       }
       if constexpr (avx2_format<F>()) return run_avx2<F>(xq, d, out_features, yp);
@@ -382,7 +382,7 @@ at::Tensor pack_int8(const at::Tensor& data, c10::string_view qtype) {
 #ifdef PAGEDSERVE_INT8_AVX2
   dispatch(fi.format, [&](auto format) {
     constexpr Format F = decltype(format)::value;
-    if constexpr (panel::panel_takes<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
+    if constexpr (int8_panel::panel_takes<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
   });
 #endif
   return out;

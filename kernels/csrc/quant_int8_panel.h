@@ -33,7 +33,7 @@
 #include "weight_prefetch.h"
 
 namespace pagedserve_cpu {
-namespace panel {
+namespace int8_panel {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kLanes = 16;
@@ -42,6 +42,7 @@ using VI = __m512i;
 using VF = __m512;
 inline VI set1_i(int32_t v) { return _mm512_set1_epi32(v); }
 inline VI dot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VI add_i(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VF to_f(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF set1_f(float v) { return _mm512_set1_ps(v); }
 inline VF zero_f() { return _mm512_setzero_ps(); }
@@ -59,6 +60,7 @@ using VI = __m256i;
 using VF = __m256;
 inline VI set1_i(int32_t v) { return _mm256_set1_epi32(v); }
 inline VI dot(VI acc, VI u, VI s) { return _mm256_add_epi32(acc, qdot::dot_u8_s8(u, s)); }
+inline VI add_i(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VF to_f(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF set1_f(float v) { return _mm256_set1_ps(v); }
 inline VF zero_f() { return _mm256_setzero_ps(); }
@@ -163,18 +165,20 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
     const VF dw = halves(p);
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = qx + r * K + b * 32;
-      VI sum = set1_i(-bias<F>() * s32[r * blocks + b]);
+      // Two chains of dpbusd, not one of 8: with few rows of x, a block's sum is
+      // otherwise a chain of dependent instructions.
+      VI sum[2] = {set1_i(-bias<F>() * s32[r * blocks + b]), set1_i(0)};
       for (int g = 0; g < 8; ++g) {
         int32_t four;
         std::memcpy(&four, xq + 4 * g, 4);
-        sum = dot(sum, w[g], set1_i(four));
+        sum[g % 2] = dot(sum[g % 2], w[g], set1_i(four));
       }
-      acc[r] = fma_f(to_f(sum), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
+      acc[r] = fma_f(to_f(add_i(sum[0], sum[1])), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
       if constexpr (F == Format::kQ4_1) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) store_f(out + r * kLanes, acc[r]);
 }
 
-}  // namespace panel
+}  // namespace int8_panel
 }  // namespace pagedserve_cpu
