@@ -30,8 +30,8 @@ class Int8Panels:
     """A GGUF weight packed for the int8 panel GEMM (kernels/csrc/quant_int8_panel.h), in
     the file's bytes, permuted: each full group of `lanes` rows is, block by block, the
     rows' fp16 scales (Q4_1: then their m), then their quants as 4-byte lanes, lane n
-    of quant vector g holding row n's quant bytes 4g..4g+3 (Q8_0's + 128). The rows
-    after the last full group stay as the file has them. `qtype` names the layout, as
+    of quant vector g holding row n's quant bytes 4g..4g+3. The rows after the last
+    full group stay as the file has them. `qtype` names the layout, as
     quant_linear_int8 takes it."""
 
     format: str
@@ -52,8 +52,6 @@ class Int8Panels:
         groups = self.data[:full].reshape(full // lanes, blocks, lanes * size)
         scales = groups[..., : scale_bytes * lanes].reshape(-1, blocks, scale_bytes // 2, lanes, 2)
         quants = groups[..., scale_bytes * lanes :].reshape(-1, blocks, (size - scale_bytes) // 4, lanes, 4)
-        if self.format == "Q8_0":
-            quants = quants ^ 0x80
         rows = torch.cat(  # [group, lane, block, bytes]
             [scales.permute(0, 3, 1, 2, 4).flatten(3), quants.permute(0, 3, 1, 2, 4).flatten(3)], dim=-1
         )
@@ -66,7 +64,7 @@ class Int8Panels:
 
 def pack_int8(weight: QuantizedWeight) -> QuantizedWeight | Int8Panels:
     """The weight packed for quant_linear_int8 where its panel GEMM takes the format in
-    this build (Q8_0 with VNNI, Q4_0, Q4_1 with AVX2; bench/results/int8_panel.md:
+    this build (Q8_0, Q4_0, Q4_1 with AVX2; bench/results/int8_panel.md:
     what it gains), else the weight as it is."""
     if not takes(weight):
         return weight

@@ -13,8 +13,8 @@
 // rounding to 8 bits per 32-block: the tokens move off the fp32 path's
 // (bench/results/cpu_gguf_step.md: how far).
 //
-// Where the build has AVX2, FMA and F16C, the formats of the shipped models (Q8_0 where
-// the build has VNNI too, Q4_0, Q4_1) run quant_int8_panel.h's panel GEMM: over a weight
+// Where the build has AVX2, FMA and F16C, the formats of the shipped models (Q8_0, Q4_0,
+// Q4_1) run quant_int8_panel.h's panel GEMM: over a weight
 // packed at load (pack_int8: the worker packs every one but a tied head), or, from
 // kPanelFrom rows of x, over groups of rows repacked per call. Fewer rows of the file's
 // layout run quant_int8_avx2.h's tiles over the blocks as they are. The other formats

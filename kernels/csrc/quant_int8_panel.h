@@ -15,12 +15,13 @@
 // so the weights stay as the file has them: the decode's tiles, the fp32 path and a tied
 // embedding read the same bytes, and the resident memory is the file's.
 //
-// The unsigned operand: Q8_0's quants + 128, Q4's nibbles. A block's integer sum starts
-// at -bias times the sum of x's quants over the block (bias 128 for Q8_0, 8 for Q4_0), so
-// it ends as the exact dot product of the signed quants; Q4_1's m multiplies x's scaled
-// block sum (ds) in fp32, as the tile's affine terms do. Without VNNI the dot product is
-// vpmaddubsw's, which saturates pairs past 32767: Q8_0's 255 * 127 * 2 would, so Q8_0
-// takes the panel only where the build has VNNI (panel_takes).
+// The unsigned operand: Q4's nibbles; Q8_0's quants + 128 with VNNI (the panel keeps them
+// signed: one xor as they are loaded). A block's integer sum starts at -bias times the sum
+// of x's quants over the block (bias 128 for Q8_0 with VNNI, 8 for Q4_0), so it ends as the
+// exact dot product of the signed quants; Q4_1's m multiplies x's scaled block sum (ds)
+// in fp32, as the tile's affine terms do. Without VNNI the dot product is vpmaddubsw's,
+// which saturates pairs past 32767, as Q8_0's 255 * 127 * 2 would: there Q8_0 multiplies
+// |w| by x carrying w's sign (at most 2 * 128 * 127 = 32512), as the tiles do.
 #pragma once
 
 #include <immintrin.h>
@@ -71,17 +72,12 @@ inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
 
 template <Format F>
 constexpr bool panel_takes() {
-  return F == Format::kQ4_0 || F == Format::kQ4_1 || (F == Format::kQ8_0 && kVnni);
-}
-
-template <Format F>
-constexpr int32_t bias() {
-  return F == Format::kQ8_0 ? 128 : (F == Format::kQ4_0 ? 8 : 0);
+  return F == Format::kQ8_0 || F == Format::kQ4_0 || F == Format::kQ4_1;
 }
 
 // A panel block: the kLanes rows' fp16 scales (Q4_1: then their m), then the quants as
-// vectors of kLanes 4-byte lanes: Q8_0's 8 (lane n of vector g: row n's quants 4g..4g+3,
-// + 128), Q4's 4 (lane n of vector j: row n's quant bytes 4j..4j+3, whose low nibbles are
+// vectors of kLanes 4-byte lanes: Q8_0's 8 (lane n of vector g: row n's quants 4g..4g+3),
+// Q4's 4 (lane n of vector j: row n's quant bytes 4j..4j+3, whose low nibbles are
 // weights 4j..4j+3 and high ones 16 + 4j..). kLanes blocks of the file in as many bytes.
 template <Format F>
 constexpr int64_t header_bytes() {
@@ -120,7 +116,6 @@ void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, 
       for (int g = 0; g < kGroups; ++g) {
         uint32_t four;
         std::memcpy(&four, qs + 4 * g, 4);
-        if constexpr (F == Format::kQ8_0) four ^= 0x80808080u;
         std::memcpy(q + g * 4 * kLanes + 4 * n, &four, 4);
       }
     }
@@ -130,14 +125,35 @@ void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 inline VF halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VI load_u(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// Q8_0's quants as dot's unsigned operand (+ 128, hence kQ8Bias), and their dot product.
+constexpr int32_t kQ8Bias = 128;
+inline VI q8_operand(VI w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline VI dot_q8(VI acc, VI w, VI x) { return dot(acc, w, x); }
 inline VI low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline VI high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 #else
 inline VF halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VI load_u(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline VI low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+// Q8_0's quants as dot's operand and their dot product: with VNNI + 128 (hence kQ8Bias);
+// without, vpmaddubsw of |w| by x carrying w's sign (x's quants are within +-127, so no
+// pair saturates).
+constexpr int32_t kQ8Bias = kVnni ? 128 : 0;
+inline VI q8_operand(VI w) {
+  if constexpr (kVnni) return _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return w;
+}
+inline VI dot_q8(VI acc, VI w, VI x) {
+  if constexpr (kVnni) return dot(acc, w, x);
+  return _mm256_add_epi32(acc, qdot::dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
+}
 inline VI high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 #endif
+
+template <Format F>
+constexpr int32_t bias() {
+  return F == Format::kQ8_0 ? kQ8Bias : (F == Format::kQ4_0 ? 8 : 0);
+}
 
 // out[r][0:kLanes] = rows 0 .. MR of x times a panel's kLanes weight rows (a repacked
 // group, or one packed at load: `streamed`, read from memory, the next groups prefetched).
@@ -154,7 +170,7 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
     if (streamed) prefetch_ahead(panel, blocks * block_stride<F>(), b, blocks);
     VI w[8];
     if constexpr (F == Format::kQ8_0) {
-      for (int g = 0; g < 8; ++g) w[g] = load_u(q + g * 4 * kLanes);
+      for (int g = 0; g < 8; ++g) w[g] = q8_operand(load_u(q + g * 4 * kLanes));
     } else {
       for (int j = 0; j < 4; ++j) {
         const VI v = load_u(q + j * 4 * kLanes);
@@ -171,7 +187,10 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
       for (int g = 0; g < 8; ++g) {
         int32_t four;
         std::memcpy(&four, xq + 4 * g, 4);
-        sum[g % 2] = dot(sum[g % 2], w[g], set1_i(four));
+        if constexpr (F == Format::kQ8_0)
+          sum[g % 2] = dot_q8(sum[g % 2], w[g], set1_i(four));
+        else
+          sum[g % 2] = dot(sum[g % 2], w[g], set1_i(four));
       }
       acc[r] = fma_f(to_f(add_i(sum[0], sum[1])), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
       if constexpr (F == Format::kQ4_1) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);

@@ -122,7 +122,7 @@ def test_wrong_shapes_are_refused():
         op(torch.randn(1, 64), weight.data, "IQ4_NL", 4)
 
 
-# the formats this build packs into panels (Q8_0 needs VNNI; none without AVX2)
+# the formats this build packs into panels (none without AVX2)
 PANEL_FORMATS = [
     q for q in ("Q8_0", "Q4_0", "Q4_1") if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
 ]
