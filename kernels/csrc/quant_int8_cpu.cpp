@@ -161,6 +161,7 @@ void run_generic(const QuantizedX& x, const FormatInfo& fi, const uint8_t* data,
 }
 
 #ifdef PAGEDSERVE_INT8_AVX2
+// The formats with vector integer paths: quant_int8_avx2.h's tiles and the panels.
 template <Format F>
 constexpr bool avx2_format() {
   return F == Format::kQ8_0 || F == Format::kQ4_0 || F == Format::kQ4_1;
@@ -322,7 +323,7 @@ Layout layout_of(c10::string_view qtype) {
 int64_t panel_lanes(const FormatInfo& fi) {
   int64_t lanes = 0;
 #ifdef PAGEDSERVE_INT8_AVX2
-  dispatch(fi.format, [&](auto format) { lanes = int8_panel::panel_takes<decltype(format)::value>() ? int8_panel::kLanes : 0; });
+  dispatch(fi.format, [&](auto format) { lanes = avx2_format<decltype(format)::value>() ? int8_panel::kLanes : 0; });
 #endif
   return lanes;
 }
@@ -332,8 +333,9 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
   const Layout layout = layout_of(qtype);
   const FormatInfo fi = checked_format(x, data, layout.format, out_features, "quant_linear_int8");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(!layout.packed || panel_lanes(fi) > 0, "quant_linear_int8: ", layout.format, " is not packed here");
-  const bool by_panel = panel_lanes(fi) > 0 && (layout.packed || M >= kPanelFrom);
+  const bool panels = panel_lanes(fi) > 0;
+  TORCH_CHECK(!layout.packed || panels, "quant_linear_int8: ", layout.format, " is not packed here");
+  const bool by_panel = panels && (layout.packed || M >= kPanelFrom);
   if (M >= kScaledFrom && !by_panel) {
     const at::Tensor x_hat =
         x.scalar_type() == at::kFloat
@@ -349,10 +351,10 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
     const auto with = [&](auto* xp, auto* yp) {
       const QuantizedX xq = quantize_x(xp, x.stride(0), M, K);
 #ifdef PAGEDSERVE_INT8_AVX2
-      if constexpr (int8_panel::panel_takes<F>()) {
+      if constexpr (avx2_format<F>()) {
         if (by_panel) return run_panel<F>(xq, d, out_features, layout.packed, yp);
+        return run_avx2<F>(xq, d, out_features, yp);
       }
-      if constexpr (avx2_format<F>()) return run_avx2<F>(xq, d, out_features, yp);
 #endif
       run_generic<F>(xq, fi, d, out_features, yp);
     };
@@ -382,7 +384,7 @@ at::Tensor pack_int8(const at::Tensor& data, c10::string_view qtype) {
 #ifdef PAGEDSERVE_INT8_AVX2
   dispatch(fi.format, [&](auto format) {
     constexpr Format F = decltype(format)::value;
-    if constexpr (int8_panel::panel_takes<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
+    if constexpr (avx2_format<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
   });
 #endif
   return out;

@@ -1,19 +1,17 @@
-// The int8-activation product at a batch's rows (quant_int8_cpu.cpp, from kPanelFrom rows
-// of x) over the 32-weight formats of the shipped models (Q8_0, Q4_0, Q4_1): llama.cpp's
-// repacked GEMM, with the repacking done per call.
+// The int8-activation product through panels (quant_int8_cpu.cpp) for the 32-weight
+// formats of the shipped models (Q8_0, Q4_0, Q4_1): llama.cpp's repacked GEMM.
 //
-// A group of kLanes weight rows is repacked into a panel: each 32-block becomes 8 vectors
-// whose lane n holds row n's quants 4g..4g+3 (g = 0..7) as unsigned bytes, then the rows'
-// scales and offsets as fp32. One dpbusd per 4 of x's quants (broadcast to every lane)
-// then adds kLanes rows' partial dot products, and a block's kLanes integer sums are
-// scaled with one convert and one FMA per row of x. quant_int8_avx2.h's tile pays the
-// convert and the scale per (row of x, weight row) pair, 8 lanes' partials of one pair,
-// and so is no faster than the fp32 path at a batch's rows; this is ~2.5x (AVX-512 VNNI,
-// bench/results/int8_panel.md).
+// A group of kLanes weight rows is repacked into a panel: per 32-block, the rows' fp16
+// scales, then vectors whose lane n holds row n's quants 4g..4g+3 (repack: the layout).
+// One dpbusd per 4 of x's quants (broadcast to every lane) then adds kLanes rows' partial
+// dot products, and a block's kLanes integer sums are scaled with one convert and one
+// FMA per row of x. quant_int8_avx2.h's tile pays the convert and the scale per (row of
+// x, weight row) pair, 8 lanes' partials of one pair, and so is no faster than the fp32
+// path at a batch's rows (bench/results/int8_panel.md: the panels' gain).
 //
-// The panel is built per call (a few instructions per weight, amortized over x's rows),
-// so the weights stay as the file has them: the decode's tiles, the fp32 path and a tied
-// embedding read the same bytes, and the resident memory is the file's.
+// A panel is the same bytes as the file's kLanes rows, permuted: the worker packs its
+// weights so at load (pack_int8), and a weight kept in the file's layout (a tied head,
+// whose rows the embedding reads) is repacked a group at a time per call.
 //
 // The unsigned operand: Q4's nibbles; Q8_0's quants + 128 with VNNI (the panel keeps them
 // signed: one xor as they are loaded). A block's integer sum starts at -bias times the sum
@@ -70,11 +68,6 @@ inline VF fma_f(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
 #endif
 
-template <Format F>
-constexpr bool panel_takes() {
-  return F == Format::kQ8_0 || F == Format::kQ4_0 || F == Format::kQ4_1;
-}
-
 // A panel block: the kLanes rows' fp16 scales (Q4_1: then their m), then the quants as
 // vectors of kLanes 4-byte lanes: Q8_0's 8 (lane n of vector g: row n's quants 4g..4g+3),
 // Q4's 4 (lane n of vector j: row n's quant bytes 4j..4j+3, whose low nibbles are
@@ -113,11 +106,7 @@ void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, 
       const uint8_t* blk = row + b * kBytes;
       for (int s = 0; s < kScales; ++s) std::memcpy(p + (s * kLanes + n) * 2, blk + 2 * s, 2);
       const uint8_t* qs = blk + 2 * kScales;
-      for (int g = 0; g < kGroups; ++g) {
-        uint32_t four;
-        std::memcpy(&four, qs + 4 * g, 4);
-        std::memcpy(q + g * 4 * kLanes + 4 * n, &four, 4);
-      }
+      for (int g = 0; g < kGroups; ++g) std::memcpy(q + g * 4 * kLanes + 4 * n, qs + 4 * g, 4);
     }
   }
 }

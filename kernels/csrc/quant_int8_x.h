@@ -76,8 +76,8 @@ float quantize_block(const T* x, int8_t* q) {
   return amax / 127.0f;
 }
 
-// The rows shared by the threads: at a batch's rows, on one thread, this was a tenth of
-// the panel's multiply.
+// The rows shared by the threads, as scaled_back's: at a batch's rows the panels left
+// this a larger share of the call.
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t ldx, int64_t M, int64_t K) {
   const int64_t blocks = K / 32;
