@@ -17,8 +17,9 @@ roofline (weights bytes / ITL against that bandwidth).
 
 --gguf (issue 38): each GGUF file, the shipped Q4_1 and the Q8_0 and Q4_K_M that
 llama-quantize makes from the F16, served by pagedserve (`--model FILE.gguf --dtype
-float32`, from its blocks) and then by llama.cpp, 1 stream and 32 streams; the notes
-give pagedserve over llama.cpp per file against the issue's targets. ~10-15 minutes on
+float32`, from its blocks) and then by llama.cpp, 1 stream and 32 streams, after
+pagedserve on the bf16 conversion of the same model; the notes give pagedserve over
+llama.cpp, and over its bf16 self at 32 streams, per file against the issue's targets. ~10-15 minutes on
 a quiet 2-core machine; --max-tokens and --requests-per-stream shorten it.
 
     python -m bench.peers                      # install if needed, then run everything
@@ -326,6 +327,8 @@ EXTRA_SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "pagedserve-1thread", "pa
 # its blocks (--dtype float32: fp32 math on the dequantized blocks) and llama.cpp on the
 # same file, one after the other.
 GGUF_SERVERS = tuple(f"{peer}-{kind.lower()}" for kind in GGUF_KINDS for peer in ("pagedserve", "llamacpp"))
+# --gguf's default run: the bf16 row is the "quantized must not lose at batch" yardstick.
+GGUF_RUN = ("pagedserve-bf16", *GGUF_SERVERS)
 GGUF_WORKLOADS = ("1", "32")
 # The revision `pagedserve-baseline` runs (in a temporary git worktree): the tree issue 25
 # phase B started from, with its `make serve` default of --dtype bfloat16.
@@ -340,27 +343,39 @@ def gguf_kind(server: str) -> str:
 
 def gguf_targets(records: list[dict[str, Any]], workloads: list[Workload]) -> str:
     """Issue 38's targets, file by file: pagedserve's 1-stream ITL p50 over llama.cpp's
-    (<= 1.0x), and its output tok/s at the most streams over llama.cpp's (>= 1.5x)."""
+    (<= 1.0x), and its output tok/s at the most streams over llama.cpp's (>= 1.5x) and,
+    where pagedserve-bf16 ran too, over that (>= 1.0x: the same model's values served
+    from its bf16 conversion; quantized must not lose at batch)."""
     by_key = {rec.get("key", ""): rec for rec in records}
     single = next((w for w in workloads if w.streams == 1), None)
     batch = max((w for w in workloads if w.streams > 1), key=lambda w: w.streams, default=None)
+    bf16 = by_key.get("pagedserve-bf16")
     lines = []
     for kind in GGUF_KINDS:
         ours, theirs = by_key.get(f"pagedserve-{kind.lower()}"), by_key.get(f"llamacpp-{kind.lower()}")
         if ours is None or theirs is None:
             continue
-        parts = []
-        for w, field, target in ((single, "itl_p50", "<= 1.0x"), (batch, "tok_s", ">= 1.5x")):
-            a, b = (None if w is None else rec["results"].get(w.name, {}).get(field) for rec in (ours, theirs))
-            if w is not None and a and b:
-                unit, scale = ("ms", 1e3) if field == "itl_p50" else ("tok/s", 1.0)
-                what = "ITL p50" if field == "itl_p50" else "output tok/s"
-                parts.append(
-                    f"{w.name} {what} {a * scale:.1f} vs llama.cpp {b * scale:.1f} {unit} = {a / b:.2f}x (target {target})"
-                )
-        if parts:
-            lines.append(f"- {kind}: " + "; ".join(parts))
-    return ("Issue 38's targets, pagedserve over llama.cpp on the same file:\n\n" + "\n".join(lines)) if lines else ""
+        comparisons = [
+            (single, "itl_p50", theirs, "llama.cpp", "<= 1.0x"),
+            (batch, "tok_s", theirs, "llama.cpp", ">= 1.5x"),
+        ]
+        if bf16 is not None:
+            comparisons.append((batch, "tok_s", bf16, "pagedserve bf16", ">= 1.0x"))
+        parts = [_ratio(ours, *c) for c in comparisons]
+        if any(parts):
+            lines.append(f"- {kind}: " + "; ".join(p for p in parts if p))
+    return ("Issue 38's targets, pagedserve over its peers on the same file:\n\n" + "\n".join(lines)) if lines else ""
+
+
+def _ratio(ours: dict[str, Any], w: Workload | None, field: str, other: dict[str, Any], name: str, target: str) -> str:
+    """The comparison, "WORKLOAD WHAT ours vs NAME theirs UNIT = RATIOx (target TARGET)", or "" where
+    either record lacks the figure."""
+    a, b = (None if w is None else rec["results"].get(w.name, {}).get(field) for rec in (ours, other))
+    if w is None or not a or not b:
+        return ""
+    unit, scale = ("ms", 1e3) if field == "itl_p50" else ("tok/s", 1.0)
+    what = "ITL p50" if field == "itl_p50" else "output tok/s"
+    return f"{w.name} {what} {a * scale:.1f} vs {name} {b * scale:.1f} {unit} = {a / b:.2f}x (target {target})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gguf",
         action="store_true",
-        help=f"issue 38's table: --servers {' '.join(GGUF_SERVERS)} --workloads {' '.join(GGUF_WORKLOADS)} "
+        help=f"issue 38's table: --servers {' '.join(GGUF_RUN)} --workloads {' '.join(GGUF_WORKLOADS)} "
         "--out peers_gguf (unless given)",
     )
     parser.add_argument("--max-tokens", type=int, default=0, help="at most this many tokens out per request (quicker)")
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--notes", default="", help="a paragraph for the report's notes (the machine's load, ...)")
     args = parser.parse_args(argv)
-    servers = args.servers or list(GGUF_SERVERS if args.gguf else SERVERS)
+    servers = args.servers or list(GGUF_RUN if args.gguf else SERVERS)
     out = args.out or ("peers_gguf" if args.gguf else "peers")
     announce("peers")
     saved_path = RESULTS / f"{out}.json"

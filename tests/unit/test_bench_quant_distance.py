@@ -64,6 +64,22 @@ def test_the_targets_compare_each_file_with_llamacpp_on_it():
     assert "- Q8_0: 1 stream, 256 in, 128 out ITL p50 30.0 vs llama.cpp 20.0 ms = 1.50x (target <= 1.0x)" in text
     assert "32 streams, 256 in, 128 out output tok/s 300.0 vs llama.cpp 150.0 tok/s = 2.00x (target >= 1.5x)" in text
     assert "Q4_1" not in text  # no llama.cpp row to compare with
+    assert "bf16" not in text  # pagedserve-bf16 did not run
+
+
+def test_the_targets_compare_a_file_at_batch_with_pagedserve_bf16_where_it_ran():
+    one, many = WORKLOADS["1"], WORKLOADS["32"]
+    records = [
+        {"key": "pagedserve-bf16", "results": {one.name: {"itl_p50": 0.025}, many.name: {"tok_s": 240.0}}},
+        {"key": "pagedserve-q4_1", "results": {one.name: {"itl_p50": 0.009}, many.name: {"tok_s": 180.0}}},
+        {"key": "llamacpp-q4_1", "results": {one.name: {"itl_p50": 0.010}, many.name: {"tok_s": 90.0}}},
+    ]
+    text = gguf_targets(records, [one, many])
+    assert text.splitlines()[-1] == (
+        "- Q4_1: 1 stream, 256 in, 128 out ITL p50 9.0 vs llama.cpp 10.0 ms = 0.90x (target <= 1.0x); "
+        "32 streams, 256 in, 128 out output tok/s 180.0 vs llama.cpp 90.0 tok/s = 2.00x (target >= 1.5x); "
+        "32 streams, 256 in, 128 out output tok/s 180.0 vs pagedserve bf16 240.0 tok/s = 0.75x (target >= 1.0x)"
+    )
 
 
 def test_a_refusing_worker_is_reported_by_its_last_line_or_its_status_details():
