@@ -45,6 +45,7 @@ __all__ = [
     "contiguous_prefill_attention",
     "copy_blocks",
     "fused_moe",
+    "gated_act",
     "linear",
     "lora",
     "pack_experts",
@@ -222,6 +223,14 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
         residual = residual.contiguous()
     normed, summed = torch.ops.pagedserve_cpu.add_rms_norm(x, residual, fp32(weight), float(eps))
     return normed, summed
+
+
+def gated_act(y: Tensor, activation: str) -> Tensor:
+    """reference.gated_act in one pass per row (fp32 and bf16)."""
+    if not _kernel_takes(y) or y.dtype not in LINEAR_DTYPES or y.dim() != 2 or y.stride(-1) != 1:
+        return reference.gated_act(y, activation)
+    out: Tensor = torch.ops.pagedserve_cpu.gated_act(y, activation)
+    return out
 
 
 def rope_write_kv(

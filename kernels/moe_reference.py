@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.reference import activate
+
 
 def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """(topk_ids [T, K] int64, topk_weights [T, K] fp32): softmax over the experts in
@@ -32,10 +34,6 @@ def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tupl
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
-
-
-def activate(gate: Tensor, activation: str) -> Tensor:
-    return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
 
 
 def fused_moe(

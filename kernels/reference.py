@@ -4,7 +4,8 @@ These are the oracle the Triton and C++ kernels are tested against (and the
 worker's `torch` backend). Beside the attention ops, the two fused element-wise
 ops a decoder layer runs (issue 27, fault 9), each one kernel on the other
 backends: ``add_rms_norm`` (the residual add and the next RMSNorm) and
-``rope_write_kv`` (RoPE on query and key, then the K/V write). Cache layout, per
+``rope_write_kv`` (RoPE on query and key, then the K/V write), and a gated MLP's
+activation where its projection does not fuse it (``gated_act``). Cache layout, per
 layer:
 
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -90,6 +91,17 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     summed = x if residual is None else residual + x
     normed = F.rms_norm(summed.float(), weight.shape, weight.float(), eps).to(x.dtype)
     return normed, summed
+
+
+def activate(gate: Tensor, activation: str) -> Tensor:
+    """A gated MLP's activation: silu, or gelu with the tanh approximation (Gemma)."""
+    return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def gated_act(y: Tensor, activation: str) -> Tensor:
+    """act(gate) * up for y = [gate, up] ([T, 2 x intermediate]), in y's dtype."""
+    gate, up = y.chunk(2, dim=-1)
+    return activate(gate, activation) * up
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -148,4 +148,18 @@ inline vfloat vtanh(vfloat x) {
   return x > 0 ? t : -t;
 }
 
+
+// A gated MLP's activation, act(g) * u on every lane (linear_cpu.cpp's fused gate-up
+// epilogue and elementwise_cpu.cpp's gated_act): sigmoid and tanh through exp(-|.|),
+// which cannot overflow.
+enum class Act { kNone, kSilu, kGeluTanh };
+inline vfloat activate(vfloat g, vfloat u, Act act) {
+  if (act == Act::kSilu) {
+    const vfloat e = vexp_neg(g > 0 ? -g : g);  // exp(-|g|)
+    const vfloat s = 1.0f / (1.0f + e);           // sigmoid(|g|); one division, not two
+    return g * (g > 0 ? s : e * s) * u;
+  }
+  const vfloat y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
+  return 0.5f * g * (1.0f + vtanh(y)) * u;
+}
 }  // namespace pagedserve_cpu

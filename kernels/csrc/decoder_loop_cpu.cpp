@@ -55,11 +55,12 @@ struct Part {
 
 // One projection as models/linear.py's objects run it: its parts side by side
 // (Concat: blocks of different formats), then the bias, then the gated activation
-// where the kernel did not fuse it (Gated).
+// where the kernel did not fuse it (Gated: gated_act, the op models/linear.py calls).
 struct Projection {
   std::vector<Part> parts;
   std::optional<Tensor> bias;
   std::string gated;
+  c10::OperatorHandle gated_act;
 
   Tensor operator()(const Tensor& x) const {
     Tensor y;
@@ -76,9 +77,9 @@ struct Projection {
       y = at::add(y, *bias);
     }
     if (!gated.empty()) {
-      auto halves = y.chunk(2, -1);
-      Tensor act = gated == "silu" ? at::silu(halves[0]) : at::gelu(halves[0], "tanh");
-      y = at::mul(act, halves[1]);
+      Stack stack = {y, gated};
+      gated_act.callBoxed(stack);
+      y = stack[0].toTensor();
     }
     return y;
   }
@@ -99,7 +100,8 @@ class DecoderLoop : public torch::CustomClassHolder {
         eps_(eps),
         add_rms_norm_(find_op("add_rms_norm")),
         rope_write_kv_(find_op("rope_write_kv")),
-        attention_(find_op("paged_attention")) {}
+        attention_(find_op("paged_attention")),
+        gated_act_(find_op("gated_act")) {}
 
   // op: "linear", "quant_linear" or "quant_linear_int8": one part of the projection
   // that add_projection closes.
@@ -114,7 +116,7 @@ class DecoderLoop : public torch::CustomClassHolder {
   void add_projection(const std::optional<Tensor>& bias, const std::string& gated) {
     TORCH_CHECK(!parts_.empty(), "a projection needs a part");
     TORCH_CHECK(gated.empty() || gated == "silu" || gated == "gelu_tanh", "unknown gated activation ", gated);
-    projections_.push_back({std::move(parts_), bias, gated});
+    projections_.push_back({std::move(parts_), bias, gated, gated_act_});
     parts_.clear();
   }
 
@@ -185,7 +187,7 @@ class DecoderLoop : public torch::CustomClassHolder {
 
   int64_t q_heads_, kv_heads_, head_dim_;
   double eps_;
-  c10::OperatorHandle add_rms_norm_, rope_write_kv_, attention_;
+  c10::OperatorHandle add_rms_norm_, rope_write_kv_, attention_, gated_act_;
   std::vector<Part> parts_;
   std::vector<Projection> projections_;
   std::vector<Layer> layers_;

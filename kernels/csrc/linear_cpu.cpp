@@ -77,8 +77,6 @@ constexpr bool kNativeBf16 = true;
 constexpr bool kNativeBf16 = false;
 #endif
 
-enum class Act { kNone, kSilu, kGeluTanh };
-
 // k per step of the packed layout: pairs for the bf16 dot product, else single.
 template <typename T>
 constexpr int k_step() {
@@ -203,17 +201,6 @@ void group_dispatch(int mr, const T* w, const XF* const* x, int64_t steps, int64
     default: group_steps<T, XF, 4>(w, x, steps, ahead, acc); break;
 #endif
   }
-}
-
-// act(g) * u on every lane: sigmoid and tanh through exp(-|.|), which cannot overflow.
-inline vfloat activate(vfloat g, vfloat u, Act act) {
-  if (act == Act::kSilu) {
-    const vfloat e = vexp_neg(g > 0 ? -g : g);  // exp(-|g|)
-    const vfloat sigmoid = g > 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    return g * sigmoid * u;
-  }
-  const vfloat y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
-  return 0.5f * g * (1.0f + vtanh(y)) * u;
 }
 
 struct Problem {

@@ -158,6 +158,42 @@ def test_gated_linear_matches_the_mlp(dtype, activation, inter, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("inter", [32, 50, 1536])
+@pytest.mark.parametrize("rows", [1, 13])
+def test_gated_act_matches_the_reference(dtype, activation, inter, rows):
+    """act(gate) * up over a projection's [gate, up] rows (a strided view, as a wider
+    output's columns), the tail past a whole vector included (inter 50), and the same
+    values the fused gated linear computes from the same products."""
+    g = torch.Generator().manual_seed(inter + rows)
+    y = (torch.randn(rows, 2 * inter + 8, generator=g) * 4)[:, : 2 * inter].to(dtype)
+    out = cpu_ops.gated_act(y, activation)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    close(out, reference.gated_act(y, activation))
+    # Wide swings of the gate: exp(-|g|) must neither overflow nor lose the sign.
+    extreme = torch.tensor([[-100.0, -20.0, 0.0, 20.0, 100.0, 1.0, 1.0, 1.0, 1.0, 1.0]]).to(dtype)
+    close(cpu_ops.gated_act(extreme, activation), reference.gated_act(extreme, activation))
+    # One formula with the fused gated linear: an identity weight hands it y's values.
+    hidden = 2 * inter
+    fused = cpu_ops.linear(
+        y.contiguous(), cpu_ops.pack_linear(torch.eye(hidden, dtype=dtype), gated=True), inter, hidden, activation
+    )
+    assert torch.equal(out, fused)
+
+
+@needs_kernels
+def test_gated_act_refuses_what_it_does_not_take():
+    with pytest.raises(RuntimeError, match="silu or gelu_tanh"):
+        torch.ops.pagedserve_cpu.gated_act(torch.randn(2, 8), "relu")
+    with pytest.raises(RuntimeError, match="2 x intermediate"):
+        torch.ops.pagedserve_cpu.gated_act(torch.randn(2, 7), "silu")
+    # fp16 is the reference's (the op takes fp32 and bf16).
+    y = torch.randn(3, 8).half()
+    assert torch.equal(cpu_ops.gated_act(y, "silu"), reference.gated_act(y, "silu"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_rows_do_not_depend_on_the_batch(dtype):
     """Each output is summed in k order whatever the batch and the thread count: a row
     computed alone, inside a batch of 5 (one group of rows), of 10 (two groups sharing

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import cpu_ops, moe_reference
+from kernels import cpu_ops, moe_reference, reference
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 HIDDEN, INTER, EXPERTS = 48, 40, 6  # neither a multiple of the kernels' blocks
@@ -38,7 +38,7 @@ def dense_moe(x, ids, weights, w_gate_up, w_down, activation):
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in range(w_gate_up.shape[0]):
         gate, up = F.linear(x.float(), w_gate_up[e].float()).chunk(2, dim=-1)
-        y = F.linear(moe_reference.activate(gate, activation) * up, w_down[e].float())
+        y = F.linear(reference.activate(gate, activation) * up, w_down[e].float())
         out += y * (weights * (ids == e)).sum(dim=-1, keepdim=True)
     return out
 

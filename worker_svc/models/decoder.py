@@ -230,7 +230,7 @@ class DecoderModel:
                     gate_up = gated_projection(gate, up, gate_up_bias, spec.activation, cpu_linears, qa)
                 else:  # the hook's sum comes before the activation: no fused gated kernel
                     fused = projection([gate, up], gate_up_bias, cpu_linears, qa)
-                    gate_up = Gated(hook(i, "gate_up", fused), spec.activation)
+                    gate_up = Gated(hook(i, "gate_up", fused), spec.activation, cpu_linears)
             pre_attn, pre_mlp, post_attn, post_mlp = NORM_NAMES[spec.norms]
             layers.append(
                 LayerWeights(

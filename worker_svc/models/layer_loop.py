@@ -82,6 +82,8 @@ def _projection(p: Projection) -> LoopProjection:
             raise NotTaken("a bias after an activation")
         return dataclasses.replace(inner, bias=p.bias)
     if isinstance(p, Gated):
+        if not p.cpu_kernel:
+            raise NotTaken("a gated activation in torch")
         inner = _projection(p.linear)
         if inner.gated or any(part.activation for part in inner.parts):
             raise NotTaken("two activations")

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, quant_cpu_ops, wquant, wquant_cpu
+from kernels import cpu_ops, quant_cpu_ops, reference, wquant, wquant_cpu
 from kernels.gguf_quant import QuantizedWeight, quant_linear, quant_linear_int8, stack
 from kernels.wquant import WQuantWeight
 
@@ -101,20 +101,16 @@ class Linear:
         return F.linear(x, self.weight)
 
 
-def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """The gated MLP's activation: silu, or gelu with the tanh approximation (Gemma)."""
-    return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-
-
 class Gated:
-    """act(gate) * up over a projection whose output is [gate, up]."""
+    """act(gate) * up over a projection whose output is [gate, up]: with cpu_kernel, the
+    C++ gated_act (the one the C++ layer loop calls), else the torch reference."""
 
-    def __init__(self, linear: Projection, activation: str):
-        self.linear, self.activation = linear, activation
+    def __init__(self, linear: Projection, activation: str, cpu_kernel: bool = False):
+        self.linear, self.activation, self.cpu_kernel = linear, activation, cpu_kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(x).chunk(2, dim=-1)
-        return activate(gate, self.activation) * up
+        y = self.linear(x)
+        return cpu_ops.gated_act(y, self.activation) if self.cpu_kernel else reference.gated_act(y, self.activation)
 
 
 class GatedLinear:
@@ -128,7 +124,7 @@ class GatedLinear:
         self.out_features, self.in_features = weight.shape[0] // 2, weight.shape[1]
         self.fused = cpu_kernel and cpu_kernel_takes(weight)
         self.weight = cpu_ops.pack_linear(weight, gated=True) if self.fused else None
-        self.gated = None if self.fused else Gated(Linear(weight), activation)
+        self.gated = None if self.fused else Gated(Linear(weight), activation, cpu_kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated is None:
@@ -261,4 +257,4 @@ def gated_linear(
     make_linear's projection."""
     if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor):
         return GatedLinear(torch.cat([gate, up]), activation, cpu_kernel=cpu_kernel)
-    return Gated(make_linear([gate, up], cpu_kernel, quant_activations), activation)
+    return Gated(make_linear([gate, up], cpu_kernel, quant_activations), activation, cpu_kernel)

@@ -49,7 +49,7 @@ def gated_projection(
     comes before the activation, so the fused gated kernel cannot take it."""
     if bias is None:
         return gated_linear(gate, up, activation, cpu_kernel=cpu_kernel, quant_activations=quant_activations)
-    return Gated(projection([gate, up], bias, cpu_kernel, quant_activations), activation)
+    return Gated(projection([gate, up], bias, cpu_kernel, quant_activations), activation, cpu_kernel)
 
 
 def tied_head(embed: Weight, tensors: MutableMapping[str, Weight], take: Callable[[str], Weight]) -> Weight:
