@@ -27,6 +27,7 @@ a quiet 2-core machine; --max-tokens and --requests-per-stream shorten it.
     python -m bench.peers --gguf               # make bench-peers-gguf: bench/results/peers_gguf.md
     python -m bench.peers --gguf --max-tokens 16 --requests-per-stream 1   # a smoke run
     python -m bench.peers --gguf --pagedserve-args "--quant-activations int8" --out peers_gguf_int8
+    python -m bench.peers --gguf --gguf-dtype bfloat16 --out peers_gguf_bf16
     python -m bench.peers --servers pagedserve llamacpp-f16 --workloads 1
     python -m bench.peers --servers pagedserve pagedserve-baseline --out peers_vs_main   # pagedserve alone
     PEERS_CACHE=/work/peers-cache python -m bench.peers --gguf   # reuse another tree's build and files
@@ -394,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-stream", type=int, default=0, help="at most this many (quicker)")
     parser.add_argument("--pagedserve-args", default="", help="more worker flags for pagedserve's GGUF rows")
     parser.add_argument(
+        "--gguf-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="pagedserve's --dtype on the GGUF rows (default float32: exact fp32 math over the blocks)",
+    )
+    parser.add_argument(
         "--llamacpp-threads", type=int, default=0, help="llama.cpp's -t in the GGUF rows (default: one per core)"
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
@@ -459,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in GGUF_SERVERS:
         kind = gguf_kind(name)
         builders[name] = (
-            partial(pagedserve, "float32", PORT, gguf=kind, extra_args=args.pagedserve_args)
+            partial(pagedserve, args.gguf_dtype, PORT, gguf=kind, extra_args=args.pagedserve_args)
             if name.startswith("pagedserve")
             else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads)
         )

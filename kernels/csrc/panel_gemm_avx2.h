@@ -62,16 +62,16 @@ inline void pack(const float* w, int rows, int64_t K, float* out) {
     for (int j = 0; j < kCols; ++j) out[k * kCols + j] = j < rows ? w[j * K + k] : 0.0f;
 }
 
-// out[r][0:kCols] = x[r] . the packed group's columns, for MR rows of x (K apart).
+// out[r][0:kCols] = x[r] . the packed group's columns, for MR rows of x (ldx apart).
 template <int MR>
-inline void tile(const float* packed, int64_t K, const float* x, float* out) {
+inline void tile(const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
   __m256 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_loadu_ps(packed + k * kCols);
     const __m256 w1 = _mm256_loadu_ps(packed + k * kCols + 8);
     for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
       lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
       hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
     }
@@ -83,44 +83,61 @@ inline void tile(const float* packed, int64_t K, const float* x, float* out) {
 }
 
 // tile<rows> for a run-time count of rows, 1..kMR.
-inline void tile_rows(int rows, const float* packed, int64_t K, const float* x, float* out) {
+inline void tile_rows(int rows, const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
   switch (rows) {
-    case 6: return tile<6>(packed, K, x, out);
-    case 5: return tile<5>(packed, K, x, out);
-    case 4: return tile<4>(packed, K, x, out);
-    case 3: return tile<3>(packed, K, x, out);
-    case 2: return tile<2>(packed, K, x, out);
-    default: return tile<1>(packed, K, x, out);
+    case 6: return tile<6>(packed, K, x, ldx, out);
+    case 5: return tile<5>(packed, K, x, ldx, out);
+    case 4: return tile<4>(packed, K, x, ldx, out);
+    case 3: return tile<3>(packed, K, x, ldx, out);
+    case 2: return tile<2>(packed, K, x, ldx, out);
+    default: return tile<1>(packed, K, x, ldx, out);
   }
 }
 
-// One thread's scratch: a group's decoded rows and a panel's packed groups.
-struct Buffers {
-  std::vector<float> rows, packed;
-  Buffers(int64_t groups, int64_t K)
-      : rows(static_cast<size_t>(kCols * K)), packed(static_cast<size_t>(groups * kCols * K)) {}
+// The fp32 panels as multiply() takes a kernel: a group's width, the rows of x a tile
+// takes, what a packed weight and x are, pack and tile_rows (panel_gemm_bf16.h: bf16's).
+struct Fp32 {
+  static constexpr int kCols = panel::kCols;
+  static constexpr int kMR = panel::kMR;
+  using Packed = float;
+  using X = float;
+  static void pack(const float* w, int rows, int64_t K, float* out) { panel::pack(w, rows, K, out); }
+  static void tile_rows(int rows, const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
+    panel::tile_rows(rows, packed, K, x, ldx, out);
+  }
 };
 
-// y[:, g_first * kCols : g_end * kCols] (up to N) for all M rows of x: the groups'
-// rows decoded (decode(n0, rows, out): rows n0.. into [rows][K]) and packed once, then
-// every kMR rows of x passed under the whole panel; put(m, n, value) stores an output.
-template <typename Decode, typename Put>
-void multiply(const float* xs, int64_t M, int64_t K, int64_t N, int64_t g_first, int64_t g_end, Buffers& buffers,
-              const Decode& decode, const Put& put) {
+// One thread's scratch: a group's decoded rows and a panel's packed groups.
+template <typename Kernel>
+struct Buffers {
+  std::vector<float> rows;
+  std::vector<typename Kernel::Packed> packed;
+  Buffers(int64_t groups, int64_t K)
+      : rows(static_cast<size_t>(Kernel::kCols * K)), packed(static_cast<size_t>(groups * Kernel::kCols * K)) {}
+};
+
+// y[:, g_first * kCols : g_end * kCols] (up to N) for all M rows of x (ldx apart): the
+// groups' rows decoded (decode(n0, rows, out): rows n0.. into [rows][K] fp32) and packed
+// once, then every kMR rows of x passed under the whole panel; put(m, n, value) stores
+// an output.
+template <typename Kernel, typename Decode, typename Put>
+void multiply(const typename Kernel::X* x, int64_t ldx, int64_t M, int64_t K, int64_t N, int64_t g_first,
+              int64_t g_end, Buffers<Kernel>& buffers, const Decode& decode, const Put& put) {
+  constexpr int cols = Kernel::kCols;
   for (int64_t g = g_first; g < g_end; ++g) {
-    const int64_t n0 = g * kCols;
-    const int rows = static_cast<int>(std::min<int64_t>(kCols, N - n0));
+    const int64_t n0 = g * cols;
+    const int rows = static_cast<int>(std::min<int64_t>(cols, N - n0));
     decode(n0, rows, buffers.rows.data());
-    pack(buffers.rows.data(), rows, K, buffers.packed.data() + (g - g_first) * kCols * K);
+    Kernel::pack(buffers.rows.data(), rows, K, buffers.packed.data() + (g - g_first) * cols * K);
   }
-  float out[kMR * kCols];
-  for (int64_t m = 0; m < M; m += kMR) {
-    const int r = static_cast<int>(std::min<int64_t>(kMR, M - m));
+  float out[Kernel::kMR * cols];
+  for (int64_t m = 0; m < M; m += Kernel::kMR) {
+    const int r = static_cast<int>(std::min<int64_t>(Kernel::kMR, M - m));
     for (int64_t g = g_first; g < g_end; ++g) {
-      tile_rows(r, buffers.packed.data() + (g - g_first) * kCols * K, K, xs + m * K, out);
-      const int64_t n0 = g * kCols, cols = std::min<int64_t>(kCols, N - n0);
+      Kernel::tile_rows(r, buffers.packed.data() + (g - g_first) * cols * K, K, x + m * ldx, ldx, out);
+      const int64_t n0 = g * cols, n_cols = std::min<int64_t>(cols, N - n0);
       for (int i = 0; i < r; ++i)
-        for (int64_t j = 0; j < cols; ++j) put(m + i, n0 + j, out[i * kCols + j]);
+        for (int64_t j = 0; j < n_cols; ++j) put(m + i, n0 + j, out[i * cols + j]);
     }
   }
 }

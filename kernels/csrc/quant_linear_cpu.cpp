@@ -29,6 +29,13 @@
 // rows (sized for L2) and multiplied by a 3 x 4 dot-product tile, and from kPackedFrom
 // rows also packed 16 columns wide for panel_gemm_avx2.h's broadcast tile.
 //
+// bf16 x from kPackedFrom rows, where the build has AVX512-BF16: the decoded panels are
+// rounded to bf16 and multiplied by vdpbf16ps (panel_gemm_bf16.h), the reference's
+// product (`.to(x.dtype)`: the bf16 checkpoint's weights) at twice the pairs per
+// instruction. Below that, and without the instruction, bf16 x multiplies the fp32
+// decoded weights (within bf16 rounding of the reference). quant_linear_bf16_rows()
+// says which.
+//
 // Op (torch.ops.pagedserve_cpu): quant_linear(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
 // y [M, N] in x's dtype, rounded once from the fp32 sums.
@@ -52,6 +59,10 @@
 #define PAGEDSERVE_FUSED_QUANT 1
 #include "panel_gemm_avx2.h"
 #include "quant_kquant_avx2.h"
+#if defined(__AVX512BF16__)
+#define PAGEDSERVE_BF16_PANELS 1
+#include "panel_gemm_bf16.h"
+#endif
 #endif
 
 namespace {
@@ -326,20 +337,23 @@ void run_fused_batch(const float* xs, int64_t M, int64_t K, const uint8_t* data,
   });
 }
 
-// A larger batch: panel_gemm_avx2.h's packed tiles over panels of panel::kCols-row groups.
-template <Format F, typename T>
-void run_fused_packed(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64_t N, T* y) {
+// A larger batch: panel_gemm_avx2.h's packed tiles (Kernel: panel::Fp32, or bf16's) over
+// panels of Kernel::kCols-row groups; x's rows ldx apart.
+template <typename Kernel, Format F, typename T>
+void run_fused_packed(const typename Kernel::X* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* data, int64_t N,
+                      T* y) {
   const int64_t row_bytes = pagedserve_cpu::row_bytes<F>(K);
-  const int64_t groups = (N + panel::kCols - 1) / panel::kCols;
-  const int64_t per_panel = panel_groups(panel::kCols * K, groups);
+  const int64_t groups = (N + Kernel::kCols - 1) / Kernel::kCols;
+  const int64_t per_panel = panel_groups(Kernel::kCols * K, groups);
   const auto decode = [&](int64_t n0, int n, float* out) {
     fused::decode_rows<F>(data + n0 * row_bytes, row_bytes, n, K, out);
   };
   const auto put = [&](int64_t m, int64_t n, float v) { store(y + m * N + n, v); };
-  share_items((groups + per_panel - 1) / per_panel, per_panel * panel::kCols * K * M, [&](int64_t p0, int64_t p1) {
-    panel::Buffers buffers(per_panel, K);
+  share_items((groups + per_panel - 1) / per_panel, per_panel * Kernel::kCols * K * M, [&](int64_t p0, int64_t p1) {
+    panel::Buffers<Kernel> buffers(per_panel, K);
     for (int64_t p = p0; p < p1; ++p)
-      panel::multiply(xs, M, K, N, p * per_panel, std::min(groups, (p + 1) * per_panel), buffers, decode, put);
+      panel::multiply<Kernel>(x, ldx, M, K, N, p * per_panel, std::min(groups, (p + 1) * per_panel), buffers, decode,
+                              put);
   });
 }
 
@@ -350,13 +364,18 @@ void run_fused(const float* xs, int64_t M, int64_t K, const uint8_t* data, int64
   else if (M < kPackedFrom)
     run_fused_batch<F>(xs, M, K, data, N, y);
   else
-    run_fused_packed<F>(xs, M, K, data, N, y);
+    run_fused_packed<panel::Fp32, F>(xs, K, M, K, data, N, y);
 }
 #endif
 
 template <Format F, typename T>
 void run(const T* x, int64_t ldx, int64_t M, int64_t K, const FormatInfo& fi, const uint8_t* data, int64_t N,
          T* y) {
+#ifdef PAGEDSERVE_BF16_PANELS
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (M >= kPackedFrom) return run_fused_packed<panel_bf16::Kernel, F>(x, ldx, M, K, data, N, y);
+  }
+#endif
   // x as fp32 rows of exactly K (copied where it is bf16 or strided: M x K is small
   // beside the weights).
   std::vector<float> copy;
@@ -414,10 +433,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& data, c10::string
   return y;
 }
 
+// The rows of bf16 x from which quant_linear multiplies the weights rounded to bf16 (0:
+// never, in this build).
+int64_t quant_linear_bf16_rows() {
+#ifdef PAGEDSERVE_BF16_PANELS
+  return kPackedFrom;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor data, str qtype, int out_features) -> Tensor");
+  m.def("quant_linear_bf16_rows() -> int", &pagedserve_cpu::quant_linear_bf16_rows);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("quant_linear", &pagedserve_cpu::quant_linear); }

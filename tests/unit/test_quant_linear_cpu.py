@@ -1,7 +1,8 @@
 """The C++ kernel over GGUF blocks against the torch reference (kernels/gguf_quant.py):
 its decode is the reference's bit for bit (x = the identity returns W.T exactly), and
 its products within fp32 rounding, for every format, fp32 and bf16 activations, and
-row counts from a decode's one to a prefill's chunks."""
+row counts from a decode's one to a prefill's chunks. A bf16 batch, where the build has
+AVX512-BF16, multiplies the weights rounded to bf16, as the reference does."""
 
 from __future__ import annotations
 
@@ -54,7 +55,42 @@ def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
     got_bf16 = quant_cpu_ops.quant_linear(xb, weight)
     assert got_bf16.dtype == torch.bfloat16
     # fp32 sums of the bf16 inputs, rounded once to bf16: within half a bf16 ulp (2^-9) of them, plus fp32's error
-    assert_within_fp32_sums(got_bf16.float(), xb.float(), weight, rel=2.0**-8)
+    assert_within_fp32_sums(got_bf16.float(), xb.float(), bf16_batch_weights(weight, rows), rel=2.0**-8)
+
+
+def bf16_rows() -> int:
+    """The rows of bf16 x from which this build multiplies the weights rounded to bf16 (0: never)."""
+    return int(torch.ops.pagedserve_cpu.quant_linear_bf16_rows())
+
+
+def bf16_batch_weights(weight: QuantizedWeight, rows: int) -> torch.Tensor:
+    """The weights `rows` rows of bf16 x are multiplied by: rounded to bf16 from
+    bf16_rows() rows (the reference's `.to(x.dtype)`), else as decoded."""
+    dense = weight.dequantize()
+    return dense.bfloat16().float() if bf16_rows() and rows >= bf16_rows() else dense
+
+
+@pytest.mark.skipif(not bf16_rows(), reason="no AVX512-BF16 in this build: bf16 x multiplies the fp32 decoded weights")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
+def test_a_bf16_batch_multiplies_the_weights_rounded_to_bf16(qtype: str):
+    """From bf16_rows() rows: the weights decoded, rounded to bf16 (the reference's
+    F.linear(x, W.to(bf16)), the bf16 checkpoint's values) and summed in fp32, over
+    groups of 32 output rows (70: two and a partial one), tiles of 6 rows of x and a
+    partial one, x's rows strided. The fp32 decoded weights' product is not within the
+    same bound everywhere: the test tells the two apart."""
+    k = 4 * BLOCK_FORMATS[qtype][0]
+    weight = random_blocks(qtype, out_features=70, in_features=k, seed=9)
+    rows = bf16_rows() + 7
+    x = torch.randn(rows, k + 48, generator=torch.Generator().manual_seed(9))[:, 16 : 16 + k].bfloat16()
+    got = quant_cpu_ops.quant_linear(x, weight).double()
+    rounded = weight.dequantize().bfloat16().double()
+    exact = x.double() @ rounded.T
+    bound = 1e-6 * (x.double().abs() @ rounded.abs().T) + 2.0**-8 * exact.abs()
+    assert ((got - exact).abs() <= bound).all()
+    from_fp32 = x.double() @ weight.dequantize().double().T
+    assert ((got - from_fp32).abs() > bound).any()
+    alone = quant_cpu_ops.quant_linear(x[: bf16_rows()], weight.rows(torch.arange(32, 70)))
+    assert torch.equal(alone.double(), got[: bf16_rows(), 32:70])
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
@@ -73,10 +109,12 @@ def test_a_batch_over_panels_of_output_rows(qtype: str, rows: int):
         assert torch.equal(alone, y[:, first:last])
 
 
-def assert_within_fp32_sums(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, rel: float = 0.0) -> None:
+def assert_within_fp32_sums(
+    got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor, rel: float = 0.0
+) -> None:
     """got is x @ W.T up to fp32 summation error: |got - exact| <= 1e-6 * (|x| @ |W|.T) (about
-    16 ulps of the sum of the magnitudes) + rel * |exact|."""
-    dense = weight.dequantize().double()
+    16 ulps of the sum of the magnitudes) + rel * |exact|. weight: blocks, or their values."""
+    dense = (weight.dequantize() if isinstance(weight, QuantizedWeight) else weight).double()
     exact = x.double() @ dense.T
     bound = 1e-6 * (x.double().abs() @ dense.abs().T) + rel * exact.abs()
     excess = (got.double() - exact).abs() - bound
