@@ -26,8 +26,11 @@ def served_default(device: str, shipped_gguf: Path) -> ServedDefault:
     """The default for the workers' --device. On a CPU the shipped GGUF as it is, in
     float32 math over its blocks: the same values as the converted checkpoint (which
     is their dequantization), at a third of the bytes a step reads, and measured faster
-    at 1 and at 32 streams (bench/results/peers_gguf.md: ITL 28.4 vs 53.2 ms, 83.9 vs
-    77.9 tok/s), with no conversion before the first start. On CUDA the converted
+    at 1 and at 32 streams on an AVX2 CPU (bench/results/peers_gguf.md at 227af88: ITL
+    28.4 vs 53.2 ms, 83.9 vs 77.9 tok/s), with no conversion before the first start.
+    Exact over fast: with AVX-512 BF16 the bf16 checkpoint is faster at 32 streams
+    (0.56x, peers_gguf.md), and --dtype bfloat16 or --quant-activations int8 serve the
+    GGUF at batch speed, both off the exact values. On CUDA the converted
     checkpoint: the Triton GGUF GEMM runs at 0.09-0.37x of bf16 cuBLAS on an H200
     (bench/results/gguf_gemm.md), so the dense weights are faster there."""
     if device.startswith("cuda"):
