@@ -44,68 +44,68 @@ inline void transpose8(__m256 r[8]) {
   r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// `rows` (<= kCols) decoded rows [rows][K] packed as [K][kCols], the columns past `rows`
-// zero. A whole group moves as 8 x 8 blocks transposed in registers: at a 32-row batch the
-// scalar copy cost a quarter of the multiply.
-inline void pack(const float* w, int rows, int64_t K, float* out) {
-  if (rows == kCols && K % 8 == 0) {
-    for (int64_t k = 0; k < K; k += 8)
-      for (int half = 0; half < 2; ++half) {
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (half * 8 + j) * K + k);
-        transpose8(r);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (k + i) * kCols + half * 8, r[i]);
-      }
-    return;
-  }
-  for (int64_t k = 0; k < K; ++k)
-    for (int j = 0; j < kCols; ++j) out[k * kCols + j] = j < rows ? w[j * K + k] : 0.0f;
-}
-
-// out[r][0:kCols] = x[r] . the packed group's columns, for MR rows of x (ldx apart).
-template <int MR>
-inline void tile(const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
-  __m256 lo[MR], hi[MR];
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(packed + k * kCols);
-    const __m256 w1 = _mm256_loadu_ps(packed + k * kCols + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-      lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(out + r * kCols, lo[r]);
-    _mm256_storeu_ps(out + r * kCols + 8, hi[r]);
-  }
-}
-
-// tile<rows> for a run-time count of rows, 1..kMR.
-inline void tile_rows(int rows, const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
-  switch (rows) {
-    case 6: return tile<6>(packed, K, x, ldx, out);
-    case 5: return tile<5>(packed, K, x, ldx, out);
-    case 4: return tile<4>(packed, K, x, ldx, out);
-    case 3: return tile<3>(packed, K, x, ldx, out);
-    case 2: return tile<2>(packed, K, x, ldx, out);
-    default: return tile<1>(packed, K, x, ldx, out);
-  }
-}
-
-// The fp32 panels as multiply() takes a kernel: a group's width, the rows of x a tile
-// takes, what a packed weight and x are, pack and tile_rows (panel_gemm_bf16.h: bf16's).
+// The fp32 panels, as multiply() takes a kernel: a group's width (kCols), the rows of x
+// a tile takes (kMR), what a packed weight and x hold, pack and tile<MR>
+// (panel_gemm_bf16.h: bf16's).
 struct Fp32 {
   static constexpr int kCols = panel::kCols;
   static constexpr int kMR = panel::kMR;
   using Packed = float;
   using X = float;
-  static void pack(const float* w, int rows, int64_t K, float* out) { panel::pack(w, rows, K, out); }
-  static void tile_rows(int rows, const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
-    panel::tile_rows(rows, packed, K, x, ldx, out);
+
+  // `rows` (<= kCols) decoded rows [rows][K] packed as [K][kCols], the columns past `rows`
+  // zero. A whole group moves as 8 x 8 blocks transposed in registers: at a 32-row batch the
+  // scalar copy cost a quarter of the multiply.
+  static void pack(const float* w, int rows, int64_t K, float* out) {
+    if (rows == kCols && K % 8 == 0) {
+      for (int64_t k = 0; k < K; k += 8)
+        for (int half = 0; half < 2; ++half) {
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (half * 8 + j) * K + k);
+          transpose8(r);
+          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (k + i) * kCols + half * 8, r[i]);
+        }
+      return;
+    }
+    for (int64_t k = 0; k < K; ++k)
+      for (int j = 0; j < kCols; ++j) out[k * kCols + j] = j < rows ? w[j * K + k] : 0.0f;
+  }
+
+  // out[r][0:kCols] = x[r] . the packed group's columns, for MR rows of x (ldx apart).
+  template <int MR>
+  static void tile(const float* packed, int64_t K, const float* x, int64_t ldx, float* out) {
+    __m256 lo[MR], hi[MR];
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 w0 = _mm256_loadu_ps(packed + k * kCols);
+      const __m256 w1 = _mm256_loadu_ps(packed + k * kCols + 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      _mm256_storeu_ps(out + r * kCols, lo[r]);
+      _mm256_storeu_ps(out + r * kCols + 8, hi[r]);
+    }
   }
 };
+
+// Kernel::tile<rows> for a run-time count of rows, 1..6.
+template <typename Kernel>
+inline void tile_rows(int rows, const typename Kernel::Packed* packed, int64_t K, const typename Kernel::X* x,
+                      int64_t ldx, float* out) {
+  static_assert(Kernel::kMR == 6, "tile_rows dispatches 1..6 rows");
+  switch (rows) {
+    case 6: return Kernel::template tile<6>(packed, K, x, ldx, out);
+    case 5: return Kernel::template tile<5>(packed, K, x, ldx, out);
+    case 4: return Kernel::template tile<4>(packed, K, x, ldx, out);
+    case 3: return Kernel::template tile<3>(packed, K, x, ldx, out);
+    case 2: return Kernel::template tile<2>(packed, K, x, ldx, out);
+    default: return Kernel::template tile<1>(packed, K, x, ldx, out);
+  }
+}
 
 // One thread's scratch: a group's decoded rows and a panel's packed groups.
 template <typename Kernel>
@@ -134,7 +134,7 @@ void multiply(const typename Kernel::X* x, int64_t ldx, int64_t M, int64_t K, in
   for (int64_t m = 0; m < M; m += Kernel::kMR) {
     const int r = static_cast<int>(std::min<int64_t>(Kernel::kMR, M - m));
     for (int64_t g = g_first; g < g_end; ++g) {
-      Kernel::tile_rows(r, buffers.packed.data() + (g - g_first) * cols * K, K, x + m * ldx, ldx, out);
+      tile_rows<Kernel>(r, buffers.packed.data() + (g - g_first) * cols * K, K, x + m * ldx, ldx, out);
       const int64_t n0 = g * cols, n_cols = std::min<int64_t>(cols, N - n0);
       for (int i = 0; i < r; ++i)
         for (int64_t j = 0; j < n_cols; ++j) put(m + i, n0 + j, out[i * cols + j]);

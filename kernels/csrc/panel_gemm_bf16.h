@@ -56,71 +56,55 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// `rows` (<= kCols) decoded fp32 rows [rows][K] (K a multiple of 32) rounded to bf16 and
-// packed as [K / 2][kCols][2], the columns past `rows` zero. 32 values of k at a time:
-// each row's 32 become one vector of 16 pairs, and the two 16 x 16 blocks of pairs
-// (columns 0-15, 16-31) are transposed so that a pair of k holds every column's.
-inline void pack(const float* w, int rows, int64_t K, uint16_t* out) {
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512i half[2][16];
-    for (int c = 0; c < kCols; ++c) {
-      __m512i v = _mm512_setzero_si512();
-      if (c < rows) {
-        const float* src = w + c * K + k;
-        v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-      }
-      half[c / 16][c % 16] = v;
-    }
-    for (int h = 0; h < 2; ++h) {
-      transpose16(half[h]);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k / 2 + p) * 2 * kCols + h * 32, half[h][p]);
-    }
-  }
-}
-
-// out[r][0:kCols] = x[r] . the packed group's columns, for MR rows of bf16 x (ldx apart).
-template <int MR>
-inline void tile(const uint16_t* packed, int64_t K, const uint16_t* x, int64_t ldx, float* out) {
-  __m512 lo[MR], hi[MR];
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < K / 2; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(packed + p * 2 * kCols);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(packed + p * 2 * kCols + 32);
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      lo[r] = _mm512_dpbf16_ps(lo[r], w0, xb);
-      hi[r] = _mm512_dpbf16_ps(hi[r], w1, xb);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    _mm512_storeu_ps(out + r * kCols, lo[r]);
-    _mm512_storeu_ps(out + r * kCols + 16, hi[r]);
-  }
-}
-
-// tile<rows> for a run-time count of rows, 1..kMR.
-inline void tile_rows(int rows, const uint16_t* packed, int64_t K, const uint16_t* x, int64_t ldx, float* out) {
-  switch (rows) {
-    case 6: return tile<6>(packed, K, x, ldx, out);
-    case 5: return tile<5>(packed, K, x, ldx, out);
-    case 4: return tile<4>(packed, K, x, ldx, out);
-    case 3: return tile<3>(packed, K, x, ldx, out);
-    case 2: return tile<2>(packed, K, x, ldx, out);
-    default: return tile<1>(packed, K, x, ldx, out);
-  }
-}
-
-// The bf16 panels as panel::multiply takes a kernel (panel_gemm_avx2.h).
+// The bf16 panels, as panel::multiply takes a kernel (panel_gemm_avx2.h).
 struct Kernel {
   static constexpr int kCols = panel_bf16::kCols;
   static constexpr int kMR = panel_bf16::kMR;
   using Packed = uint16_t;
   using X = uint16_t;
-  static void pack(const float* w, int rows, int64_t K, uint16_t* out) { panel_bf16::pack(w, rows, K, out); }
-  static void tile_rows(int rows, const uint16_t* packed, int64_t K, const uint16_t* x, int64_t ldx, float* out) {
-    panel_bf16::tile_rows(rows, packed, K, x, ldx, out);
+
+  // `rows` (<= kCols) decoded fp32 rows [rows][K] (K a multiple of 32) rounded to bf16 and
+  // packed as [K / 2][kCols][2], the columns past `rows` zero. 32 values of k at a time:
+  // each row's 32 become one vector of 16 pairs, and the two 16 x 16 blocks of pairs
+  // (columns 0-15, 16-31) are transposed so that a pair of k holds every column's.
+  static void pack(const float* w, int rows, int64_t K, uint16_t* out) {
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i half[2][16];
+      for (int c = 0; c < kCols; ++c) {
+        __m512i v = _mm512_setzero_si512();
+        if (c < rows) {
+          const float* src = w + c * K + k;
+          v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        }
+        half[c / 16][c % 16] = v;
+      }
+      for (int h = 0; h < 2; ++h) {
+        transpose16(half[h]);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k / 2 + p) * 2 * kCols + h * 32, half[h][p]);
+      }
+    }
+  }
+
+  // out[r][0:kCols] = x[r] . the packed group's columns, for MR rows of bf16 x (ldx apart).
+  template <int MR>
+  static void tile(const uint16_t* packed, int64_t K, const uint16_t* x, int64_t ldx, float* out) {
+    __m512 lo[MR], hi[MR];
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 2; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(packed + p * 2 * kCols);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(packed + p * 2 * kCols + 32);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        lo[r] = _mm512_dpbf16_ps(lo[r], w0, xb);
+        hi[r] = _mm512_dpbf16_ps(hi[r], w1, xb);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      _mm512_storeu_ps(out + r * kCols, lo[r]);
+      _mm512_storeu_ps(out + r * kCols + 16, hi[r]);
+    }
   }
 };
 
