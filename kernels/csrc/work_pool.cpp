@@ -39,11 +39,15 @@ constexpr uint64_t kIndexMask = 0xFFFFFFFFu;
 constexpr uint64_t kClosed = kIndexMask;  // no chunk can be taken: a job is being written
 constexpr int kMaxHelpers = 7;            // beyond ~8 threads a decode's GEMV is memory-bound
 // A helper spins this long after a call before it parks: through the gaps between a
-// step's kernels and the ~2 ms between two decode steps of one stream. Parked, it took
-// 50-100 us to wake at each step's first calls and again after any gap it slept through,
-// by when a small GEMV was done without it: one stream's served ITL was 15.6 ms with a
-// 100 us spin, 12.6 with 5 ms (Q4_1, 2-core EPYC, side by side; llama.cpp 10.7).
-constexpr int64_t kDefaultSpinUs = 5000;
+// step's kernels and most of the gap between two decode steps of one stream. Parked, it
+// took 50-100 us to wake at each step's first calls and again after any gap it slept
+// through, by when a small GEMV was done without it: one stream's served ITL was 15.6 ms
+// with a 100 us spin, 12.6 with 5 ms (Q4_1, 2-core EPYC, side by side; llama.cpp 10.7).
+// Since steps stream (a shorter gap), spinning through all of it holds the core the
+// scheduler and the gateway need then: side by side on a 2-core AVX-512 EPYC, one stream,
+// 1 ms against 5 ms: Q8_0 int8 9.05 / 9.58 / 9.79 against 9.38 / 10.19 / 9.88 ms (three
+// runs), Q4_1 fp32 11.04 against 11.42; 0.5 and 2 ms within the noise of 1.
+constexpr int64_t kDefaultSpinUs = 1000;
 // Weights per chunk, ~15 us of a fused quantized tile: each chunk is a fresh stream for
 // the hardware prefetcher, so shorter ones read the weights slower (one stream's step:
 // 10.4 ms at 2^15, 9.1 at 2^17, 9.8 at 2^19); the threads still end within a chunk.
