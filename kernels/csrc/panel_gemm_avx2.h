@@ -21,9 +21,6 @@
 namespace pagedserve_cpu {
 namespace panel {
 
-constexpr int kCols = 16;  // output columns per packed group: two AVX2 vectors
-constexpr int kMR = 6;     // rows of x per tile: 12 accumulators, 2 weights, 1 broadcast (15 of 16 registers)
-
 // The 8 x 8 block of rows r[0..7] (each 8 floats) transposed in registers.
 inline void transpose8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -48,8 +45,8 @@ inline void transpose8(__m256 r[8]) {
 // a tile takes (kMR), what a packed weight and x hold, pack and tile<MR>
 // (panel_gemm_bf16.h: bf16's).
 struct Fp32 {
-  static constexpr int kCols = panel::kCols;
-  static constexpr int kMR = panel::kMR;
+  static constexpr int kCols = 16;  // output columns per packed group: two AVX2 vectors
+  static constexpr int kMR = 6;     // rows of x per tile: 12 accumulators, 2 weights, 1 broadcast (15 of 16 registers)
   using Packed = float;
   using X = float;
 

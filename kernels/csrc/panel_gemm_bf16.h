@@ -26,9 +26,6 @@
 namespace pagedserve_cpu {
 namespace panel_bf16 {
 
-constexpr int kCols = 32;  // output columns per packed group: two vectors of 16 sums
-constexpr int kMR = 6;     // rows of x per tile: 12 accumulators, 2 weights, 1 broadcast
-
 // The 16 x 16 matrix of 32-bit elements in r[0..15] transposed in registers.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -58,8 +55,8 @@ inline void transpose16(__m512i r[16]) {
 
 // The bf16 panels, as panel::multiply takes a kernel (panel_gemm_avx2.h).
 struct Kernel {
-  static constexpr int kCols = panel_bf16::kCols;
-  static constexpr int kMR = panel_bf16::kMR;
+  static constexpr int kCols = 32;  // output columns per packed group: two vectors of 16 sums
+  static constexpr int kMR = 6;     // rows of x per tile: 12 accumulators, 2 weights, 1 broadcast
   using Packed = uint16_t;
   using X = uint16_t;
 
