@@ -69,6 +69,7 @@ class StepShape:
 
 STEPS = {
     "decode 1 x 256": StepShape(1, 1, 256),
+    "decode 1 x 1024": StepShape(1, 1, 1024),
     "decode 32 x 320": StepShape(32, 1, 320),
     "decode 16 x 1088": StepShape(16, 1, 1088, shared_prefix=1024),
     "verify 1 x 256 + 4": StepShape(1, 5, 256, drafts=4),

@@ -12,7 +12,9 @@
 // softmax over one block at a time; the output is rounded to the query's dtype.
 //
 // Work item: a sequence's tile of up to kRowTile query rows, for all its KV heads
-// when there are enough sequences to keep every thread busy, else for one KV head.
+// when there are enough sequences to keep every thread busy, else for one KV head; a
+// call with few decode rows cuts their contexts into segments, items of their own, whose
+// partial softmax states are merged after.
 // Per block and KV head, K and V serve all the item's rows and every query head of
 // the KV head's group: read where they lie when the cache's values are already the
 // query dtype's (fp32; bf16 for fp32 and bf16 queries), else converted once into small
@@ -38,10 +40,11 @@
 #include <omp.h>
 
 #include "cpu_vec.h"
+#include "paged_attention_args.h"
+#include "paged_attention_plan.h"
 #include "work_pool.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,133 +54,7 @@
 namespace {
 
 using namespace pagedserve_cpu;
-
-constexpr int kRowTile = 16;
-constexpr float kNegBig = -1e30f;  // a finite "minus infinity": exp underflows to 0
-
-// ---- element conversions ----------------------------------------------------------
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table;
-}
-
-// The query dtype: how a value is rounded to it (K/V after dequantization, the output).
-struct QF32 {
-  using T = float;
-  static float load(T x) { return x; }
-  static float round(float x) { return x; }
-  static T store(float x) { return x; }
-};
-struct QBF16 {
-  using T = uint16_t;
-  static float load(T x) { return bf16_to_float(x); }
-  static float round(float x) { return bf16_to_float(float_to_bf16_bits(x)); }
-  static T store(float x) { return float_to_bf16_bits(x); }
-};
-struct QF16 {
-  using T = _Float16;
-  static float load(T x) { return static_cast<float>(x); }
-  static float round(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
-  static T store(float x) { return static_cast<_Float16>(x); }
-};
-
-// The cache dtype: reading `n` consecutive values of one token into fp32, rounded
-// to the query's dtype (scale / zero: that token's, for the quantized dtypes).
-template <typename Q>
-struct CF32 {
-  using T = float;
-  static void read(const T* src, int n, float, int8_t, float* dst) {
-#pragma omp simd
-    for (int i = 0; i < n; ++i) dst[i] = Q::round(src[i]);
-  }
-};
-template <typename Q>
-struct CBF16 {
-  using T = uint16_t;
-  static void read(const T* src, int n, float, int8_t, float* dst) {
-    if constexpr (std::is_same_v<Q, QBF16> || std::is_same_v<Q, QF32>) {  // exact in the query's dtype
-#pragma omp simd
-      for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-      return;
-    }
-#pragma omp simd
-    for (int i = 0; i < n; ++i) dst[i] = Q::round(bf16_to_float(src[i]));
-  }
-};
-template <typename Q>
-struct CF16 {
-  using T = _Float16;
-  static void read(const T* src, int n, float, int8_t, float* dst) {
-    if constexpr (std::is_same_v<Q, QF16> || std::is_same_v<Q, QF32>) {  // exact in the query's dtype
-#pragma omp simd
-      for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-      return;
-    }
-#pragma omp simd
-    for (int i = 0; i < n; ++i) dst[i] = Q::round(static_cast<float>(src[i]));
-  }
-};
-template <typename Q>
-struct CFP8 {
-  using T = uint8_t;
-  static void read(const T* src, int n, float scale, int8_t, float* dst) {
-    const float* table = fp8_table().data();
-    for (int i = 0; i < n; ++i) dst[i] = Q::round(table[src[i]] * scale);
-  }
-};
-template <typename Q>
-struct CINT8 {
-  using T = int8_t;
-  static void read(const T* src, int n, float scale, int8_t zero, float* dst) {
-    const float z = static_cast<float>(zero);
-#pragma omp simd
-    for (int i = 0; i < n; ++i) dst[i] = Q::round((static_cast<float>(src[i]) - z) * scale);
-  }
-};
-
-struct Args {
-  const void* query;
-  int64_t q_stride_t, q_stride_h;
-  const void* k_cache;
-  const void* v_cache;
-  const float* k_scale;
-  const float* v_scale;
-  const int8_t* k_zero;
-  const int8_t* v_zero;
-  const int32_t* block_tables;
-  int64_t table_stride;
-  const int32_t* cu_query_lens;  // nullptr: decode, row s of sequence s
-  const int32_t* context_lens;
-  void* out;
-  int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-  float scale;
-  int sliding_window;
-  float softcap;  // 0: scores are not capped
-};
-
-// n tokens of one block and KV head, [n][d] in the cache, into fp32 dst [n][d].
-template <typename Q, template <typename> class C>
-inline void read_block(const typename C<Q>::T* src, const float* scale, const int8_t* zero, int64_t sbase, int n,
-                       int d, float* dst) {
-  if (scale == nullptr) {
-    C<Q>::read(src, n * d, 1.0f, 0, dst);  // one contiguous run: the whole [n][d]
-    return;
-  }
-  for (int j = 0; j < n; ++j)
-    C<Q>::read(src + j * d, d, scale[sbase + j], zero ? zero[sbase + j] : int8_t{0}, dst + j * d);
-}
-
-struct WorkItem {
-  int seq, head_begin, head_end;  // KV heads [head_begin, head_end) of seq
-  int row_begin, row_end;         // query rows [row_begin, row_end) of seq
-};
-
-// The largest head_dim the kernel takes (a query's running output lives on the stack).
-constexpr int kMaxHeadDim = 512;
+using namespace pagedserve_cpu::attention;
 
 // Attention of one query vector (head g of row r) over keys [lo, hi) of the block in
 // kb / vb, for a head_dim without a compiled tile (attend_queries serves 64 and 128):
@@ -264,11 +141,12 @@ inline void for_each_block(const Args& a, const WorkItem& w, int first_pos, int 
   const int64_t block_stride = a.num_kv_heads * head_stride;
   const CT* k_cache = static_cast<const CT*>(a.k_cache);
   const CT* v_cache = static_cast<const CT*>(a.v_cache);
-  for (int blk = key_lo / bs; blk * bs < key_hi; ++blk) {
+  const int blk_end = std::min(w.block_end, (key_hi + bs - 1) / bs);
+  for (int blk = std::max(key_lo / bs, w.block_begin); blk < blk_end; ++blk) {
     const int64_t phys = table[blk];
     const int j0 = blk * bs;
     const int n = std::min(bs, key_hi - j0);
-    const bool has_next = (blk + 1) * bs < key_hi;
+    const bool has_next = blk + 1 < blk_end;
     if (!InPlace && has_next)
       prefetch_block(k_cache, v_cache, table[blk + 1] * block_stride + w.head_begin * head_stride, heads * head_stride);
     for (int h = 0; h < heads; ++h) {
@@ -480,6 +358,13 @@ void attend_item(const Args& a, const WorkItem& w, std::vector<float>& scratch) 
     }
   });
 
+  if (w.part >= 0) {  // a segment of a decode context: its state, merged by merge_splits
+    float* slot = a.partials + w.part * a.partial_stride;
+    std::copy(acc, acc + nq * d, slot);
+    std::copy(m, m + nq, slot + nq * d);
+    std::copy(l, l + nq, slot + nq * d + nq);
+    return;
+  }
   QT* out = static_cast<QT*>(a.out);
   for (int h = 0; h < heads; ++h)
     for (int r = 0; r < rows; ++r)
@@ -634,29 +519,6 @@ void attend_item_lanes(const Args& a, const WorkItem& w, std::vector<float>& scr
     }
 }
 
-std::vector<WorkItem> work_items(const Args& a, int threads) {
-  // All KV heads of a sequence in one item when there are enough sequences to keep every
-  // thread busy (its blocks are then read as one run of kv_heads * block_size rows);
-  // one item per head otherwise (a single long sequence still spreads over the threads).
-  const int heads_per_item = a.num_seqs >= 4 * threads ? a.num_kv_heads : 1;
-  std::vector<WorkItem> items;
-  for (int s = 0; s < a.num_seqs; ++s) {
-    const int q_len = a.cu_query_lens ? a.cu_query_lens[s + 1] - a.cu_query_lens[s] : 1;
-    for (int h = 0; h < a.num_kv_heads; h += heads_per_item)
-      for (int r = 0; r < q_len; r += kRowTile)
-        items.push_back({s, h, std::min(a.num_kv_heads, h + heads_per_item), r, std::min(q_len, r + kRowTile)});
-  }
-  // Longest contexts first, so the dynamic schedule ends with the short items.
-  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
-    auto end = [&](const WorkItem& w) {
-      const int q_len = a.cu_query_lens ? a.cu_query_lens[w.seq + 1] - a.cu_query_lens[w.seq] : 1;
-      return a.context_lens[w.seq] - q_len + w.row_end;
-    };
-    return end(x) > end(y);
-  });
-  return items;
-}
-
 template <typename Q, template <typename> class C>
 void attend_one(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
   // Enough query vectors per KV head to fill the lanes: the matrix-shaped tile.
@@ -672,9 +534,18 @@ void attend_one(const Args& a, const WorkItem& w, std::vector<float>& scratch) {
 }
 
 template <typename Q, template <typename> class C>
-void run(const Args& a) {
+void run(const Args& args) {
   const int torch_threads = at::get_num_threads();
-  const std::vector<WorkItem> items = work_items(a, torch_threads == 1 ? pool::team() : torch_threads);
+  const Plan plan = work_items(args, torch_threads == 1 ? pool::team() : torch_threads);
+  Args a = args;
+  thread_local std::vector<float> partials;
+  if (plan.parts) {
+    const int heads = plan.splits.front().head_end - plan.splits.front().head_begin;
+    a.partial_stride = static_cast<int64_t>(heads) * (a.num_heads / a.num_kv_heads) * (a.head_dim + 2);
+    partials.resize(plan.parts * a.partial_stride);
+    a.partials = partials.data();
+  }
+  const std::vector<WorkItem>& items = plan.items;
   const int n = static_cast<int>(items.size());
   if (torch_threads == 1) {
     // A small step's one torch thread (svc_common/cpu_features.py's plan): the work
@@ -683,15 +554,16 @@ void run(const Args& a) {
       thread_local std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) attend_one<Q, C>(a, items[i], scratch);
     });
-    return;
-  }
-  const int threads = std::max(1, std::min(torch_threads, n));
+  } else {
+    const int threads = std::max(1, std::min(torch_threads, n));
 #pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scratch;
+    {
+      std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) attend_one<Q, C>(a, items[i], scratch);
+      for (int i = 0; i < n; ++i) attend_one<Q, C>(a, items[i], scratch);
+    }
   }
+  merge_splits<Q>(a, plan.splits);
 }
 
 template <typename Q>

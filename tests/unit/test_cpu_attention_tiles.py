@@ -97,3 +97,59 @@ def test_row_wise_chunks_windows_and_cap(group, softcap, window):
     args = (query, k_cache, v_cache, tables, cu, ctx, SCALE, window)
     out = cpu_ops.paged_prefill_attention(*args, softcap=softcap)
     _assert_close(out, reference.paged_prefill_attention(*args, softcap=softcap))
+
+
+# A call with fewer than 12 (sequence, KV head) pairs of decode rows cuts each context of
+# at least two segments' keys (128 each, whole blocks) into segments attended apart and
+# merged (paged_attention_cpu.cpp's work_items / merge_splits): these contexts are cut
+# into 2-4 segments (one block of 256 keys is one segment), next to rows too short to cut.
+SPLIT_CONTEXTS = [[1000], [129, 700], [300, 5, 1031]]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("contexts", SPLIT_CONTEXTS, ids=["1-seq", "2-seqs", "3-seqs"])
+def test_a_few_decode_rows_attend_their_contexts_in_segments(contexts, head_dim, block_size):
+    kv_heads, group = 3, 3
+    blocks = len(contexts) * (max(-(-c // block_size) for c in contexts) + 1)
+    k_cache, v_cache, _ = make_cache(blocks, kv_heads, head_dim, torch.float32, block_size=block_size)
+    tables, ctx = _tables(contexts, blocks, block_size)
+    query = _query(len(contexts), kv_heads * group, head_dim, torch.float32)
+    out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE)
+    _assert_close(out, reference.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE))
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", CACHE_DTYPES, ids=[f"q{q}-kv{c}".replace("torch.", "") for q, c in CACHE_DTYPES]
+)
+@pytest.mark.parametrize("window,softcap", [(0, 2.0), (200, 0.0), (700, 2.0)])
+def test_segments_take_every_cache_dtype_window_and_cap(dtype, cache_dtype, window, softcap):
+    contexts = [300, 5, 1031]
+    blocks = len(contexts) * (max(-(-c // 16) for c in contexts) + 1)
+    k_cache, v_cache, scales = make_cache(blocks, 2, 64, cache_dtype, block_size=16)
+    tables, ctx = _tables(contexts, blocks, 16)
+    query = _query(len(contexts), 6, 64, dtype)
+    args = (query, k_cache, v_cache, tables, ctx, SCALE, window)
+    out = cpu_ops.paged_decode_attention(*args, softcap=softcap, **scales)
+    _assert_close(out, reference.paged_decode_attention(*args, softcap=softcap, **scales))
+
+
+def test_segments_give_the_same_bits_on_any_number_of_threads():
+    """The cut depends on the call alone: one torch thread with the work pool, without
+    it, and two OpenMP threads (which also group a call's KV heads differently)."""
+    k_cache, v_cache, _ = make_cache(80, 3, 64, torch.float32, block_size=16)
+    tables, ctx = _tables([1000], 80, 16)
+    query = _query(1, 9, 64, torch.float32)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for torch_threads, pool in ((1, True), (1, False), (2, False)):
+            torch.set_num_threads(torch_threads)
+            was = torch.ops.pagedserve_cpu.work_pool_enable(pool)
+            try:
+                outs.append(cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, SCALE))
+            finally:
+                torch.ops.pagedserve_cpu.work_pool_enable(was)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
