@@ -6,6 +6,7 @@ wall times instead).
 
 Steps of the default model, shaped like bench/peers.py's workloads:
   decode 1 x 256         one stream (ITL)
+  decode 1 x 1024        one stream at a long context (attention cut into segments)
   decode 32 x 320        32 streams, mid-way through 256 in / 128 out
   decode 16 x 1088       16 streams sharing a 1,024-token prefix (the prefix blocks shared)
   verify 1 x 256 + 4     one stream verifying 4 drafts (speculative decoding: 5 positions)
