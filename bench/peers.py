@@ -29,6 +29,7 @@ a quiet 2-core machine; --max-tokens and --requests-per-stream shorten it.
     python -m bench.peers --gguf --pagedserve-args "--quant-activations int8" --out peers_gguf_int8
     python -m bench.peers --gguf --gguf-dtype bfloat16 --out peers_gguf_bf16
     python -m bench.peers --gguf --isa avx2 --out peers_gguf_avx2   # AVX2 code paths only
+    python -m bench.peers --gguf --rounds 4 --out peers_gguf_rounds  # all up at once, in turn
     python -m bench.peers --servers pagedserve llamacpp-f16 --workloads 1
     python -m bench.peers --servers pagedserve pagedserve-baseline --out peers_vs_main   # pagedserve alone
     PEERS_CACHE=/work/peers-cache python -m bench.peers --gguf   # reuse another tree's build and files
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import isa as isa_env
+from bench.harness.interleave import run_interleaved
 from bench.harness.llama_cpp import (
     GGUF_KINDS,
     extract_sidecar,
@@ -417,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=isa_env.ISAS,
         help="hold every server to this instruction set (bench/harness/isa.py; avx2: as on an AVX2-only CPU)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="start every server at once and drive them in turn, this many rounds, fresh prompts each "
+        "(bench/harness/interleave.py: medians over rounds); 0 (default): one server after another",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", help="result name under bench/results/ (default peers, peers_gguf with --gguf)")
     parser.add_argument(
@@ -462,29 +471,33 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {w.name: make_prompts(w, seed=seeds[k]) for k, w in zip(chosen, workloads, strict=True)}
     baseline_root: Path | None = None
 
-    serve = partial(pagedserve, port=PORT, isa=args.isa)
+    serve = partial(pagedserve, isa=args.isa)
 
-    def baseline() -> HttpServer:
+    def baseline(port: int) -> HttpServer:
         nonlocal baseline_root
         baseline_root = make_worktree(args.baseline)
-        return serve("bfloat16", root=baseline_root, label=f" {args.baseline} (baseline)")
+        return serve("bfloat16", port, root=baseline_root, label=f" {args.baseline} (baseline)")
 
-    builders: dict[str, Callable[[], HttpServer]] = {
-        "pagedserve": lambda: serve("auto"),
+    def llama(kind: str, port: int) -> HttpServer:
+        return llama_cpp(port, kind, threads=args.llamacpp_threads, isa=args.isa)
+
+    # Each server on the port it is given (--rounds starts them together, 10 ports apart).
+    builders: dict[str, Callable[[int], HttpServer]] = {
+        "pagedserve": lambda port: serve("auto", port),
         "pagedserve-baseline": baseline,
-        "pagedserve-bf16": lambda: serve("bfloat16"),
-        "pagedserve-fp32": lambda: serve("float32"),
-        "vllm-cpu": lambda: vllm_cpu(MODEL_DIR, PORT),
-        "llamacpp-f16": lambda: llama_cpp(PORT, isa=args.isa),
-        "pagedserve-1thread": lambda: serve("auto", threads=1),
-        "pagedserve-2threads": lambda: serve("auto", threads=2),
+        "pagedserve-bf16": lambda port: serve("bfloat16", port),
+        "pagedserve-fp32": lambda port: serve("float32", port),
+        "vllm-cpu": lambda port: vllm_cpu(MODEL_DIR, port),
+        "llamacpp-f16": lambda port: llama_cpp(port, isa=args.isa),
+        "pagedserve-1thread": lambda port: serve("auto", port, threads=1),
+        "pagedserve-2threads": lambda port: serve("auto", port, threads=2),
     }
     for name in GGUF_SERVERS:
         kind = gguf_kind(name)
         builders[name] = (
             partial(serve, args.gguf_dtype, gguf=kind, extra_args=args.pagedserve_args)
             if name.startswith("pagedserve")
-            else partial(llama_cpp, PORT, kind, threads=args.llamacpp_threads, isa=args.isa)
+            else partial(llama, kind)
         )
     earlier = json.loads(saved_path.read_text()) if args.merge and saved_path.exists() else None
     if earlier is not None:
@@ -505,8 +518,16 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict[str, Any]] = []
     try:
-        for name in servers:
-            records.append(run_server(builders[name](), workloads, prompts, args.ready_timeout) | {"key": name})
+        if args.rounds:
+            chosen_servers = [(name, builders[name](PORT + 10 * i)) for i, name in enumerate(servers)]
+            seed_of = {w.name: seeds[k] for k, w in zip(chosen, workloads, strict=True)}
+
+            def round_prompts(w: Any, r: int) -> list[str]:
+                return make_prompts(w, seed=seed_of[w.name] + 100 * r)  # round 0: the one-by-one run's
+
+            records = run_interleaved(chosen_servers, workloads, round_prompts, args.rounds, args.ready_timeout)
+        for name in [] if args.rounds else servers:
+            records.append(run_server(builders[name](PORT), workloads, prompts, args.ready_timeout) | {"key": name})
             save(records)  # a run cut short keeps its rows: --report-only writes them up
     finally:
         if baseline_root is not None:
