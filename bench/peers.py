@@ -63,7 +63,6 @@ from bench.harness.llama_cpp import (
 )
 from bench.harness.machine import announce, cpu, load_average, memory_mb
 from bench.harness.openai_servers import (
-    CACHE,
     HttpServer,
     RunningServer,
     drive_completions,
@@ -226,16 +225,8 @@ def run_server(
     server: HttpServer, workloads: list[Workload], prompts: dict[str, list[str]], ready_timeout: float
 ) -> dict[str, Any]:
     log(f"starting {server.name}: {' '.join(server.command)}")
-    record: dict[str, Any] = {
-        "server": server.name,
-        "note": server.note,
-        "weights_dtype_bytes": server.weights_dtype_bytes,
-        "weights_bytes": server.weights_bytes,
-        "started": time.strftime("%H:%M UTC", time.gmtime()),
-        "load_before": f"{load_average():.2f}",
-        "results": {},
-    }
-    running = RunningServer(server, CACHE / "logs" / f"{server.name.replace(' ', '_')}.log")
+    record = server.record()
+    running = RunningServer(server, server.log_path)
     try:
         record["ready_s"], model = running.wait_ready(ready_timeout)
         log(f"{server.name} ready after {record['ready_s']:.1f} s (model id {model})")

@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from bench.harness.machine import load_average
-from bench.harness.openai_servers import CACHE, HttpServer, RunningServer, drive_completions, log
+from bench.harness.openai_servers import HttpServer, RunningServer, drive_completions, log
 
 # The StreamsResult fields a round's figure is the median of (the others: summed counts).
 MEDIAN_FIELDS = ("tok_s", "ttft_p50", "itl_p50", "wall_s")
@@ -49,22 +48,13 @@ def run_interleaved(
 ) -> list[dict[str, Any]]:
     """bench.peers' records ("key": the server's name in the run) for `servers` started
     together; prompts(workload, round) gives each round's prompts, the same for every server."""
-    running = [(key, s, RunningServer(s, CACHE / "logs" / f"{s.name.replace(' ', '_')}.log")) for key, s in servers]
+    running = [(key, s, RunningServer(s, s.log_path)) for key, s in servers]
     records: dict[str, dict[str, Any]] = {}
     models: dict[str, str] = {}
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     try:
         for key, server, proc in running:
-            records[key] = {
-                "key": key,
-                "server": server.name,
-                "note": server.note,
-                "weights_dtype_bytes": server.weights_dtype_bytes,
-                "weights_bytes": server.weights_bytes,
-                "started": time.strftime("%H:%M UTC", time.gmtime()),
-                "load_before": f"{load_average():.2f}",
-                "results": {},
-            }
+            records[key] = {"key": key} | server.record()
             records[key]["ready_s"], models[key] = proc.wait_ready(ready_timeout)
             log(f"{server.name} ready after {records[key]['ready_s']:.1f} s")
             warm = prompts(workloads[0], -1)[:2]  # first-call allocations, before any round

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from bench.harness.machine import load_average
 from tools.processes import REPO
 
 __all__ = [
@@ -97,6 +98,23 @@ class HttpServer:
     # The bytes of weights a decode step reads where that is not parameters x
     # weights_dtype_bytes: a GGUF file's blocks (gguf_tensor_bytes).
     weights_bytes: int = 0
+
+    @property
+    def log_path(self) -> Path:
+        return CACHE / "logs" / f"{self.name.replace(' ', '_')}.log"
+
+    def record(self) -> dict[str, Any]:
+        """bench.peers' row for this server as it starts: what it is, when, and the
+        machine's load then; the runs add their results."""
+        return {
+            "server": self.name,
+            "note": self.note,
+            "weights_dtype_bytes": self.weights_dtype_bytes,
+            "weights_bytes": self.weights_bytes,
+            "started": time.strftime("%H:%M UTC", time.gmtime()),
+            "load_before": f"{load_average():.2f}",
+            "results": {},
+        }
 
 
 def vllm_cpu(model_dir: Path, port: int) -> HttpServer:
