@@ -25,7 +25,7 @@ rng = random.Random(38)
 SYSTEMS = [[rng.randrange(4, 700) for _ in range(40)] for _ in range(2)]
 # Repeated motifs in some prompts, so the n-gram drafter proposes (and mostly fails).
 CASES = [(SYSTEMS[i % 2] + [rng.randrange(4, 700) for _ in range(3)] * (1 + i % 3), 8 + 2 * i) for i in range(8)]
-WORKER = ["--dtype", "float32", "--num-blocks", "16"]
+WORKER = ["--dtype", "float32", "--num-blocks", "12"]
 SCHEDULER = ["--max-num-batched-tokens", "64", "--chunk-size", "32"]
 
 
