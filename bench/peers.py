@@ -517,9 +517,11 @@ def main(argv: list[str] | None = None) -> int:
                 return make_prompts(w, seed=seed_of[w.name] + 100 * r)  # round 0: the one-by-one run's
 
             records = run_interleaved(chosen_servers, workloads, round_prompts, args.rounds, args.ready_timeout)
-        for name in [] if args.rounds else servers:
-            records.append(run_server(builders[name](PORT), workloads, prompts, args.ready_timeout) | {"key": name})
-            save(records)  # a run cut short keeps its rows: --report-only writes them up
+        else:
+            for name in servers:
+                record = run_server(builders[name](PORT), workloads, prompts, args.ready_timeout)
+                records.append(record | {"key": name})
+                save(records)  # a run cut short keeps its rows: --report-only writes them up
     finally:
         if baseline_root is not None:
             remove_worktree(baseline_root)

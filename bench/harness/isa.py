@@ -14,8 +14,7 @@ result is a measurement of the AVX2 code paths side by side on this CPU, not of 
 
 from __future__ import annotations
 
-ISAS = ("native", "avx2")
-_PAGEDSERVE_ENV = {
+_PAGEDSERVE_ENV: dict[str, dict[str, str]] = {
     "native": {},
     "avx2": {
         "PAGEDSERVE_CPU_MARCH": "haswell",
@@ -24,6 +23,8 @@ _PAGEDSERVE_ENV = {
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     },
 }
+
+ISAS = tuple(_PAGEDSERVE_ENV)
 
 
 def pagedserve_env(isa: str) -> dict[str, str]:
