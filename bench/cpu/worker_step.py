@@ -89,12 +89,16 @@ VARIANTS: dict[str, dict[str, object]] = {
     "all fp32": dict(dtype="float32"),
     "Q4_1 gguf fp32": dict(dtype="float32", model=SHIPPED_GGUF),
     "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
-    "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8"),
+    # int8 activations as served (bench.peers' --pagedserve-args): with a bf16 KV cache.
+    "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8", kv_dtype="bf16"),
     # llama.cpp's most used preset (Q4_K, some tensors Q6_K), as bench.peers --gguf makes it
     # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
     "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
+    "Q4_K_M gguf int8": dict(
+        dtype="float32", model=str(made_gguf("Q4_K_M")), quant_activations="int8", kv_dtype="bf16"
+    ),
     "Q8_0 gguf fp32": dict(dtype="float32", model=str(made_gguf("Q8_0"))),
-    "Q8_0 gguf int8": dict(dtype="float32", model=str(made_gguf("Q8_0")), quant_activations="int8"),
+    "Q8_0 gguf int8": dict(dtype="float32", model=str(made_gguf("Q8_0")), quant_activations="int8", kv_dtype="bf16"),
     # The C++ layer loop off (PAGEDSERVE_LAYER_LOOP=0 at load): the Python loop per layer.
     "all fp32 python loop": dict(dtype="float32", layer_loop="0"),
     "Q4_1 gguf fp32 python loop": dict(dtype="float32", model=SHIPPED_GGUF, layer_loop="0"),

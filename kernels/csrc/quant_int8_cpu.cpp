@@ -13,16 +13,15 @@
 // rounding to 8 bits per 32-block: the tokens move off the fp32 path's
 // (bench/results/cpu_gguf_step.md: how far).
 //
-// Where the build has AVX2, FMA and F16C, the formats of the shipped models (Q8_0, Q4_0,
-// Q4_1) run quant_int8_panel.h's panel GEMM: over a weight
-// packed at load (pack_int8: the worker packs every one but a tied head), or, from
-// kPanelFrom rows of x, over groups of rows repacked per call. Fewer rows of the file's
-// layout run quant_int8_avx2.h's tiles over the blocks as they are. The other formats
-// (Q5_0, Q5_1, the K-quants), and every format on a build without AVX2, decode a group
-// of weight rows into int8 quants with a scale and an offset per 16 weights, then
-// multiply them by every row of x with plain loops the compiler vectorizes; from
-// kScaledFrom rows, x's quants scaled back to fp32 go through the fp32 path's packed
-// tiles instead, where the decode is paid once per panel.
+// Where the build has AVX2, FMA and F16C, the 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1) run quant_int8_panel.h's panel GEMM: over a weight packed at load (pack_int8: the
+// worker packs every one but a tied head), or over groups of rows repacked per call (from
+// kPanelFrom rows of x; Q5 at any rows). Fewer rows of Q8_0's and Q4's file layout run
+// quant_int8_avx2.h's tiles over the blocks as they are. The K-quants there take x's
+// quants scaled back to fp32 through the fp32 path's kernels (kScaledFrom). On a build
+// without AVX2 every format decodes a group of weight rows into int8 quants with a scale
+// and an offset per 16 weights, then multiplies them by every row of x with plain loops
+// the compiler vectorizes (run_generic), below kScaledFrom rows.
 //
 // Ops (torch.ops.pagedserve_cpu): quant_linear_int8(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
@@ -161,10 +160,14 @@ void run_generic(const QuantizedX& x, const FormatInfo& fi, const uint8_t* data,
 }
 
 #ifdef PAGEDSERVE_INT8_AVX2
-// The formats with vector integer paths: quant_int8_avx2.h's tiles and the panels.
+// The formats quant_int8_avx2.h's tiles take, and those the panels take.
 template <Format F>
-constexpr bool avx2_format() {
+constexpr bool tile_format() {
   return F == Format::kQ8_0 || F == Format::kQ4_0 || F == Format::kQ4_1;
+}
+template <Format F>
+constexpr bool panel_format() {
+  return tile_format<F>() || F == Format::kQ5_0 || F == Format::kQ5_1;
 }
 
 // out[r][n] += the offset terms of Q4_0 (-8 * d) and Q4_1 (m): per block, the offset
@@ -296,11 +299,17 @@ at::Tensor pack_groups(const at::Tensor& data, int64_t N, int64_t K) {
 }
 #endif
 
-// From kScaledFrom rows of x (a prefill, a step of many streams) in a format without
-// panels, x's quants are scaled back to fp32 (d * q, rounded once) and multiplied by the
-// fp32 path's packed tiles: the same x's quants and scales as the int8 tiles, so the
-// same product up to fp32 rounding, the bound the tests hold both to.
+// From kScaledFrom rows of x in a format without panels, x's quants are scaled back to
+// fp32 (d * q, rounded once) and multiplied by the fp32 path's kernels: the same x's
+// quants and scales as the int8 tiles, so the same product up to fp32 rounding, the
+// bound the tests hold both to. With AVX2 from the first row: the fp32 path's vector
+// decode beat run_generic's at every row count (Q4_K, Q6_K, 2 threads: 1 row 5.2 against
+// 11.6 ms, 8 rows 15.6 against 41.9, over 60 matrices of 576 x 1536).
+#ifdef PAGEDSERVE_INT8_AVX2
+constexpr int64_t kScaledFrom = 1;
+#else
 constexpr int64_t kScaledFrom = 16;
+#endif
 
 // A packed weight's qtype names its layout: the file's format and the panels' lanes
 // ("Q8_0x16"), so a weight packed by one build is refused by another.
@@ -323,9 +332,19 @@ Layout layout_of(c10::string_view qtype) {
 int64_t panel_lanes(const FormatInfo& fi) {
   int64_t lanes = 0;
 #ifdef PAGEDSERVE_INT8_AVX2
-  dispatch(fi.format, [&](auto format) { lanes = avx2_format<decltype(format)::value>() ? int8_panel::kLanes : 0; });
+  dispatch(fi.format, [&](auto format) { lanes = panel_format<decltype(format)::value>() ? int8_panel::kLanes : 0; });
 #endif
   return lanes;
+}
+
+// Whether quant_int8_avx2.h's tiles take `format` in this build (below kPanelFrom rows of
+// the file's layout; the other panel formats are repacked per call at any rows).
+bool tiles_take(const FormatInfo& fi) {
+  bool tiles = false;
+#ifdef PAGEDSERVE_INT8_AVX2
+  dispatch(fi.format, [&](auto format) { tiles = tile_format<decltype(format)::value>(); });
+#endif
+  return tiles;
 }
 
 at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::string_view qtype,
@@ -335,7 +354,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
   const int64_t M = x.size(0), K = x.size(1);
   const bool panels = panel_lanes(fi) > 0;
   TORCH_CHECK(!layout.packed || panels, "quant_linear_int8: ", layout.format, " is not packed here");
-  const bool by_panel = panels && (layout.packed || M >= kPanelFrom);
+  const bool by_panel = panels && (layout.packed || M >= kPanelFrom || !tiles_take(fi));
   if (M >= kScaledFrom && !by_panel) {
     const at::Tensor x_hat =
         x.scalar_type() == at::kFloat
@@ -351,10 +370,9 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
     const auto with = [&](auto* xp, auto* yp) {
       const QuantizedX xq = quantize_x(xp, x.stride(0), M, K);
 #ifdef PAGEDSERVE_INT8_AVX2
-      if constexpr (avx2_format<F>()) {
+      if constexpr (panel_format<F>())
         if (by_panel) return run_panel<F>(xq, d, out_features, layout.packed, yp);
-        return run_avx2<F>(xq, d, out_features, yp);
-      }
+      if constexpr (tile_format<F>()) return run_avx2<F>(xq, d, out_features, yp);
 #endif
       run_generic<F>(xq, fi, d, out_features, yp);
     };
@@ -384,7 +402,7 @@ at::Tensor pack_int8(const at::Tensor& data, c10::string_view qtype) {
 #ifdef PAGEDSERVE_INT8_AVX2
   dispatch(fi.format, [&](auto format) {
     constexpr Format F = decltype(format)::value;
-    if constexpr (avx2_format<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
+    if constexpr (panel_format<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
   });
 #endif
   return out;

@@ -1,5 +1,5 @@
 // The int8-activation product through panels (quant_int8_cpu.cpp) for the 32-weight
-// formats of the shipped models (Q8_0, Q4_0, Q4_1): llama.cpp's repacked GEMM.
+// formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): llama.cpp's repacked GEMM.
 //
 // A group of kLanes weight rows is repacked into a panel: per 32-block, the rows' fp16
 // scales, then vectors whose lane n holds row n's quants 4g..4g+3 (repack: the layout).
@@ -13,10 +13,12 @@
 // weights so at load (pack_int8), and a weight kept in the file's layout (a tied head,
 // whose rows the embedding reads) is repacked a group at a time per call.
 //
-// The unsigned operand: Q4's nibbles; Q8_0's quants + 128 with VNNI (the panel keeps them
-// signed: one xor as they are loaded). A block's integer sum starts at -bias times the sum
-// of x's quants over the block (bias 128 for Q8_0 with VNNI, 8 for Q4_0), so it ends as the
-// exact dot product of the signed quants; Q4_1's m multiplies x's scaled block sum (ds)
+// The unsigned operand: Q4's nibbles; Q5's nibbles with their fifth bits ORed in as they
+// are loaded (weight_operand: a lane's 32 high bits spread to its bytes); Q8_0's quants +
+// 128 with VNNI (the panel keeps them signed: one xor as they are loaded). A block's integer sum starts at -bias times the sum
+// of x's quants over the block (bias 128 for Q8_0 with VNNI, 8 for Q4_0, 16 for Q5_0), so
+// it ends as the exact dot product of the signed quants; Q4_1's and Q5_1's m multiplies
+// x's scaled block sum (ds)
 // in fp32, as the tile's affine terms do. Without VNNI the dot product is vpmaddubsw's,
 // which saturates pairs past 32767, as Q8_0's 255 * 127 * 2 would: there Q8_0 multiplies
 // |w| by x carrying w's sign (at most 2 * 128 * 127 = 32512), as the tiles do.
@@ -48,6 +50,13 @@ inline VF zero_f() { return _mm512_setzero_ps(); }
 inline VF mul_f(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF fma_f(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VF v) { _mm512_store_ps(p, v); }
+// Bits 4g..4g+3 of each lane's 32 to bit 4 of its bytes 0..3: the multiply puts bit i at
+// 8i + 4 (and the other copies where the mask drops them; no two sums carry).
+inline VI fifth_bits(VI qh, int g) {
+  const VI t = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * g), _mm512_set1_epi32(0xF));
+  return _mm512_and_si512(_mm512_mullo_epi32(t, _mm512_set1_epi32(0x02040810)), _mm512_set1_epi32(0x10101010));
+}
+inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
 #else
 constexpr int kLanes = 8;
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -66,15 +75,29 @@ inline VF zero_f() { return _mm256_setzero_ps(); }
 inline VF mul_f(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF fma_f(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
+inline VI fifth_bits(VI qh, int g) {  // as the AVX-512 one
+  const VI t = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * g), _mm256_set1_epi32(0xF));
+  return _mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x02040810)), _mm256_set1_epi32(0x10101010));
+}
+inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
 #endif
 
-// A panel block: the kLanes rows' fp16 scales (Q4_1: then their m), then the quants as
-// vectors of kLanes 4-byte lanes: Q8_0's 8 (lane n of vector g: row n's quants 4g..4g+3),
-// Q4's 4 (lane n of vector j: row n's quant bytes 4j..4j+3, whose low nibbles are
-// weights 4j..4j+3 and high ones 16 + 4j..). kLanes blocks of the file in as many bytes.
+// A panel block: the kLanes rows' fp16 scales (Q4_1, Q5_1: then their m; Q5: then their
+// 32 high bits, lane n row n's), then the quants as vectors of kLanes 4-byte lanes: Q8_0's
+// 8 (lane n of vector g: row n's quants 4g..4g+3), Q4's and Q5's 4 (lane n of vector j:
+// row n's quant bytes 4j..4j+3, whose low nibbles are weights 4j..4j+3 and high ones
+// 16 + 4j..). kLanes blocks of the file in as many bytes.
+template <Format F>
+constexpr int scales() {  // fp16 values per row and block: d, and m where the format has it
+  return F == Format::kQ4_1 || F == Format::kQ5_1 ? 2 : 1;
+}
+template <Format F>
+constexpr bool five_bit() {
+  return F == Format::kQ5_0 || F == Format::kQ5_1;
+}
 template <Format F>
 constexpr int64_t header_bytes() {
-  return (F == Format::kQ4_1 ? 4 : 2) * kLanes;
+  return (2 * scales<F>() + (five_bit<F>() ? 4 : 0)) * kLanes;
 }
 template <Format F>
 constexpr int64_t block_stride() {
@@ -90,7 +113,8 @@ constexpr int64_t block_stride() {
 template <Format F>
 void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, int rows, uint8_t* panel) {
   constexpr int kBytes = block_bytes<F>();
-  constexpr int kScales = F == Format::kQ4_1 ? 2 : 1;
+  constexpr int kScales = scales<F>();
+  constexpr int kHigh = five_bit<F>() ? 4 : 0;  // Q5's high-bit bytes
   constexpr int kGroups = F == Format::kQ8_0 ? 8 : 4;
   for (int n = 0; n < kLanes; ++n) {
     const uint8_t* row = data + (n0 + n) * row_bytes;
@@ -100,12 +124,14 @@ void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, 
       uint8_t* q = p + header_bytes<F>();
       if (n >= rows) {
         for (int s = 0; s < kScales; ++s) std::memset(p + (s * kLanes + n) * 2, 0, 2);
+        if (kHigh) std::memset(p + 2 * kScales * kLanes + kHigh * n, 0, kHigh);
         for (int g = 0; g < kGroups; ++g) std::memset(q + g * 4 * kLanes + 4 * n, 0, 4);
         continue;
       }
       const uint8_t* blk = row + b * kBytes;
       for (int s = 0; s < kScales; ++s) std::memcpy(p + (s * kLanes + n) * 2, blk + 2 * s, 2);
-      const uint8_t* qs = blk + 2 * kScales;
+      if (kHigh) std::memcpy(p + 2 * kScales * kLanes + kHigh * n, blk + 2 * kScales, kHigh);
+      const uint8_t* qs = blk + 2 * kScales + kHigh;
       for (int g = 0; g < kGroups; ++g) std::memcpy(q + g * 4 * kLanes + 4 * n, qs + 4 * g, 4);
     }
   }
@@ -141,7 +167,21 @@ inline VI high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), 
 
 template <Format F>
 constexpr int32_t bias() {
-  return F == Format::kQ8_0 ? kQ8Bias : (F == Format::kQ4_0 ? 8 : 0);
+  if constexpr (F == Format::kQ8_0) return kQ8Bias;
+  return F == Format::kQ4_0 ? 8 : (F == Format::kQ5_0 ? 16 : 0);
+}
+
+// Vector g of a panel block (p) as dot's unsigned operand: Q8_0's quants 4g..4g+3 of every
+// lane; Q4's and Q5's weights 4g..4g+3, the low nibbles of quant vector g (g < 4) or the
+// high ones of vector g - 4, Q5's with their fifth bits.
+template <Format F>
+inline VI weight_operand(const uint8_t* p, int g) {
+  const uint8_t* q = p + header_bytes<F>();
+  if constexpr (F == Format::kQ8_0) return q8_operand(load_u(q + g * 4 * kLanes));
+  const VI v = load_u(q + (g % 4) * 4 * kLanes);
+  const VI nibbles = g < 4 ? low_nibbles(v) : high_nibbles(v);
+  if constexpr (five_bit<F>()) return or_i(nibbles, fifth_bits(load_u(p + 2 * scales<F>() * kLanes), g));
+  return nibbles;
 }
 
 // out[r][0:kLanes] = rows 0 .. MR of x times a panel's kLanes weight rows (a repacked
@@ -155,18 +195,9 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
   for (int r = 0; r < MR; ++r) acc[r] = zero_f();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = panel + b * block_stride<F>();
-    const uint8_t* q = p + header_bytes<F>();
     if (streamed) prefetch_ahead(panel, blocks * block_stride<F>(), b, blocks);
     VI w[8];
-    if constexpr (F == Format::kQ8_0) {
-      for (int g = 0; g < 8; ++g) w[g] = q8_operand(load_u(q + g * 4 * kLanes));
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const VI v = load_u(q + j * 4 * kLanes);
-        w[j] = low_nibbles(v);
-        w[4 + j] = high_nibbles(v);
-      }
-    }
+    for (int g = 0; g < 8; ++g) w[g] = weight_operand<F>(p, g);
     const VF dw = halves(p);
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = qx + r * K + b * 32;
@@ -182,7 +213,7 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
           sum[g % 2] = dot(sum[g % 2], w[g], set1_i(four));
       }
       acc[r] = fma_f(to_f(add_i(sum[0], sum[1])), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
-      if constexpr (F == Format::kQ4_1) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);
+      if constexpr (scales<F>() == 2) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) store_f(out + r * kLanes, acc[r]);

@@ -74,7 +74,7 @@ def assert_within_fp32_scale_sums(got: torch.Tensor, x: torch.Tensor, weight: Qu
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 40])  # decode and batch tiles, then (from 16) x scaled back
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 40])  # tiles, panels, x scaled back
 def test_the_kernel_multiplies_as_the_reference(qtype: str, rows: int):
     elems = BLOCK_FORMATS[qtype][0]
     k = 3 * 32 if elems == 32 else 2 * elems  # an odd number of 32-blocks
@@ -124,7 +124,9 @@ def test_wrong_shapes_are_refused():
 
 # the formats this build packs into panels (none without AVX2)
 PANEL_FORMATS = [
-    q for q in ("Q8_0", "Q4_0", "Q4_1") if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
+    q
+    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+    if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
 ]
 
 
@@ -159,10 +161,10 @@ def test_a_packed_weight_multiplies_as_the_file_s(qtype: str, rows: int):
 
 
 def test_a_layout_this_build_does_not_pack_is_refused():
-    weight = random_blocks("Q5_0", out_features=16, in_features=64, seed=3)
-    assert quant_cpu_ops.pack_int8(weight) is weight  # no panels for Q5_0: the file's layout
+    weight = random_blocks("Q6_K", out_features=16, in_features=256, seed=3)
+    assert quant_cpu_ops.pack_int8(weight) is weight  # no panels for the K-quants: the file's layout
     op = torch.ops.pagedserve_cpu.quant_linear_int8
     with pytest.raises(RuntimeError, match="Q8_0x7 is not decoded"):
         op(torch.randn(1, 64), random_blocks("Q8_0", out_features=4, in_features=64, seed=2).data, "Q8_0x7", 4)
-    with pytest.raises(RuntimeError, match="pack_int8: Q5_0 is not packed here"):
-        torch.ops.pagedserve_cpu.pack_int8(weight.data, "Q5_0")
+    with pytest.raises(RuntimeError, match="pack_int8: Q6_K is not packed here"):
+        torch.ops.pagedserve_cpu.pack_int8(weight.data, "Q6_K")
