@@ -57,6 +57,15 @@ inline VI fifth_bits(VI qh, int g) {
   return _mm512_and_si512(_mm512_mullo_epi32(t, _mm512_set1_epi32(0x02040810)), _mm512_set1_epi32(0x10101010));
 }
 inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
+// acc + the dot products of weight vectors w[0:n] with x's quants 4g..4g+3 (xq: vector g's).
+inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
+  for (int g = 0; g < n; ++g) {
+    int32_t four;
+    std::memcpy(&four, xq + 4 * g, 4);
+    acc = dot(acc, w[g], set1_i(four));
+  }
+  return acc;
+}
 #else
 constexpr int kLanes = 8;
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -80,6 +89,23 @@ inline VI fifth_bits(VI qh, int g) {  // as the AVX-512 one
   return _mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x02040810)), _mm256_set1_epi32(0x10101010));
 }
 inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
+// As the AVX-512 one, for unsigned operands of at most 5 bits and n <= 4. Without VNNI the
+// products' pairs come as int16 (vpmaddubsw, at most 2 * 31 * 127 = 7874 each), and 4 of
+// them add up in int16 with no overflow before one vpmaddwd widens the run: one multiply
+// of 32 weights by 4 of x's quants where each group took two.
+inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
+  __m256i pairs = _mm256_setzero_si256();
+  for (int g = 0; g < n; ++g) {
+    int32_t four;
+    std::memcpy(&four, xq + 4 * g, 4);
+    if constexpr (kVnni)
+      acc = dot(acc, w[g], set1_i(four));
+    else
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g], set1_i(four)));
+  }
+  if constexpr (kVnni) return acc;
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 #endif
 
 // A panel block: the kLanes rows' fp16 scales (Q4_1, Q5_1: then their m; Q5: then their
@@ -204,13 +230,15 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
       // Two chains of dpbusd, not one of 8: with few rows of x, a block's sum is
       // otherwise a chain of dependent instructions.
       VI sum[2] = {set1_i(-bias<F>() * s32[r * blocks + b]), set1_i(0)};
-      for (int g = 0; g < 8; ++g) {
-        int32_t four;
-        std::memcpy(&four, xq + 4 * g, 4);
-        if constexpr (F == Format::kQ8_0)
+      if constexpr (F == Format::kQ8_0) {
+        for (int g = 0; g < 8; ++g) {
+          int32_t four;
+          std::memcpy(&four, xq + 4 * g, 4);
           sum[g % 2] = dot_q8(sum[g % 2], w[g], set1_i(four));
-        else
-          sum[g % 2] = dot(sum[g % 2], w[g], set1_i(four));
+        }
+      } else {  // the nibbles (Q5: 5 bits) in two runs of 4 groups
+        sum[0] = dot_run(sum[0], w, xq, 4);
+        sum[1] = dot_run(sum[1], w + 4, xq + 16, 4);
       }
       acc[r] = fma_f(to_f(add_i(sum[0], sum[1])), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
       if constexpr (scales<F>() == 2) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);
