@@ -29,9 +29,9 @@ def takes(weight: QuantizedWeight) -> bool:
 class Int8Panels:
     """A GGUF weight packed for the int8 panel GEMM (kernels/csrc/quant_int8_panel.h), in
     the file's bytes, permuted: each full group of `lanes` rows is, block by block, the
-    rows' fp16 scales (Q4_1, Q5_1: then their m), then their quants as 4-byte lanes, lane
-    n of quant vector g holding row n's quant bytes 4g..4g+3 (Q5: its 4 high-bit bytes
-    first, as the file has them after the scales). The rows after the last
+    rows' fp16 scales (Q4_1, Q5_1: then their m; Q4_K: d then dmin), then the rest of
+    their blocks as 4-byte lanes, lane n of vector v holding row n's bytes 4v..4v+3 of
+    the rest (quants; Q5's high bits, Q4_K's scales first). The rows after the last
     full group stay as the file has them. `qtype` names the layout, as
     quant_linear_int8 takes it."""
 
@@ -47,9 +47,9 @@ class Int8Panels:
 
     def unpacked(self) -> QuantizedWeight:
         """The weight as the file has it (this layout's definition, the tests' oracle)."""
-        lanes, size = self.lanes, BLOCK_FORMATS[self.format][1]
-        full, blocks = self.out_features // lanes * lanes, self.in_features // 32
-        scale_bytes = 4 if self.format in ("Q4_1", "Q5_1") else 2
+        lanes, (elems, size) = self.lanes, BLOCK_FORMATS[self.format]
+        full, blocks = self.out_features // lanes * lanes, self.in_features // elems
+        scale_bytes = 4 if self.format in ("Q4_1", "Q5_1", "Q4_K") else 2
         groups = self.data[:full].reshape(full // lanes, blocks, lanes * size)
         scales = groups[..., : scale_bytes * lanes].reshape(-1, blocks, scale_bytes // 2, lanes, 2)
         quants = groups[..., scale_bytes * lanes :].reshape(-1, blocks, (size - scale_bytes) // 4, lanes, 4)
@@ -65,7 +65,7 @@ class Int8Panels:
 
 def pack_int8(weight: QuantizedWeight) -> QuantizedWeight | Int8Panels:
     """The weight packed for quant_linear_int8 where its panel GEMM takes the format in
-    this build (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 with AVX2; bench/results/int8_panel.md:
+    this build (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K with AVX2; bench/results/int8_panel.md:
     what it gains), else the weight as it is."""
     if not takes(weight):
         return weight

@@ -167,7 +167,7 @@ constexpr bool tile_format() {
 }
 template <Format F>
 constexpr bool panel_format() {
-  return tile_format<F>() || F == Format::kQ5_0 || F == Format::kQ5_1;
+  return tile_format<F>() || F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ4_K;
 }
 
 // out[r][n] += the offset terms of Q4_0 (-8 * d) and Q4_1 (m): per block, the offset
@@ -263,7 +263,7 @@ void panel_rows(const uint8_t* pan, bool streamed, const QuantizedX& x, int64_t 
 template <Format F, typename T>
 void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed, T* y) {
   constexpr int L = int8_panel::kLanes;
-  const int64_t blocks = x.K / 32, row_bytes = pagedserve_cpu::row_bytes<F>(x.K);
+  const int64_t file_blocks = x.K / block_elems<F>(), row_bytes = pagedserve_cpu::row_bytes<F>(x.K);
   share_items((N + L - 1) / L, L * x.K * x.M, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> buffer;
     for (int64_t g = g0; g < g1; ++g) {
@@ -272,8 +272,8 @@ void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed,
       const bool streamed = packed && rows == L;
       const uint8_t* pan = data + n0 * row_bytes;
       if (!streamed) {
-        buffer.resize(blocks * int8_panel::block_stride<F>());
-        int8_panel::repack<F>(data, row_bytes, blocks, n0, rows, buffer.data());
+        buffer.resize(file_blocks * int8_panel::block_stride<F>());
+        int8_panel::repack<F>(data, row_bytes, file_blocks, n0, rows, buffer.data());
         pan = buffer.data();
       }
       int64_t m = 0;
@@ -288,7 +288,7 @@ void run_panel(const QuantizedX& x, const uint8_t* data, int64_t N, bool packed,
 template <Format F>
 at::Tensor pack_groups(const at::Tensor& data, int64_t N, int64_t K) {
   constexpr int L = int8_panel::kLanes;
-  const int64_t blocks = K / 32, row_bytes = pagedserve_cpu::row_bytes<F>(K);
+  const int64_t blocks = K / block_elems<F>(), row_bytes = pagedserve_cpu::row_bytes<F>(K);
   at::Tensor out = data.clone();
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();

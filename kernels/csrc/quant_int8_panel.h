@@ -57,6 +57,9 @@ inline VI fifth_bits(VI qh, int g) {
   return _mm512_and_si512(_mm512_mullo_epi32(t, _mm512_set1_epi32(0x02040810)), _mm512_set1_epi32(0x10101010));
 }
 inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI shr_i(VI v, int n) { return _mm512_srli_epi32(v, n); }
+inline VI shl_i(VI v, int n) { return _mm512_slli_epi32(v, n); }
+inline VI mask_i(VI v, int32_t m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
 // acc + the dot products of weight vectors w[0:n] with x's quants 4g..4g+3 (xq: vector g's).
 inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
   for (int g = 0; g < n; ++g) {
@@ -89,6 +92,9 @@ inline VI fifth_bits(VI qh, int g) {  // as the AVX-512 one
   return _mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x02040810)), _mm256_set1_epi32(0x10101010));
 }
 inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI shr_i(VI v, int n) { return _mm256_srli_epi32(v, n); }
+inline VI shl_i(VI v, int n) { return _mm256_slli_epi32(v, n); }
+inline VI mask_i(VI v, int32_t m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
 // As the AVX-512 one, for unsigned operands of at most 5 bits and n <= 4. Without VNNI the
 // products' pairs come as int16 (vpmaddubsw, at most 2 * 31 * 127 = 7874 each), and 4 of
 // them add up in int16 with no overflow before one vpmaddwd widens the run: one multiply
@@ -108,30 +114,37 @@ inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
 }
 #endif
 
-// A panel block: the kLanes rows' fp16 scales (Q4_1, Q5_1: then their m; Q5: then their
-// 32 high bits, lane n row n's), then the quants as vectors of kLanes 4-byte lanes: Q8_0's
-// 8 (lane n of vector g: row n's quants 4g..4g+3), Q4's and Q5's 4 (lane n of vector j:
-// row n's quant bytes 4j..4j+3, whose low nibbles are weights 4j..4j+3 and high ones
-// 16 + 4j..). kLanes blocks of the file in as many bytes.
+// A panel block (a block of each of kLanes rows): the rows' fp16 values that open the
+// block (d; Q4_1, Q5_1: then m; Q4_K: d then dmin), then the rest of each row's block as
+// vectors of kLanes 4-byte lanes, lane n of vector v holding row n's bytes 4v..4v+3 of
+// that rest: Q8_0's quants (8 vectors: quants 4v..4v+3), Q4's nibbles (4: low nibbles
+// weights 4v..4v+3, high ones 16 + 4v..), Q5's high bits (1) then its nibbles (4), Q4_K's
+// 6-bit scales and mins (3) then its nibbles (32: vector 3 + 8k + g, weights 4g..4g+3 of
+// sub-block 2k in the low nibbles, of 2k + 1 in the high ones). kLanes blocks of the
+// file in as many bytes.
 template <Format F>
-constexpr int scales() {  // fp16 values per row and block: d, and m where the format has it
-  return F == Format::kQ4_1 || F == Format::kQ5_1 ? 2 : 1;
+constexpr int scales() {
+  return F == Format::kQ4_1 || F == Format::kQ5_1 || F == Format::kQ4_K ? 2 : 1;
+}
+template <Format F>
+constexpr int lane_vectors() {
+  return (block_bytes<F>() - 2 * scales<F>()) / 4;
 }
 template <Format F>
 constexpr bool five_bit() {
   return F == Format::kQ5_0 || F == Format::kQ5_1;
 }
 template <Format F>
-constexpr int64_t header_bytes() {
-  return (2 * scales<F>() + (five_bit<F>() ? 4 : 0)) * kLanes;
-}
-template <Format F>
 constexpr int64_t block_stride() {
   return static_cast<int64_t>(block_bytes<F>()) * kLanes;
 }
+template <Format F>
+inline const uint8_t* lane_vector(const uint8_t* p, int v) {
+  return p + (2 * scales<F>() + 4 * v) * kLanes;
+}
 
 // Rows n0 .. n0 + rows (rows <= kLanes) of the file's blocks repacked into `panel`
-// (blocks * block_stride bytes); the lanes past `rows` get zero scales. Row by row: the
+// (blocks * block_stride bytes); the lanes past `rows` are zeros. Row by row: the
 // group's rows are one run of memory, which the hardware prefetcher follows (the rows
 // side by side, a block of each in turn, ran at half the speed), and each row asks for
 // its share of the group kPrefetchTiles on (weight_prefetch.h): a row (~600 bytes) is
@@ -140,25 +153,20 @@ template <Format F>
 void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, int rows, uint8_t* panel) {
   constexpr int kBytes = block_bytes<F>();
   constexpr int kScales = scales<F>();
-  constexpr int kHigh = five_bit<F>() ? 4 : 0;  // Q5's high-bit bytes
-  constexpr int kGroups = F == Format::kQ8_0 ? 8 : 4;
   for (int n = 0; n < kLanes; ++n) {
     const uint8_t* row = data + (n0 + n) * row_bytes;
     prefetch_ahead(data + n0 * row_bytes, kLanes * row_bytes, n, kLanes);
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* p = panel + b * block_stride<F>();
-      uint8_t* q = p + header_bytes<F>();
-      if (n >= rows) {
-        for (int s = 0; s < kScales; ++s) std::memset(p + (s * kLanes + n) * 2, 0, 2);
-        if (kHigh) std::memset(p + 2 * kScales * kLanes + kHigh * n, 0, kHigh);
-        for (int g = 0; g < kGroups; ++g) std::memset(q + g * 4 * kLanes + 4 * n, 0, 4);
-        continue;
-      }
       const uint8_t* blk = row + b * kBytes;
-      for (int s = 0; s < kScales; ++s) std::memcpy(p + (s * kLanes + n) * 2, blk + 2 * s, 2);
-      if (kHigh) std::memcpy(p + 2 * kScales * kLanes + kHigh * n, blk + 2 * kScales, kHigh);
-      const uint8_t* qs = blk + 2 * kScales + kHigh;
-      for (int g = 0; g < kGroups; ++g) std::memcpy(q + g * 4 * kLanes + 4 * n, qs + 4 * g, 4);
+      for (int s = 0; s < kScales; ++s) {
+        uint8_t* to = p + (s * kLanes + n) * 2;
+        n < rows ? std::memcpy(to, blk + 2 * s, 2) : std::memset(to, 0, 2);
+      }
+      for (int v = 0; v < lane_vectors<F>(); ++v) {
+        uint8_t* to = const_cast<uint8_t*>(lane_vector<F>(p, v)) + 4 * n;
+        n < rows ? std::memcpy(to, blk + 2 * kScales + 4 * v, 4) : std::memset(to, 0, 4);
+      }
     }
   }
 }
@@ -197,17 +205,63 @@ constexpr int32_t bias() {
   return F == Format::kQ4_0 ? 8 : (F == Format::kQ5_0 ? 16 : 0);
 }
 
-// Vector g of a panel block (p) as dot's unsigned operand: Q8_0's quants 4g..4g+3 of every
-// lane; Q4's and Q5's weights 4g..4g+3, the low nibbles of quant vector g (g < 4) or the
-// high ones of vector g - 4, Q5's with their fifth bits.
+// Vector g of a 32-weight format's panel block (p) as dot's unsigned operand: Q8_0's
+// quants 4g..4g+3 of every lane; Q4's and Q5's weights 4g..4g+3, the low nibbles of
+// nibble vector g (g < 4) or the high ones of vector g - 4, Q5's with their fifth bits.
 template <Format F>
 inline VI weight_operand(const uint8_t* p, int g) {
-  const uint8_t* q = p + header_bytes<F>();
-  if constexpr (F == Format::kQ8_0) return q8_operand(load_u(q + g * 4 * kLanes));
-  const VI v = load_u(q + (g % 4) * 4 * kLanes);
+  if constexpr (F == Format::kQ8_0) return q8_operand(load_u(lane_vector<F>(p, g)));
+  constexpr int first = five_bit<F>() ? 1 : 0;  // Q5's nibbles follow its high bits
+  const VI v = load_u(lane_vector<F>(p, first + g % 4));
   const VI nibbles = g < 4 ? low_nibbles(v) : high_nibbles(v);
-  if constexpr (five_bit<F>()) return or_i(nibbles, fifth_bits(load_u(p + 2 * scales<F>() * kLanes), g));
+  if constexpr (five_bit<F>()) return or_i(nibbles, fifth_bits(load_u(lane_vector<F>(p, 0)), g));
   return nibbles;
+}
+
+// A Q4_K panel block's 8 sub-blocks' scales (d * sc) and negated mins (-dmin * m) per
+// lane, unpacked from the 12 bytes of 6-bit values as gguf's get_scale_min_k4 does.
+inline void k4_scales(const uint8_t* p, VF* dsc, VF* dmn) {
+  const VF d = halves(p), neg_dmin = mul_f(halves(p + 2 * kLanes), set1_f(-1.0f));
+  const VI s0 = load_u(lane_vector<Format::kQ4_K>(p, 0)), s1 = load_u(lane_vector<Format::kQ4_K>(p, 1)),
+           s2 = load_u(lane_vector<Format::kQ4_K>(p, 2));
+  for (int j = 0; j < 8; ++j) {
+    const int i = 8 * (j % 4);  // the lanes' byte j % 4 of each of s0, s1, s2
+    VI sc, mn;
+    if (j < 4) {
+      sc = mask_i(shr_i(s0, i), 63);
+      mn = mask_i(shr_i(s1, i), 63);
+    } else {
+      sc = or_i(mask_i(shr_i(s2, i), 0xF), shl_i(mask_i(shr_i(s0, i + 6), 3), 4));
+      mn = or_i(mask_i(shr_i(s2, i + 4), 0xF), shl_i(mask_i(shr_i(s1, i + 6), 3), 4));
+    }
+    dsc[j] = mul_f(d, to_f(sc));
+    dmn[j] = mul_f(neg_dmin, to_f(mn));
+  }
+}
+
+// acc[r] += dw * x's scale * (w . x's quants) (+ mw * x's scaled sum where the format has
+// an offset) over 32-block b of rows 0 .. MR of x (as multiply's arguments).
+template <Format F, int MR>
+inline void add_block(VF* acc, const VI* w, VF dw, VF mw, int64_t b, int64_t blocks, int64_t K, const int8_t* qx,
+                      const float* dx, const float* ds, const int32_t* s32) {
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xq = qx + r * K + b * 32;
+    // Two chains of dpbusd, not one of 8: with few rows of x, a block's sum is
+    // otherwise a chain of dependent instructions.
+    VI sum[2] = {set1_i(-bias<F>() * s32[r * blocks + b]), set1_i(0)};
+    if constexpr (F == Format::kQ8_0) {
+      for (int g = 0; g < 8; ++g) {
+        int32_t four;
+        std::memcpy(&four, xq + 4 * g, 4);
+        sum[g % 2] = dot_q8(sum[g % 2], w[g], set1_i(four));
+      }
+    } else {  // the nibbles (Q5: 5 bits) in two runs of 4 groups
+      sum[0] = dot_run(sum[0], w, xq, 4);
+      sum[1] = dot_run(sum[1], w + 4, xq + 16, 4);
+    }
+    acc[r] = fma_f(to_f(add_i(sum[0], sum[1])), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
+    if constexpr (scales<F>() == 2) acc[r] = fma_f(mw, set1_f(ds[r * blocks + b]), acc[r]);
+  }
 }
 
 // out[r][0:kLanes] = rows 0 .. MR of x times a panel's kLanes weight rows (a repacked
@@ -217,31 +271,28 @@ inline VI weight_operand(const uint8_t* p, int g) {
 template <Format F, int MR>
 void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, const int8_t* qx, const float* dx,
               const float* ds, const int32_t* s32, float* out) {
+  constexpr int kSubs = block_elems<F>() / 32;  // x's 32-blocks per panel block
+  const int64_t panel_blocks = blocks / kSubs;
   VF acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = zero_f();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = panel + b * block_stride<F>();
-    if (streamed) prefetch_ahead(panel, blocks * block_stride<F>(), b, blocks);
+  for (int64_t pb = 0; pb < panel_blocks; ++pb) {
+    const uint8_t* p = panel + pb * block_stride<F>();
+    if (streamed) prefetch_ahead(panel, panel_blocks * block_stride<F>(), pb, panel_blocks);
     VI w[8];
-    for (int g = 0; g < 8; ++g) w[g] = weight_operand<F>(p, g);
-    const VF dw = halves(p);
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* xq = qx + r * K + b * 32;
-      // Two chains of dpbusd, not one of 8: with few rows of x, a block's sum is
-      // otherwise a chain of dependent instructions.
-      VI sum[2] = {set1_i(-bias<F>() * s32[r * blocks + b]), set1_i(0)};
-      if constexpr (F == Format::kQ8_0) {
+    if constexpr (F == Format::kQ4_K) {
+      VF dsc[8], dmn[8];
+      k4_scales(p, dsc, dmn);
+      for (int j = 0; j < 8; ++j) {
         for (int g = 0; g < 8; ++g) {
-          int32_t four;
-          std::memcpy(&four, xq + 4 * g, 4);
-          sum[g % 2] = dot_q8(sum[g % 2], w[g], set1_i(four));
+          const VI v = load_u(lane_vector<F>(p, 3 + (j / 2) * 8 + g));
+          w[g] = j % 2 ? high_nibbles(v) : low_nibbles(v);
         }
-      } else {  // the nibbles (Q5: 5 bits) in two runs of 4 groups
-        sum[0] = dot_run(sum[0], w, xq, 4);
-        sum[1] = dot_run(sum[1], w + 4, xq + 16, 4);
+        add_block<F, MR>(acc, w, dsc[j], dmn[j], pb * 8 + j, blocks, K, qx, dx, ds, s32);
       }
-      acc[r] = fma_f(to_f(add_i(sum[0], sum[1])), mul_f(dw, set1_f(dx[r * blocks + b])), acc[r]);
-      if constexpr (scales<F>() == 2) acc[r] = fma_f(halves(p + 2 * kLanes), set1_f(ds[r * blocks + b]), acc[r]);
+    } else {
+      for (int g = 0; g < 8; ++g) w[g] = weight_operand<F>(p, g);
+      const VF mw = scales<F>() == 2 ? halves(p + 2 * kLanes) : zero_f();
+      add_block<F, MR>(acc, w, halves(p), mw, pb, blocks, K, qx, dx, ds, s32);
     }
   }
   for (int r = 0; r < MR; ++r) store_f(out + r * kLanes, acc[r]);

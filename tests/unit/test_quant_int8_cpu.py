@@ -125,16 +125,21 @@ def test_wrong_shapes_are_refused():
 # the formats this build packs into panels (none without AVX2)
 PANEL_FORMATS = [
     q
-    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
     if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
 ]
+
+
+def panel_in_features(qtype: str) -> int:
+    """Three 32-blocks, or two of Q4_K's 256-blocks."""
+    return 96 if BLOCK_FORMATS[qtype][0] == 32 else 512
 
 
 @pytest.mark.parametrize("qtype", PANEL_FORMATS)
 def test_a_packed_weight_holds_the_file_s_bytes(qtype: str):
     """pack_int8 permutes the bytes (Int8Panels.unpacked, written from the layout's
     description, puts them back); the rows past the last full group stay as they are."""
-    weight = random_blocks(qtype, out_features=37, in_features=96, seed=7)
+    weight = random_blocks(qtype, out_features=37, in_features=panel_in_features(qtype), seed=7)
     packed = quant_cpu_ops.pack_int8(weight)
     assert isinstance(packed, quant_cpu_ops.Int8Panels) and packed.lanes in (8, 16)
     assert packed.data.shape == weight.data.shape and not torch.equal(packed.data, weight.data)
@@ -148,9 +153,10 @@ def test_a_packed_weight_holds_the_file_s_bytes(qtype: str):
 def test_a_packed_weight_multiplies_as_the_file_s(qtype: str, rows: int):
     """Within the reference's bound at every row count, and the same bits as the file's
     layout where that takes the panels too (from 4 rows: a group repacked per call)."""
-    weight = random_blocks(qtype, out_features=37, in_features=96, seed=rows)
+    k = panel_in_features(qtype)
+    weight = random_blocks(qtype, out_features=37, in_features=k, seed=rows)
     packed = quant_cpu_ops.pack_int8(weight)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = quant_cpu_ops.quant_linear_int8(x, packed)
     assert_within_fp32_scale_sums(got, x, weight)
     if rows >= 4:
@@ -162,7 +168,7 @@ def test_a_packed_weight_multiplies_as_the_file_s(qtype: str, rows: int):
 
 def test_a_layout_this_build_does_not_pack_is_refused():
     weight = random_blocks("Q6_K", out_features=16, in_features=256, seed=3)
-    assert quant_cpu_ops.pack_int8(weight) is weight  # no panels for the K-quants: the file's layout
+    assert quant_cpu_ops.pack_int8(weight) is weight  # no panels for Q6_K: the file's layout
     op = torch.ops.pagedserve_cpu.quant_linear_int8
     with pytest.raises(RuntimeError, match="Q8_0x7 is not decoded"):
         op(torch.randn(1, 64), random_blocks("Q8_0", out_features=4, in_features=64, seed=2).data, "Q8_0x7", 4)
