@@ -31,7 +31,8 @@ class Int8Panels:
     the file's bytes, permuted: each full group of `lanes` rows is, block by block, the
     rows' fp16 scales (Q4_1, Q5_1: then their m; Q4_K: d then dmin), then the rest of
     their blocks as 4-byte lanes, lane n of vector v holding row n's bytes 4v..4v+3 of
-    the rest (quants; Q5's high bits, Q4_K's scales first). The rows after the last
+    the rest (quants; Q5's high bits, Q4_K's scales first; Q6_K's d ends its file blocks
+    and opens its panel blocks). The rows after the last
     full group stay as the file has them. `qtype` names the layout, as
     quant_linear_int8 takes it."""
 
@@ -53,9 +54,8 @@ class Int8Panels:
         groups = self.data[:full].reshape(full // lanes, blocks, lanes * size)
         scales = groups[..., : scale_bytes * lanes].reshape(-1, blocks, scale_bytes // 2, lanes, 2)
         quants = groups[..., scale_bytes * lanes :].reshape(-1, blocks, (size - scale_bytes) // 4, lanes, 4)
-        rows = torch.cat(  # [group, lane, block, bytes]
-            [scales.permute(0, 3, 1, 2, 4).flatten(3), quants.permute(0, 3, 1, 2, 4).flatten(3)], dim=-1
-        )
+        opening, rest = scales.permute(0, 3, 1, 2, 4).flatten(3), quants.permute(0, 3, 1, 2, 4).flatten(3)
+        rows = torch.cat([rest, opening] if self.format == "Q6_K" else [opening, rest], dim=-1)  # Q6_K's d ends it
         data = torch.cat([rows.reshape(full, -1), self.data[full:]])
         return QuantizedWeight(self.format, self.out_features, self.in_features, data)
 
@@ -65,7 +65,7 @@ class Int8Panels:
 
 def pack_int8(weight: QuantizedWeight) -> QuantizedWeight | Int8Panels:
     """The weight packed for quant_linear_int8 where its panel GEMM takes the format in
-    this build (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K with AVX2; bench/results/int8_panel.md:
+    this build (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K with AVX2; bench/results/int8_panel.md:
     what it gains), else the weight as it is."""
     if not takes(weight):
         return weight

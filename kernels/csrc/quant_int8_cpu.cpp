@@ -167,7 +167,7 @@ constexpr bool tile_format() {
 }
 template <Format F>
 constexpr bool panel_format() {
-  return tile_format<F>() || F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ4_K;
+  return tile_format<F>() || F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ4_K || F == Format::kQ6_K;
 }
 
 // out[r][n] += the offset terms of Q4_0 (-8 * d) and Q4_1 (m): per block, the offset
@@ -253,7 +253,7 @@ void panel_rows(const uint8_t* pan, bool streamed, const QuantizedX& x, int64_t 
   const int64_t blocks = x.K / 32;
   alignas(64) float out[MR * L];
   int8_panel::multiply<F, MR>(pan, streamed, blocks, x.K, x.q.data() + m * x.K, x.d.data() + m * blocks,
-                         x.ds.data() + m * blocks, x.sum32.data() + m * blocks, out);
+                         x.ds.data() + m * blocks, x.sum32.data() + m * blocks, x.sum16.data() + 2 * m * blocks, out);
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < rows; ++n) store(y + (m + r) * N + n0 + n, out[r * L + n]);
 }

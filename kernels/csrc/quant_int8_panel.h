@@ -60,6 +60,11 @@ inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI shr_i(VI v, int n) { return _mm512_srli_epi32(v, n); }
 inline VI shl_i(VI v, int n) { return _mm512_slli_epi32(v, n); }
 inline VI mask_i(VI v, int32_t m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+inline VI byte_i(VI v, int k) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24); }  // signed
+// Bits s, s + 1 of each byte at bits 4, 5 (Q6_K's high bits over its nibbles).
+inline VI two_bits(VI v, int s) {
+  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8(3)), 4);
+}
 // acc + the dot products of weight vectors w[0:n] with x's quants 4g..4g+3 (xq: vector g's).
 inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
   for (int g = 0; g < n; ++g) {
@@ -95,10 +100,14 @@ inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI shr_i(VI v, int n) { return _mm256_srli_epi32(v, n); }
 inline VI shl_i(VI v, int n) { return _mm256_slli_epi32(v, n); }
 inline VI mask_i(VI v, int32_t m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
-// As the AVX-512 one, for unsigned operands of at most 5 bits and n <= 4. Without VNNI the
-// products' pairs come as int16 (vpmaddubsw, at most 2 * 31 * 127 = 7874 each), and 4 of
-// them add up in int16 with no overflow before one vpmaddwd widens the run: one multiply
-// of 32 weights by 4 of x's quants where each group took two.
+inline VI byte_i(VI v, int k) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * k), 24); }
+inline VI two_bits(VI v, int s) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8(3)), 4);
+}
+// As the AVX-512 one, for unsigned operands of at most 5 bits and n <= 4 (6 bits: n <= 2).
+// Without VNNI the products' pairs come as int16 (vpmaddubsw, at most 2 * 31 * 127 = 7874
+// each), and 4 of them add up in int16 with no overflow before one vpmaddwd widens the
+// run: one multiply of 32 weights by 4 of x's quants where each group took two.
 inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
   __m256i pairs = _mm256_setzero_si256();
   for (int g = 0; g < n; ++g) {
@@ -120,8 +129,9 @@ inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
 // that rest: Q8_0's quants (8 vectors: quants 4v..4v+3), Q4's nibbles (4: low nibbles
 // weights 4v..4v+3, high ones 16 + 4v..), Q5's high bits (1) then its nibbles (4), Q4_K's
 // 6-bit scales and mins (3) then its nibbles (32: vector 3 + 8k + g, weights 4g..4g+3 of
-// sub-block 2k in the low nibbles, of 2k + 1 in the high ones). kLanes blocks of the
-// file in as many bytes.
+// sub-block 2k in the low nibbles, of 2k + 1 in the high ones). Q6_K's d closes its
+// block: the panel block opens with it, and the vectors are the bytes before it (ql:
+// 32, qh: 16, the int8 scales: 4). kLanes blocks of the file in as many bytes.
 template <Format F>
 constexpr int scales() {
   return F == Format::kQ4_1 || F == Format::kQ5_1 || F == Format::kQ4_K ? 2 : 1;
@@ -129,6 +139,14 @@ constexpr int scales() {
 template <Format F>
 constexpr int lane_vectors() {
   return (block_bytes<F>() - 2 * scales<F>()) / 4;
+}
+template <Format F>
+constexpr int scales_at() {  // in a file block: where its fp16 values are, and the rest
+  return F == Format::kQ6_K ? block_bytes<F>() - 2 : 0;
+}
+template <Format F>
+constexpr int rest_at() {
+  return F == Format::kQ6_K ? 0 : 2 * scales<F>();
 }
 template <Format F>
 constexpr bool five_bit() {
@@ -161,11 +179,11 @@ void repack(const uint8_t* data, int64_t row_bytes, int64_t blocks, int64_t n0, 
       const uint8_t* blk = row + b * kBytes;
       for (int s = 0; s < kScales; ++s) {
         uint8_t* to = p + (s * kLanes + n) * 2;
-        n < rows ? std::memcpy(to, blk + 2 * s, 2) : std::memset(to, 0, 2);
+        n < rows ? std::memcpy(to, blk + scales_at<F>() + 2 * s, 2) : std::memset(to, 0, 2);
       }
       for (int v = 0; v < lane_vectors<F>(); ++v) {
         uint8_t* to = const_cast<uint8_t*>(lane_vector<F>(p, v)) + 4 * n;
-        n < rows ? std::memcpy(to, blk + 2 * kScales + 4 * v, 4) : std::memset(to, 0, 4);
+        n < rows ? std::memcpy(to, blk + rest_at<F>() + 4 * v, 4) : std::memset(to, 0, 4);
       }
     }
   }
@@ -239,6 +257,26 @@ inline void k4_scales(const uint8_t* p, VF* dsc, VF* dmn) {
   }
 }
 
+// acc[r] += over x's 32-block b (weights 128h + 32j ..) of rows 0 .. MR of x, the two
+// 16-weight halves' d * sc * (w - 32) . x's quants (dsa, dsb: d * sc of each; sum16: the
+// sums of x's quants per 16, K / 16 apart).
+template <int MR>
+inline void add_q6_block(VF* acc, const VI* w, VF dsa, VF dsb, int64_t b, int64_t blocks, int64_t K,
+                         const int8_t* qx, const float* dx, const int32_t* sum16) {
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xq = qx + r * K + b * 32;
+    const int32_t* s16 = sum16 + r * 2 * blocks + 2 * b;
+    VI half[2];
+    for (int i = 0; i < 2; ++i) {  // 6-bit operands: runs of 2 groups
+      half[i] = dot_run(set1_i(-32 * s16[i]), w + 4 * i, xq + 16 * i, 2);
+      half[i] = dot_run(half[i], w + 4 * i + 2, xq + 16 * i + 8, 2);
+    }
+    const VF d = set1_f(dx[r * blocks + b]);
+    acc[r] = fma_f(to_f(half[0]), mul_f(dsa, d), acc[r]);
+    acc[r] = fma_f(to_f(half[1]), mul_f(dsb, d), acc[r]);
+  }
+}
+
 // acc[r] += dw * x's scale * (w . x's quants) (+ mw * x's scaled sum where the format has
 // an offset) over 32-block b of rows 0 .. MR of x (as multiply's arguments).
 template <Format F, int MR>
@@ -270,8 +308,9 @@ inline void add_block(VF* acc, const VI* w, VF dw, VF mw, int64_t b, int64_t blo
 // their quants per block (blocks apart each).
 template <Format F, int MR>
 void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, const int8_t* qx, const float* dx,
-              const float* ds, const int32_t* s32, float* out) {
+              const float* ds, const int32_t* s32, const int32_t* sum16, float* out) {
   constexpr int kSubs = block_elems<F>() / 32;  // x's 32-blocks per panel block
+  (void)sum16;
   const int64_t panel_blocks = blocks / kSubs;
   VF acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = zero_f();
@@ -289,6 +328,19 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
         }
         add_block<F, MR>(acc, w, dsc[j], dmn[j], pb * 8 + j, blocks, K, qx, dx, ds, s32);
       }
+    } else if constexpr (F == Format::kQ6_K) {
+      const VF d = halves(p);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j) {  // x's 32-block 8 pb + 4h + j: weights 128h + 32j ..
+          for (int g = 0; g < 8; ++g) {
+            const VI ql = load_u(lane_vector<F>(p, 16 * h + 8 * (j % 2) + g));
+            const VI qh = load_u(lane_vector<F>(p, 32 + 8 * h + g));
+            w[g] = or_i(j / 2 ? high_nibbles(ql) : low_nibbles(ql), two_bits(qh, 2 * j));
+          }
+          const VI sc = load_u(lane_vector<F>(p, 48 + 2 * h + j / 2));  // scales 8h + 2j, + 1
+          const VF dsa = mul_f(d, to_f(byte_i(sc, 2 * (j % 2)))), dsb = mul_f(d, to_f(byte_i(sc, 2 * (j % 2) + 1)));
+          add_q6_block<MR>(acc, w, dsa, dsb, pb * 8 + 4 * h + j, blocks, K, qx, dx, sum16);
+        }
     } else {
       for (int g = 0; g < 8; ++g) w[g] = weight_operand<F>(p, g);
       const VF mw = scales<F>() == 2 ? halves(p + 2 * kLanes) : zero_f();
