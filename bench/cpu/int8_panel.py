@@ -93,7 +93,9 @@ def plot(results: dict[str, dict[int, dict[str, float]]], macs: dict[str, int], 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", nargs="+", default=["Q8_0", "Q4_1"], choices=["Q8_0", "Q4_0", "Q4_1"])
+    parser.add_argument(
+        "--formats", nargs="+", default=["Q8_0", "Q4_1"], choices=["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+    )
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 32, 256])
     parser.add_argument("--megabytes", type=int, default=128, help="weights per format (several times the L3)")
     parser.add_argument("--rounds", type=int, default=5)
