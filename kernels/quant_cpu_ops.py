@@ -29,9 +29,9 @@ def takes(weight: QuantizedWeight) -> bool:
 class Int8Panels:
     """A GGUF weight packed for the int8 panel GEMM (kernels/csrc/quant_int8_panel.h), in
     the file's bytes, permuted: each full group of `lanes` rows is, block by block, the
-    rows' fp16 scales (Q4_1, Q5_1: then their m; Q4_K: d then dmin), then the rest of
-    their blocks as 4-byte lanes, lane n of vector v holding row n's bytes 4v..4v+3 of
-    the rest (quants; Q5's high bits, Q4_K's scales first; Q6_K's d ends its file blocks
+    rows' fp16 scales (Q4_1, Q5_1: then their m; Q4_K, Q5_K: d then dmin), then the rest
+    of their blocks as 4-byte lanes, lane n of vector v holding row n's bytes 4v..4v+3 of
+    the rest (quants; Q5's high bits, the K-quants' scales first; Q6_K's d ends its file blocks
     and opens its panel blocks). The rows after the last
     full group stay as the file has them. `qtype` names the layout, as
     quant_linear_int8 takes it."""
@@ -50,7 +50,7 @@ class Int8Panels:
         """The weight as the file has it (this layout's definition, the tests' oracle)."""
         lanes, (elems, size) = self.lanes, BLOCK_FORMATS[self.format]
         full, blocks = self.out_features // lanes * lanes, self.in_features // elems
-        scale_bytes = 4 if self.format in ("Q4_1", "Q5_1", "Q4_K") else 2
+        scale_bytes = 4 if self.format in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2
         groups = self.data[:full].reshape(full // lanes, blocks, lanes * size)
         scales = groups[..., : scale_bytes * lanes].reshape(-1, blocks, scale_bytes // 2, lanes, 2)
         quants = groups[..., scale_bytes * lanes :].reshape(-1, blocks, (size - scale_bytes) // 4, lanes, 4)
@@ -65,7 +65,7 @@ class Int8Panels:
 
 def pack_int8(weight: QuantizedWeight) -> QuantizedWeight | Int8Panels:
     """The weight packed for quant_linear_int8 where its panel GEMM takes the format in
-    this build (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K with AVX2; bench/results/int8_panel.md:
+    this build (every format, with AVX2; bench/results/int8_panel.md:
     what it gains), else the weight as it is."""
     if not takes(weight):
         return weight

@@ -13,15 +13,14 @@
 // rounding to 8 bits per 32-block: the tokens move off the fp32 path's
 // (bench/results/cpu_gguf_step.md: how far).
 //
-// Where the build has AVX2, FMA and F16C, the 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0,
-// Q5_1) run quant_int8_panel.h's panel GEMM: over a weight packed at load (pack_int8: the
-// worker packs every one but a tied head), or over groups of rows repacked per call (from
-// kPanelFrom rows of x; Q5 at any rows). Fewer rows of Q8_0's and Q4's file layout run
-// quant_int8_avx2.h's tiles over the blocks as they are. The K-quants there take x's
-// quants scaled back to fp32 through the fp32 path's kernels (kScaledFrom). On a build
-// without AVX2 every format decodes a group of weight rows into int8 quants with a scale
-// and an offset per 16 weights, then multiplies them by every row of x with plain loops
-// the compiler vectorizes (run_generic), below kScaledFrom rows.
+// Where the build has AVX2, FMA and F16C, every format runs quant_int8_panel.h's panel
+// GEMM: over a weight packed at load (pack_int8: the worker packs every one but a tied
+// head), or over groups of rows repacked per call (from kPanelFrom rows of x; at any rows
+// but Q8_0's and Q4's, whose fewer rows of the file's layout run quant_int8_avx2.h's tiles
+// over the blocks as they are). On a build without AVX2 every format decodes a group of
+// weight rows into int8 quants with a scale and an offset per 16 weights, then multiplies
+// them by every row of x with plain loops the compiler vectorizes (run_generic), below
+// kScaledFrom rows.
 //
 // Ops (torch.ops.pagedserve_cpu): quant_linear_int8(x, data, qtype, out_features) -> y;
 // x [M, K] fp32 or bf16 with contiguous rows, data uint8 [N, K / block * block_bytes],
@@ -160,14 +159,10 @@ void run_generic(const QuantizedX& x, const FormatInfo& fi, const uint8_t* data,
 }
 
 #ifdef PAGEDSERVE_INT8_AVX2
-// The formats quant_int8_avx2.h's tiles take, and those the panels take.
+// The formats quant_int8_avx2.h's tiles take (the panels take every one).
 template <Format F>
 constexpr bool tile_format() {
   return F == Format::kQ8_0 || F == Format::kQ4_0 || F == Format::kQ4_1;
-}
-template <Format F>
-constexpr bool panel_format() {
-  return tile_format<F>() || F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ4_K || F == Format::kQ6_K;
 }
 
 // out[r][n] += the offset terms of Q4_0 (-8 * d) and Q4_1 (m): per block, the offset
@@ -299,17 +294,11 @@ at::Tensor pack_groups(const at::Tensor& data, int64_t N, int64_t K) {
 }
 #endif
 
-// From kScaledFrom rows of x in a format without panels, x's quants are scaled back to
-// fp32 (d * q, rounded once) and multiplied by the fp32 path's kernels: the same x's
-// quants and scales as the int8 tiles, so the same product up to fp32 rounding, the
-// bound the tests hold both to. With AVX2 from the first row: the fp32 path's vector
-// decode beat run_generic's at every row count (Q4_K, Q6_K, 2 threads: 1 row 5.2 against
-// 11.6 ms, 8 rows 15.6 against 41.9, over 60 matrices of 576 x 1536).
-#ifdef PAGEDSERVE_INT8_AVX2
-constexpr int64_t kScaledFrom = 1;
-#else
+// From kScaledFrom rows of x on a build without panels (no AVX2), x's quants are scaled
+// back to fp32 (d * q, rounded once) and multiplied by the fp32 path's packed tiles, where
+// the decode is paid once per panel: the same x's quants and scales, so the same product
+// up to fp32 rounding, the bound the tests hold both to.
 constexpr int64_t kScaledFrom = 16;
-#endif
 
 // A packed weight's qtype names its layout: the file's format and the panels' lanes
 // ("Q8_0x16"), so a weight packed by one build is refused by another.
@@ -328,13 +317,13 @@ Layout layout_of(c10::string_view qtype) {
   return {name, false};
 }
 
-// The panels' lanes where the panel GEMM takes `format` in this build, else 0.
-int64_t panel_lanes(const FormatInfo& fi) {
-  int64_t lanes = 0;
+// The panels' lanes where this build has the panel GEMM (every format), else 0.
+int64_t panel_lanes() {
 #ifdef PAGEDSERVE_INT8_AVX2
-  dispatch(fi.format, [&](auto format) { lanes = panel_format<decltype(format)::value>() ? int8_panel::kLanes : 0; });
+  return int8_panel::kLanes;
+#else
+  return 0;
 #endif
-  return lanes;
 }
 
 // Whether quant_int8_avx2.h's tiles take `format` in this build (below kPanelFrom rows of
@@ -352,7 +341,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
   const Layout layout = layout_of(qtype);
   const FormatInfo fi = checked_format(x, data, layout.format, out_features, "quant_linear_int8");
   const int64_t M = x.size(0), K = x.size(1);
-  const bool panels = panel_lanes(fi) > 0;
+  const bool panels = panel_lanes() > 0;
   TORCH_CHECK(!layout.packed || panels, "quant_linear_int8: ", layout.format, " is not packed here");
   const bool by_panel = panels && (layout.packed || M >= kPanelFrom || !tiles_take(fi));
   if (M >= kScaledFrom && !by_panel) {
@@ -370,8 +359,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
     const auto with = [&](auto* xp, auto* yp) {
       const QuantizedX xq = quantize_x(xp, x.stride(0), M, K);
 #ifdef PAGEDSERVE_INT8_AVX2
-      if constexpr (panel_format<F>())
-        if (by_panel) return run_panel<F>(xq, d, out_features, layout.packed, yp);
+      if (by_panel) return run_panel<F>(xq, d, out_features, layout.packed, yp);
       if constexpr (tile_format<F>()) return run_avx2<F>(xq, d, out_features, yp);
 #endif
       run_generic<F>(xq, fi, d, out_features, yp);
@@ -387,14 +375,15 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& data, c10::s
 
 int64_t int8_pack_lanes(c10::string_view qtype) {
   const std::string name(qtype);
-  return panel_lanes(format_of(name, "int8_pack_lanes"));
+  format_of(name, "int8_pack_lanes");  // refuses a format not decoded here
+  return panel_lanes();
 }
 
 // data [N, K / 32 * block_bytes] as the file has it -> the same bytes packed for
 // quant_linear_int8 under the qtype "<qtype>x<int8_pack_lanes(qtype)>".
 at::Tensor pack_int8(const at::Tensor& data, c10::string_view qtype) {
   const FormatInfo fi = format_of(std::string(qtype), "pack_int8");
-  TORCH_CHECK(panel_lanes(fi) > 0, "pack_int8: ", std::string(qtype), " is not packed here");
+  TORCH_CHECK(panel_lanes() > 0, "pack_int8: ", std::string(qtype), " is not packed here");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
                   data.size(1) % fi.bytes == 0,
               "pack_int8: data must be uint8 [N, K / ", fi.elems, " * ", fi.bytes, "]");
@@ -402,7 +391,7 @@ at::Tensor pack_int8(const at::Tensor& data, c10::string_view qtype) {
 #ifdef PAGEDSERVE_INT8_AVX2
   dispatch(fi.format, [&](auto format) {
     constexpr Format F = decltype(format)::value;
-    if constexpr (panel_format<F>()) out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
+    out = pack_groups<F>(data, data.size(0), data.size(1) / fi.bytes * fi.elems);
   });
 #endif
   return out;

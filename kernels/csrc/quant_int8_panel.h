@@ -1,5 +1,5 @@
 // The int8-activation product through panels (quant_int8_cpu.cpp) for the 32-weight
-// formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): llama.cpp's repacked GEMM.
+// formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants: llama.cpp's repacked GEMM.
 //
 // A group of kLanes weight rows is repacked into a panel: per 32-block, the rows' fp16
 // scales, then vectors whose lane n holds row n's quants 4g..4g+3 (repack: the layout).
@@ -61,9 +61,10 @@ inline VI shr_i(VI v, int n) { return _mm512_srli_epi32(v, n); }
 inline VI shl_i(VI v, int n) { return _mm512_slli_epi32(v, n); }
 inline VI mask_i(VI v, int32_t m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
 inline VI byte_i(VI v, int k) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24); }  // signed
-// Bits s, s + 1 of each byte at bits 4, 5 (Q6_K's high bits over its nibbles).
-inline VI two_bits(VI v, int s) {
-  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8(3)), 4);
+// Each byte's bits s.. under `mask` moved to bit 4 (Q5_K's and Q6_K's high bits over their
+// nibbles).
+inline VI bits_to4(VI v, int s, char mask) {
+  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8(mask)), 4);
 }
 // acc + the dot products of weight vectors w[0:n] with x's quants 4g..4g+3 (xq: vector g's).
 inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
@@ -101,8 +102,8 @@ inline VI shr_i(VI v, int n) { return _mm256_srli_epi32(v, n); }
 inline VI shl_i(VI v, int n) { return _mm256_slli_epi32(v, n); }
 inline VI mask_i(VI v, int32_t m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
 inline VI byte_i(VI v, int k) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * k), 24); }
-inline VI two_bits(VI v, int s) {
-  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8(3)), 4);
+inline VI bits_to4(VI v, int s, char mask) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8(mask)), 4);
 }
 // As the AVX-512 one, for unsigned operands of at most 5 bits and n <= 4 (6 bits: n <= 2).
 // Without VNNI the products' pairs come as int16 (vpmaddubsw, at most 2 * 31 * 127 = 7874
@@ -129,12 +130,14 @@ inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
 // that rest: Q8_0's quants (8 vectors: quants 4v..4v+3), Q4's nibbles (4: low nibbles
 // weights 4v..4v+3, high ones 16 + 4v..), Q5's high bits (1) then its nibbles (4), Q4_K's
 // 6-bit scales and mins (3) then its nibbles (32: vector 3 + 8k + g, weights 4g..4g+3 of
-// sub-block 2k in the low nibbles, of 2k + 1 in the high ones). Q6_K's d closes its
+// sub-block 2k in the low nibbles, of 2k + 1 in the high ones); Q5_K's the same with its
+// high bits (8: vector 3 + g, bit j of a byte sub-block j's) before the nibbles (vector
+// 11 + 8k + g). Q6_K's d closes its
 // block: the panel block opens with it, and the vectors are the bytes before it (ql:
 // 32, qh: 16, the int8 scales: 4). kLanes blocks of the file in as many bytes.
 template <Format F>
 constexpr int scales() {
-  return F == Format::kQ4_1 || F == Format::kQ5_1 || F == Format::kQ4_K ? 2 : 1;
+  return F == Format::kQ4_1 || F == Format::kQ5_1 || F == Format::kQ4_K || F == Format::kQ5_K ? 2 : 1;
 }
 template <Format F>
 constexpr int lane_vectors() {
@@ -236,12 +239,12 @@ inline VI weight_operand(const uint8_t* p, int g) {
   return nibbles;
 }
 
-// A Q4_K panel block's 8 sub-blocks' scales (d * sc) and negated mins (-dmin * m) per
-// lane, unpacked from the 12 bytes of 6-bit values as gguf's get_scale_min_k4 does.
-inline void k4_scales(const uint8_t* p, VF* dsc, VF* dmn) {
+// A Q4_K or Q5_K panel block's 8 sub-blocks' scales (d * sc) and negated mins (-dmin * m)
+// per lane, unpacked from the 12 bytes of 6-bit values as gguf's get_scale_min_k4 does.
+template <Format F>
+inline void k_scales(const uint8_t* p, VF* dsc, VF* dmn) {
   const VF d = halves(p), neg_dmin = mul_f(halves(p + 2 * kLanes), set1_f(-1.0f));
-  const VI s0 = load_u(lane_vector<Format::kQ4_K>(p, 0)), s1 = load_u(lane_vector<Format::kQ4_K>(p, 1)),
-           s2 = load_u(lane_vector<Format::kQ4_K>(p, 2));
+  const VI s0 = load_u(lane_vector<F>(p, 0)), s1 = load_u(lane_vector<F>(p, 1)), s2 = load_u(lane_vector<F>(p, 2));
   for (int j = 0; j < 8; ++j) {
     const int i = 8 * (j % 4);  // the lanes' byte j % 4 of each of s0, s1, s2
     VI sc, mn;
@@ -318,13 +321,15 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
     const uint8_t* p = panel + pb * block_stride<F>();
     if (streamed) prefetch_ahead(panel, panel_blocks * block_stride<F>(), pb, panel_blocks);
     VI w[8];
-    if constexpr (F == Format::kQ4_K) {
+    if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {
+      constexpr bool five = F == Format::kQ5_K;
       VF dsc[8], dmn[8];
-      k4_scales(p, dsc, dmn);
+      k_scales<F>(p, dsc, dmn);
       for (int j = 0; j < 8; ++j) {
         for (int g = 0; g < 8; ++g) {
-          const VI v = load_u(lane_vector<F>(p, 3 + (j / 2) * 8 + g));
+          const VI v = load_u(lane_vector<F>(p, (five ? 11 : 3) + (j / 2) * 8 + g));
           w[g] = j % 2 ? high_nibbles(v) : low_nibbles(v);
+          if constexpr (five) w[g] = or_i(w[g], bits_to4(load_u(lane_vector<F>(p, 3 + g)), j, 1));
         }
         add_block<F, MR>(acc, w, dsc[j], dmn[j], pb * 8 + j, blocks, K, qx, dx, ds, s32);
       }
@@ -335,7 +340,7 @@ void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, co
           for (int g = 0; g < 8; ++g) {
             const VI ql = load_u(lane_vector<F>(p, 16 * h + 8 * (j % 2) + g));
             const VI qh = load_u(lane_vector<F>(p, 32 + 8 * h + g));
-            w[g] = or_i(j / 2 ? high_nibbles(ql) : low_nibbles(ql), two_bits(qh, 2 * j));
+            w[g] = or_i(j / 2 ? high_nibbles(ql) : low_nibbles(ql), bits_to4(qh, 2 * j, 3));
           }
           const VI sc = load_u(lane_vector<F>(p, 48 + 2 * h + j / 2));  // scales 8h + 2j, + 1
           const VF dsa = mul_f(d, to_f(byte_i(sc, 2 * (j % 2)))), dsb = mul_f(d, to_f(byte_i(sc, 2 * (j % 2) + 1)));

@@ -124,9 +124,7 @@ def test_wrong_shapes_are_refused():
 
 # the formats this build packs into panels (none without AVX2)
 PANEL_FORMATS = [
-    q
-    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
-    if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
+    q for q in sorted(BLOCK_FORMATS) if cpu_ops.available() and torch.ops.pagedserve_cpu.int8_pack_lanes(q)
 ]
 
 
@@ -167,10 +165,15 @@ def test_a_packed_weight_multiplies_as_the_file_s(qtype: str, rows: int):
 
 
 def test_a_layout_this_build_does_not_pack_is_refused():
-    weight = random_blocks("Q5_K", out_features=16, in_features=256, seed=3)
-    assert quant_cpu_ops.pack_int8(weight) is weight  # no panels for Q5_K: the file's layout
+    """A packed layout of other lanes than this build's, and a format the kernels do not
+    decode, are refused by name; on a build without panels a format is not packed."""
     op = torch.ops.pagedserve_cpu.quant_linear_int8
     with pytest.raises(RuntimeError, match="Q8_0x7 is not decoded"):
         op(torch.randn(1, 64), random_blocks("Q8_0", out_features=4, in_features=64, seed=2).data, "Q8_0x7", 4)
-    with pytest.raises(RuntimeError, match="pack_int8: Q5_K is not packed here"):
-        torch.ops.pagedserve_cpu.pack_int8(weight.data, "Q5_K")
+    weight = random_blocks("Q5_K", out_features=16, in_features=256, seed=3)
+    with pytest.raises(RuntimeError, match="IQ4_NL is not decoded"):
+        torch.ops.pagedserve_cpu.pack_int8(weight.data, "IQ4_NL")
+    if not PANEL_FORMATS:
+        assert quant_cpu_ops.pack_int8(weight) is weight
+        with pytest.raises(RuntimeError, match="pack_int8: Q5_K is not packed here"):
+            torch.ops.pagedserve_cpu.pack_int8(weight.data, "Q5_K")
