@@ -50,13 +50,8 @@ inline VF zero_f() { return _mm512_setzero_ps(); }
 inline VF mul_f(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF fma_f(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VF v) { _mm512_store_ps(p, v); }
-// Bits 4g..4g+3 of each lane's 32 to bit 4 of its bytes 0..3: the multiply puts bit i at
-// 8i + 4 (and the other copies where the mask drops them; no two sums carry).
-inline VI fifth_bits(VI qh, int g) {
-  const VI t = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * g), _mm512_set1_epi32(0xF));
-  return _mm512_and_si512(_mm512_mullo_epi32(t, _mm512_set1_epi32(0x02040810)), _mm512_set1_epi32(0x10101010));
-}
 inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI mul_i(VI v, int32_t m) { return _mm512_mullo_epi32(v, _mm512_set1_epi32(m)); }
 inline VI shr_i(VI v, int n) { return _mm512_srli_epi32(v, n); }
 inline VI shl_i(VI v, int n) { return _mm512_slli_epi32(v, n); }
 inline VI mask_i(VI v, int32_t m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
@@ -93,11 +88,8 @@ inline VF zero_f() { return _mm256_setzero_ps(); }
 inline VF mul_f(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF fma_f(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
-inline VI fifth_bits(VI qh, int g) {  // as the AVX-512 one
-  const VI t = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * g), _mm256_set1_epi32(0xF));
-  return _mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x02040810)), _mm256_set1_epi32(0x10101010));
-}
 inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI mul_i(VI v, int32_t m) { return _mm256_mullo_epi32(v, _mm256_set1_epi32(m)); }
 inline VI shr_i(VI v, int n) { return _mm256_srli_epi32(v, n); }
 inline VI shl_i(VI v, int n) { return _mm256_slli_epi32(v, n); }
 inline VI mask_i(VI v, int32_t m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
@@ -123,6 +115,10 @@ inline VI dot_run(VI acc, const VI* w, const int8_t* xq, int n) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #endif
+
+// Bits 4g..4g+3 of each lane's 32 to bit 4 of its bytes 0..3: the multiply puts bit i at
+// 8i + 4 (and the other copies where the mask drops them; no two sums carry).
+inline VI fifth_bits(VI qh, int g) { return mask_i(mul_i(mask_i(shr_i(qh, 4 * g), 0xF), 0x02040810), 0x10101010); }
 
 // A panel block (a block of each of kLanes rows): the rows' fp16 values that open the
 // block (d; Q4_1, Q5_1: then m; Q4_K: d then dmin), then the rest of each row's block as
