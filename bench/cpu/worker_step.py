@@ -91,7 +91,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "Q4_1 gguf bf16": dict(dtype="bfloat16", model=SHIPPED_GGUF),
     # int8 activations as served (bench.peers' --pagedserve-args): with a bf16 KV cache.
     "Q4_1 gguf int8": dict(dtype="float32", model=SHIPPED_GGUF, quant_activations="int8", kv_dtype="bf16"),
-    # llama.cpp's most used preset (Q4_K, some tensors Q6_K), as bench.peers --gguf makes it
+    # llama.cpp's most used preset (Q4_K and Q6_K; for SmolLM2 mostly Q5_0, as 576 is no
+    # multiple of 256), as bench.peers --gguf makes it
     # from the shipped file with llama-quantize into PEERS_CACHE: skipped where it is absent.
     "Q4_K_M gguf fp32": dict(dtype="float32", model=str(made_gguf("Q4_K_M"))),
     "Q4_K_M gguf int8": dict(

@@ -1,8 +1,8 @@
 // The int8-activation product through panels (quant_int8_cpu.cpp) for the 32-weight
 // formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants: llama.cpp's repacked GEMM.
 //
-// A group of kLanes weight rows is repacked into a panel: per 32-block, the rows' fp16
-// scales, then vectors whose lane n holds row n's quants 4g..4g+3 (repack: the layout).
+// A group of kLanes weight rows is repacked into a panel: per block, the rows' fp16
+// scales, then vectors whose lane n holds row n's quant bytes 4v..4v+3 (repack: the layout).
 // One dpbusd per 4 of x's quants (broadcast to every lane) then adds kLanes rows' partial
 // dot products, and a block's kLanes integer sums are scaled with one convert and one
 // FMA per row of x. quant_int8_avx2.h's tile pays the convert and the scale per (row of
@@ -14,12 +14,13 @@
 // whose rows the embedding reads) is repacked a group at a time per call.
 //
 // The unsigned operand: Q4's nibbles; Q5's nibbles with their fifth bits ORed in as they
-// are loaded (weight_operand: a lane's 32 high bits spread to its bytes); Q8_0's quants +
-// 128 with VNNI (the panel keeps them signed: one xor as they are loaded). A block's integer sum starts at -bias times the sum
-// of x's quants over the block (bias 128 for Q8_0 with VNNI, 8 for Q4_0, 16 for Q5_0), so
-// it ends as the exact dot product of the signed quants; Q4_1's and Q5_1's m multiplies
-// x's scaled block sum (ds)
-// in fp32, as the tile's affine terms do. Without VNNI the dot product is vpmaddubsw's,
+// are loaded (weight_operand: a lane's 32 high bits spread to its bytes); the K-quants'
+// likewise; Q8_0's quants + 128 with VNNI (the panel keeps them signed: one xor as they
+// are loaded). A block's integer sum starts at -bias times the sum of x's quants over the
+// block (bias 128 for Q8_0 with VNNI, 8 for Q4_0, 16 for Q5_0, 32 per 16 for Q6_K), so it
+// ends as the exact dot product of the signed quants; the m of Q4_1 and Q5_1 (and the
+// K-quants' -dmin * m) multiplies x's scaled block sum (ds) in fp32, as the tile's affine
+// terms do. Without VNNI the dot product is vpmaddubsw's,
 // which saturates pairs past 32767, as Q8_0's 255 * 127 * 2 would: there Q8_0 multiplies
 // |w| by x carrying w's sign (at most 2 * 128 * 127 = 32512), as the tiles do.
 #pragma once
@@ -309,7 +310,6 @@ template <Format F, int MR>
 void multiply(const uint8_t* panel, bool streamed, int64_t blocks, int64_t K, const int8_t* qx, const float* dx,
               const float* ds, const int32_t* s32, const int32_t* sum16, float* out) {
   constexpr int kSubs = block_elems<F>() / 32;  // x's 32-blocks per panel block
-  (void)sum16;
   const int64_t panel_blocks = blocks / kSubs;
   VF acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = zero_f();
