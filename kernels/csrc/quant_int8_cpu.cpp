@@ -238,7 +238,6 @@ void run_avx2(const QuantizedX& x, const uint8_t* data, int64_t N, T* y) {
 // group of int8_panel::kLanes at a time. Each group is a panel packed at load (pack_int8), or
 // is repacked here once and serves every row of x, kMR rows at a time: from kPanelFrom
 // rows of x, where that beats the tiles.
-constexpr int64_t kPanelFrom = 4;
 constexpr int kMR = int8_panel::kLanes == 16 ? 8 : 4;  // x's rows per pass: what the registers hold
 
 template <Format F, int MR, typename T>
@@ -293,6 +292,11 @@ at::Tensor pack_groups(const at::Tensor& data, int64_t N, int64_t K) {
   return out;
 }
 #endif
+
+// The rows of x from which the file's layout is repacked into panels per call (where the
+// build has them): below, the tiles read it as it is. Outside the AVX2 code so that a build
+// without AVX2 compiles (there it never applies).
+constexpr int64_t kPanelFrom = 4;
 
 // From kScaledFrom rows of x on a build without panels (no AVX2), x's quants are scaled
 // back to fp32 (d * q, rounded once) and multiplied by the fp32 path's packed tiles, where

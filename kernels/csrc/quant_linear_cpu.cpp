@@ -211,7 +211,10 @@ void store(T* y, float v) {
     *y = float_to_bf16_bits(v);
 }
 
-// y[m0:m1, n0:n0+rows] from the decoded rows w [rows][K] and x (fp32 [M, K]).
+// y[m0:m1, n0:n0+rows] from the decoded rows w [kRows][K] (rows of them this group's; the
+// rest finite, their sums dropped) and x (fp32 [M, K]). Every group sums all kRows rows:
+// loops bounded by `rows` were compiled (and, reassociated, summed) apart for a last
+// partial group, so an output's bits depended on the group it fell in.
 template <typename T>
 void multiply(const float* w, int rows, const float* x, int64_t K, int64_t m0, int64_t m1, T* y, int64_t N,
               int64_t n0) {
@@ -220,10 +223,11 @@ void multiply(const float* w, int rows, const float* x, int64_t K, int64_t m0, i
     vfloat acc[kRows] = {};
     for (int64_t k = 0; k < K; k += kLanes) {
       const vfloat xv = vload(xm + k);
-      for (int r = 0; r < kRows; ++r)
-        if (r < rows) acc[r] += xv * vload(w + r * K + k);
+      for (int r = 0; r < kRows; ++r) acc[r] += xv * vload(w + r * K + k);
     }
-    for (int r = 0; r < rows; ++r) store(y + m * N + n0 + r, hsum(acc[r]));
+    float sums[kRows];
+    for (int r = 0; r < kRows; ++r) sums[r] = hsum(acc[r]);
+    for (int r = 0; r < rows; ++r) store(y + m * N + n0 + r, sums[r]);
   }
 }
 
