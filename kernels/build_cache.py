@@ -201,15 +201,14 @@ class Library:
             start_new_session=True,
         )
         try:
-            tail = _follow(proc, start)
+            tail, first_error = _follow(proc, start)
         except BaseException:  # Ctrl-C, or a signal turned into an exception: stop the compile too
             _stop_group(proc)
             raise
         if proc.returncode != 0:
             _stop_group(proc)  # a child killed outright leaves its compile jobs behind
-            raise BuildError(
-                f"{self.name}: the compile exited with {proc.returncode}: {_first_error(tail)}\n" + "\n".join(tail)
-            )
+            what = first_error or (tail[-1] if tail else "")
+            raise BuildError(f"{self.name}: the compile exited with {proc.returncode}: {what}\n" + "\n".join(tail))
         built = work / f"{stem}.so"
         if not built.is_file():
             raise BuildError(f"{self.name}: the compile wrote no {built.name}:\n" + "\n".join(tail))
@@ -217,9 +216,11 @@ class Library:
         return built
 
 
-def _follow(proc: subprocess.Popen[str], start: float) -> list[str]:
+def _follow(proc: subprocess.Popen[str], start: float) -> tuple[list[str], str]:
     """Log the child's compile units as they finish and a heartbeat between them, until
-    it exits; its last output lines (a compiler error, for the message)."""
+    it exits; its last output lines and the first line that said what went wrong (a
+    compiler's first error is often far above the tail, behind later errors and the
+    child's traceback)."""
     lines: queue.Queue[str | None] = queue.Queue()
     assert proc.stdout is not None
     stdout = proc.stdout
@@ -231,6 +232,7 @@ def _follow(proc: subprocess.Popen[str], start: float) -> list[str]:
 
     threading.Thread(target=read, daemon=True, name="kernel-build-output").start()
     tail: collections.deque[str] = collections.deque(maxlen=40)
+    first_error = ""
     last_said = time.monotonic()
     while True:
         try:
@@ -245,6 +247,8 @@ def _follow(proc: subprocess.Popen[str], start: float) -> list[str]:
         if line is None:
             break
         tail.append(line)
+        if not first_error and _says_what_failed(line):
+            first_error = line
         unit = _UNIT.match(line)
         if unit:
             done, total, command = unit.groups()
@@ -253,12 +257,12 @@ def _follow(proc: subprocess.Popen[str], start: float) -> list[str]:
             log.info("compiled", unit=f"{done}/{total}", what=what, seconds=round(time.monotonic() - start))
             last_said = time.monotonic()
     proc.wait()
-    return list(tail)
+    return list(tail), first_error
 
 
-def _first_error(lines: list[str]) -> str:
-    """The line that says what went wrong (a compiler error), else the last one."""
-    return next((line for line in lines if "error" in line.lower() or "not found" in line), lines[-1] if lines else "")
+def _says_what_failed(line: str) -> bool:
+    """A compiler's error line (`file:line:col: error: ...`, `#error`) or a missing tool."""
+    return "error:" in line.lower() or "not found" in line
 
 
 def _stop_group(proc: subprocess.Popen[str]) -> None:

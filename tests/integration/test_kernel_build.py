@@ -145,6 +145,25 @@ def test_a_second_checkout_loads_the_first_ones_build_without_compiling(tmp_path
     assert built.stat().st_mtime_ns == mtime
 
 
+def test_a_failed_build_names_the_compilers_first_error(tmp_path):
+    """The error that stopped the build leads the message, however much output came
+    after it (later errors and warnings, the build child's traceback: a 40-line tail
+    once showed only `raise CalledProcessError`)."""
+    source = tmp_path / "broken.cpp"
+    filler = "".join(f"#warning pagedserve_filler_{i}\n" for i in range(60))
+    source.write_text(f"#error pagedserve_first_error\n{filler}{TINY}")
+    probe = (
+        "import sys\nfrom pathlib import Path\nfrom kernels.build_cache import BuildError, Library\n"
+        "try:\n    Library('pagedserve_broken', (Path(sys.argv[1]),)).build()\n"
+        "except BuildError as exc:\n    print('MESSAGE', str(exc).splitlines()[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(source)], env=_env(tmp_path / "cache"), capture_output=True, text=True
+    )
+    first = next(line for line in done.stdout.splitlines() if line.startswith("MESSAGE"))
+    assert "error: #error pagedserve_first_error" in first, done.stdout + done.stderr
+
+
 def test_a_build_for_another_march_has_a_key_of_its_own():
     """PAGEDSERVE_CPU_MARCH (an AVX2 fleet, bench.peers --isa avx2) builds beside the
     native library, never over it nor loaded in its place."""
