@@ -1,6 +1,6 @@
 """The CPU paged attention op alone, this checkout's kernel against another tree's
 (`--base`, e.g. `git archive COMMIT | tar -x -C DIR`), side by side in one process:
-each tree's kernels/csrc/paged_attention_cpu.cpp (with its cpu_vec.h) is built on its
+each tree's kernels/csrc/paged_attention_cpu.cpp (with its headers and work pool) is built on its
 own under an op namespace of its own, so the two run interleaved, round by round, on
 the same tensors. One torch thread, CPU time of this thread per step of 30 layers,
 each layer with its own cache (a step reads every layer's K/V from memory once, as a
@@ -42,13 +42,19 @@ def build(name: str, tree: Path) -> str:
     folder = cache / "bench_attention" / name
     folder.mkdir(parents=True, exist_ok=True)
     csrc = tree / "kernels" / "csrc"
-    source = (csrc / "paged_attention_cpu.cpp").read_text()
-    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
-        source = source.replace(f"{macro}(pagedserve_cpu", f"{macro}({name}")
-    for path, text in ((folder / "attention.cpp", source), (folder / "cpu_vec.h", (csrc / "cpu_vec.h").read_text())):
+    files = {path.name: path.read_text() for path in csrc.glob("*.h")}
+    # The op and the work pool it shares its items through, their ops under `name`.
+    for unit in ("paged_attention_cpu.cpp", "work_pool.cpp"):
+        source = (csrc / unit).read_text() if (csrc / unit).exists() else ""
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+            source = source.replace(f"{macro}(pagedserve_cpu", f"{macro}({name}")
+        files[unit] = source
+    for file_name, text in files.items():
+        path = folder / file_name
         if not path.exists() or path.read_text() != text:  # unchanged: ninja keeps the build
             path.write_text(text)
-    load(name, [str(folder / "attention.cpp")], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+    units = [str(folder / unit) for unit in ("paged_attention_cpu.cpp", "work_pool.cpp") if files[unit]]
+    load(name, units, extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
          build_directory=str(folder), is_python_module=False)  # fmt: skip
     return name
 
@@ -72,6 +78,8 @@ CASES = [
     Case("decode 1 x 256", 1, 256, torch.bfloat16, torch.bfloat16),
     Case("decode 32 x 320", 32, 320, torch.bfloat16, torch.bfloat16),
     Case("decode 32 x 320", 32, 320, torch.float32, torch.bfloat16),
+    Case("decode 1 x 256", 1, 256, torch.float32, torch.float16),  # int8 activations + fp16 KV
+    Case("decode 32 x 320", 32, 320, torch.float32, torch.float16),
     Case("verify 2 x 256 + 4", 2, 256, rows=5),
     Case("decode 32 x 320, K/V in L2, group 3", 32, 320, shared_blocks=True),
     Case("decode 32 x 320, K/V in L2, group 1", 32, 320, heads=3, shared_blocks=True),

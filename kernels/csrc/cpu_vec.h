@@ -10,6 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace pagedserve_cpu {
 
@@ -48,6 +51,21 @@ inline vfloat vload(const uint16_t* p) {  // kLanes bf16 -> fp32: the bits shift
   const vint bits = __builtin_convertvector(h, vint) << 16;
   vfloat v;
   std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+// kLanes fp16 -> fp32, exact: F16C's vcvtph2ps where the build has it (GCC 12 turns a
+// vector conversion of _Float16 into one vcvtph2ps per lane), else lane by lane.
+inline vfloat vload(const _Float16* p) {
+  vfloat v;
+#if defined(__F16C__) && defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#elif defined(__F16C__)
+  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+#endif
   return v;
 }
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }

@@ -116,10 +116,11 @@ inline void prefetch_block(const CT* k_cache, const CT* v_cache, int64_t offset,
 }
 
 // Whether a block of cache C is used where it lies, without the fp32 staging copy: its
-// values are already the query dtype's (fp32 as is, bf16 widened exactly by vload).
+// values are already the query dtype's (fp32 as is, bf16 and fp16 widened exactly by vload).
 template <typename Q, template <typename> class C>
 constexpr bool kInPlace = std::is_same_v<C<Q>, CF32<QF32>> || std::is_same_v<C<Q>, CBF16<QF32>> ||
-                          std::is_same_v<C<Q>, CBF16<QBF16>>;
+                          std::is_same_v<C<Q>, CBF16<QBF16>> || std::is_same_v<C<Q>, CF16<QF32>> ||
+                          std::is_same_v<C<Q>, CF16<QF16>>;
 
 // Every block of the item's sequence that query positions [first_pos, first_pos + rows)
 // see (their sliding windows included), for each KV head of the item: that head's K and

@@ -2,7 +2,7 @@
 pv_tile, head_dim 64 and 128) against the torch reference, the oracle: GQA ratios whose
 query vectors split into the kernel's runs of three (1, 3, 4, 8), block sizes where a
 block holds no 4-key tile, half a vector or several, contexts off the block edges, the
-fp32 and bf16 caches the kernel reads in place and the staged fp16 / fp8 / int8 ones,
+fp32, bf16 and fp16 caches the kernel reads in place and the staged fp8 / int8 ones,
 query rows that stay row-wise (M > 1 at one query head per KV head), sliding windows
 and the score cap."""
 
@@ -60,7 +60,8 @@ CACHE_DTYPES = [
     (torch.bfloat16, torch.bfloat16),  # read in place, widened by a shift
     (torch.float32, torch.bfloat16),  # in place too: bf16 is exact in fp32
     (torch.bfloat16, torch.float32),  # staged: rounded to bf16 first, as the reference
-    (torch.float16, torch.float16),
+    (torch.float16, torch.float16),  # in place: widened by vcvtph2ps
+    (torch.float32, torch.float16),  # in place too: fp16 is exact in fp32
     (torch.float32, quant.FP8_DTYPE),
     (torch.bfloat16, torch.int8),
 ]
