@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     # context, takes this worker down: health NOT_SERVING and a non-zero exit, so the
     # scheduler hands its requests over (or waits for a restart).
     worker.on_failure(stop.set)
-    stop.wait()
+    # Python runs a signal's handler on the main thread once it wakes; a SIGTERM that the
+    # kernel handed to one of gRPC's threads left an untimed wait asleep for good (a
+    # worker that never stopped: test_step_stream hung on it once in a CI run).
+    while not stop.wait(timeout=0.5):
+        pass
     if (reason := worker.failed) is not None:
         server.not_serving()
         server.shutdown(0.5)  # the step in flight has failed with UNAVAILABLE; nothing else can run
