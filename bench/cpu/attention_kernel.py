@@ -18,6 +18,7 @@ groups 1 and 3 (what a block costs once per KV head, and per query head).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import sys
@@ -39,16 +40,19 @@ def build(name: str, tree: Path) -> str:
     from torch.utils.cpp_extension import load
 
     cache = Path(os.environ.get("PAGEDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pagedserve" / "kernels"))
-    folder = cache / "bench_attention" / name
-    folder.mkdir(parents=True, exist_ok=True)
     csrc = tree / "kernels" / "csrc"
-    files = {path.name: path.read_text() for path in csrc.glob("*.h")}
+    files = {path.name: path.read_text() for path in sorted(csrc.glob("*.h"))}
     # The op and the work pool it shares its items through, their ops under `name`.
     for unit in ("paged_attention_cpu.cpp", "work_pool.cpp"):
         source = (csrc / unit).read_text() if (csrc / unit).exists() else ""
         for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
             source = source.replace(f"{macro}(pagedserve_cpu", f"{macro}({name}")
         files[unit] = source
+    # A folder per source and flags: the cache is the machine's, and another checkout's
+    # run (other sources under the same name) must not write into this one's build.
+    digest = hashlib.sha256(repr((sorted(files.items()), CFLAGS)).encode()).hexdigest()[:16]
+    folder = cache / "bench_attention" / f"{name}_{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
     for file_name, text in files.items():
         path = folder / file_name
         if not path.exists() or path.read_text() != text:  # unchanged: ninja keeps the build
