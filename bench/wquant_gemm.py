@@ -1,8 +1,11 @@
 """Quantized-weight GEMMs beside the dense one, side by side in one run (issue 38):
 
 * on a GPU: the Triton kernels (kernels/triton/wquant.py: INT4 W4A16, INT8 W8A16
-  and W8A8, FP8 W8A16) and torch._scaled_mm's FP8 W8A8 (sm89+), TFLOP/s against
-  bf16 cuBLAS (F.linear) at decode and prefill row counts;
+  and W8A8, FP8 W8A16, each weight tile dequantized in the loop), the weight
+  dequantized once and then cuBLAS (the reference, what wquant_linear runs from
+  DEQUANTIZE_FROM_TOKENS rows: the two columns place that threshold) and
+  torch._scaled_mm's FP8 W8A8 (sm89+), TFLOP/s against bf16 cuBLAS (F.linear) at
+  decode and prefill row counts;
 * on the CPU: the C++ kernel that reads the stored bytes (kernels/wquant_cpu.py,
   what the worker runs) and the reference path (dequantize on every call, then
   multiply: kernels/wquant.py), ms per call against fp32 F.linear on the same
@@ -65,10 +68,12 @@ def gpu_rows(rows: list[int]) -> list[str]:
             tflops = 2 * m * out * inp / 1e9  # per ms
             base = tflops / do_bench(partial(F.linear, x, dense))
             ops: dict[str, Callable[[], torch.Tensor]] = {
-                "int4 g128 W4A16": partial(tw.wquant_linear, x, w["int4"]),
-                "int8 W8A16": partial(tw.wquant_linear, x, w["int8"]),
+                "int4 g128 W4A16": partial(tw.dequantize_in_the_loop, x, w["int4"]),
+                "int4 g128, dequantized + cuBLAS": partial(wquant.wquant_linear, x, w["int4"]),
+                "int8 W8A16": partial(tw.dequantize_in_the_loop, x, w["int8"]),
+                "int8, dequantized + cuBLAS": partial(wquant.wquant_linear, x, w["int8"]),
                 "int8 W8A8": partial(tw.w8a8_linear, x, w["int8"]),
-                "fp8 W8A16": partial(tw.wquant_linear, x, w["fp8"]),
+                "fp8 W8A16": partial(tw.dequantize_in_the_loop, x, w["fp8"]),
                 "fp8 W8A8 _scaled_mm": partial(tw.fp8_linear, x, w["fp8"]),
             }
             cells = []
@@ -82,7 +87,15 @@ def gpu_rows(rows: list[int]) -> list[str]:
     return lines
 
 
-GPU_KERNELS = ["int4 g128 W4A16", "int8 W8A16", "int8 W8A8", "fp8 W8A16", "fp8 W8A8 _scaled_mm"]
+GPU_KERNELS = [
+    "int4 g128 W4A16",
+    "int4 g128, dequantized + cuBLAS",
+    "int8 W8A16",
+    "int8, dequantized + cuBLAS",
+    "int8 W8A8",
+    "fp8 W8A16",
+    "fp8 W8A8 _scaled_mm",
+]
 
 
 def cpu_rows(rows: list[int], rounds: int) -> list[str]:
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     if gpu:
-        table = gpu_rows([1, 16] if args.quick else [1, 16, 128, 2048])
+        table = gpu_rows([1, 16] if args.quick else [1, 16, 128, 256, 2048])
         what = f"{torch.cuda.get_device_name()}: TFLOP/s (x: of bf16 cuBLAS on the same shape)"
     else:
         table = cpu_rows([1, 4, 32], 5 if args.quick else 21)

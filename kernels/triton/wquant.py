@@ -1,15 +1,22 @@
 """Quantized-weight GEMMs in Triton, each the op of a torch reference (tested under
 TRITON_INTERPRET=1, measured by bench/gpu_check.py):
 
-* wquant_linear (kernels/wquant.py's): dequantize-in-the-loop. Each program owns a
-  BLOCK_M x BLOCK_N output tile and walks the input in BLOCK_K steps: it loads the
-  weight tile as stored (4-bit nibbles with their group's scale and zero point, or
-  int8/fp8 values with their block's scale), dequantizes it in registers in fp32,
-  rounds it to x's dtype (the reference's `dequantize().to(x.dtype)`) and feeds
-  tl.dot, accumulating in fp32. The weight is read once per M tile at its stored
-  size; at decode (M <= BLOCK_M) that is once. AWQ, GPTQ (act-order too: g_idx
-  is read per input) and compressed-tensors' INT4 share the one INT4 kernel after
-  the load-time repack (kernels/wquant_formats.py).
+* wquant_linear (kernels/wquant.py's): below DEQUANTIZE_FROM_TOKENS rows,
+  dequantize_in_the_loop. Each program owns a BLOCK_M x BLOCK_N output tile and walks
+  the input in BLOCK_K steps: it loads the weight tile as stored (4-bit nibbles with
+  their group's scale and zero point, or int8/fp8 values with their block's scale),
+  dequantizes it in registers in fp32, rounds it to x's dtype (the reference's
+  `dequantize().to(x.dtype)`) and feeds tl.dot, accumulating in fp32. The weight is
+  read once per M tile at its stored size; at decode (M <= BLOCK_M) that is once.
+  AWQ, GPTQ (act-order too: g_idx is read per input) and compressed-tensors' INT4
+  share the one INT4 kernel after the load-time repack (kernels/wquant_formats.py).
+  From DEQUANTIZE_FROM_TOKENS rows (a prefill) the reference itself runs: the weight
+  dequantized once into x's dtype, then cuBLAS. The in-loop kernel decodes every
+  weight tile again for each 16-row M tile: on an H200 (bench/results/wquant_gemm_gpu.md
+  at 6660104) it ran at 4.4 TFLOP/s for INT4 and 12 for INT8 / FP8 W8A16 at 2,048
+  rows, 0.01-0.02x bf16 cuBLAS, and no faster at 128 rows than at 2,048. 256 is
+  vLLM's threshold for its AWQ kernel; where the two cross on a GPU is still to
+  measure (bench/wquant_gemm.py prints both).
 * w8a8_linear (kernels/wquant_act.py's): int8 weights times int8 per-token
   activations, int32 tl.dot, the two scales applied to the sum.
 * fp8_linear (kernels/wquant_act.py's w8a8_linear for fp8 weights):
@@ -24,11 +31,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import wquant_act
+from kernels import wquant, wquant_act
 from kernels.triton.common import INTERPRET
 from kernels.wquant import Int4Weight, ScaledWeight, WQuantWeight
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+DEQUANTIZE_FROM_TOKENS = 256
 
 
 @triton.jit
@@ -115,7 +123,15 @@ def _grid(m: int, n: int) -> tuple[int, int]:
 
 
 def wquant_linear(x: Tensor, weight: WQuantWeight) -> Tensor:
-    """kernels.wquant.wquant_linear: x [T, in] @ dequantize(weight).T in x's dtype."""
+    """kernels.wquant.wquant_linear: x [T, in] @ dequantize(weight).T in x's dtype; a
+    prefill's rows through the reference (dequantize once, then cuBLAS: the module's doc)."""
+    if x.shape[0] >= DEQUANTIZE_FROM_TOKENS:
+        return wquant.wquant_linear(x, weight)
+    return dequantize_in_the_loop(x, weight)
+
+
+def dequantize_in_the_loop(x: Tensor, weight: WQuantWeight) -> Tensor:
+    """x [T, in] @ dequantize(weight).T in x's dtype, each weight tile decoded in registers."""
     tokens = x.shape[0]
     y = torch.empty((tokens, weight.out_features), dtype=x.dtype, device=x.device)
     if tokens == 0:

@@ -72,9 +72,28 @@ def test_dequantize_in_the_loop_gemm_matches_the_reference(kind, tokens, dtype):
     weight = WEIGHTS[kind]()
     x = (torch.randn(tokens, IN, generator=torch.Generator().manual_seed(tokens)) * IN**-0.5).to(dtype)
     expected = wquant_linear(x, weight)
-    got = triton_wquant.wquant_linear(x.to(DEVICE), on_device(weight)).cpu()
+    got = triton_wquant.dequantize_in_the_loop(x.to(DEVICE), on_device(weight)).cpu()
     assert got.dtype == dtype and got.shape == (tokens, OUT)
     torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["int4-act-order", "fp8-block"])
+def test_a_prefill_dequantizes_once_and_a_decode_in_the_loop(kind, monkeypatch):
+    from kernels.triton import wquant as triton_wquant
+
+    weight = on_device(WEIGHTS[kind]())
+    in_the_loop = []
+    kernel = triton_wquant.dequantize_in_the_loop
+    monkeypatch.setattr(triton_wquant, "dequantize_in_the_loop", lambda *a: in_the_loop.append(1) or kernel(*a))
+    at = triton_wquant.DEQUANTIZE_FROM_TOKENS
+    for tokens, looped in ((at - 1, True), (at, False)):
+        in_the_loop.clear()
+        x = (torch.randn(tokens, IN, generator=torch.Generator().manual_seed(tokens)) * IN**-0.5).to(DEVICE)
+        got = triton_wquant.wquant_linear(x, weight)
+        assert bool(in_the_loop) == looped, tokens
+        if not looped:  # the reference's own computation on the device: its bits
+            assert torch.equal(got, wquant_linear(x, weight))
+        torch.testing.assert_close(got.cpu(), wquant_linear(x.cpu(), WEIGHTS[kind]()), **TOL[torch.float32])
 
 
 def test_the_int4_reference_reads_groups_through_g_idx():
