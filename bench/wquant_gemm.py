@@ -1,11 +1,12 @@
 """Quantized-weight GEMMs beside the dense one, side by side in one run (issue 38):
 
-* on a GPU: the Triton kernels (kernels/triton/wquant.py: INT4 W4A16, INT8 W8A16
-  and W8A8, FP8 W8A16, each weight tile dequantized in the loop), the weight
-  dequantized once and then cuBLAS (the reference, what wquant_linear runs from
-  DEQUANTIZE_FROM_TOKENS rows: the two columns place that threshold) and
-  torch._scaled_mm's FP8 W8A8 (sm89+), TFLOP/s against bf16 cuBLAS (F.linear) at
-  decode and prefill row counts;
+* on a GPU: for INT4 (g128), INT8 and FP8 weights with bf16 activations, what
+  kernels/triton/wquant.py's wquant_linear runs at each row count ("served") and each
+  path it picks from: the Triton GEMV and the in-loop GEMM (each weight tile
+  dequantized in registers), and the weight dequantized once then cuBLAS (the
+  reference): the columns place GEMV_MAX_TOKENS and DEQUANTIZE_FROM_TOKENS. Then
+  INT8 W8A8 (Triton int32 dots) and torch._scaled_mm's FP8 W8A8 (sm89+). TFLOP/s
+  against bf16 cuBLAS (F.linear) at decode and prefill row counts;
 * on the CPU: the C++ kernel that reads the stored bytes (kernels/wquant_cpu.py,
   what the worker runs) and the reference path (dequantize on every call, then
   multiply: kernels/wquant.py), ms per call against fp32 F.linear on the same
@@ -67,18 +68,16 @@ def gpu_rows(rows: list[int]) -> list[str]:
             x = torch.randn(m, inp, device=device, dtype=torch.bfloat16)
             tflops = 2 * m * out * inp / 1e9  # per ms
             base = tflops / do_bench(partial(F.linear, x, dense))
-            ops: dict[str, Callable[[], torch.Tensor]] = {
-                "int4 g128 W4A16": partial(tw.dequantize_in_the_loop, x, w["int4"]),
-                "int4 g128, dequantized + cuBLAS": partial(wquant.wquant_linear, x, w["int4"]),
-                "int8 W8A16": partial(tw.dequantize_in_the_loop, x, w["int8"]),
-                "int8, dequantized + cuBLAS": partial(wquant.wquant_linear, x, w["int8"]),
-                "int8 W8A8": partial(tw.w8a8_linear, x, w["int8"]),
-                "fp8 W8A16": partial(tw.dequantize_in_the_loop, x, w["fp8"]),
-                "fp8 W8A8 _scaled_mm": partial(tw.fp8_linear, x, w["fp8"]),
-            }
+            ops: dict[str, Callable[[], torch.Tensor]] = {"int8 W8A8": partial(tw.w8a8_linear, x, w["int8"])}
+            for kind in W8A16_KINDS:  # what the worker runs at m rows, and each path it chooses from
+                ops[f"{kind} served"] = partial(tw.wquant_linear, x, w[kind])
+                ops[f"{kind} GEMV"] = partial(tw.dequantize_gemv, x, w[kind])
+                ops[f"{kind} GEMM"] = partial(tw.dequantize_in_the_loop, x, w[kind])
+                ops[f"{kind} dequantized + cuBLAS"] = partial(wquant.wquant_linear, x, w[kind])
+            ops["fp8 W8A8 _scaled_mm"] = partial(tw.fp8_linear, x, w["fp8"])
             cells = []
             for name in GPU_KERNELS:
-                if name.startswith("fp8 W8A8") and not tw.has_fp8_mm(device):
+                if name.startswith("fp8") and not tw.has_fp8_mm(device):
                     cells.append("no FP8 (reference)")
                     continue
                 t = tflops / do_bench(ops[name])
@@ -87,13 +86,12 @@ def gpu_rows(rows: list[int]) -> list[str]:
     return lines
 
 
+# W8A16 weights (int4: g128 W4A16): the Triton GEMV (decode rows), the in-loop GEMM, the
+# weight dequantized once then cuBLAS, and "served": which of them wquant_linear picks.
+W8A16_KINDS = ("int4", "int8", "fp8")
 GPU_KERNELS = [
-    "int4 g128 W4A16",
-    "int4 g128, dequantized + cuBLAS",
-    "int8 W8A16",
-    "int8, dequantized + cuBLAS",
+    *(f"{kind} {path}" for kind in W8A16_KINDS for path in ("served", "GEMV", "GEMM", "dequantized + cuBLAS")),
     "int8 W8A8",
-    "fp8 W8A16",
     "fp8 W8A8 _scaled_mm",
 ]
 
@@ -134,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     if gpu:
-        table = gpu_rows([1, 16] if args.quick else [1, 16, 128, 256, 2048])
+        table = gpu_rows([1, 16] if args.quick else [1, 4, 16, 128, 256, 2048])
         what = f"{torch.cuda.get_device_name()}: TFLOP/s (x: of bf16 cuBLAS on the same shape)"
     else:
         table = cpu_rows([1, 4, 32], 5 if args.quick else 21)

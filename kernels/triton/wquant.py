@@ -1,7 +1,12 @@
 """Quantized-weight GEMMs in Triton, each the op of a torch reference (tested under
 TRITON_INTERPRET=1, measured by bench/gpu_check.py):
 
-* wquant_linear (kernels/wquant.py's): below DEQUANTIZE_FROM_TOKENS rows,
+* wquant_linear (kernels/wquant.py's): up to GEMV_MAX_TOKENS rows (a decode step),
+  dequantize_gemv: one program per (GEMV_BLOCK_N outputs, token), the tile's decoded
+  weights times the token's slice of x summed along K in fp32, as
+  kernels/triton/gguf_gemm.py's GEMV (no 16-row MMA tile padded from one row, and
+  512 programs for 4,096 outputs where the GEMM had 64: at one row the GEMM read an
+  INT4 weight at ~25 GB/s on the H200 at 6660104). Below DEQUANTIZE_FROM_TOKENS rows,
   dequantize_in_the_loop. Each program owns a BLOCK_M x BLOCK_N output tile and walks
   the input in BLOCK_K steps: it loads the weight tile as stored (4-bit nibbles with
   their group's scale and zero point, or int8/fp8 values with their block's scale),
@@ -37,6 +42,8 @@ from kernels.wquant import Int4Weight, ScaledWeight, WQuantWeight
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 DEQUANTIZE_FROM_TOKENS = 256
+GEMV_MAX_TOKENS = 4  # past it the GEMV would decode the weight once per token
+GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 128
 
 
 @triton.jit
@@ -103,6 +110,28 @@ def _dequant_gemm_kernel(
 
 
 @triton.jit
+def _dequant_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, gidx_ptr, y_ptr, N, K, scale_cols, block_out, block_in,
+    INT4: tl.constexpr, HAS_GIDX: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """y[t] = W @ x[t] for token t = program_id(1), BLOCK_N outputs a program."""
+    t = tl.program_id(1).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + t * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+        mask = (rn < N)[:, None] & (rk < K)[None, :]
+        if INT4:
+            w = _int4_tile(w_ptr, scale_ptr, zero_ptr, gidx_ptr, rn, rk, mask, K, scale_cols, block_in, HAS_GIDX)
+        else:
+            w = _scaled_tile(w_ptr, scale_ptr, rn, rk, mask, K, block_out, block_in, scale_cols, FP8)
+        # rounded to x's dtype first, as the reference rounds the dequantized weight
+        acc += tl.sum(w.to(x_ptr.dtype.element_ty).to(tl.float32) * xk[None, :], axis=1)
+    tl.store(y_ptr + t * N + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
 def _w8a8_kernel(
     xq_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -124,36 +153,62 @@ def _grid(m: int, n: int) -> tuple[int, int]:
 
 def wquant_linear(x: Tensor, weight: WQuantWeight) -> Tensor:
     """kernels.wquant.wquant_linear: x [T, in] @ dequantize(weight).T in x's dtype; a
-    prefill's rows through the reference (dequantize once, then cuBLAS: the module's doc)."""
-    if x.shape[0] >= DEQUANTIZE_FROM_TOKENS:
+    decode's rows through the GEMV, a prefill's through the reference (dequantize once,
+    then cuBLAS: the module's doc)."""
+    if x.shape[0] >= DEQUANTIZE_FROM_TOKENS or not triton_decodes(weight, x.device):
         return wquant.wquant_linear(x, weight)
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        return dequantize_gemv(x, weight)
     return dequantize_in_the_loop(x, weight)
+
+
+def triton_decodes(weight: WQuantWeight, device: torch.device) -> bool:
+    """Whether the Triton kernels read this weight on `device`: every format but FP8 on a
+    GPU below compute capability 8.9 (Triton has no fp8e4nv there: an A100 takes the
+    reference, torch converting e4m3 in software)."""
+    fp8 = isinstance(weight, ScaledWeight) and weight.data.dtype == torch.float8_e4m3fn
+    return not (fp8 and device.type == "cuda" and not has_fp8_mm(device))
+
+
+def _weight_args(weight: WQuantWeight) -> tuple[tuple[object, ...], dict[str, bool]]:
+    """The kernels' weight arguments (w, scale, zero, g_idx, scale_cols, block_out, block_in;
+    INT4: block_in is the group size) and flags."""
+    if isinstance(weight, Int4Weight):
+        gidx = weight.g_idx if weight.g_idx is not None else weight.zero  # unread without HAS_GIDX
+        args = (weight.packed, weight.scale, weight.zero, gidx, weight.scale.shape[1], 1, weight.group_size)
+        return args, {"INT4": True, "HAS_GIDX": weight.g_idx is not None, "FP8": False}
+    fp8 = weight.data.dtype == torch.float8_e4m3fn
+    data = weight.data.view(torch.uint8) if fp8 else weight.data
+    args = (data, weight.scale, weight.scale, weight.scale, weight.scale.shape[1], weight.block_out, weight.block_in)
+    return args, {"INT4": False, "HAS_GIDX": False, "FP8": fp8}
 
 
 def dequantize_in_the_loop(x: Tensor, weight: WQuantWeight) -> Tensor:
     """x [T, in] @ dequantize(weight).T in x's dtype, each weight tile decoded in registers."""
-    tokens = x.shape[0]
-    y = torch.empty((tokens, weight.out_features), dtype=x.dtype, device=x.device)
+    tokens, n, k = x.shape[0], weight.out_features, weight.in_features
+    y = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return y
     x = x.contiguous()
-    m, n, k = tokens, weight.out_features, weight.in_features
     fp32 = INTERPRET or x.dtype == torch.float32  # the interpreter's bf16 is raw bits (common.py)
-    grid = _grid(m, n)
-    if isinstance(weight, Int4Weight):
-        gidx = weight.g_idx if weight.g_idx is not None else weight.zero  # unread without HAS_GIDX
-        _dequant_gemm_kernel[grid](
-            x, weight.packed, weight.scale, weight.zero, gidx, y, m, n, k, weight.scale.shape[1], 1, weight.group_size,
-            INT4=True, HAS_GIDX=weight.g_idx is not None, FP8=False, FP32=fp32,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        )  # fmt: skip
-        return y
-    fp8 = weight.data.dtype == torch.float8_e4m3fn
-    data = weight.data.view(torch.uint8) if fp8 else weight.data
-    _dequant_gemm_kernel[grid](
-        x, data, weight.scale, weight.scale, weight.scale, y, m, n, k, weight.scale.shape[1], weight.block_out,
-        weight.block_in, INT4=False, HAS_GIDX=False, FP8=fp8, FP32=fp32,
+    (w, scale, zero, gidx, *sizes), flags = _weight_args(weight)
+    _dequant_gemm_kernel[_grid(tokens, n)](
+        x, w, scale, zero, gidx, y, tokens, n, k, *sizes, **flags, FP32=fp32,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return y
+
+
+def dequantize_gemv(x: Tensor, weight: WQuantWeight) -> Tensor:
+    """As dequantize_in_the_loop, one program per (GEMV_BLOCK_N outputs, token)."""
+    tokens, n, k = x.shape[0], weight.out_features, weight.in_features
+    y = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return y
+    (w, scale, zero, gidx, *sizes), flags = _weight_args(weight)
+    _dequant_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), tokens)](
+        x.contiguous(), w, scale, zero, gidx, y, n, k, *sizes, **flags,
+        BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4, num_stages=2,
     )  # fmt: skip
     return y
 

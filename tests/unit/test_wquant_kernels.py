@@ -64,36 +64,52 @@ def on_device(weight: WQuantWeight) -> WQuantWeight:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 37, 0])
+@pytest.mark.parametrize(("kernel", "tokens"), [("gemm", 1), ("gemm", 37), ("gemm", 0), ("gemv", 1), ("gemv", 3)])
 @pytest.mark.parametrize("kind", list(WEIGHTS))
-def test_dequantize_in_the_loop_gemm_matches_the_reference(kind, tokens, dtype):
+def test_dequantize_in_the_loop_kernels_match_the_reference(kind, kernel, tokens, dtype):
     from kernels.triton import wquant as triton_wquant
 
     weight = WEIGHTS[kind]()
     x = (torch.randn(tokens, IN, generator=torch.Generator().manual_seed(tokens)) * IN**-0.5).to(dtype)
     expected = wquant_linear(x, weight)
-    got = triton_wquant.dequantize_in_the_loop(x.to(DEVICE), on_device(weight)).cpu()
+    run = triton_wquant.dequantize_gemv if kernel == "gemv" else triton_wquant.dequantize_in_the_loop
+    got = run(x.to(DEVICE), on_device(weight)).cpu()
     assert got.dtype == dtype and got.shape == (tokens, OUT)
     torch.testing.assert_close(got, expected, **TOL[dtype])
 
 
 @pytest.mark.parametrize("kind", ["int4-act-order", "fp8-block"])
-def test_a_prefill_dequantizes_once_and_a_decode_in_the_loop(kind, monkeypatch):
+def test_a_decode_takes_the_gemv_a_batch_the_gemm_and_a_prefill_dequantizes_once(kind, monkeypatch):
     from kernels.triton import wquant as triton_wquant
 
     weight = on_device(WEIGHTS[kind]())
-    in_the_loop = []
-    kernel = triton_wquant.dequantize_in_the_loop
-    monkeypatch.setattr(triton_wquant, "dequantize_in_the_loop", lambda *a: in_the_loop.append(1) or kernel(*a))
-    at = triton_wquant.DEQUANTIZE_FROM_TOKENS
-    for tokens, looped in ((at - 1, True), (at, False)):
-        in_the_loop.clear()
+    ran: list[str] = []
+    for name in ("dequantize_gemv", "dequantize_in_the_loop"):
+        kernel = getattr(triton_wquant, name)
+        monkeypatch.setattr(triton_wquant, name, lambda *a, k=kernel, n=name: ran.append(n) or k(*a))
+    gemv, prefill = triton_wquant.GEMV_MAX_TOKENS, triton_wquant.DEQUANTIZE_FROM_TOKENS
+    cases = [(gemv, "dequantize_gemv"), (gemv + 1, "dequantize_in_the_loop"), (prefill - 1, "dequantize_in_the_loop"),
+             (prefill, None)]  # fmt: skip
+    for tokens, kernel in cases:
+        ran.clear()
         x = (torch.randn(tokens, IN, generator=torch.Generator().manual_seed(tokens)) * IN**-0.5).to(DEVICE)
         got = triton_wquant.wquant_linear(x, weight)
-        assert bool(in_the_loop) == looped, tokens
-        if not looped:  # the reference's own computation on the device: its bits
+        assert ran == ([kernel] if kernel else []), tokens
+        if kernel is None:  # the reference's own computation on the device: its bits
             assert torch.equal(got, wquant_linear(x, weight))
         torch.testing.assert_close(got.cpu(), wquant_linear(x.cpu(), WEIGHTS[kind]()), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("capability", "fp8"), [((8, 0), False), ((8, 9), True), ((9, 0), True)])
+def test_fp8_weights_take_the_reference_on_a_gpu_without_fp8(capability, fp8, monkeypatch):
+    from kernels.triton import wquant as triton_wquant
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    assert triton_wquant.triton_decodes(WEIGHTS["fp8-channel"](), gpu) is fp8
+    assert triton_wquant.triton_decodes(WEIGHTS["int8-channel"](), gpu)
+    assert triton_wquant.triton_decodes(WEIGHTS["int4"](), gpu)
+    assert triton_wquant.triton_decodes(WEIGHTS["fp8-channel"](), torch.device("cpu"))  # the interpreter reads it
 
 
 def test_the_int4_reference_reads_groups_through_g_idx():
