@@ -1,6 +1,7 @@
 """What the attention kernels cost a GPU's multiprocessor once compiled: shared
 memory, registers per thread and spilled bytes, for the tiles the launcher picks
-(kernels/triton/launch.attention_tiles) at a head_dim, on an architecture.
+(kernels/triton/launch.attention_tiles) at a head_dim, on an architecture; and the
+quantized-weight GEMV and GEMM (kernels/triton/wquant.py) for each weight format.
 
 Triton compiles for a CUDA target without a GPU (ptxas ships in its wheel), so
 this runs on CPU-only machines too (tests/unit/test_kernel_resources.py) and on
@@ -22,6 +23,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -189,6 +191,45 @@ def sampler_resources(arch: int) -> Resources:
     )  # fmt: skip
 
 
+def wquant_resources(arch: int, weight: str, gemv: bool) -> Resources:
+    """kernels/triton/wquant.py's GEMV or in-loop GEMM over a bf16 x, as wquant_linear
+    launches them; weight: int4, int4 g_idx (act-order), int8 or fp8."""
+    from kernels import triton as T
+    from kernels.triton import wquant as W
+
+    int4 = weight.startswith("int4")
+    w_type = {"int8": "*i8"}.get(weight, "*u8")  # int4 packed and fp8 bytes arrive as uint8
+    scale = "*fp16" if int4 else "*fp32"
+    pointers = dict(x_ptr="*bf16", w_ptr=w_type, scale_ptr=scale, zero_ptr="*u8" if int4 else scale,
+                    gidx_ptr="*i32" if weight == "int4 g_idx" else scale, y_ptr="*bf16")  # fmt: skip
+    flags = dict(INT4=int4, HAS_GIDX=weight == "int4 g_idx", FP8=weight == "fp8")
+    if gemv:
+        kernel, tile = W._dequant_gemv_kernel, dict(BLOCK_N=W.GEMV_BLOCK_N, BLOCK_K=W.GEMV_BLOCK_K)
+        options, block_m, block_n = {"num_warps": 4, "num_stages": 2}, 1, W.GEMV_BLOCK_N
+    else:
+        kernel, tile = W._dequant_gemm_kernel, dict(FP32=False, BLOCK_M=W.BLOCK_M, BLOCK_N=W.BLOCK_N, BLOCK_K=W.BLOCK_K)
+        options, block_m, block_n = {}, W.BLOCK_M, W.BLOCK_N
+    compiled = _compile(kernel, pointers, {**flags, **tile}, options, arch)
+    registers, spills = ptxas_report(compiled.asm["ptx"], arch)
+    return Resources(
+        f"wquant {'GEMV' if gemv else 'GEMM'}", arch, 0, 0, 0, f"bf16/{weight}", block_m, block_n,
+        options.get("num_warps", 4), options.get("num_stages", 3), int(compiled.metadata.shared),
+        T.launch.SHARED_MEMORY_PER_BLOCK[(arch // 10, arch % 10)], registers, spills,
+    )  # fmt: skip
+
+
+def wquant_cases(arches: Sequence[int]) -> list[Callable[[], Resources]]:
+    """Every quantized-weight kernel wquant_linear launches; FP8 from sm_89 (below it the
+    reference runs: kernels/triton/wquant.py's triton_decodes)."""
+    weights = ["int4", "int4 g_idx", "int8"]
+    return [
+        partial(wquant_resources, arch, weight, gemv)
+        for arch in arches
+        for weight in ([*weights, "fp8"] if arch >= 89 else weights)
+        for gemv in (True, False)
+    ]
+
+
 def attention_cases(
     arches: Sequence[int], head_dims: Sequence[int], full: bool = True
 ) -> list[Callable[[], Resources]]:
@@ -259,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if triton_ops.interpreter_enabled():
         print("bench.kernel_resources compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    rows = [case() for case in attention_cases(args.arch, args.head_dims, full=not args.quick)]
+    cases = attention_cases(args.arch, args.head_dims, full=not args.quick) + wquant_cases(args.arch)
+    rows = [case() for case in cases]
     if args.json:
         import json
 
