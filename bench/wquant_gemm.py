@@ -9,8 +9,10 @@
   against bf16 cuBLAS (F.linear) at decode and prefill row counts;
 * on the CPU: the C++ kernel that reads the stored bytes (kernels/wquant_cpu.py,
   what the worker runs) and the reference path (dequantize on every call, then
-  multiply: kernels/wquant.py), ms per call against fp32 F.linear on the same
-  shape, CPU time of the calling thread on one torch thread.
+  multiply: kernels/wquant.py), and an act-order INT4 weight as the worker serves it
+  (its inputs in group order, the C++ kernel) and through the reference, ms per call
+  against fp32 F.linear on the same shape, CPU time of the calling thread on one torch
+  thread.
 
     python -m bench.wquant_gemm [--quick]     # -> bench/results/wquant_gemm_{gpu,cpu}.md
 """
@@ -22,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,10 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.harness import machine
 from bench.harness.results import RESULTS, commit
 from kernels import wquant, wquant_act, wquant_cpu
 from kernels.wquant import Int4Weight, ScaledWeight
 from kernels.wquant_formats import pack_rows
+from worker_svc.models.linear import WQuantLinear
 
 GPU_SHAPES = [(4096, 4096), (14336, 4096)]  # (out, in): a 8B model's attention and MLP projections
 CPU_SHAPES = [(3072, 576), (576, 1536)]  # SmolLM2-135M's gate-up and down projections
@@ -44,13 +49,20 @@ def weights(out: int, inp: int, device: torch.device, group: int) -> dict[str, A
     int4 = Int4Weight("int4", pack_rows(torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8)),
                       (torch.rand(out, groups, generator=g) * 0.01).half(),
                       torch.randint(0, 16, (out, groups), generator=g, dtype=torch.uint8), group)  # fmt: skip
+    # GPTQ's desc_act: each group's inputs spread over the row (g_idx)
+    act_order = replace(int4, g_idx=(torch.randperm(inp, generator=g) // group).to(torch.int32))
     scale = torch.rand(out, 1, generator=g) * 0.01
     int8 = ScaledWeight("int8", torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scale, 1, inp)
     # fp8 as a checkpoint's scale maps its weights: the largest near 448 (randn alone
     # would make a fifth of all 16-weight runs hold a subnormal, a rare value in a checkpoint)
     e4m3 = (torch.randn(out, inp, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     fp8 = ScaledWeight("fp8", e4m3, scale, 1, inp)
-    return {"int4": int4.to(device), "int8": int8.to(device), "fp8": fp8.to(device)}
+    return {
+        "int4": int4.to(device),
+        "int8": int8.to(device),
+        "fp8": fp8.to(device),
+        "int4 act-order": act_order.to(device),
+    }
 
 
 def gpu_rows(rows: list[int]) -> list[str]:
@@ -103,15 +115,17 @@ def cpu_rows(rows: list[int], rounds: int) -> list[str]:
     cpp = wquant_cpu.takes(weights(*CPU_SHAPES[0], device, 64)["int4"])
     names = ["fp32 F.linear", *(f"{k}{' g64' if k == 'int4' else ''} {impl}" for k in kinds
                                 for impl in (("C++", "reference") if cpp else ("reference",))),
-             "int8 W8A8 (reference)"]  # fmt: skip
+             "int4 g64 act-order served", "int4 g64 act-order reference", "int8 W8A8 (reference)"]  # fmt: skip
     lines = ["| out x in | rows | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for out, inp in CPU_SHAPES:
         w = weights(out, inp, device, 64)  # 576 = 9 x 64: SmolLM2's INT4 checkpoints group by 64 or 32
         dense = w["int8"].dequantize()
+        act_order_served = WQuantLinear(w["int4 act-order"], cpu_kernel=True)  # what the worker runs: group order
         for m in rows:
             x = torch.randn(m, inp)
             impls = (wquant_cpu.multiply, wquant.wquant_linear) if cpp else (wquant.wquant_linear,)
             ops = [partial(F.linear, x, dense), *(partial(op, x, w[k]) for k in kinds for op in impls),
+                   partial(act_order_served, x), partial(wquant.wquant_linear, x, w["int4 act-order"]),
                    partial(wquant_act.w8a8_linear, x, w["int8"])]  # fmt: skip
             times: list[list[float]] = [[] for _ in ops]
             for _ in range(rounds):  # interleaved: the machine's load hits every variant alike
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and row counts")
     parser.add_argument("--out", type=Path, help="the report (default bench/results/wquant_gemm_{gpu,cpu}.md)")
     args = parser.parse_args(argv)
+    machine.announce("wquant_gemm")
     gpu = torch.cuda.is_available()
     if gpu:
         table = gpu_rows([1, 16] if args.quick else [1, 4, 16, 128, 256, 2048])
@@ -138,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         table = cpu_rows([1, 4, 32], 5 if args.quick else 21)
         what = "CPU, 1 torch thread: ms per call, median of interleaved rounds, thread CPU time (x: of fp32 F.linear)"
     command = "python -m bench.wquant_gemm" + (" --quick" if args.quick else "")
-    text = "\n".join([f"# Quantized-weight GEMMs ({what})", "", f"commit: {commit()}  ", f"command: `{command}`  ",
+    text = "\n".join([f"# Quantized-weight GEMMs ({what})", "", f"machine: {machine.describe()}  ",
+                      f"commit: {commit()}  ", f"command: `{command}`  ",
                       f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", *table, ""])  # fmt: skip
     out = args.out or RESULTS / f"wquant_gemm_{'gpu' if gpu else 'cpu'}.md"
     out.write_text(text)

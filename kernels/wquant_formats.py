@@ -20,6 +20,8 @@ compressed-tensors pack-quantized: weight_packed int32 [out, in / 8], input 8k +
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -38,6 +40,21 @@ def pack_rows(q: Tensor) -> Tensor:
     """uint8 [out, in] 4-bit values -> uint8 [out, in / 2], low nibble the even input."""
     pairs = q.reshape(q.shape[0], -1, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def in_group_order(weight: Int4Weight) -> tuple[Int4Weight, Tensor] | None:
+    """An act-order weight (g_idx) with its inputs reordered so that each group is one run
+    of group_size inputs, and that order: x[:, order] @ W'.T is x @ W.T, the same products
+    summed in another order. For kernels that read groups as runs (kernels/wquant_cpu.py).
+    None without g_idx, or where a group does not hold exactly group_size inputs."""
+    if weight.g_idx is None:
+        return None
+    group = weight.g_idx.long()
+    sizes = torch.bincount(group, minlength=weight.scale.shape[1])
+    if len(sizes) != weight.scale.shape[1] or not bool((sizes == weight.group_size).all()):
+        return None
+    order = torch.argsort(group, stable=True)
+    return replace(weight, packed=pack_rows(weight.values()[:, order]), g_idx=None), order
 
 
 def _along_output(words: Tensor, order: tuple[int, ...] = tuple(range(8))) -> Tensor:

@@ -66,18 +66,42 @@ def test_every_fp8_byte_decodes_as_torch_does():
     assert torch.equal(got[finite], expected[finite])  # -0.0 as 0.0: a sum of products drops a zero's sign
 
 
+def act_order(group_of: torch.Tensor, out: int = 8) -> Int4Weight:
+    """A GPTQ desc_act weight: input k in group group_of[k] (groups of 32 inputs)."""
+    g = torch.Generator().manual_seed(6)
+    groups, inputs = int(group_of.max()) + 1, len(group_of)
+    scale = (torch.rand(out, groups, generator=g) * 0.1).half()
+    zero = torch.randint(0, 16, (out, groups), generator=g, dtype=torch.uint8)
+    return Int4Weight("gptq", int4(out, inputs, 32, torch.float16).packed, scale, zero, 32, group_of.to(torch.int32))
+
+
+def test_an_act_order_weight_is_served_by_the_kernel_in_group_order():
+    g = torch.Generator().manual_seed(5)
+    weight = act_order(torch.randperm(128, generator=g) // 32)
+    assert not wquant_cpu.takes(weight)  # the kernel reads groups as runs only
+    served = WQuantLinear(weight, cpu_kernel=True)
+    order = served.input_order
+    assert order is not None and sorted(order.tolist()) == list(range(128))
+    assert served.weight.g_idx is None and served.cpu_op is wquant_cpu.multiply  # type: ignore[union-attr]
+    assert torch.equal(served.weight.dequantize(), weight.dequantize()[:, order])  # the same weights, reordered
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 128, generator=g)
+        assert_within_fp32_sums(served(x), x, weight)
+    eager = WQuantLinear(weight, cpu_kernel=False)  # --enforce-eager: the reference, as stored
+    assert eager.input_order is None and eager.weight is weight and eager.cpu_op is wquant_linear
+
+
 def test_what_the_kernel_does_not_take_goes_to_the_reference():
     g = torch.Generator().manual_seed(5)
-    act_order = Int4Weight("gptq", int4(8, 64, 32, torch.float16).packed, torch.rand(8, 2).half(),
-                           torch.full((8, 2), 8, dtype=torch.uint8), 32,
-                           (torch.randperm(64, generator=g) // 32).to(torch.int32))  # fmt: skip
+    uneven_groups = act_order(torch.cat([torch.zeros(40), torch.ones(24)]).long())  # 40 + 24 inputs, not 32s
     narrow_groups = int4(8, 64, 8, torch.float16)  # groups of 8: not whole 16-input decodes
     odd_width = scaled(torch.int8, 8, 40, (1, 10**6))
-    for weight in (act_order, narrow_groups, odd_width):
+    for weight in (uneven_groups, narrow_groups, odd_width):
         assert not wquant_cpu.takes(weight)
         x = torch.randn(3, weight.in_features, generator=g)
         assert torch.equal(wquant_cpu.wquant_linear(x, weight), wquant_linear(x, weight))
-        assert WQuantLinear(weight, cpu_kernel=True).cpu_op is wquant_linear
+        served = WQuantLinear(weight, cpu_kernel=True)
+        assert served.cpu_op is wquant_linear and served.input_order is None
     taken = int4(8, 64, 32, torch.float16)
     assert WQuantLinear(taken, cpu_kernel=True).cpu_op is wquant_cpu.multiply
     assert WQuantLinear(taken, cpu_kernel=False).cpu_op is wquant_linear  # --enforce-eager: the reference

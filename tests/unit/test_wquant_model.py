@@ -60,15 +60,17 @@ def test_fp32_tokens_match_transformers_on_the_dequantized_weights(tmp_path, met
     assert started["weights"].startswith(described) and worker.info.weight_format == started["weights"]
     assert worker_tokens(worker) == reference_tokens(dense)
     layer = worker.model.layers[1]
-    # The C++ kernel multiplies every layout it takes (all but act-order's), so these tokens are its.
-    cpu_op = wquant_cpu.multiply if cpu_ops.available() and not options.get("act_order") else wquant_linear
+    # The C++ kernel multiplies every layout (act-order's with its inputs in group order), so these tokens are its.
+    cpu_op = wquant_cpu.multiply if cpu_ops.available() else wquant_linear
     for projection in (layer.qkv, layer.o, layer.down):  # q, k, v stacked into one quantized weight
         assert isinstance(projection, WQuantLinear) and isinstance(projection.weight, kind)
         assert projection.cpu_op is cpu_op
-    # The served weights dequantize to the oracle's bits, layer by layer.
+    # The served weights dequantize to the oracle's bits, layer by layer (act-order's inputs reordered).
     oracle = load_file(dense / "model.safetensors")
     qkv = torch.cat([oracle[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(layer.qkv.weight.dequantize(), qkv)  # type: ignore[attr-defined]
+    order = layer.qkv.input_order  # type: ignore[attr-defined]
+    assert (order is not None) == (cpu_ops.available() and bool(options.get("act_order")))
+    assert torch.equal(layer.qkv.weight.dequantize(), qkv if order is None else qkv[:, order])  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("method", ["awq", "pack-quantized"])

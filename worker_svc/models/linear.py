@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from kernels import cpu_ops, quant_cpu_ops, reference, wquant, wquant_cpu
 from kernels.gguf_quant import QuantizedWeight, quant_linear, quant_linear_int8, stack
 from kernels.wquant import WQuantWeight
+from kernels.wquant_formats import in_group_order
 
 # A checkpoint's weight: a tensor, a GGUF file's quantized blocks, or a quantized
 # safetensors checkpoint's FP8/INT8/INT4 weight (kernels/wquant.py).
@@ -183,14 +184,23 @@ class WQuantLinear:
     """y = x @ W.T for an FP8/INT8/INT4 safetensors weight: the Triton kernel on
     CUDA (kernels/triton/wquant.py); on the CPU the C++ kernel where it takes the
     weight (kernels/wquant_cpu.py: it reads the stored bytes), else the reference
-    (dequantize on every call, then multiply). Costs: bench/results/wquant_gemm_cpu.md."""
+    (dequantize on every call, then multiply). Costs: bench/results/wquant_gemm_cpu.md.
+    An act-order INT4 weight (GPTQ desc_act), whose groups the kernel cannot read as
+    runs, is kept with its inputs in group order instead (input_order: x's columns
+    are gathered into that order per call)."""
 
     def __init__(self, weight: WQuantWeight, cpu_kernel: bool = False):
+        self.input_order: torch.Tensor | None = None
+        if cpu_kernel and isinstance(weight, wquant.Int4Weight) and (runs := in_group_order(weight)):
+            if wquant_cpu.takes(runs[0]):
+                weight, self.input_order = runs
         self.weight = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.cpu_op = wquant_cpu.multiply if cpu_kernel and wquant_cpu.takes(weight) else wquant.wquant_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if x.device.type == "cuda":
             from kernels.triton import wquant as triton_wquant
 
