@@ -1,6 +1,7 @@
-"""Tiny llama GGUF files written with the gguf package's writer: random blocks in a
-chosen format for every linear weight (random bytes are valid blocks; the scales
-are finite, tests/helpers/gguf_blocks.py), fp32 norms, a byte-level vocabulary."""
+"""Tiny GGUF files written with the gguf package's writer: random blocks in a chosen
+format for every linear weight (random bytes are valid blocks; the scales are finite,
+tests/helpers/gguf_blocks.py), fp32 norms, a byte-level vocabulary. llama by default;
+qwen2 adds fp32 q, k and v biases, qwen3 q and k norms, as llama.cpp writes them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def write_tiny_gguf(
     overrides: dict[str, str] | None = None,
     architecture: str = "llama",
     token_scores: bool = False,
+    head_dim: int | None = None,
 ) -> Path:
     """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
     (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have;
@@ -36,7 +38,11 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    # Qwen3's heads are 128 wide whatever its width (transformers reads no key_length for it)
+    head_dim = head_dim or (128 if architecture == "qwen3" else HIDDEN // HEADS)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
@@ -57,18 +63,26 @@ def write_tiny_gguf(
         data = random_block_bytes(kind, rows, cols, seed=int(rng.integers(1 << 31)))
         writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[kind])
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    def norm(name: str, size: int = HIDDEN) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
-    head_dim = HIDDEN // HEADS
+    def bias(name: str, size: int) -> None:
+        writer.add_tensor(name, (0.1 * rng.standard_normal(size)).astype(np.float32))
+
     linear("token_embd.weight", VOCAB, HIDDEN)
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
-        linear(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
+        linear(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
         linear(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
         linear(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
-        linear(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        if architecture == "qwen2":
+            for part, rows in (("q", HEADS * head_dim), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim)):
+                bias(f"blk.{i}.attn_{part}.bias", rows)
+        if architecture == "qwen3":
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        linear(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)
         linear(f"blk.{i}.ffn_gate.weight", INTERMEDIATE, HIDDEN)
         linear(f"blk.{i}.ffn_up.weight", INTERMEDIATE, HIDDEN)
         linear(f"blk.{i}.ffn_down.weight", HIDDEN, INTERMEDIATE)

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from kernels import cpu_ops
 from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
 from tests.helpers.gguf_files import write_tiny_gguf
-from tests.helpers.gguf_tokens import BLOCK_SIZE, LONG_PROMPT, reference_tokens, worker_tokens
+from tests.helpers.gguf_tokens import BLOCK_SIZE, LONG_PROMPT, PROMPT, reference_tokens, worker_tokens
 from worker_svc.config import WorkerConfig
 from worker_svc.models.linear import Concat, QuantLinear
 from worker_svc.worker import Worker
@@ -31,6 +31,17 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     head, table = worker.model.lm_head, worker.model.embed
     assert isinstance(head, QuantLinear) and isinstance(table, QuantizedWeight)  # tied: the head multiplies
     assert head.weight.data.data_ptr() == table.data.data_ptr()  # the embedding's blocks, not a copy of them
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_qwen_architectures_match_transformers(tmp_path, architecture, qtype):
+    """Qwen2 / Qwen2.5 (q, k, v biases) and Qwen3 (q, k norms): q and k rows as stored."""
+    path = write_tiny_gguf(tmp_path / f"{architecture}-{qtype}.gguf", qtype, seed=11, architecture=architecture)
+    for prompt in (PROMPT, LONG_PROMPT):  # a decode's rows, and a prefill's tiles
+        worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
+        assert worker.model.spec.model_type == architecture
+        assert worker_tokens(worker, prompt) == reference_tokens(path, prompt)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))
@@ -83,6 +94,9 @@ def test_what_is_not_served_is_refused_by_name(tmp_path):
     path = write_tiny_gguf(tmp_path / "q2k.gguf", "Q4_0", overrides={"ffn_gate.weight": "Q2_K"})
     with pytest.raises(ValueError, match=r"blk.0.ffn_gate.weight.*Q2_K"):
         Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8))
-    other = write_tiny_gguf(tmp_path / "qwen2.gguf", "Q8_0", architecture="qwen2")
-    with pytest.raises(ValueError, match="qwen2"):
+    narrow = write_tiny_gguf(tmp_path / "qwen3-64.gguf", "Q8_0", architecture="qwen3", head_dim=64)
+    with pytest.raises(ValueError, match="qwen3.attention.key_length is 64, the config's head_dim 128"):
+        Worker(WorkerConfig(model=str(narrow), dtype="float32", num_blocks=8))
+    other = write_tiny_gguf(tmp_path / "phi3.gguf", "Q8_0", architecture="phi3")
+    with pytest.raises(ValueError, match="phi3"):
         Worker(WorkerConfig(model=str(other), dtype="float32", num_blocks=8))

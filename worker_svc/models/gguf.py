@@ -2,15 +2,17 @@
 reads, the linear layers' weights left in their quantized blocks.
 
 What is served: the llama architecture (llama.cpp's name for Llama, SmolLM, Mistral
-without sliding windows); block formats kernels/gguf_quant.py decodes; F32, F16 and
-BF16 tensors (read as fp32). Anything else is refused by name at load. The
+without sliding windows), qwen2 (Qwen2 / Qwen2.5: q, k, v biases) and qwen3 (q and k
+norms); block formats kernels/gguf_quant.py decodes; F32, F16 and BF16 tensors (read
+as fp32). Anything else is refused by name at load. The
 embedding table and the norms are dequantized at load (`linear.dense`): a lookup
 reads a few rows, and norms are fp32 in every GGUF; a tied LM head keeps the
 embedding's blocks.
 
-llama.cpp's converter permutes the rows of q and k (its RoPE pairs neighbouring
-features, Hugging Face's the two halves of a head); the rows are put back here as
-transformers' GGUF loader does. A row of blocks is one output feature, so the
+For llama, llama.cpp's converter permutes the rows of q and k (its RoPE pairs
+neighbouring features, Hugging Face's the two halves of a head); the rows are put back
+here as transformers' GGUF loader does. qwen2 and qwen3 keep Hugging Face's order
+(llama.cpp runs their RoPE in the NeoX style). A row of blocks is one output feature, so the
 permutation moves byte rows and never touches a block.
 """
 
@@ -27,7 +29,9 @@ from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
 from worker_svc.models.linear import Weight
 from worker_svc.models.spec import ModelSpec
 
-SERVED_ARCHITECTURES = ("llama",)
+# Each served architecture, and whether llama.cpp permuted its q and k rows.
+PERMUTED_QK = {"llama": True, "qwen2": False, "qwen3": False}
+SERVED_ARCHITECTURES = tuple(PERMUTED_QK)
 _DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,6 +48,8 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 # Tensors that restate what the metadata says (llama 3's RoPE frequencies, which the
 # spec computes from the rope scaling parameters, as transformers does).
@@ -60,18 +66,31 @@ def architecture(reader: GGUFReader) -> str:
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a GGUF tensor; a name the decoder would not read is refused."""
+    """The Hugging Face name of a GGUF tensor; a name no decoder reads is refused (a bias
+    or a norm the architecture does not have is refused by the model's loader: it reads
+    every tensor it is given or names the one it did not)."""
     if name in _TOP:
         return _TOP[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.weight"
-    raise ValueError(f"GGUF tensor {name!r} is not served (a llama decoder's tensors are: {', '.join(_TOP)}, blk.N.*)")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} is not served (a decoder's tensors are: {', '.join(_TOP)}, blk.N.*)")
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's q/k permutation for `heads` heads."""
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _check_head_dim(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
+    """The file's head width against the config's: transformers' GGUF config reads no
+    key_length for some architectures (qwen3: 128 assumed), and a head split wrongly would
+    read every weight with the wrong shape."""
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    width = None if field is None else int(field.parts[field.data[0]][0])
+    if width is not None and width != spec.head_dim:
+        config = f"the config's head_dim {spec.head_dim}"
+        raise ValueError(f"GGUF {arch}.attention.key_length is {width}, {config}: not served")
 
 
 def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
@@ -81,6 +100,7 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
     arch = architecture(reader)
     if arch not in SERVED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not served (served: {', '.join(SERVED_ARCHITECTURES)})")
+    _check_head_dim(reader, arch, spec)
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         if tensor.name in _REDUNDANT:
@@ -98,7 +118,7 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
             served = ", ".join(["F32", "F16", "BF16", *BLOCK_FORMATS])
             raise ValueError(f"GGUF tensor {tensor.name!r} has type {qtype.name}, not served (served: {served})")
         heads = spec.num_q_heads if ".attn_q." in tensor.name else spec.num_kv_heads
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+        if PERMUTED_QK[arch] and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             order = unpermute_rows(shape[0], heads)
             weight = weight.rows(order) if isinstance(weight, QuantizedWeight) else weight[order].contiguous()
         weights[name] = weight
