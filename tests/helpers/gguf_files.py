@@ -1,7 +1,8 @@
 """Tiny GGUF files written with the gguf package's writer: random blocks in a chosen
 format for every linear weight (random bytes are valid blocks; the scales are finite,
 tests/helpers/gguf_blocks.py), fp32 norms, a byte-level vocabulary. llama by default;
-qwen2 adds fp32 q, k and v biases, qwen3 q and k norms, as llama.cpp writes them."""
+qwen2 adds fp32 q, k and v biases, qwen3 q and k norms, gemma2 its sandwich norms, a
+sliding window and its soft-caps (`caps`), as llama.cpp writes them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def write_tiny_gguf(
     architecture: str = "llama",
     token_scores: bool = False,
     head_dim: int | None = None,
+    caps: tuple[float, float] = (50.0, 30.0),
 ) -> Path:
     """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
     (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have;
@@ -38,11 +40,15 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    # Qwen3's heads are 128 wide whatever its width (transformers reads no key_length for it)
-    head_dim = head_dim or (128 if architecture == "qwen3" else HIDDEN // HEADS)
+    # Qwen3's heads are 128 wide whatever its width, Gemma 2's 256 (its default query scale)
+    head_dim = head_dim or {"qwen3": 128, "gemma2": 256}.get(architecture, HIDDEN // HEADS)
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+    if architecture == "gemma2":
+        writer.add_sliding_window(32)  # the 60-token prompt passes it
+        writer.add_attn_logit_softcapping(caps[0])
+        writer.add_final_logit_softcapping(caps[1])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
@@ -73,6 +79,9 @@ def write_tiny_gguf(
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
+        if architecture == "gemma2":
+            norm(f"blk.{i}.post_attention_norm.weight")
+            norm(f"blk.{i}.post_ffw_norm.weight")
         linear(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
         linear(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
         linear(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)

@@ -6,6 +6,8 @@ served is refused by name."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from gguf import GGUFReader
@@ -33,10 +35,11 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     assert head.weight.data.data_ptr() == table.data.data_ptr()  # the embedding's blocks, not a copy of them
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "gemma2"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
-def test_qwen_architectures_match_transformers(tmp_path, architecture, qtype):
-    """Qwen2 / Qwen2.5 (q, k, v biases) and Qwen3 (q, k norms): q and k rows as stored."""
+def test_more_architectures_match_transformers(tmp_path, architecture, qtype):
+    """Qwen2 / Qwen2.5 (q, k, v biases), Qwen3 (q, k norms), Gemma 2 (norms stored as 1 + w,
+    sandwich norms, soft-caps, a sliding window): q and k rows as stored."""
     path = write_tiny_gguf(tmp_path / f"{architecture}-{qtype}.gguf", qtype, seed=11, architecture=architecture)
     for prompt in (PROMPT, LONG_PROMPT):  # a decode's rows, and a prefill's tiles
         worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
@@ -94,9 +97,18 @@ def test_what_is_not_served_is_refused_by_name(tmp_path):
     path = write_tiny_gguf(tmp_path / "q2k.gguf", "Q4_0", overrides={"ffn_gate.weight": "Q2_K"})
     with pytest.raises(ValueError, match=r"blk.0.ffn_gate.weight.*Q2_K"):
         Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8))
-    narrow = write_tiny_gguf(tmp_path / "qwen3-64.gguf", "Q8_0", architecture="qwen3", head_dim=64)
-    with pytest.raises(ValueError, match="qwen3.attention.key_length is 64, the config's head_dim 128"):
-        Worker(WorkerConfig(model=str(narrow), dtype="float32", num_blocks=8))
+    # metadata transformers' config leaves out, against the defaults it takes instead
+    misread = {
+        "qwen3.attention.key_length is 64, the config's head_dim 128": dict(architecture="qwen3", head_dim=64),
+        "gemma2.final_logit_softcapping is 20, the config's final_logit_softcapping 30": dict(
+            architecture="gemma2", caps=(50.0, 20.0)
+        ),
+        "no query_pre_attn_scalar; the config's 256 is not the head_dim 128": dict(architecture="gemma2", head_dim=128),
+    }
+    for i, (message, how) in enumerate(misread.items()):
+        path = write_tiny_gguf(tmp_path / f"misread-{i}.gguf", "Q8_0", **how)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8))
     other = write_tiny_gguf(tmp_path / "phi3.gguf", "Q8_0", architecture="phi3")
     with pytest.raises(ValueError, match="phi3"):
         Worker(WorkerConfig(model=str(other), dtype="float32", num_blocks=8))

@@ -2,22 +2,27 @@
 reads, the linear layers' weights left in their quantized blocks.
 
 What is served: the llama architecture (llama.cpp's name for Llama, SmolLM, Mistral
-without sliding windows), qwen2 (Qwen2 / Qwen2.5: q, k, v biases) and qwen3 (q and k
-norms); block formats kernels/gguf_quant.py decodes; F32, F16 and BF16 tensors (read
-as fp32). Anything else is refused by name at load. The
+without sliding windows), qwen2 (Qwen2 / Qwen2.5: q, k, v biases), qwen3 (q and k
+norms) and gemma2 (sandwich norms, stored by llama.cpp as 1 + w: put back as w, as
+transformers' reader does); block formats kernels/gguf_quant.py decodes; F32, F16 and
+BF16 tensors (read as fp32). Anything else is refused by name at load, and so is
+metadata that disagrees with the config transformers reads from the file (`_check`:
+it reads no key_length for qwen3, no soft-caps or query scale for gemma2). The
 embedding table and the norms are dequantized at load (`linear.dense`): a lookup
 reads a few rows, and norms are fp32 in every GGUF; a tied LM head keeps the
 embedding's blocks.
 
 For llama, llama.cpp's converter permutes the rows of q and k (its RoPE pairs
 neighbouring features, Hugging Face's the two halves of a head); the rows are put back
-here as transformers' GGUF loader does. qwen2 and qwen3 keep Hugging Face's order
+here as transformers' GGUF loader does. The others keep Hugging Face's order
 (llama.cpp runs their RoPE in the NeoX style). A row of blocks is one output feature, so the
 permutation moves byte rows and never touches a block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +34,28 @@ from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
 from worker_svc.models.linear import Weight
 from worker_svc.models.spec import ModelSpec
 
-# Each served architecture, and whether llama.cpp permuted its q and k rows.
-PERMUTED_QK = {"llama": True, "qwen2": False, "qwen3": False}
-SERVED_ARCHITECTURES = tuple(PERMUTED_QK)
+
+@dataclass(frozen=True)
+class _Arch:
+    """How llama.cpp wrote an architecture's tensors, where it differs from llama's."""
+
+    permuted_qk: bool = False  # q and k rows permuted for llama.cpp's RoPE pairing
+    layer_names: Mapping[str, str] = field(default_factory=dict)  # over _LAYER's
+    norm_offset: float = 0.0  # norms stored as norm_offset + w
+
+
+_GEMMA2_LAYER = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+ARCHITECTURES = {
+    "llama": _Arch(permuted_qk=True),
+    "qwen2": _Arch(),
+    "qwen3": _Arch(),
+    "gemma2": _Arch(layer_names=_GEMMA2_LAYER, norm_offset=1.0),
+}
+SERVED_ARCHITECTURES = tuple(ARCHITECTURES)
 _DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -65,15 +89,16 @@ def architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor; a name no decoder reads is refused (a bias
     or a norm the architecture does not have is refused by the model's loader: it reads
     every tensor it is given or names the one it did not)."""
     if name in _TOP:
         return _TOP[name]
+    layer = {**_LAYER, **ARCHITECTURES[arch].layer_names}
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     raise ValueError(f"GGUF tensor {name!r} is not served (a decoder's tensors are: {', '.join(_TOP)}, blk.N.*)")
 
 
@@ -82,15 +107,32 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _check_head_dim(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
-    """The file's head width against the config's: transformers' GGUF config reads no
-    key_length for some architectures (qwen3: 128 assumed), and a head split wrongly would
-    read every weight with the wrong shape."""
-    field = reader.fields.get(f"{arch}.attention.key_length")
-    width = None if field is None else int(field.parts[field.data[0]][0])
-    if width is not None and width != spec.head_dim:
-        config = f"the config's head_dim {spec.head_dim}"
-        raise ValueError(f"GGUF {arch}.attention.key_length is {width}, {config}: not served")
+def _number(reader: GGUFReader, key: str) -> float | None:
+    found = reader.fields.get(key)
+    return None if found is None else float(found.parts[found.data[0]][0])
+
+
+def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
+    """The file's metadata against the config transformers read from it, which leaves out
+    some keys (qwen3's key_length: 128 assumed; gemma2's soft-caps and query scale: its
+    defaults): a head split wrongly would read every weight with the wrong shape, a cap or
+    a scale the file does not mean would serve another model."""
+    checks = (
+        (f"{arch}.attention.key_length", "head_dim", spec.head_dim),
+        (f"{arch}.attn_logit_softcapping", "attn_logit_softcapping", spec.attn_softcap),
+        (f"{arch}.final_logit_softcapping", "final_logit_softcapping", spec.final_softcap),
+    )
+    for key, config, value in checks:
+        got = _number(reader, key)
+        if got is not None and abs(got - value) > 1e-3 * max(1.0, abs(value)):
+            raise ValueError(f"GGUF {key} is {got:g}, the config's {config} {value:g}: not served")
+    scalar = spec.attention_scale**-2
+    if arch == "gemma2" and abs(scalar - spec.head_dim) > 1e-3 * spec.head_dim:
+        # the file holds no query scale: llama.cpp takes head_dim (and n_embd / n_head for 27B)
+        raise ValueError(
+            f"GGUF gemma2 holds no query_pre_attn_scalar; the config's {scalar:g} is not the head_dim "
+            f"{spec.head_dim} llama.cpp scales by: not served"
+        )
 
 
 def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
@@ -100,12 +142,13 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
     arch = architecture(reader)
     if arch not in SERVED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not served (served: {', '.join(SERVED_ARCHITECTURES)})")
-    _check_head_dim(reader, arch, spec)
+    _check(reader, arch, spec)
+    layout = ARCHITECTURES[arch]
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         if tensor.name in _REDUNDANT:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         qtype = tensor.tensor_type
         shape = [int(n) for n in reversed(tensor.shape.tolist())]  # GGUF lists the innermost first
         weight: Weight
@@ -118,8 +161,10 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
             served = ", ".join(["F32", "F16", "BF16", *BLOCK_FORMATS])
             raise ValueError(f"GGUF tensor {tensor.name!r} has type {qtype.name}, not served (served: {served})")
         heads = spec.num_q_heads if ".attn_q." in tensor.name else spec.num_kv_heads
-        if PERMUTED_QK[arch] and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+        if layout.permuted_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             order = unpermute_rows(shape[0], heads)
             weight = weight.rows(order) if isinstance(weight, QuantizedWeight) else weight[order].contiguous()
+        if layout.norm_offset and tensor.name.endswith("norm.weight") and isinstance(weight, torch.Tensor):
+            weight = weight - layout.norm_offset
         weights[name] = weight
     return weights
