@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from svc_common.defaults import DEFAULT_GGUF, DEFAULT_MODEL, served_default
-from svc_common.gguf_sidecar import is_gguf_path, sidecar_dir
+from svc_common.gguf_sidecar import gguf_config, is_gguf_path, sidecar_dir
 from tools.processes import REPO, flag_value, python_path, worker_device
 
 DEFAULT_OUT = REPO / DEFAULT_MODEL
@@ -88,13 +88,13 @@ def write_sidecar(gguf: Path, out: Path | None = None) -> Path:
     """The GGUF's tokenizer files, chat template, config and generation config, in its
     sidecar folder, or in `out` (a container's volume, the services' /models/model:
     written in place, tokenizer.json last, as the mount point cannot be renamed onto)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     target = out or sidecar_dir(gguf)
     if (target / "tokenizer.json").is_file():
         return target
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cfg = gguf_config(gguf)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}") if out is None else target / f".tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
     cfg.save_pretrained(tmp)

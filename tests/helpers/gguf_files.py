@@ -26,6 +26,7 @@ def write_tiny_gguf(
     token_scores: bool = False,
     head_dim: int | None = None,
     caps: tuple[float, float] = (50.0, 30.0),
+    name: str | None = None,
 ) -> Path:
     """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
     (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have;
@@ -34,6 +35,8 @@ def write_tiny_gguf(
     overrides = overrides or {}
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
+    if name:
+        writer.add_name(name)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 from structlog.testing import capture_logs
+from transformers import AutoConfig
 
 from kernels import cpu_ops
 from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
@@ -45,6 +46,21 @@ def test_more_architectures_match_transformers(tmp_path, architecture, qtype):
         worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
         assert worker.model.spec.model_type == architecture
         assert worker_tokens(worker, prompt) == reference_tokens(path, prompt)
+
+
+def test_a_mistral_named_llama_file_has_no_sliding_window(tmp_path):
+    """transformers makes a llama-architecture file whose general.name is "mistral" a
+    MistralConfig, with its default 4,096-token window; llama.cpp's llama architecture
+    applies none (nor do Mistral v0.2+), and neither do we."""
+    path = write_tiny_gguf(tmp_path / "mistral.gguf", "Q8_0", seed=5, name="mistral")
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).sliding_window == 4096
+    worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
+    assert worker.model.spec.model_type == "mistral" and worker.model.spec.sliding_window == 0
+    # transformers loads no weights for it ("Unknown gguf model_type: mistral"): the oracle is
+    # the same tensors under another name, which transformers reads as the llama file it is
+    (tmp_path / "plain").mkdir()
+    plain = write_tiny_gguf(tmp_path / "plain" / "llama.gguf", "Q8_0", seed=5)
+    assert worker_tokens(worker, LONG_PROMPT) == reference_tokens(plain, LONG_PROMPT)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FORMATS))

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from svc_common.gguf_sidecar import is_gguf_path
+from svc_common.gguf_sidecar import gguf_config, is_gguf_path
 from worker_svc.models.config_cache import cached_config
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.families import family_of
@@ -94,7 +94,7 @@ def read_config(model_dir: str | Path) -> PretrainedConfig:
     path = Path(model_dir)
     try:
         if is_gguf_path(path):
-            cfg: PretrainedConfig = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            cfg: PretrainedConfig = gguf_config(path)
             return cfg
         cfg = cached_config(path / "config.json", lambda: AutoConfig.from_pretrained(model_dir))
     except (ValueError, KeyError) as exc:  # a model_type transformers itself does not know
