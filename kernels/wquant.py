@@ -74,8 +74,11 @@ class ScaledWeight:
 
     def dequantize(self) -> Tensor:
         """fp32 [out, in]."""
-        if self.data.dtype == torch.float8_e4m3fn:  # a table lookup: 3x torch's fp8 cast on the CPU, same bits
-            values = torch.take(_FP8_VALUES.to(self.data.device), self.data.view(torch.uint8).long())
+        if self.data.dtype == torch.float8_e4m3fn and self.data.device.type == "cpu":
+            # a table lookup: 3x torch's fp8 cast on the CPU, same bits. Elsewhere the cast:
+            # no host-to-device copy, which a CUDA graph's capture (a prefill-sized
+            # decode batch takes this path, kernels/triton/wquant.py) cannot hold.
+            values = torch.take(_FP8_VALUES, self.data.view(torch.uint8).long())
         else:
             values = self.data.float()
         if self.block_in >= self.in_features:  # per tensor or channel: a broadcast, no expanded copy
