@@ -2,12 +2,14 @@
 format for every linear weight (random bytes are valid blocks; the scales are finite,
 tests/helpers/gguf_blocks.py), fp32 norms, a byte-level vocabulary. llama by default;
 qwen2 adds fp32 q, k and v biases, qwen3 q and k norms, gemma2 its sandwich norms, a
-sliding window and its soft-caps (`caps`), as llama.cpp writes them."""
+sliding window and its soft-caps (`caps`), gemma3 the norms, window and q / k norms,
+as llama.cpp writes them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -27,6 +29,7 @@ def write_tiny_gguf(
     head_dim: int | None = None,
     caps: tuple[float, float] = (50.0, 30.0),
     name: str | None = None,
+    rope_scaling: float | None = None,
 ) -> Path:
     """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
     (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have;
@@ -43,16 +46,21 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    # Qwen3's heads are 128 wide whatever its width, Gemma 2's 256 (its default query scale)
-    head_dim = head_dim or {"qwen3": 128, "gemma2": 256}.get(architecture, HIDDEN // HEADS)
+    # Qwen3's heads are 128 wide whatever its width, Gemma's 256 (its default query scale)
+    head_dim = head_dim or {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(architecture, HIDDEN // HEADS)
+    gemma = architecture.startswith("gemma")
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    if architecture == "gemma2":
+    if gemma:
         writer.add_sliding_window(32)  # the 60-token prompt passes it
+    if architecture == "gemma2":
         writer.add_attn_logit_softcapping(caps[0])
         writer.add_final_logit_softcapping(caps[1])
     writer.add_rope_freq_base(10000.0)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
     writer.add_tokenizer_model("gpt2")
@@ -82,7 +90,7 @@ def write_tiny_gguf(
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
-        if architecture == "gemma2":
+        if gemma:
             norm(f"blk.{i}.post_attention_norm.weight")
             norm(f"blk.{i}.post_ffw_norm.weight")
         linear(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
@@ -91,7 +99,7 @@ def write_tiny_gguf(
         if architecture == "qwen2":
             for part, rows in (("q", HEADS * head_dim), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim)):
                 bias(f"blk.{i}.attn_{part}.bias", rows)
-        if architecture == "qwen3":
+        if architecture in ("qwen3", "gemma3"):
             norm(f"blk.{i}.attn_q_norm.weight", head_dim)
             norm(f"blk.{i}.attn_k_norm.weight", head_dim)
         linear(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)

@@ -3,20 +3,20 @@ reads, the linear layers' weights left in their quantized blocks.
 
 What is served: the llama architecture (llama.cpp's name for Llama, SmolLM, Mistral
 without sliding windows), qwen2 (Qwen2 / Qwen2.5: q, k, v biases), qwen3 (q and k
-norms) and gemma2 (sandwich norms, stored by llama.cpp as 1 + w: put back as w, as
-transformers' reader does); block formats kernels/gguf_quant.py decodes; F32, F16 and
-BF16 tensors (read as fp32). Anything else is refused by name at load, and so is
-metadata that disagrees with the config transformers reads from the file (`_check`:
-it reads no key_length for qwen3, no soft-caps or query scale for gemma2). The
-embedding table and the norms are dequantized at load (`linear.dense`): a lookup
-reads a few rows, and norms are fp32 in every GGUF; a tied LM head keeps the
-embedding's blocks.
+norms), gemma2 and gemma3 text (sandwich norms, stored by llama.cpp as 1 + w: put
+back as w, as transformers' reader does); block formats kernels/gguf_quant.py
+decodes; F32, F16 and BF16 tensors (read as fp32). Anything else is refused by name
+at load, and so is metadata that disagrees with the config transformers reads from
+the file (`_check`: it reads no key_length for qwen3, no soft-caps, query scale or
+rope scaling for Gemma). The embedding table and the norms are dequantized at load
+(`linear.dense`): a lookup reads a few rows, and norms are fp32 in every GGUF; a
+tied LM head keeps the embedding's blocks.
 
 For llama, llama.cpp's converter permutes the rows of q and k (its RoPE pairs
-neighbouring features, Hugging Face's the two halves of a head); the rows are put back
-here as transformers' GGUF loader does. The others keep Hugging Face's order
-(llama.cpp runs their RoPE in the NeoX style). A row of blocks is one output feature, so the
-permutation moves byte rows and never touches a block.
+neighbouring features, Hugging Face's the two halves of a head); the rows are put
+back here as transformers' GGUF loader does. The others keep Hugging Face's order
+(llama.cpp runs their RoPE in the NeoX style). A row of blocks is one output
+feature, so the permutation moves byte rows and never touches a block.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class _Arch:
     norm_offset: float = 0.0  # norms stored as norm_offset + w
 
 
-_GEMMA2_LAYER = {
+_GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -53,7 +53,8 @@ ARCHITECTURES = {
     "llama": _Arch(permuted_qk=True),
     "qwen2": _Arch(),
     "qwen3": _Arch(),
-    "gemma2": _Arch(layer_names=_GEMMA2_LAYER, norm_offset=1.0),
+    "gemma2": _Arch(layer_names=_GEMMA_LAYER, norm_offset=1.0),
+    "gemma3": _Arch(layer_names=_GEMMA_LAYER, norm_offset=1.0),  # text only (gemma-3-1b, 270m)
 }
 SERVED_ARCHITECTURES = tuple(ARCHITECTURES)
 _DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -126,13 +127,18 @@ def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
         got = _number(reader, key)
         if got is not None and abs(got - value) > 1e-3 * max(1.0, abs(value)):
             raise ValueError(f"GGUF {key} is {got:g}, the config's {config} {value:g}: not served")
+    if not arch.startswith("gemma"):
+        return
     scalar = spec.attention_scale**-2
-    if arch == "gemma2" and abs(scalar - spec.head_dim) > 1e-3 * spec.head_dim:
+    if abs(scalar - spec.head_dim) > 1e-3 * spec.head_dim:
         # the file holds no query scale: llama.cpp takes head_dim (and n_embd / n_head for 27B)
         raise ValueError(
-            f"GGUF gemma2 holds no query_pre_attn_scalar; the config's {scalar:g} is not the head_dim "
+            f"GGUF {arch} holds no query_pre_attn_scalar; the config's {scalar:g} is not the head_dim "
             f"{spec.head_dim} llama.cpp scales by: not served"
         )
+    factor = _number(reader, f"{arch}.rope.scaling.factor")  # Gemma 3 4B+: transformers reads none
+    if factor is not None and factor != 1.0:
+        raise ValueError(f"GGUF {arch}.rope.scaling.factor is {factor:g}, the config has no rope scaling: not served")
 
 
 def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
