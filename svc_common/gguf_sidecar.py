@@ -38,13 +38,19 @@ def gguf_config(gguf: str | Path) -> Any:
     here, never by the services that read the sidecar), corrected where llama.cpp reads
     the file otherwise: a llama-architecture file whose general.name is "mistral" becomes
     a MistralConfig with its default 4,096-token sliding window, which llama.cpp's llama
-    architecture never applies and Mistral v0.2+ do not have: none."""
+    architecture never applies and Mistral v0.2+ do not have: none; a phi3 file's sliding
+    window, which transformers does not read (Phi-3-mini-4k: 2,047) and llama.cpp
+    applies: the file's."""
+    from gguf import GGUFReader
     from transformers import AutoConfig
 
     path = Path(gguf)
     cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if cfg.model_type == "mistral":
         cfg.sliding_window = None
+    if cfg.model_type == "phi3":
+        window = GGUFReader(path).fields.get("phi3.attention.sliding_window")
+        cfg.sliding_window = None if window is None else int(window.parts[window.data[0]][0])
     return cfg
 
 

@@ -3,7 +3,7 @@ format for every linear weight (random bytes are valid blocks; the scales are fi
 tests/helpers/gguf_blocks.py), fp32 norms, a byte-level vocabulary. llama by default;
 qwen2 adds fp32 q, k and v biases, qwen3 q and k norms, gemma2 its sandwich norms, a
 sliding window and its soft-caps (`caps`), gemma3 the norms, window and q / k norms,
-as llama.cpp writes them."""
+phi3 fused q / k / v and gate / up and a sliding window, as llama.cpp writes them."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def write_tiny_gguf(
     caps: tuple[float, float] = (50.0, 30.0),
     name: str | None = None,
     rope_scaling: float | None = None,
+    rope_dims: int | None = None,
 ) -> Path:
     """`qtype` for every weight but the norms; `overrides`: GGUF tensor name suffix
     (e.g. "attn_v.weight") -> another format, as llama.cpp's mixed presets have;
@@ -49,11 +50,14 @@ def write_tiny_gguf(
     # Qwen3's heads are 128 wide whatever its width, Gemma's 256 (its default query scale)
     head_dim = head_dim or {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(architecture, HIDDEN // HEADS)
     gemma = architecture.startswith("gemma")
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if gemma:
         writer.add_sliding_window(32)  # the 60-token prompt passes it
+    if architecture == "phi3":
+        writer.add_sliding_window(128)  # transformers' config reads none: past every test prompt
+        writer.add_pad_token_id(0)  # Phi3Config's default, 32000, is past this vocabulary
     if architecture == "gemma2":
         writer.add_attn_logit_softcapping(caps[0])
         writer.add_final_logit_softcapping(caps[1])
@@ -93,9 +97,12 @@ def write_tiny_gguf(
         if gemma:
             norm(f"blk.{i}.post_attention_norm.weight")
             norm(f"blk.{i}.post_ffw_norm.weight")
-        linear(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
-        linear(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        linear(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        if architecture == "phi3":  # fused, as llama.cpp writes Phi-3
+            linear(f"blk.{i}.attn_qkv.weight", (HEADS + 2 * KV_HEADS) * head_dim, HIDDEN)
+        else:
+            linear(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
+            linear(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+            linear(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         if architecture == "qwen2":
             for part, rows in (("q", HEADS * head_dim), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim)):
                 bias(f"blk.{i}.attn_{part}.bias", rows)
@@ -103,8 +110,11 @@ def write_tiny_gguf(
             norm(f"blk.{i}.attn_q_norm.weight", head_dim)
             norm(f"blk.{i}.attn_k_norm.weight", head_dim)
         linear(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)
-        linear(f"blk.{i}.ffn_gate.weight", INTERMEDIATE, HIDDEN)
-        linear(f"blk.{i}.ffn_up.weight", INTERMEDIATE, HIDDEN)
+        if architecture == "phi3":  # gate, then up
+            linear(f"blk.{i}.ffn_up.weight", 2 * INTERMEDIATE, HIDDEN)
+        else:
+            linear(f"blk.{i}.ffn_gate.weight", INTERMEDIATE, HIDDEN)
+            linear(f"blk.{i}.ffn_up.weight", INTERMEDIATE, HIDDEN)
         linear(f"blk.{i}.ffn_down.weight", HIDDEN, INTERMEDIATE)
     norm("output_norm.weight")
     if not tied:

@@ -36,16 +36,19 @@ def test_fp32_tokens_match_transformers_on_the_same_gguf(tmp_path, qtype):
     assert head.weight.data.data_ptr() == table.data.data_ptr()  # the embedding's blocks, not a copy of them
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_more_architectures_match_transformers(tmp_path, architecture, qtype):
     """Qwen2 / Qwen2.5 (q, k, v biases), Qwen3 (q, k norms), Gemma 2 (norms stored as 1 + w,
     sandwich norms, soft-caps, a sliding window), Gemma 3 text (the same but soft-caps, with
-    q, k norms): q and k rows as stored."""
+    q, k norms), Phi-3 (q, k, v and gate, up fused; its window, which transformers' config
+    leaves out, from the file): q and k rows as stored."""
     path = write_tiny_gguf(tmp_path / f"{architecture}-{qtype}.gguf", qtype, seed=11, architecture=architecture)
     for prompt in (PROMPT, LONG_PROMPT):  # a decode's rows, and a prefill's tiles
         worker = Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8, block_size=BLOCK_SIZE))
         assert worker.model.spec.model_type == {"gemma3": "gemma3_text"}.get(architecture, architecture)
+        if architecture == "phi3":
+            assert worker.model.spec.sliding_window == 128
         assert worker_tokens(worker, prompt) == reference_tokens(path, prompt)
 
 
@@ -122,11 +125,12 @@ def test_what_is_not_served_is_refused_by_name(tmp_path):
         ),
         "no query_pre_attn_scalar; the config's 256 is not the head_dim 128": dict(architecture="gemma2", head_dim=128),
         "gemma3.rope.scaling.factor is 8, the config has no rope scaling": dict(architecture="gemma3", rope_scaling=8),
+        "phi3.rope.dimension_count is 48, the config's rotary dimensions 64": dict(architecture="phi3", rope_dims=48),
     }
     for i, (message, how) in enumerate(misread.items()):
         path = write_tiny_gguf(tmp_path / f"misread-{i}.gguf", "Q8_0", **how)
         with pytest.raises(ValueError, match=re.escape(message)):
             Worker(WorkerConfig(model=str(path), dtype="float32", num_blocks=8))
-    other = write_tiny_gguf(tmp_path / "phi3.gguf", "Q8_0", architecture="phi3")
-    with pytest.raises(ValueError, match="phi3"):
+    other = write_tiny_gguf(tmp_path / "bloom.gguf", "Q8_0", architecture="bloom")
+    with pytest.raises(ValueError, match="bloom"):
         Worker(WorkerConfig(model=str(other), dtype="float32", num_blocks=8))

@@ -4,7 +4,9 @@ reads, the linear layers' weights left in their quantized blocks.
 What is served: the llama architecture (llama.cpp's name for Llama, SmolLM, Mistral
 without sliding windows), qwen2 (Qwen2 / Qwen2.5: q, k, v biases), qwen3 (q and k
 norms), gemma2 and gemma3 text (sandwich norms, stored by llama.cpp as 1 + w: put
-back as w, as transformers' reader does); block formats kernels/gguf_quant.py
+back as w, as transformers' reader does) and phi3 (q, k, v fused in attn_qkv, gate and
+up in ffn_up: split by rows into Llama's parts; its sliding window, which transformers'
+config leaves out, from the file: svc_common/gguf_sidecar.py); block formats kernels/gguf_quant.py
 decodes; F32, F16 and BF16 tensors (read as fp32). Anything else is refused by name
 at load, and so is metadata that disagrees with the config transformers reads from
 the file (`_check`: it reads no key_length for qwen3, no soft-caps, query scale or
@@ -21,6 +23,7 @@ feature, so the permutation moves byte rows and never touches a block.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,7 @@ class _Arch:
     permuted_qk: bool = False  # q and k rows permuted for llama.cpp's RoPE pairing
     layer_names: Mapping[str, str] = field(default_factory=dict)  # over _LAYER's
     norm_offset: float = 0.0  # norms stored as norm_offset + w
+    fused: bool = False  # q, k, v in one attn_qkv; gate and up in one ffn_up (phi3)
 
 
 _GEMMA_LAYER = {
@@ -55,6 +59,7 @@ ARCHITECTURES = {
     "qwen3": _Arch(),
     "gemma2": _Arch(layer_names=_GEMMA_LAYER, norm_offset=1.0),
     "gemma3": _Arch(layer_names=_GEMMA_LAYER, norm_offset=1.0),  # text only (gemma-3-1b, 270m)
+    "phi3": _Arch(fused=True),
 }
 SERVED_ARCHITECTURES = tuple(ARCHITECTURES)
 _DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -116,12 +121,14 @@ def _number(reader: GGUFReader, key: str) -> float | None:
 def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
     """The file's metadata against the config transformers read from it, which leaves out
     some keys (qwen3's key_length: 128 assumed; gemma2's soft-caps and query scale: its
-    defaults): a head split wrongly would read every weight with the wrong shape, a cap or
-    a scale the file does not mean would serve another model."""
+    defaults; phi3's rotary dimensions: all of a head): a head split wrongly would read
+    every weight with the wrong shape, a cap, a scale or a rotation the file does not mean
+    would serve another model."""
     checks = (
         (f"{arch}.attention.key_length", "head_dim", spec.head_dim),
         (f"{arch}.attn_logit_softcapping", "attn_logit_softcapping", spec.attn_softcap),
         (f"{arch}.final_logit_softcapping", "final_logit_softcapping", spec.final_softcap),
+        (f"{arch}.rope.dimension_count", "rotary dimensions", spec.rotary_dim or spec.head_dim),
     )
     for key, config, value in checks:
         got = _number(reader, key)
@@ -141,6 +148,29 @@ def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
         raise ValueError(f"GGUF {arch}.rope.scaling.factor is {factor:g}, the config has no rope scaling: not served")
 
 
+def _unfused(name: str, weight: torch.Tensor | QuantizedWeight, spec: ModelSpec) -> dict[str, Weight] | None:
+    """phi3's fused tensors as Llama's parts, by rows (a row of blocks is one output):
+    attn_qkv as q, k, v; ffn_up as gate, then up (transformers' order too). None for any
+    other tensor."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[2] not in ("attn_qkv", "ffn_up"):
+        return None
+    q, kv = spec.num_q_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    names: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    sizes: tuple[int, ...] = (q, kv, kv)
+    if parts[2] == "ffn_up":
+        names, sizes = ("mlp.gate_proj", "mlp.up_proj"), (spec.intermediate_size,) * 2
+    rows = weight.out_features if isinstance(weight, QuantizedWeight) else int(weight.shape[0])
+    if rows != sum(sizes):
+        raise ValueError(f"GGUF tensor {name!r} has {rows} rows, not the {' + '.join(map(str, sizes))} it fuses")
+    out: dict[str, Weight] = {}
+    for part, start, size in zip(names, itertools.accumulate(sizes, initial=0), sizes, strict=False):
+        index = torch.arange(start, start + size)
+        piece = weight.rows(index) if isinstance(weight, QuantizedWeight) else weight[index].contiguous()
+        out[f"model.layers.{parts[1]}.{part}.{parts[3]}"] = piece
+    return out
+
+
 def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
     """Every tensor of the file by its Hugging Face name: QuantizedWeight for block
     formats (the file's bytes, copied into memory), fp32 tensors otherwise."""
@@ -154,7 +184,6 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
     for tensor in reader.tensors:
         if tensor.name in _REDUNDANT:
             continue
-        name = hf_name(tensor.name, arch)
         qtype = tensor.tensor_type
         shape = [int(n) for n in reversed(tensor.shape.tolist())]  # GGUF lists the innermost first
         weight: Weight
@@ -166,6 +195,10 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
         else:
             served = ", ".join(["F32", "F16", "BF16", *BLOCK_FORMATS])
             raise ValueError(f"GGUF tensor {tensor.name!r} has type {qtype.name}, not served (served: {served})")
+        if layout.fused and (parts := _unfused(tensor.name, weight, spec)) is not None:
+            weights.update(parts)
+            continue
+        name = hf_name(tensor.name, arch)
         heads = spec.num_q_heads if ".attn_q." in tensor.name else spec.num_kv_heads
         if layout.permuted_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             order = unpermute_rows(shape[0], heads)
