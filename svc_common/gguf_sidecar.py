@@ -14,7 +14,6 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 # The tensor type llama.cpp's tools append to a file's name (model.Q4_1.gguf, model-Q4_K_M.gguf, model-f16.gguf).
 _TYPE_SUFFIX = re.compile(r"[.-](I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
@@ -31,27 +30,6 @@ def served_name(path: str | Path) -> str:
     SmolLM2-135M-Instruct, the id of its converted checkpoint."""
     name = Path(path).name
     return _TYPE_SUFFIX.sub("", name.removesuffix(".gguf")) if is_gguf_path(path) else name
-
-
-def gguf_config(gguf: str | Path) -> Any:
-    """transformers' config of a GGUF file (a PretrainedConfig; transformers imported
-    here, never by the services that read the sidecar), corrected where llama.cpp reads
-    the file otherwise: a llama-architecture file whose general.name is "mistral" becomes
-    a MistralConfig with its default 4,096-token sliding window, which llama.cpp's llama
-    architecture never applies and Mistral v0.2+ do not have: none; a phi3 file's sliding
-    window, which transformers does not read (Phi-3-mini-4k: 2,047) and llama.cpp
-    applies: the file's."""
-    from gguf import GGUFReader
-    from transformers import AutoConfig
-
-    path = Path(gguf)
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if cfg.model_type == "mistral":
-        cfg.sliding_window = None
-    if cfg.model_type == "phi3":
-        window = GGUFReader(path).fields.get("phi3.attention.sliding_window")
-        cfg.sliding_window = None if window is None else int(window.parts[window.data[0]][0])
-    return cfg
 
 
 def sidecar_dir(gguf: str | Path) -> Path:

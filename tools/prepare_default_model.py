@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from svc_common.defaults import DEFAULT_GGUF, DEFAULT_MODEL, served_default
-from svc_common.gguf_sidecar import gguf_config, is_gguf_path, sidecar_dir
+from svc_common.gguf_sidecar import is_gguf_path, sidecar_dir
 from tools.processes import REPO, flag_value, python_path, worker_device
 
 DEFAULT_OUT = REPO / DEFAULT_MODEL
@@ -89,6 +89,8 @@ def write_sidecar(gguf: Path, out: Path | None = None) -> Path:
     sidecar folder, or in `out` (a container's volume, the services' /models/model:
     written in place, tokenizer.json last, as the mount point cannot be renamed onto)."""
     from transformers import AutoTokenizer, GenerationConfig
+
+    from worker_svc.models.gguf_config import gguf_config
 
     target = out or sidecar_dir(gguf)
     if (target / "tokenizer.json").is_file():

@@ -131,6 +131,8 @@ def test_auto_dtype_of_a_gguf_is_the_devices_choice(tmp_path):
 class _Saved:
     """Stands for transformers' tokenizer / config objects: save_pretrained writes one file each."""
 
+    model_type = "llama"
+
     def __init__(self, name: str):
         self.name = name
 

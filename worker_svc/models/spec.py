@@ -15,10 +15,11 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from svc_common.gguf_sidecar import gguf_config, is_gguf_path
+from svc_common.gguf_sidecar import is_gguf_path
 from worker_svc.models.config_cache import cached_config
 from worker_svc.models.errors import UnsupportedModel
 from worker_svc.models.families import family_of
+from worker_svc.models.gguf_config import gguf_config
 from worker_svc.models.moe import MoeSpec
 from worker_svc.models.registry import Family
 from worker_svc.models.rope import RopeTable, rope_table
