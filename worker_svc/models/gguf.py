@@ -6,7 +6,7 @@ without sliding windows), qwen2 (Qwen2 / Qwen2.5: q, k, v biases), qwen3 (q and 
 norms), gemma2 and gemma3 text (sandwich norms, stored by llama.cpp as 1 + w: put
 back as w, as transformers' reader does) and phi3 (q, k, v fused in attn_qkv, gate and
 up in ffn_up: split by rows into Llama's parts; its sliding window, which transformers'
-config leaves out, from the file: svc_common/gguf_sidecar.py); block formats kernels/gguf_quant.py
+config leaves out, from the file: gguf_config.py); block formats kernels/gguf_quant.py
 decodes; F32, F16 and BF16 tensors (read as fp32). Anything else is refused by name
 at load, and so is metadata that disagrees with the config transformers reads from
 the file (`_check`: it reads no key_length for qwen3, no soft-caps, query scale or
