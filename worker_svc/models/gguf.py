@@ -91,8 +91,8 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def architecture(reader: GGUFReader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+    name = reader.fields["general.architecture"]
+    return bytes(name.parts[name.data[0]]).decode()
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
