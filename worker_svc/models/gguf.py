@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kernels.gguf_quant import BLOCK_FORMATS, QuantizedWeight
+from worker_svc.models.gguf_config import metadata_number
 from worker_svc.models.linear import Weight
 from worker_svc.models.spec import ModelSpec
 
@@ -113,11 +114,6 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _number(reader: GGUFReader, key: str) -> float | None:
-    found = reader.fields.get(key)
-    return None if found is None else float(found.parts[found.data[0]][0])
-
-
 def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
     """The file's metadata against the config transformers read from it, which leaves out
     some keys (qwen3's key_length: 128 assumed; gemma2's soft-caps and query scale: its
@@ -131,7 +127,7 @@ def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
         (f"{arch}.rope.dimension_count", "rotary dimensions", spec.rotary_dim or spec.head_dim),
     )
     for key, config, value in checks:
-        got = _number(reader, key)
+        got = metadata_number(reader, key)
         if got is not None and abs(got - value) > 1e-3 * max(1.0, abs(value)):
             raise ValueError(f"GGUF {key} is {got:g}, the config's {config} {value:g}: not served")
     if not arch.startswith("gemma"):
@@ -143,9 +139,14 @@ def _check(reader: GGUFReader, arch: str, spec: ModelSpec) -> None:
             f"GGUF {arch} holds no query_pre_attn_scalar; the config's {scalar:g} is not the head_dim "
             f"{spec.head_dim} llama.cpp scales by: not served"
         )
-    factor = _number(reader, f"{arch}.rope.scaling.factor")  # Gemma 3 4B+: transformers reads none
+    factor = metadata_number(reader, f"{arch}.rope.scaling.factor")  # Gemma 3 4B+: transformers reads none
     if factor is not None and factor != 1.0:
         raise ValueError(f"GGUF {arch}.rope.scaling.factor is {factor:g}, the config has no rope scaling: not served")
+
+
+def _rows(weight: torch.Tensor | QuantizedWeight, index: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    """Output rows `index` of a weight: byte rows of blocks, or a tensor's rows."""
+    return weight.rows(index) if isinstance(weight, QuantizedWeight) else weight[index].contiguous()
 
 
 def _unfused(name: str, weight: torch.Tensor | QuantizedWeight, spec: ModelSpec) -> dict[str, Weight] | None:
@@ -165,9 +166,7 @@ def _unfused(name: str, weight: torch.Tensor | QuantizedWeight, spec: ModelSpec)
         raise ValueError(f"GGUF tensor {name!r} has {rows} rows, not the {' + '.join(map(str, sizes))} it fuses")
     out: dict[str, Weight] = {}
     for part, start, size in zip(names, itertools.accumulate(sizes, initial=0), sizes, strict=False):
-        index = torch.arange(start, start + size)
-        piece = weight.rows(index) if isinstance(weight, QuantizedWeight) else weight[index].contiguous()
-        out[f"model.layers.{parts[1]}.{part}.{parts[3]}"] = piece
+        out[f"model.layers.{parts[1]}.{part}.{parts[3]}"] = _rows(weight, torch.arange(start, start + size))
     return out
 
 
@@ -201,8 +200,7 @@ def read_gguf(path: str | Path, spec: ModelSpec) -> dict[str, Weight]:
         name = hf_name(tensor.name, arch)
         heads = spec.num_q_heads if ".attn_q." in tensor.name else spec.num_kv_heads
         if layout.permuted_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            order = unpermute_rows(shape[0], heads)
-            weight = weight.rows(order) if isinstance(weight, QuantizedWeight) else weight[order].contiguous()
+            weight = _rows(weight, unpermute_rows(shape[0], heads))
         if layout.norm_offset and tensor.name.endswith("norm.weight") and isinstance(weight, torch.Tensor):
             weight = weight - layout.norm_offset
         weights[name] = weight

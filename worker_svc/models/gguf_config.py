@@ -22,6 +22,12 @@ def gguf_config(gguf: str | Path) -> PretrainedConfig:
     if cfg.model_type == "mistral":
         cfg.sliding_window = None
     if cfg.model_type == "phi3":
-        window = GGUFReader(path).fields.get("phi3.attention.sliding_window")
-        cfg.sliding_window = None if window is None else int(window.parts[window.data[0]][0])
+        window = metadata_number(GGUFReader(path), "phi3.attention.sliding_window")
+        cfg.sliding_window = None if window is None else int(window)
     return cfg
+
+
+def metadata_number(reader: GGUFReader, key: str) -> float | None:
+    """A numeric metadata field of the file, None where it has none."""
+    found = reader.fields.get(key)
+    return None if found is None else float(found.parts[found.data[0]][0])
